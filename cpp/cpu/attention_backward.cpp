@@ -1,0 +1,180 @@
+// CPU backward, FlashAttention 2's recomputation in three parts (as in
+// Triton's fused-attention tutorial):
+//   1. D_i = rowsum(dO_i * O_i)
+//   2. per key block j (owns dK_j, dV_j, so no two tasks write the same rows):
+//        P = 2^(S - lse log2 e), dV_j += P^T dO_i, dP = dO_i V_j^T,
+//        dS = P * (dP - D_i), dK_j += scale dS^T Q_i      over all i and all
+//        query heads of the key head's group (GQA sums here)
+//   3. per query block i: the same P and dS, dQ_i += scale dS K_j
+// Parts 2 and 3 both recompute P and dP: two extra GEMMs per tile buy a race-free
+// split of the work over threads without atomics or per-thread dQ copies.
+#include <ATen/Parallel.h>
+
+#include "attention_cpu.h"
+#include "row_math.h"
+#include "tile.h"
+
+namespace fusedattn::cpu {
+namespace {
+
+constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockK = 128;
+
+// Per-thread float32 buffers for one (query block, key block) tile.
+struct TileBuffers {
+  std::vector<float> q, k, v, dout, p, dp;
+  TileBuffers(int64_t d)
+      : q(kBlockQ * d), k(kBlockK * d), v(kBlockK * d), dout(kBlockQ * d),
+        p(kBlockQ * kBlockK), dp(kBlockQ * kBlockK) {}
+};
+
+template <typename scalar_t>
+struct Backward {
+  const BackwardParams& p;
+  const ForwardParams& f;
+  const AttentionShape& sh;
+  std::vector<float> delta;  // D, [B, Hq, Nq]
+
+  explicit Backward(const BackwardParams& params)
+      : p(params), f(params.fwd), sh(params.fwd.shape),
+        delta(sh.batch * sh.heads_q * sh.seqlen_q) {}
+
+  int64_t row_index(int64_t batch, int64_t head) const {
+    return (batch * sh.heads_q + head) * sh.seqlen_q;
+  }
+
+  void compute_delta() {
+    const int64_t d = sh.head_dim;
+    at::parallel_for(0, sh.batch * sh.heads_q, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> o_buf(d), do_buf(d);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t batch = bh / sh.heads_q, head = bh % sh.heads_q;
+        const auto* o = head_ptr<const scalar_t>(f.out, f.out_strides, batch, head);
+        const auto* dout = head_ptr<const scalar_t>(p.grad_out, p.grad_out_strides, batch, head);
+        for (int64_t i = 0; i < sh.seqlen_q; ++i) {
+          const Matrix O = load_rows(o, f.out_strides.row, i, 1, d, o_buf);
+          const Matrix dO = load_rows(dout, p.grad_out_strides.row, i, 1, d, do_buf);
+          delta[row_index(batch, head) + i] = dot(O.data, dO.data, d);
+        }
+      }
+    });
+  }
+
+  // Recomputes P for tile t into buf.p, dS into buf.dp. Needs Q, K, V, dO of
+  // the tile. Returns false when attn_mask hides the whole tile.
+  bool probabilities_and_grad(int64_t batch, int64_t head, const Tile& t, const Matrix& Q,
+                              const Matrix& K, const Matrix& V, const Matrix& dO,
+                              TileBuffers& buf) {
+    if (!mask_tile_visible<scalar_t>(f.mask, batch, head, t)) return false;
+    gemm(Q, false, K, true, f.scale * kLog2e, 0.0f, buf.p.data(), kBlockK);
+    if (tile_needs_masking(f, t)) mask_scores<scalar_t>(buf.p.data(), kBlockK, f, batch, head, t);
+    gemm(dO, false, V, true, 1.0f, 0.0f, buf.dp.data(), kBlockK);
+
+    const float* lse = f.lse + row_index(batch, head) + t.row0;
+    const float* D = delta.data() + row_index(batch, head) + t.row0;
+    for (int64_t r = 0; r < t.rows; ++r) {
+      float* p_row = buf.p.data() + r * kBlockK;
+      if (lse[r] == kNegInf) {
+        // A fully masked row has out = 0 and no gradient.
+        std::fill(p_row, p_row + t.cols, 0.0f);
+      } else {
+        exp2_shifted(p_row, t.cols, lse[r] * kLog2e);
+      }
+      softmax_grad_row(buf.dp.data() + r * kBlockK, p_row, t.cols, D[r]);
+    }
+    return true;
+  }
+
+  // Part 2: dK and dV for one block of keys of one key/value head.
+  void key_block(int64_t batch, int64_t head_kv, int64_t col0, TileBuffers& buf,
+                 std::vector<float>& dk, std::vector<float>& dv) {
+    const int64_t d = sh.head_dim;
+    const int64_t cols = std::min(kBlockK, sh.seqlen_k - col0);
+    const Matrix K = load_rows(head_ptr<const scalar_t>(f.k, f.k_strides, batch, head_kv),
+                               f.k_strides.row, col0, cols, d, buf.k);
+    const Matrix V = load_rows(head_ptr<const scalar_t>(f.v, f.v_strides, batch, head_kv),
+                               f.v_strides.row, col0, cols, d, buf.v);
+    std::fill(dk.begin(), dk.end(), 0.0f);
+    std::fill(dv.begin(), dv.end(), 0.0f);
+
+    // Under the causal rule, queries before col0 - offset see none of these keys.
+    const int64_t first_row =
+        f.is_causal ? std::clamp<int64_t>(col0 - sh.causal_offset(), 0, sh.seqlen_q) : 0;
+    for (int64_t g = 0; g < sh.group_size(); ++g) {
+      const int64_t head = head_kv * sh.group_size() + g;
+      const auto* q = head_ptr<const scalar_t>(f.q, f.q_strides, batch, head);
+      const auto* dout = head_ptr<const scalar_t>(p.grad_out, p.grad_out_strides, batch, head);
+      for (int64_t row0 = first_row / kBlockQ * kBlockQ; row0 < sh.seqlen_q; row0 += kBlockQ) {
+        const Tile t{row0, std::min(kBlockQ, sh.seqlen_q - row0), col0, cols};
+        const Matrix Q = load_rows(q, f.q_strides.row, row0, t.rows, d, buf.q);
+        const Matrix dO = load_rows(dout, p.grad_out_strides.row, row0, t.rows, d, buf.dout);
+        if (!probabilities_and_grad(batch, head, t, Q, K, V, dO, buf)) continue;
+        gemm({buf.p.data(), t.rows, cols, kBlockK}, true, dO, false, 1.0f, 1.0f, dv.data(), d);
+        gemm({buf.dp.data(), t.rows, cols, kBlockK}, true, Q, false, f.scale, 1.0f, dk.data(), d);
+      }
+    }
+    store_rows(head_ptr<scalar_t>(p.grad_k, p.grad_k_strides, batch, head_kv),
+               p.grad_k_strides.row, col0, cols, d, dk.data());
+    store_rows(head_ptr<scalar_t>(p.grad_v, p.grad_v_strides, batch, head_kv),
+               p.grad_v_strides.row, col0, cols, d, dv.data());
+  }
+
+  // Part 3: dQ for one block of queries of one query head.
+  void query_block(int64_t batch, int64_t head, int64_t row0, TileBuffers& buf,
+                   std::vector<float>& dq) {
+    const int64_t d = sh.head_dim;
+    const int64_t rows = std::min(kBlockQ, sh.seqlen_q - row0);
+    const int64_t head_kv = head / sh.group_size();
+    const Matrix Q = load_rows(head_ptr<const scalar_t>(f.q, f.q_strides, batch, head),
+                               f.q_strides.row, row0, rows, d, buf.q);
+    const Matrix dO = load_rows(head_ptr<const scalar_t>(p.grad_out, p.grad_out_strides, batch, head),
+                                p.grad_out_strides.row, row0, rows, d, buf.dout);
+    const auto* k = head_ptr<const scalar_t>(f.k, f.k_strides, batch, head_kv);
+    const auto* v = head_ptr<const scalar_t>(f.v, f.v_strides, batch, head_kv);
+    std::fill(dq.begin(), dq.end(), 0.0f);
+
+    const int64_t key_end = visible_key_end(f, row0, rows);
+    for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
+      const Tile t{row0, rows, col0, std::min(kBlockK, key_end - col0)};
+      const Matrix K = load_rows(k, f.k_strides.row, col0, t.cols, d, buf.k);
+      const Matrix V = load_rows(v, f.v_strides.row, col0, t.cols, d, buf.v);
+      if (!probabilities_and_grad(batch, head, t, Q, K, V, dO, buf)) continue;
+      gemm({buf.dp.data(), rows, t.cols, kBlockK}, false, K, false, f.scale, 1.0f, dq.data(), d);
+    }
+    store_rows(head_ptr<scalar_t>(p.grad_q, p.grad_q_strides, batch, head), p.grad_q_strides.row,
+               row0, rows, d, dq.data());
+  }
+
+  void run() {
+    const int64_t d = sh.head_dim;
+    compute_delta();
+
+    const int64_t k_blocks = (sh.seqlen_k + kBlockK - 1) / kBlockK;
+    at::parallel_for(0, sh.batch * sh.heads_kv * k_blocks, 1, [&](int64_t begin, int64_t end) {
+      TileBuffers buf(d);
+      std::vector<float> dk(kBlockK * d), dv(kBlockK * d);
+      for (int64_t task = begin; task < end; ++task) {
+        key_block(task / (sh.heads_kv * k_blocks), task / k_blocks % sh.heads_kv,
+                  task % k_blocks * kBlockK, buf, dk, dv);
+      }
+    });
+
+    const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
+    at::parallel_for(0, sh.batch * sh.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
+      TileBuffers buf(d);
+      std::vector<float> dq(kBlockQ * d);
+      for (int64_t task = begin; task < end; ++task) {
+        query_block(task / (sh.heads_q * q_blocks), task / q_blocks % sh.heads_q,
+                    task % q_blocks * kBlockQ, buf, dq);
+      }
+    });
+  }
+};
+
+}  // namespace
+
+void backward(const BackwardParams& p) {
+  dispatch_dtype(p.fwd.dtype, [&](auto dtype) { Backward<scalar_of<dtype.value>>(p).run(); });
+}
+
+}  // namespace fusedattn::cpu

@@ -1,0 +1,91 @@
+// CPU forward: one task per (batch, query head, block of kBlockQ queries),
+// streaming blocks of kBlockK keys with the online softmax:
+//   S   = (scale * log2 e) Q K^T          (base-2 scores, GEMM)
+//   m'  = max(m, rowmax S);  P = 2^(S - m')
+//   l   = 2^(m - m') l + rowsum P;  acc = 2^(m - m') acc + P V   (GEMM)
+//   out = acc / l,  lse = (m + log2 l) ln 2
+#include <ATen/Parallel.h>
+
+#include "attention_cpu.h"
+#include "row_math.h"
+#include "tile.h"
+
+namespace fusedattn::cpu {
+namespace {
+
+// Tile sizes measured on a 2-core AMD EPYC (float32, d=64, N=1K-4K): see
+// docs/cpu-notes.md.
+constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockK = 256;
+
+template <typename scalar_t>
+void forward_typed(const ForwardParams& p) {
+  const AttentionShape& sh = p.shape;
+  const int64_t d = sh.head_dim;
+  const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
+  const float score_scale = p.scale * kLog2e;
+
+  at::parallel_for(0, sh.batch * sh.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_buf(kBlockQ * d), k_buf(kBlockK * d), v_buf(kBlockK * d);
+    std::vector<float> s(kBlockQ * kBlockK), acc(kBlockQ * d), m_i(kBlockQ), l_i(kBlockQ);
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t batch = task / (sh.heads_q * q_blocks);
+      const int64_t head = task / q_blocks % sh.heads_q;
+      const int64_t head_kv = head / sh.group_size();
+      const int64_t row0 = task % q_blocks * kBlockQ;
+      const int64_t rows = std::min(kBlockQ, sh.seqlen_q - row0);
+
+      const auto* q = head_ptr<const scalar_t>(p.q, p.q_strides, batch, head);
+      const auto* k = head_ptr<const scalar_t>(p.k, p.k_strides, batch, head_kv);
+      const auto* v = head_ptr<const scalar_t>(p.v, p.v_strides, batch, head_kv);
+      const Matrix Q = load_rows(q, p.q_strides.row, row0, rows, d, q_buf);
+
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(m_i.begin(), m_i.end(), kNegInf);
+      std::fill(l_i.begin(), l_i.end(), 0.0f);
+
+      const int64_t key_end = visible_key_end(p, row0, rows);
+      for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
+        const Tile t{row0, rows, col0, std::min(kBlockK, key_end - col0)};
+        if (!mask_tile_visible<scalar_t>(p.mask, batch, head, t)) continue;
+
+        const Matrix K = load_rows(k, p.k_strides.row, col0, t.cols, d, k_buf);
+        const Matrix V = load_rows(v, p.v_strides.row, col0, t.cols, d, v_buf);
+        gemm(Q, false, K, true, score_scale, 0.0f, s.data(), kBlockK);
+        if (tile_needs_masking(p, t)) mask_scores<scalar_t>(s.data(), kBlockK, p, batch, head, t);
+
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s_row = s.data() + r * kBlockK;
+          const float m_new = std::max(m_i[r], row_max(s_row, t.cols));
+          // A row with nothing visible yet keeps m = -inf; shifting by 0 then
+          // turns its -inf scores into zeros instead of NaN.
+          const float shift = m_new == kNegInf ? 0.0f : m_new;
+          const float rescale = std::exp2(m_i[r] - shift);
+          l_i[r] = l_i[r] * rescale + exp2_shifted(s_row, t.cols, shift);
+          if (rescale != 1.0f) scale_row(acc.data() + r * d, d, rescale);
+          m_i[r] = m_new;
+        }
+        gemm({s.data(), rows, t.cols, kBlockK}, false, V, false, 1.0f, 1.0f, acc.data(), d);
+      }
+
+      // Fully masked rows (l = 0) give out = 0 and lse = -inf.
+      float* lse = p.lse + (batch * sh.heads_q + head) * sh.seqlen_q + row0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool empty = l_i[r] == 0.0f;
+        lse[r] = empty ? kNegInf : (m_i[r] + std::log2(l_i[r])) * kLn2;
+        l_i[r] = empty ? 0.0f : 1.0f / l_i[r];  // reused as the output row scale
+      }
+      store_rows(head_ptr<scalar_t>(p.out, p.out_strides, batch, head), p.out_strides.row, row0,
+                 rows, d, acc.data(), l_i.data());
+    }
+  });
+}
+
+}  // namespace
+
+void forward(const ForwardParams& p) {
+  dispatch_dtype(p.dtype, [&](auto dtype) { forward_typed<scalar_of<dtype.value>>(p); });
+}
+
+}  // namespace fusedattn::cpu

@@ -1,0 +1,83 @@
+#include "row_math.h"
+
+#include <algorithm>
+#include <bit>
+#include <limits>
+
+// Each function is compiled for AVX-512, AVX2 and baseline x86-64 and the best
+// one is picked when the library loads (GCC/Clang function multi-versioning),
+// so the build stays portable while the hot loops use the widest vectors.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FUSEDATTN_MULTIVERSION __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
+#else
+#define FUSEDATTN_MULTIVERSION
+#endif
+
+namespace fusedattn::cpu {
+namespace {
+
+// 2^x for x in [-127, 127]: x = n + f with n = round(x) and f in [-0.5, 0.5];
+// 2^f by its degree-6 Taylor polynomial (truncation error < 1.3e-7), 2^n by
+// writing n into the exponent bits. n = -127 gives exponent bits 0, i.e. 0.0,
+// which is how -inf (clamped to -127) turns into an exact zero.
+inline float exp2_clamped(float x) {
+  x = std::min(std::max(x, -127.0f), 127.0f);
+  // Round to nearest with the 1.5 * 2^23 trick: vectorises without a
+  // rounding-mode instruction.
+  constexpr float kRound = 12582912.0f;
+  const float n = (x + kRound) - kRound;
+  const float f = x - n;
+  constexpr float c1 = 0.6931471805599453f;   // ln2
+  constexpr float c2 = 0.2402265069591007f;   // ln2^2 / 2
+  constexpr float c3 = 0.0555041086648216f;   // ln2^3 / 6
+  constexpr float c4 = 0.0096181291076285f;   // ln2^4 / 24
+  constexpr float c5 = 0.0013333558146428f;   // ln2^5 / 120
+  constexpr float c6 = 0.0001540353039338f;   // ln2^6 / 720
+  const float p = 1.0f + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * (c5 + f * c6)))));
+  const int32_t exponent_bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(exponent_bits);
+}
+
+}  // namespace
+
+FUSEDATTN_MULTIVERSION
+float row_max(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+FUSEDATTN_MULTIVERSION
+float exp2_shifted(float* x, int64_t n, float shift) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = exp2_clamped(x[j] - shift);
+    x[j] = p;
+    sum += p;
+  }
+  return sum;
+}
+
+FUSEDATTN_MULTIVERSION
+void scale_row(float* x, int64_t n, float a) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) x[j] *= a;
+}
+
+FUSEDATTN_MULTIVERSION
+float dot(const float* x, const float* y, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) sum += x[j] * y[j];
+  return sum;
+}
+
+FUSEDATTN_MULTIVERSION
+void softmax_grad_row(float* dp, const float* p, int64_t n, float delta) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dp[j] = p[j] * (dp[j] - delta);
+}
+
+}  // namespace fusedattn::cpu

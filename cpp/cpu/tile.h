@@ -1,0 +1,147 @@
+// Tiles of one (batch, head) attention problem on the CPU: loading rows of
+// q/k/v as float32, writing results back, and masking a tile of base-2 scores.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "blas.h"
+#include "fusedattn/params.h"
+
+namespace fusedattn::cpu {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Rows [row0, row0 + rows) of the query axis by keys [col0, col0 + cols).
+struct Tile {
+  int64_t row0, rows, col0, cols;
+};
+
+// Start of head `head` of batch `batch` in a [B, H, N, d] tensor.
+template <typename T, typename Ptr>
+T* head_ptr(Ptr base, const TensorStrides& s, int64_t batch, int64_t head) {
+  return static_cast<T*>(base) + batch * s.batch + head * s.head;
+}
+
+// Rows [row0, row0 + rows) of a head as a float32 matrix. float32 inputs are
+// used in place; other dtypes are converted into `buffer`.
+template <typename scalar_t>
+Matrix load_rows(const scalar_t* head, int64_t row_stride, int64_t row0, int64_t rows,
+                 int64_t d, std::vector<float>& buffer) {
+  const scalar_t* src = head + row0 * row_stride;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return {src, rows, d, row_stride};
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < d; ++c) buffer[r * d + c] = static_cast<float>(src[r * row_stride + c]);
+    return {buffer.data(), rows, d, d};
+  }
+}
+
+// dst row r = src row r * row_scale[r] (or 1 when row_scale is null), cast to scalar_t.
+template <typename scalar_t>
+void store_rows(scalar_t* head, int64_t row_stride, int64_t row0, int64_t rows, int64_t d,
+                const float* src, const float* row_scale = nullptr) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float a = row_scale ? row_scale[r] : 1.0f;
+    scalar_t* dst = head + (row0 + r) * row_stride;
+    for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<scalar_t>(src[r * d + c] * a);
+  }
+}
+
+// Whether the causal rule hides some (row, key) pair of the tile.
+inline bool tile_crosses_diagonal(const Tile& t, int64_t causal_offset) {
+  return t.col0 + t.cols - 1 > t.row0 + causal_offset;
+}
+
+template <typename mask_t>
+const mask_t* mask_row(const MaskParams& m, int64_t batch, int64_t head, int64_t row) {
+  return static_cast<const mask_t*>(m.ptr) + batch * m.batch_stride + head * m.head_stride +
+         row * m.row_stride;
+}
+
+template <typename mask_t>
+bool mask_value_visible(mask_t v) {
+  if constexpr (std::is_same_v<mask_t, bool>) return v;
+  else return static_cast<float>(v) != kNegInf;
+}
+
+template <typename mask_t>
+bool any_visible(const MaskParams& m, int64_t batch, int64_t head, const Tile& t) {
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const mask_t* row = mask_row<mask_t>(m, batch, head, t.row0 + r);
+    for (int64_t c = 0; c < t.cols; ++c)
+      if (mask_value_visible(row[(t.col0 + c) * m.col_stride])) return true;
+  }
+  return false;
+}
+
+// Whether attn_mask lets any query of the tile see any key of it; tiles where
+// it does not are skipped entirely.
+template <typename scalar_t>
+bool mask_tile_visible(const MaskParams& m, int64_t batch, int64_t head, const Tile& t) {
+  switch (m.kind) {
+    case MaskKind::None: return true;
+    case MaskKind::Bool: return any_visible<bool>(m, batch, head, t);
+    case MaskKind::AdditiveFloat32: return any_visible<float>(m, batch, head, t);
+    case MaskKind::AdditiveInput: return any_visible<scalar_t>(m, batch, head, t);
+  }
+  return true;
+}
+
+template <typename mask_t>
+void apply_mask(float* s, int64_t lds, const MaskParams& m, int64_t batch, int64_t head,
+                const Tile& t) {
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const mask_t* row = mask_row<mask_t>(m, batch, head, t.row0 + r) + t.col0 * m.col_stride;
+    float* s_row = s + r * lds;
+    for (int64_t c = 0; c < t.cols; ++c) {
+      const mask_t v = row[c * m.col_stride];
+      if constexpr (std::is_same_v<mask_t, bool>) {
+        if (!v) s_row[c] = kNegInf;
+      } else {
+        s_row[c] += static_cast<float>(v) * kLog2e;  // scores are in base 2
+      }
+    }
+  }
+}
+
+// Applies the causal rule (when the tile crosses the diagonal) and attn_mask
+// to a tile of base-2 scores: hidden entries become -inf.
+template <typename scalar_t>
+void mask_scores(float* s, int64_t lds, const ForwardParams& p, int64_t batch, int64_t head,
+                 const Tile& t) {
+  switch (p.mask.kind) {
+    case MaskKind::None: break;
+    case MaskKind::Bool: apply_mask<bool>(s, lds, p.mask, batch, head, t); break;
+    case MaskKind::AdditiveFloat32: apply_mask<float>(s, lds, p.mask, batch, head, t); break;
+    case MaskKind::AdditiveInput: apply_mask<scalar_t>(s, lds, p.mask, batch, head, t); break;
+  }
+  const int64_t offset = p.shape.causal_offset();
+  if (p.is_causal && tile_crosses_diagonal(t, offset)) {
+    for (int64_t r = 0; r < t.rows; ++r) {
+      // Keys j > i + offset are hidden from query i.
+      const int64_t first_hidden = std::max<int64_t>(t.row0 + r + offset + 1 - t.col0, 0);
+      std::fill(s + r * lds + std::min(first_hidden, t.cols), s + r * lds + t.cols, kNegInf);
+    }
+  }
+}
+
+// Whether the tile needs mask_scores at all.
+inline bool tile_needs_masking(const ForwardParams& p, const Tile& t) {
+  return p.mask.kind != MaskKind::None ||
+         (p.is_causal && tile_crosses_diagonal(t, p.shape.causal_offset()));
+}
+
+// One past the last key any query of rows [row0, row0 + rows) may see.
+inline int64_t visible_key_end(const ForwardParams& p, int64_t row0, int64_t rows) {
+  if (!p.is_causal) return p.shape.seqlen_k;
+  return std::clamp<int64_t>(row0 + rows + p.shape.causal_offset(), 0, p.shape.seqlen_k);
+}
+
+}  // namespace fusedattn::cpu

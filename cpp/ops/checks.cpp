@@ -1,0 +1,206 @@
+#include "checks.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+namespace fusedattn::ops {
+namespace {
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+std::string dtype_list(const std::vector<at::ScalarType>& dtypes) {
+  std::ostringstream s;
+  for (size_t i = 0; i < dtypes.size(); ++i) s << (i ? ", " : "") << dtypes[i];
+  return s.str();
+}
+
+DType dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::Float32;
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    default: TORCH_CHECK(false, "fusedattn: no kernel dtype for ", t);
+  }
+}
+
+void check_rank4(const char* op, const at::Tensor& t, const char* name, const char* layout) {
+  TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be a 4-D tensor ", layout,
+              ", got a tensor of shape ", shape_str(t));
+}
+
+// Converts attn_mask to a kind the kernels read and broadcasts it (stride 0,
+// never materialised) to [B, Hq, Nq, Nk].
+at::Tensor prepare_mask(const char* op, const at::Tensor& mask, const at::Tensor& q,
+                        const at::Tensor& k, MaskParams& out) {
+  const std::vector<int64_t> target{q.size(0), q.size(1), q.size(2), k.size(2)};
+  TORCH_CHECK(mask.device() == q.device(), op, ": attn_mask must be on ", q.device(),
+              " like q, got ", mask.device());
+  bool broadcasts = mask.dim() <= 4;
+  for (int64_t i = 1; broadcasts && i <= mask.dim(); ++i) {
+    const int64_t size = mask.size(-i);
+    broadcasts = size == 1 || size == target[4 - i];
+  }
+  TORCH_CHECK(broadcasts, op, ": attn_mask must broadcast to [B, Hq, Nq, Nk] = ",
+              c10::IntArrayRef(target), ", got shape ", shape_str(mask));
+
+  at::Tensor m = mask;
+  if (m.scalar_type() == at::kBool) {
+    out.kind = MaskKind::Bool;
+  } else if (at::isFloatingType(m.scalar_type())) {
+    if (m.scalar_type() == q.scalar_type() && q.scalar_type() != at::kFloat) {
+      out.kind = MaskKind::AdditiveInput;
+    } else {
+      // Only the mask as given is converted, before broadcasting.
+      m = m.to(at::kFloat);
+      out.kind = MaskKind::AdditiveFloat32;
+    }
+  } else {
+    TORCH_CHECK(false, op, ": attn_mask must be bool (True = may attend) or floating point "
+                "(added to the scores), got ", m.scalar_type());
+  }
+  m = m.expand(target);
+  out.ptr = m.data_ptr();
+  out.batch_stride = m.stride(0);
+  out.head_stride = m.stride(1);
+  out.row_stride = m.stride(2);
+  out.col_stride = m.stride(3);
+  return m;
+}
+
+}  // namespace
+
+at::Tensor with_contiguous_rows(const at::Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+TensorStrides strides_of(const at::Tensor& t) {
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+void check_same_layout(const char* op, const at::Tensor& t, const char* name,
+                       const at::Tensor& like, const char* like_name) {
+  TORCH_CHECK(t.sizes() == like.sizes(), op, ": ", name, " must have the shape of ", like_name,
+              " ", shape_str(like), ", got ", shape_str(t));
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": ", name, " must have the dtype of ",
+              like_name, " (", like.scalar_type(), "), got ", t.scalar_type());
+  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on the device of ",
+              like_name, " (", like.device(), "), got ", t.device());
+}
+
+void check_lse(const char* op, const at::Tensor& lse, const at::Tensor& q) {
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
+                  lse.size(2) == q.size(2),
+              op, ": lse must have shape [B, Hq, Nq] = ", q.sizes().slice(0, 3), ", got ",
+              shape_str(lse));
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ",
+              lse.scalar_type());
+  TORCH_CHECK(lse.device() == q.device(), op, ": lse must be on ", q.device(), ", got ",
+              lse.device());
+}
+
+PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
+                               bool is_causal, std::optional<double> scale,
+                               const DeviceSupport& support) {
+  check_rank4(op, q, "q", "[B, Hq, Nq, d]");
+  check_rank4(op, k, "k", "[B, Hkv, Nk, d]");
+  check_rank4(op, v, "v", "[B, Hkv, Nk, d]");
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), op,
+              ": q, k and v must be on one device, got q on ", q.device(), ", k on ", k.device(),
+              ", v on ", v.device());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
+              ": q, k and v must have one dtype, got q ", q.scalar_type(), ", k ",
+              k.scalar_type(), ", v ", v.scalar_type());
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape [B, Hkv, Nk, d], got k ",
+              shape_str(k), " and v ", shape_str(v));
+  TORCH_CHECK(q.size(0) == k.size(0), op, ": q and k must have the same batch size, got q ",
+              shape_str(q), " and k ", shape_str(k));
+  TORCH_CHECK(q.size(3) == k.size(3), op, ": q and k must have the same head dim d, got q ",
+              shape_str(q), " and k ", shape_str(k));
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op,
+              ": the number of query heads Hq must be a multiple of the number of key/value "
+              "heads Hkv, got Hq = ", q.size(1), " and Hkv = ", k.size(1));
+  TORCH_CHECK(q.size(3) > 0, op, ": head dim d must be at least 1, got q ", shape_str(q));
+
+  const auto& dtypes = support.dtypes;
+  TORCH_CHECK(std::find(dtypes.begin(), dtypes.end(), q.scalar_type()) != dtypes.end(), op,
+              ": on ", support.device_name, " q, k and v must be one of ", dtype_list(dtypes),
+              "; got ", q.scalar_type());
+  const auto& dims = support.head_dims;
+  TORCH_CHECK(dims.empty() || std::find(dims.begin(), dims.end(), q.size(3)) != dims.end(), op,
+              ": on ", support.device_name, " the head dim must be one of ",
+              c10::IntArrayRef(dims), "; got ", q.size(3));
+  if (scale) TORCH_CHECK(std::isfinite(*scale), op, ": scale must be finite, got ", *scale);
+
+  PreparedInputs in;
+  in.q = with_contiguous_rows(q);
+  in.k = with_contiguous_rows(k);
+  in.v = with_contiguous_rows(v);
+  ForwardParams& p = in.params;
+  p.shape = {q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+  p.dtype = dtype_of(q.scalar_type());
+  p.q = in.q.data_ptr();
+  p.k = in.k.data_ptr();
+  p.v = in.v.data_ptr();
+  p.q_strides = strides_of(in.q);
+  p.k_strides = strides_of(in.k);
+  p.v_strides = strides_of(in.v);
+  p.scale = static_cast<float>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  p.is_causal = is_causal;
+  if (attn_mask) in.mask = prepare_mask(op, *attn_mask, q, k, p.mask);
+  return in;
+}
+
+std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(PreparedInputs& in) {
+  const AttentionShape& sh = in.params.shape;
+  at::Tensor out = at::empty({sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim}, in.q.options());
+  at::Tensor lse = at::empty({sh.batch, sh.heads_q, sh.seqlen_q}, in.q.options().dtype(at::kFloat));
+  in.params.out = out.data_ptr();
+  in.params.out_strides = strides_of(out);
+  in.params.lse = lse.data_ptr<float>();
+  return {out, lse};
+}
+
+PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, const at::Tensor& q,
+                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                  const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+                                  bool is_causal, std::optional<double> scale,
+                                  const DeviceSupport& support) {
+  PreparedBackward b;
+  b.fwd = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, support);
+  check_same_layout(op, grad_out, "grad_out", q, "q");
+  check_same_layout(op, out, "out", q, "q");
+  check_lse(op, lse, q);
+
+  b.grad_out = with_contiguous_rows(grad_out);
+  b.out = with_contiguous_rows(out);
+  b.lse = lse.contiguous();
+  b.grad_q = at::empty(q.sizes(), q.options());
+  b.grad_k = at::empty(k.sizes(), k.options());
+  b.grad_v = at::empty(v.sizes(), v.options());
+
+  BackwardParams& p = b.params;
+  p.fwd = b.fwd.params;
+  p.fwd.out = b.out.data_ptr();
+  p.fwd.out_strides = strides_of(b.out);
+  p.fwd.lse = b.lse.data_ptr<float>();  // only read by the backward
+  p.grad_out = b.grad_out.data_ptr();
+  p.grad_q = b.grad_q.data_ptr();
+  p.grad_k = b.grad_k.data_ptr();
+  p.grad_v = b.grad_v.data_ptr();
+  p.grad_out_strides = strides_of(b.grad_out);
+  p.grad_q_strides = strides_of(b.grad_q);
+  p.grad_k_strides = strides_of(b.grad_k);
+  p.grad_v_strides = strides_of(b.grad_v);
+  return b;
+}
+
+}  // namespace fusedattn::ops

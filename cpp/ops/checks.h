@@ -1,0 +1,64 @@
+// Input validation and parameter filling shared by every device's operators.
+// Every failure says what was expected and what was given.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <string>
+#include <vector>
+
+#include "fusedattn/params.h"
+
+namespace fusedattn::ops {
+
+// What one device's kernels accept.
+struct DeviceSupport {
+  std::string device_name;               // "CPU", "CUDA"
+  std::vector<at::ScalarType> dtypes;    // accepted q/k/v dtypes
+  std::vector<int64_t> head_dims;        // empty: any head dim >= 1
+};
+
+// q, k, v (and the mask) as the kernels will read them, with the tensors that
+// own their memory kept alive.
+struct PreparedInputs {
+  at::Tensor q, k, v, mask;
+  ForwardParams params;  // everything but out and lse
+};
+
+PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
+                               bool is_causal, std::optional<double> scale,
+                               const DeviceSupport& support);
+
+// The last dimension made contiguous (copying if it is not), other strides kept.
+at::Tensor with_contiguous_rows(const at::Tensor& t);
+
+TensorStrides strides_of(const at::Tensor& t);
+
+// Checks that `t` is a [B, H, N, d] tensor of the same shape, dtype and device
+// as `like`; `name` and `like_name` appear in the message.
+void check_same_layout(const char* op, const at::Tensor& t, const char* name,
+                       const at::Tensor& like, const char* like_name);
+
+// Checks that lse is float32 [B, Hq, Nq] on q's device.
+void check_lse(const char* op, const at::Tensor& lse, const at::Tensor& q);
+
+struct PreparedBackward {
+  PreparedInputs fwd;
+  at::Tensor grad_out, out, lse, grad_q, grad_k, grad_v;
+  BackwardParams params;
+};
+
+// Validates the backward's inputs and allocates grad_q, grad_k, grad_v
+// (contiguous, the dtype of q). lse is read as written by the forward.
+PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, const at::Tensor& q,
+                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                  const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+                                  bool is_causal, std::optional<double> scale,
+                                  const DeviceSupport& support);
+
+// Allocates out (q's dtype) and lse (float32 [B, Hq, Nq]) and points params at them.
+std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(PreparedInputs& in);
+
+}  // namespace fusedattn::ops

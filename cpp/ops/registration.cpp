@@ -1,0 +1,14 @@
+// The operator schemas, defined once; each device adds its kernels with
+// TORCH_LIBRARY_IMPL in its own file. Fake functions and autograd are
+// registered from Python (python/fusedattn/ops.py).
+#include <torch/library.h>
+
+TORCH_LIBRARY(fusedattn, m) {
+  m.def(
+      "forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, "
+      "float? scale=None) -> (Tensor out, Tensor lse)");
+  m.def(
+      "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor? attn_mask=None, bool is_causal=False, float? scale=None) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+}

@@ -1,0 +1,81 @@
+"""Python side of the fusedattn operators: fake (meta) functions for tracing,
+autograd for ``fusedattn::forward``, and the differentiable entry point
+:func:`attention`.
+
+The schemas and the device kernels live in C++ (``cpp/ops``); this module only
+adds what torch.library expects from Python.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["attention"]
+
+
+@torch.library.register_fake("fusedattn::forward")
+def _forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None):
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("fusedattn::backward")
+def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, is_causal, scale = inputs
+    out, lse = output
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise RuntimeError(
+            "fusedattn: gradients with respect to attn_mask are not supported; "
+            "pass attn_mask.detach()"
+        )
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.is_causal = is_causal
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    if grad_out is None:  # only lse was used downstream; lse is not differentiable
+        return None, None, None, None, None, None
+    grad_q, grad_k, grad_v = torch.ops.fusedattn.backward(
+        grad_out.contiguous(), q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale
+    )
+    return grad_q, grad_k, grad_v, None, None, None
+
+
+torch.library.register_autograd("fusedattn::forward", _backward, setup_context=_setup_context)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """Exact scaled dot-product attention, fused (the N x N scores never reach memory).
+
+    Args:
+        q: ``[B, Hq, Nq, d]`` queries.
+        k, v: ``[B, Hkv, Nk, d]`` keys and values; ``Hq % Hkv == 0`` (query head
+            ``h`` reads key/value head ``h // (Hq // Hkv)``).
+        attn_mask: broadcastable to ``[B, Hq, Nq, Nk]``; bool (True = may attend)
+            or floating point (added to the scaled scores).
+        is_causal: hide key ``j`` from query ``i`` when ``j > i + (Nk - Nq)``
+            (bottom-right alignment; equal to SDPA's rule when ``Nq == Nk``).
+        scale: multiplies ``q @ k^T``; defaults to ``1 / sqrt(d)``.
+
+    Returns:
+        ``[B, Hq, Nq, d]`` in q's dtype. Rows whose keys are all masked are 0.
+        Differentiable with respect to q, k and v.
+    """
+    out, _ = torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale)
+    return out

@@ -1,0 +1,68 @@
+"""The oracle: naive attention in plain PyTorch (seed 2). It materialises the
+Nq x Nk score matrix, so memory grows as N^2; it runs in any dtype, float64
+included, and has exactly the semantics of the fused operators."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["attention", "attention_with_lse", "causal_mask"]
+
+
+def causal_mask(n_q: int, n_k: int, device=None) -> Tensor:
+    """Bool ``[Nq, Nk]``, True where query i may see key j: ``j <= i + (Nk - Nq)``."""
+    i = torch.arange(n_q, device=device).unsqueeze(1)
+    j = torch.arange(n_k, device=device).unsqueeze(0)
+    return j <= i + (n_k - n_q)
+
+
+def attention_with_lse(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Returns ``(out, lse)`` computed in q's dtype (use float64 for an oracle).
+
+    ``lse`` is the natural log of the softmax normaliser of the scaled, masked
+    scores; rows with every key masked give ``out = 0`` and ``lse = -inf``.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"Hq ({hq}) must be a multiple of Hkv ({hkv})")
+    if hq != hkv:  # grouped-query attention: query head h reads kv head h // (hq // hkv)
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale  # [B, Hq, Nq, Nk], materialised
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s + attn_mask.to(s.dtype)
+    if is_causal:
+        s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+
+    lse = torch.logsumexp(s, dim=-1)
+    visible = lse != float("-inf")
+    p = torch.exp(s - torch.where(visible, lse, 0.0).unsqueeze(-1))
+    p = torch.where(visible.unsqueeze(-1), p, 0.0)
+    return torch.matmul(p, v), lse.float()
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """Naive attention, same arguments and semantics as :func:`fusedattn.attention`."""
+    return attention_with_lse(q, k, v, attn_mask, is_causal, scale)[0]
