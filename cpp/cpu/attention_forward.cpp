@@ -15,7 +15,7 @@ namespace {
 
 // Tile sizes measured on a 2-core AMD EPYC (float32, d=64, N=1K-4K): see
 // docs/cpu-notes.md.
-constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockQ = 256;
 constexpr int64_t kBlockK = 256;
 
 template <typename scalar_t>
