@@ -49,11 +49,15 @@ def attention_with_lse(
     if is_causal:
         s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
 
-    lse = torch.logsumexp(s, dim=-1)
-    visible = lse != float("-inf")
-    p = torch.exp(s - torch.where(visible, lse, 0.0).unsqueeze(-1))
-    p = torch.where(visible.unsqueeze(-1), p, 0.0)
-    return torch.matmul(p, v), lse.float()
+    # Rows whose keys are all masked give out = 0 and lse = -inf. Their scores
+    # are replaced by zeros before the softmax so that neither the forward nor
+    # autograd through it produces NaN.
+    visible = (s != float("-inf")).any(dim=-1, keepdim=True)
+    s = torch.where(visible, s, 0.0)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.where(visible, torch.exp(s - lse), 0.0)
+    lse = torch.where(visible, lse, float("-inf")).squeeze(-1)
+    return torch.matmul(p, v), lse
 
 
 def attention(
