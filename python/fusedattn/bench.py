@@ -1,0 +1,236 @@
+"""The seed's benchmark: naive attention, PyTorch SDPA and fusedattn over N.
+
+For every (dtype, causal, N) it reports the median time of each method, its
+TFLOP/s, the ratio of fusedattn's speed to each other method (> 1: fusedattn is
+faster) and the peak memory beyond the inputs (the output included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import reference
+from .memory import peak_bytes
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class Config:
+    device: torch.device
+    batch: int
+    heads: int
+    head_dim: int
+    seqlens: list[int]
+    dtypes: list[str]
+    causal: list[bool]
+    repeats: int
+    warmup: int
+
+
+def default_config(device: torch.device) -> Config:
+    if device.type == "cuda":  # the seed's table
+        return Config(device, 4, 32, 128, [1024, 2048, 4096, 8192, 16384, 32768], ["float16"],
+                      [False, True], repeats=10, warmup=3)
+    return Config(device, 1, 8, 64, [512, 1024, 2048, 4096], ["float32", "bfloat16"],
+                  [False, True], repeats=5, warmup=1)
+
+
+def forward_flops(cfg: Config, n: int, causal: bool) -> float:
+    flops = 4.0 * cfg.batch * cfg.heads * n * n * cfg.head_dim
+    return flops / 2 if causal else flops
+
+
+def _sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def methods(device: torch.device) -> dict[str, Callable]:
+    """Name -> f(q, k, v, causal). The first one is the baseline of the table."""
+    table = {
+        "naive": lambda q, k, v, causal: reference.attention(q, k, v, is_causal=causal),
+        "sdpa": lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+    }
+    if device.type == "cuda":
+        for name in ("flash", "efficient", "cudnn"):
+            table[f"sdpa-{name}"] = _sdpa_backend(name)
+    table["fusedattn"] = lambda q, k, v, causal: torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
+    return table
+
+
+def _time_once(fn, device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median_seconds(fn, cfg: Config) -> float:
+    for _ in range(cfg.warmup):
+        fn()
+    return statistics.median(_time_once(fn, cfg.device) for _ in range(cfg.repeats))
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dict:
+    """One cell of the table: time, TFLOP/s and peak memory, or why it did not run."""
+    torch.manual_seed(0)
+    shape = (cfg.batch, cfg.heads, n, cfg.head_dim)
+    q, k, v = (torch.randn(shape, device=cfg.device, dtype=DTYPES[dtype]) for _ in range(3))
+    score_bytes = cfg.batch * cfg.heads * n * n * q.element_size()
+    if name == "naive" and 3 * score_bytes > _available_bytes(cfg.device):
+        return {"status": "OOM (skipped: needs ~3 N^2 score matrices)"}
+    call = lambda: fn(q, k, v, causal)  # noqa: E731
+    try:
+        memory = peak_bytes(call, cfg.device)
+        seconds = median_seconds(call, cfg)
+    except torch.OutOfMemoryError:
+        return {"status": "OOM"}
+    except RuntimeError as e:  # e.g. a SDPA backend that does not take this input
+        return {"status": f"n/a ({str(e).splitlines()[0][:60]})"}
+    finally:
+        if cfg.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"status": "ok", "seconds": seconds,
+            "tflops": forward_flops(cfg, n, causal) / seconds / 1e12, "peak_bytes": memory}
+
+
+def run(cfg: Config, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    table = methods(cfg.device)
+    cells = [(dt, c, n, m) for dt in cfg.dtypes for c in cfg.causal for n in cfg.seqlens for m in table]
+    rows: dict[tuple, dict] = {}
+    for dt, c, n, m in tqdm(cells, desc="fusedattn bench", disable=not progress, unit="run"):
+        row = rows.setdefault((dt, c, n), {"dtype": dt, "causal": c, "seqlen": n, "results": {}})
+        row["results"][m] = measure(cfg, dt, c, n, m, table[m])
+    for row in rows.values():
+        fused = row["results"].get("fusedattn", {})
+        row["fusedattn_speedup"] = {
+            m: r["seconds"] / fused["seconds"]
+            for m, r in row["results"].items()
+            if m != "fusedattn" and r.get("status") == "ok" and fused.get("status") == "ok"
+        }
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": describe_device(cfg.device),
+        "torch": torch.__version__,
+        "config": {"batch": cfg.batch, "heads": cfg.heads, "head_dim": cfg.head_dim,
+                   "repeats": cfg.repeats, "threads": torch.get_num_threads()},
+        "methods": list(table),
+        "rows": list(rows.values()),
+    }
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu} ({torch.get_num_threads()} threads)"
+
+
+def _fmt_bytes(b) -> str:
+    return "-" if b is None else f"{b / 2**20:.0f} MiB" if b < 2**30 else f"{b / 2**30:.1f} GiB"
+
+
+def format_table(result: dict) -> str:
+    names = result["methods"]
+    unit, mult = ("TFLOP/s", 1) if "cuda" in result["device"].lower() or "H200" in result["device"] else ("GFLOP/s", 1e3)
+    others = [m for m in names if m != "fusedattn"]
+    header = (["dtype", "causal", "N"] + [f"{m} ms" for m in names] + [f"{m} {unit}" for m in names]
+              + [f"x {m}" for m in others] + [f"mem {m}" for m in names])
+    lines = []
+    for row in result["rows"]:
+        res = row["results"]
+        cell = lambda m, f: f(res[m]) if res[m]["status"] == "ok" else res[m]["status"].split(" ")[0]  # noqa: E731
+        lines.append(
+            [row["dtype"], "yes" if row["causal"] else "no", str(row["seqlen"])]
+            + [cell(m, lambda r: f"{r['seconds'] * 1e3:.2f}") for m in names]
+            + [cell(m, lambda r: f"{r['tflops'] * mult:.1f}") for m in names]
+            + [f"{row['fusedattn_speedup'][m]:.2f}" if m in row["fusedattn_speedup"] else "-" for m in others]
+            + [cell(m, lambda r: _fmt_bytes(r["peak_bytes"])) for m in names]
+        )
+    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
+    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    cfg = result["config"]
+    title = (f"{result['device']}, torch {result['torch']}, {result['date']}\n"
+             f"B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']}, forward, median of {cfg['repeats']}; "
+             f"'x m' = time of m / time of fusedattn; mem = peak beyond the inputs (output included)\n")
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return title + "\n".join([fmt(header), sep] + [fmt(l) for l in lines])
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for row_key in sorted({(r["dtype"], r["causal"]) for r in result["rows"]}):
+        rows = [r for r in result["rows"] if (r["dtype"], r["causal"]) == row_key]
+        for m in result["methods"]:
+            pts = [(r["seqlen"], r["results"][m]) for r in rows if r["results"][m]["status"] == "ok"]
+            if not pts:
+                continue
+            label = f"{m} {row_key[0]}{' causal' if row_key[1] else ''}"
+            style = "-" if m == "fusedattn" else "--"
+            ax_t.plot([n for n, _ in pts], [x["seconds"] * 1e3 for _, x in pts], style, marker="o", label=label)
+            if pts[0][1]["peak_bytes"] is not None:
+                ax_m.plot([n for n, _ in pts], [x["peak_bytes"] / 2**20 for _, x in pts], style, marker="o", label=label)
+    for ax, title, ylabel in ((ax_t, "time", "ms"), (ax_m, "peak memory beyond inputs", "MiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("symlog" if ax is ax_m else "log")
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=7)
+    fig.suptitle(f"fusedattn bench: {result['device']}, B={result['config']['batch']} "
+                 f"H={result['config']['heads']} d={result['config']['head_dim']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def save_json(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
