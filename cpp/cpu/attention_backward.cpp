@@ -22,10 +22,11 @@ constexpr int64_t kBlockK = 128;
 
 // Per-thread float32 buffers for one (query block, key block) tile.
 struct TileBuffers {
-  std::vector<float> q, k, v, dout, p, dp;
-  TileBuffers(int64_t d)
-      : q(kBlockQ * d), k(kBlockK * d), v(kBlockK * d), dout(kBlockQ * d),
-        p(kBlockQ * kBlockK), dp(kBlockQ * kBlockK) {}
+  std::vector<float> q_scores, q, dout, k, kt, vt, p, dp, transposed;
+  explicit TileBuffers(int64_t d)
+      : q_scores(kBlockQ * d), q(kBlockQ * d), dout(kBlockQ * d), k(kBlockK * d),
+        kt(d * kBlockK), vt(d * kBlockK), p(kBlockQ * kBlockK), dp(kBlockQ * kBlockK),
+        transposed(kBlockK * kBlockQ) {}
 };
 
 template <typename scalar_t>
@@ -52,23 +53,24 @@ struct Backward {
         const auto* o = head_ptr<const scalar_t>(f.out, f.out_strides, batch, head);
         const auto* dout = head_ptr<const scalar_t>(p.grad_out, p.grad_out_strides, batch, head);
         for (int64_t i = 0; i < sh.seqlen_q; ++i) {
-          const Matrix O = load_rows(o, f.out_strides.row, i, 1, d, o_buf);
-          const Matrix dO = load_rows(dout, p.grad_out_strides.row, i, 1, d, do_buf);
+          const Matrix O = view_rows(o, f.out_strides.row, i, 1, d, o_buf);
+          const Matrix dO = view_rows(dout, p.grad_out_strides.row, i, 1, d, do_buf);
           delta[row_index(batch, head) + i] = dot(O.data, dO.data, d);
         }
       }
     });
   }
 
-  // Recomputes P for tile t into buf.p, dS into buf.dp. Needs Q, K, V, dO of
-  // the tile. Returns false when attn_mask hides the whole tile.
-  bool probabilities_and_grad(int64_t batch, int64_t head, const Tile& t, const Matrix& Q,
-                              const Matrix& K, const Matrix& V, const Matrix& dO,
-                              TileBuffers& buf) {
+  // Recomputes P for tile t into buf.p and dS into buf.dp, from
+  // Qs = scale log2(e) Q, K^T, dO and V^T. Returns false when attn_mask hides
+  // the whole tile.
+  bool probabilities_and_grad(int64_t batch, int64_t head, const Tile& t, Matrix Qs, Matrix Kt,
+                              Matrix dO, Matrix Vt, TileBuffers& buf) {
     if (!mask_tile_visible<scalar_t>(f.mask, batch, head, t)) return false;
-    gemm(Q, false, K, true, f.scale * kLog2e, 0.0f, buf.p.data(), kBlockK);
+    const int64_t d = sh.head_dim;
+    matmul(t.rows, t.cols, d, Qs, Kt, buf.p.data(), kBlockK, /*accumulate=*/false);
     if (tile_needs_masking(f, t)) mask_scores<scalar_t>(buf.p.data(), kBlockK, f, batch, head, t);
-    gemm(dO, false, V, true, 1.0f, 0.0f, buf.dp.data(), kBlockK);
+    matmul(t.rows, t.cols, d, dO, Vt, buf.dp.data(), kBlockK, /*accumulate=*/false);
 
     const float* lse = f.lse + row_index(batch, head) + t.row0;
     const float* D = delta.data() + row_index(batch, head) + t.row0;
@@ -90,10 +92,10 @@ struct Backward {
                  std::vector<float>& dk, std::vector<float>& dv) {
     const int64_t d = sh.head_dim;
     const int64_t cols = std::min(kBlockK, sh.seqlen_k - col0);
-    const Matrix K = load_rows(head_ptr<const scalar_t>(f.k, f.k_strides, batch, head_kv),
-                               f.k_strides.row, col0, cols, d, buf.k);
-    const Matrix V = load_rows(head_ptr<const scalar_t>(f.v, f.v_strides, batch, head_kv),
-                               f.v_strides.row, col0, cols, d, buf.v);
+    const Matrix Kt = copy_rows_transposed(head_ptr<const scalar_t>(f.k, f.k_strides, batch, head_kv),
+                                           f.k_strides.row, col0, cols, d, kBlockK, buf.kt);
+    const Matrix Vt = copy_rows_transposed(head_ptr<const scalar_t>(f.v, f.v_strides, batch, head_kv),
+                                           f.v_strides.row, col0, cols, d, kBlockK, buf.vt);
     std::fill(dk.begin(), dk.end(), 0.0f);
     std::fill(dv.begin(), dv.end(), 0.0f);
 
@@ -106,13 +108,17 @@ struct Backward {
       const auto* dout = head_ptr<const scalar_t>(p.grad_out, p.grad_out_strides, batch, head);
       for (int64_t row0 = first_row / kBlockQ * kBlockQ; row0 < sh.seqlen_q; row0 += kBlockQ) {
         const Tile t{row0, std::min(kBlockQ, sh.seqlen_q - row0), col0, cols};
-        const Matrix Q = load_rows(q, f.q_strides.row, row0, t.rows, d, buf.q);
-        const Matrix dO = load_rows(dout, p.grad_out_strides.row, row0, t.rows, d, buf.dout);
-        if (!probabilities_and_grad(batch, head, t, Q, K, V, dO, buf)) continue;
-        gemm({buf.p.data(), t.rows, cols, kBlockK}, true, dO, false, 1.0f, 1.0f, dv.data(), d);
-        gemm({buf.dp.data(), t.rows, cols, kBlockK}, true, Q, false, f.scale, 1.0f, dk.data(), d);
+        const Matrix Qs = copy_rows(q, f.q_strides.row, row0, t.rows, d, f.scale * kLog2e, buf.q_scores);
+        const Matrix dO = view_rows(dout, p.grad_out_strides.row, row0, t.rows, d, buf.dout);
+        if (!probabilities_and_grad(batch, head, t, Qs, Kt, dO, Vt, buf)) continue;
+        const Matrix Q = view_rows(q, f.q_strides.row, row0, t.rows, d, buf.q);
+        const Matrix Pt = transpose(buf.p.data(), t.rows, cols, kBlockK, buf.transposed, kBlockQ);
+        matmul(cols, d, t.rows, Pt, dO, dv.data(), d, /*accumulate=*/true);
+        const Matrix dSt = transpose(buf.dp.data(), t.rows, cols, kBlockK, buf.transposed, kBlockQ);
+        matmul(cols, d, t.rows, dSt, Q, dk.data(), d, /*accumulate=*/true);
       }
     }
+    scale_row(dk.data(), cols * d, f.scale);  // dK = scale dS^T Q
     store_rows(head_ptr<scalar_t>(p.grad_k, p.grad_k_strides, batch, head_kv),
                p.grad_k_strides.row, col0, cols, d, dk.data());
     store_rows(head_ptr<scalar_t>(p.grad_v, p.grad_v_strides, batch, head_kv),
@@ -125,9 +131,9 @@ struct Backward {
     const int64_t d = sh.head_dim;
     const int64_t rows = std::min(kBlockQ, sh.seqlen_q - row0);
     const int64_t head_kv = head / sh.group_size();
-    const Matrix Q = load_rows(head_ptr<const scalar_t>(f.q, f.q_strides, batch, head),
-                               f.q_strides.row, row0, rows, d, buf.q);
-    const Matrix dO = load_rows(head_ptr<const scalar_t>(p.grad_out, p.grad_out_strides, batch, head),
+    const Matrix Qs = copy_rows(head_ptr<const scalar_t>(f.q, f.q_strides, batch, head),
+                                f.q_strides.row, row0, rows, d, f.scale * kLog2e, buf.q_scores);
+    const Matrix dO = view_rows(head_ptr<const scalar_t>(p.grad_out, p.grad_out_strides, batch, head),
                                 p.grad_out_strides.row, row0, rows, d, buf.dout);
     const auto* k = head_ptr<const scalar_t>(f.k, f.k_strides, batch, head_kv);
     const auto* v = head_ptr<const scalar_t>(f.v, f.v_strides, batch, head_kv);
@@ -136,11 +142,13 @@ struct Backward {
     const int64_t key_end = visible_key_end(f, row0, rows);
     for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
       const Tile t{row0, rows, col0, std::min(kBlockK, key_end - col0)};
-      const Matrix K = load_rows(k, f.k_strides.row, col0, t.cols, d, buf.k);
-      const Matrix V = load_rows(v, f.v_strides.row, col0, t.cols, d, buf.v);
-      if (!probabilities_and_grad(batch, head, t, Q, K, V, dO, buf)) continue;
-      gemm({buf.dp.data(), rows, t.cols, kBlockK}, false, K, false, f.scale, 1.0f, dq.data(), d);
+      const Matrix Kt = copy_rows_transposed(k, f.k_strides.row, col0, t.cols, d, kBlockK, buf.kt);
+      const Matrix Vt = copy_rows_transposed(v, f.v_strides.row, col0, t.cols, d, kBlockK, buf.vt);
+      if (!probabilities_and_grad(batch, head, t, Qs, Kt, dO, Vt, buf)) continue;
+      const Matrix K = view_rows(k, f.k_strides.row, col0, t.cols, d, buf.k);
+      matmul(rows, d, t.cols, {buf.dp.data(), kBlockK}, K, dq.data(), d, /*accumulate=*/true);
     }
+    scale_row(dq.data(), rows * d, f.scale);  // dQ = scale dS K
     store_rows(head_ptr<scalar_t>(p.grad_q, p.grad_q_strides, batch, head), p.grad_q_strides.row,
                row0, rows, d, dq.data());
   }

@@ -26,7 +26,7 @@ void forward_typed(const ForwardParams& p) {
   const float score_scale = p.scale * kLog2e;
 
   at::parallel_for(0, sh.batch * sh.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_buf(kBlockQ * d), k_buf(kBlockK * d), v_buf(kBlockK * d);
+    std::vector<float> q_buf(kBlockQ * d), kt_buf(d * kBlockK), v_buf(kBlockK * d);
     std::vector<float> s(kBlockQ * kBlockK), acc(kBlockQ * d), m_i(kBlockQ), l_i(kBlockQ);
 
     for (int64_t task = begin; task < end; ++task) {
@@ -39,7 +39,8 @@ void forward_typed(const ForwardParams& p) {
       const auto* q = head_ptr<const scalar_t>(p.q, p.q_strides, batch, head);
       const auto* k = head_ptr<const scalar_t>(p.k, p.k_strides, batch, head_kv);
       const auto* v = head_ptr<const scalar_t>(p.v, p.v_strides, batch, head_kv);
-      const Matrix Q = load_rows(q, p.q_strides.row, row0, rows, d, q_buf);
+      // The score scale is folded into Q once: S = (scale log2 e Q) K^T.
+      const Matrix Q = copy_rows(q, p.q_strides.row, row0, rows, d, score_scale, q_buf);
 
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m_i.begin(), m_i.end(), kNegInf);
@@ -50,9 +51,8 @@ void forward_typed(const ForwardParams& p) {
         const Tile t{row0, rows, col0, std::min(kBlockK, key_end - col0)};
         if (!mask_tile_visible<scalar_t>(p.mask, batch, head, t)) continue;
 
-        const Matrix K = load_rows(k, p.k_strides.row, col0, t.cols, d, k_buf);
-        const Matrix V = load_rows(v, p.v_strides.row, col0, t.cols, d, v_buf);
-        gemm(Q, false, K, true, score_scale, 0.0f, s.data(), kBlockK);
+        const Matrix Kt = copy_rows_transposed(k, p.k_strides.row, col0, t.cols, d, kBlockK, kt_buf);
+        matmul(rows, t.cols, d, Q, Kt, s.data(), kBlockK, /*accumulate=*/false);
         if (tile_needs_masking(p, t)) mask_scores<scalar_t>(s.data(), kBlockK, p, batch, head, t);
 
         for (int64_t r = 0; r < rows; ++r) {
@@ -66,7 +66,8 @@ void forward_typed(const ForwardParams& p) {
           if (rescale != 1.0f) scale_row(acc.data() + r * d, d, rescale);
           m_i[r] = m_new;
         }
-        gemm({s.data(), rows, t.cols, kBlockK}, false, V, false, 1.0f, 1.0f, acc.data(), d);
+        const Matrix V = view_rows(v, p.v_strides.row, col0, t.cols, d, v_buf);
+        matmul(rows, d, t.cols, {s.data(), kBlockK}, V, acc.data(), d, /*accumulate=*/true);
       }
 
       // Fully masked rows (l = 0) give out = 0 and lse = -inf.

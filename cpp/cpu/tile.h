@@ -28,19 +28,47 @@ T* head_ptr(Ptr base, const TensorStrides& s, int64_t batch, int64_t head) {
   return static_cast<T*>(base) + batch * s.batch + head * s.head;
 }
 
-// Rows [row0, row0 + rows) of a head as a float32 matrix. float32 inputs are
-// used in place; other dtypes are converted into `buffer`.
+// Rows [row0, row0 + rows) of a head as a float32 [rows x d] matrix. float32
+// inputs are read in place; other dtypes are converted into `buffer`.
 template <typename scalar_t>
-Matrix load_rows(const scalar_t* head, int64_t row_stride, int64_t row0, int64_t rows,
-                 int64_t d, std::vector<float>& buffer) {
+Matrix view_rows(const scalar_t* head, int64_t row_stride, int64_t row0, int64_t rows, int64_t d,
+                 std::vector<float>& buffer) {
   const scalar_t* src = head + row0 * row_stride;
   if constexpr (std::is_same_v<scalar_t, float>) {
-    return {src, rows, d, row_stride};
+    return {src, row_stride};
   } else {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < d; ++c) buffer[r * d + c] = static_cast<float>(src[r * row_stride + c]);
-    return {buffer.data(), rows, d, d};
+    return {buffer.data(), d};
   }
+}
+
+// The same rows times `multiplier`, always copied: [rows x d] into dst.
+template <typename scalar_t>
+Matrix copy_rows(const scalar_t* head, int64_t row_stride, int64_t row0, int64_t rows, int64_t d,
+                 float multiplier, std::vector<float>& dst) {
+  const scalar_t* src = head + row0 * row_stride;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < d; ++c) dst[r * d + c] = static_cast<float>(src[r * row_stride + c]) * multiplier;
+  return {dst.data(), d};
+}
+
+// The same rows transposed: [d x rows] into dst, row stride ld_dst.
+template <typename scalar_t>
+Matrix copy_rows_transposed(const scalar_t* head, int64_t row_stride, int64_t row0, int64_t rows,
+                            int64_t d, int64_t ld_dst, std::vector<float>& dst) {
+  const scalar_t* src = head + row0 * row_stride;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < d; ++c) dst[c * ld_dst + r] = static_cast<float>(src[r * row_stride + c]);
+  return {dst.data(), ld_dst};
+}
+
+// dst[c][r] = src[r][c] for a [rows x cols] float32 tile.
+inline Matrix transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src,
+                        std::vector<float>& dst, int64_t ld_dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  return {dst.data(), ld_dst};
 }
 
 // dst row r = src row r * row_scale[r] (or 1 when row_scale is null), cast to scalar_t.
