@@ -120,7 +120,7 @@ def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dic
         seconds = median_seconds(call, cfg)
     except torch.OutOfMemoryError:
         return {"status": "OOM"}
-    except RuntimeError as e:  # e.g. a SDPA backend that does not take this input
+    except (RuntimeError, NotImplementedError) as e:  # a backend that cannot take this input
         return {"status": f"n/a ({str(e).splitlines()[0][:60]})"}
     finally:
         if cfg.device.type == "cuda":

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Compiles every CUDA kernel source with nvcc for sm_80 and sm_90a, so a CUDA
+# build break fails CI even on a machine without a GPU or a CUDA build of
+# PyTorch. Kernels include no ATen header (DESIGN.md section 2), which is what
+# makes this possible. Usage: scripts/check_cuda_compiles.sh [build-dir]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v nvcc >/dev/null 2>&1; then
+  echo "check_cuda_compiles: nvcc not on PATH, skipping the CUDA compile check"
+  exit 0
+fi
+out=${1:-build/nvcc-check}
+mkdir -p "$out"
+mapfile -t sources < <(find cpp/cuda -name '*.cu' | sort)
+echo "check_cuda_compiles: $(nvcc --version | tail -1); ${#sources[@]} source(s)"
+for src in "${sources[@]}"; do
+  obj="$out/$(echo "$src" | tr '/' '_').o"
+  nvcc -std=c++17 -O3 --use_fast_math -Icpp/include \
+    -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a \
+    -Xptxas -v -c "$src" -o "$obj" 2> "$obj.ptxas.log" || { cat "$obj.ptxas.log"; exit 1; }
+  # Spills are a performance bug on the GPU: show them.
+  grep -E "spill stores|Used [0-9]+ registers" "$obj.ptxas.log" | sed "s|^|  $src: |" | sort -u | head -20
+  if grep -qE "[1-9][0-9]* bytes spill stores" "$obj.ptxas.log"; then
+    echo "check_cuda_compiles: WARNING: $src spills registers"
+  fi
+done
+echo "check_cuda_compiles: ok"

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On a CUDA machine with PyTorch installed and no network: build fusedattn
+# against that torch, run the whole test suite (the GPU group included) and the
+# benchmark, and write logs and JSON into OUTDIR.
+#   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
+# TORCH_CUDA_ARCH_LIST defaults to 9.0a (Hopper); set it for other GPUs.
+set -uo pipefail
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [bench args]}
+shift
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
+export PYTHONUNBUFFERED=1
+status=0
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  nvcc --version | tail -1
+} 2>&1 | tee "$out/env.txt"
+
+echo "== build"
+t0=$SECONDS
+if ! python3 -m pip install --no-build-isolation --no-deps -v . > "$out/build.log" 2>&1; then
+  tail -40 "$out/build.log"
+  echo "gpu_check: BUILD FAILED (see build.log)"
+  exit 1
+fi
+echo "built in $((SECONDS - t0)) s"
+grep -E "building CUDA kernels" "$out/build.log" | tail -1
+
+echo "== tests"
+(cd tests && python3 -m pytest -q -p no:cacheprovider -rs --junitxml="$out/tests.xml" .) \
+  2>&1 | tee "$out/tests.log" | tail -25
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== bench"
+fusedattn bench --no-progress --json "$out/bench.json" --plot "$out/bench.png" "$@" 2>&1 | tee "$out/bench.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "gpu_check: exit $status"
+exit $status
