@@ -11,6 +11,13 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export PYTHONUNBUFFERED=1
+# Build with the system compiler when there is one. The lent H200 image sets
+# CXX=/opt/gcc/bin/g++, a wrapper whose library came out with its own copy of
+# parts of libstdc++ (std::ostream among them): the first error message the
+# operators formatted crashed the process (seen 2026-11-30). Override with CXX=...
+if [ -x /usr/bin/g++ ] && [ -z "${FUSEDATTN_KEEP_CXX:-}" ]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+fi
 status=0
 
 {
@@ -18,6 +25,7 @@ status=0
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   nvcc --version | tail -1
+  echo "CXX=$CXX ($($CXX --version | head -1))"
 } 2>&1 | tee "$out/env.txt"
 
 echo "== build"
