@@ -43,6 +43,20 @@ echo "== tests"
   2>&1 | tee "$out/tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+echo "== compute-sanitizer"
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_cases.py \
+      > "$out/sanitizer-$tool.log" 2>&1
+    rc=$?
+    echo "$tool: exit $rc, $(grep -c -E '^========= (Invalid|Error|Race)' "$out/sanitizer-$tool.log") reports"
+    tail -3 "$out/sanitizer-$tool.log"
+    [ $rc -eq 0 ] || status=1
+  done
+else
+  echo "compute-sanitizer not found"
+fi
+
 echo "== bench"
 fusedattn bench --no-progress --json "$out/bench.json" --plot "$out/bench.png" "$@" 2>&1 | tee "$out/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

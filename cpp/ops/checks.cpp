@@ -75,10 +75,20 @@ at::Tensor prepare_mask(const char* op, const at::Tensor& mask, const at::Tensor
   return m;
 }
 
-}  // namespace
-
 at::Tensor with_contiguous_rows(const at::Tensor& t) {
   return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+}  // namespace
+
+at::Tensor as_kernel_operand(const at::Tensor& t, const DeviceSupport& support) {
+  at::Tensor rows = with_contiguous_rows(t);
+  if (!support.aligned_rows) return rows;
+  const int64_t align = 16 / rows.element_size();
+  const bool aligned = reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0 &&
+                       rows.stride(0) % align == 0 && rows.stride(1) % align == 0 &&
+                       rows.stride(2) % align == 0;
+  return aligned ? rows : rows.contiguous();
 }
 
 TensorStrides strides_of(const at::Tensor& t) {
@@ -141,9 +151,9 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
   if (scale) TORCH_CHECK(std::isfinite(*scale), op, ": scale must be finite, got ", *scale);
 
   PreparedInputs in;
-  in.q = with_contiguous_rows(q);
-  in.k = with_contiguous_rows(k);
-  in.v = with_contiguous_rows(v);
+  in.q = as_kernel_operand(q, support);
+  in.k = as_kernel_operand(k, support);
+  in.v = as_kernel_operand(v, support);
   ForwardParams& p = in.params;
   p.shape = {q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
   p.dtype = dtype_of(q.scalar_type());
@@ -180,8 +190,8 @@ PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, co
   check_same_layout(op, out, "out", q, "q");
   check_lse(op, lse, q);
 
-  b.grad_out = with_contiguous_rows(grad_out);
-  b.out = with_contiguous_rows(out);
+  b.grad_out = as_kernel_operand(grad_out, support);
+  b.out = as_kernel_operand(out, support);
   b.lse = lse.contiguous();
   b.grad_q = at::empty(q.sizes(), q.options());
   b.grad_k = at::empty(k.sizes(), k.options());

@@ -17,6 +17,7 @@ struct DeviceSupport {
   std::string device_name;               // "CPU", "CUDA"
   std::vector<at::ScalarType> dtypes;    // accepted q/k/v dtypes
   std::vector<int64_t> head_dims;        // empty: any head dim >= 1
+  bool aligned_rows = false;             // rows must start on 16-byte boundaries (vector loads)
 };
 
 // q, k, v (and the mask) as the kernels will read them, with the tensors that
@@ -31,8 +32,10 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
                                bool is_causal, std::optional<double> scale,
                                const DeviceSupport& support);
 
-// The last dimension made contiguous (copying if it is not), other strides kept.
-at::Tensor with_contiguous_rows(const at::Tensor& t);
+// The last dimension made contiguous (copying if it is not), other strides
+// kept; where the device needs it, also a copy when the data or a stride is not
+// a multiple of 16 bytes.
+at::Tensor as_kernel_operand(const at::Tensor& t, const DeviceSupport& support);
 
 TensorStrides strides_of(const at::Tensor& t);
 

@@ -1,0 +1,311 @@
+// FlashAttention 2's forward on mma.sync tensor cores (sm_80 and newer).
+//
+// One thread block per (batch x query head, block of kBlockM queries); 4 warps,
+// each owning kMTiles x 16 query rows. Q is loaded once; K/V tiles of kBlockN
+// keys stream through a two-stage shared-memory ring filled with cp.async, the
+// load of tile j + 1 in flight while tile j is computed:
+//   S   = (scale log2 e) Q K^T                      mma.sync, fp32 accumulators
+//   m'  = max(m, rowmax S);  P = 2^(S - m')
+//   l   = 2^(m - m') l + rowsum P;  acc = 2^(m - m') acc + P V   (P from registers)
+//   out = acc / l,  lse = (m + log2 l) ln 2
+// Shared-memory rows are padded by 16 bytes, so the 8 row addresses of every
+// ldmatrix fall in distinct banks. Only tiles on the causal diagonal, at the
+// end of the keys, or under attn_mask pay for element-wise masking; tiles above
+// the diagonal are never loaded and tiles attn_mask hides entirely are skipped.
+#pragma once
+
+#include <cmath>
+
+#include "../common/device_math.cuh"
+#include "../common/launch_check.h"
+#include "forward_sm80.h"
+
+namespace fusedattn::cuda {
+
+template <int HeadDim>
+struct ForwardTraits {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  // 16-row MMA tiles per warp: with 2, every K/V fragment read from shared
+  // memory feeds two MMAs. At d=128 two tiles need more than 255 registers.
+  static constexpr int kMTiles = HeadDim <= 64 ? 2 : 1;
+  static constexpr int kBlockM = 16 * kMTiles * kWarps;
+  static constexpr int kBlockN = 64;
+  static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
+  static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
+  static constexpr int kSmemElements = (kBlockM + 4 * kBlockN) * kStride;  // Q, 2 x K, 2 x V
+  static_assert(HeadDim % 16 == 0 && kBlockN % 16 == 0, "MMA tiles are 16 wide");
+};
+
+struct HeadOffsets {
+  int64_t q, k, v, out;
+};
+
+// Copies rows [row0, row0 + Rows) of a [N, d] head into padded shared memory;
+// rows at or past `valid_rows` are zero-filled.
+template <int Rows, typename Tr, typename T>
+__device__ __forceinline__ void load_rows_async(T* smem, const T* head, int64_t row_stride,
+                                                int64_t row0, int64_t valid_rows) {
+  constexpr int kChunks = Rows * Tr::kChunksPerRow;
+#pragma unroll
+  for (int c = threadIdx.x; c < kChunks; c += Tr::kThreads) {
+    const int r = c / Tr::kChunksPerRow;
+    const int col = c % Tr::kChunksPerRow * 8;
+    const bool valid = r < valid_rows;
+    const T* src = valid ? head + (row0 + r) * row_stride + col : head;
+    cp_async_16(smem + r * Tr::kStride + col, src, valid);
+  }
+}
+
+// attn_mask at (row, col) in base-2 score units: 0 or -inf for a bool mask,
+// value * log2(e) for an additive one.
+template <typename T>
+__device__ __forceinline__ float mask_log2(const MaskParams& m, int64_t base, int64_t row,
+                                           int64_t col) {
+  const int64_t i = base + row * m.row_stride + col * m.col_stride;
+  switch (m.kind) {
+    case MaskKind::Bool:
+      return static_cast<const uint8_t*>(m.ptr)[i] ? 0.0f : -INFINITY;
+    case MaskKind::AdditiveFloat32:
+      return static_cast<const float*>(m.ptr)[i] * 1.4426950408889634f;
+    case MaskKind::AdditiveInput:
+      return to_float(static_cast<const T*>(m.ptr)[i]) * 1.4426950408889634f;
+    default:
+      return 0.0f;
+  }
+}
+
+// Whether attn_mask lets any valid (row, col) of the tile through. Block-wide.
+template <typename Tr, typename T>
+__device__ bool mask_tile_visible(const MaskParams& m, int64_t base, int64_t row0, int64_t rows,
+                                  int64_t col0, int64_t cols) {
+  bool any = false;
+  for (int i = threadIdx.x; i < Tr::kBlockM * Tr::kBlockN && !any; i += Tr::kThreads) {
+    const int r = i / Tr::kBlockN, c = i % Tr::kBlockN;
+    if (r < rows && c < cols) any = mask_log2<T>(m, base, row0 + r, col0 + c) != -INFINITY;
+  }
+  return __syncthreads_or(any);
+}
+
+template <int HeadDim, typename T, bool IsCausal>
+__global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
+    forward_kernel(const __grid_constant__ ForwardParams p) {
+  using Tr = ForwardTraits<HeadDim>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
+  constexpr int kMTiles = Tr::kMTiles, kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kBlockM * kStride;  // [2][kBlockN][kStride]
+  T* sV = sK + 2 * kBlockN * kStride;
+
+  const AttentionShape& sh = p.shape;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;  // fragment row group and column pair
+  const int64_t batch = blockIdx.x / sh.heads_q, head = blockIdx.x % sh.heads_q;
+  const int64_t head_kv = head / (sh.heads_q / sh.heads_kv);
+  // Causal blocks near the end have the most keys: launch those first.
+  const int m_block = IsCausal ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
+  const int64_t row0 = int64_t(m_block) * kBlockM;
+  const int64_t rows = min(int64_t(kBlockM), sh.seqlen_q - row0);
+  const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;
+
+  const T* q = static_cast<const T*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head;
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_strides.batch + head_kv * p.k_strides.head;
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_strides.batch + head_kv * p.v_strides.head;
+  const int64_t mask_base = batch * p.mask.batch_stride + head * p.mask.head_stride;
+  const bool has_mask = p.mask.kind != MaskKind::None;
+
+  // Keys past key_end are hidden from every query of the block.
+  int64_t key_end = sh.seqlen_k;
+  if (IsCausal) key_end = max(int64_t(0), min(sh.seqlen_k, row0 + rows + causal_offset));
+  const int n_tiles = static_cast<int>((key_end + kBlockN - 1) / kBlockN);
+
+  load_rows_async<kBlockM, Tr>(sQ, q, p.q_strides.row, row0, rows);
+  if (n_tiles > 0) {
+    load_rows_async<kBlockN, Tr>(sK, k, p.k_strides.row, 0, key_end);
+    load_rows_async<kBlockN, Tr>(sV, v, p.v_strides.row, 0, key_end);
+  }
+  cp_async_commit();
+
+  float acc[kMTiles][kDTiles][4] = {};
+  float m_i[kMTiles][2], l_i[kMTiles][2] = {};
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) m_i[mt][0] = m_i[mt][1] = -INFINITY;
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const int warp_row = warp * 16 * kMTiles;  // first row of this warp in the block
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int64_t col0 = int64_t(j) * kBlockN;
+    const T* sKj = sK + (j & 1) * kBlockN * kStride;
+    const T* sVj = sV + (j & 1) * kBlockN * kStride;
+    if (j + 1 < n_tiles) {  // prefetch tile j + 1 into the other stage
+      const int s = (j + 1) & 1;
+      load_rows_async<kBlockN, Tr>(sK + s * kBlockN * kStride, k, p.k_strides.row, col0 + kBlockN,
+                                   key_end - col0 - kBlockN);
+      load_rows_async<kBlockN, Tr>(sV + s * kBlockN * kStride, v, p.v_strides.row, col0 + kBlockN,
+                                   key_end - col0 - kBlockN);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the prefetch has landed
+    __syncthreads();
+
+    if (has_mask && !mask_tile_visible<Tr, T>(p.mask, mask_base, row0, rows, col0, key_end - col0)) {
+      __syncthreads();
+      continue;
+    }
+
+    // S = Q K^T
+    float s[kMTiles][kNTiles][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < HeadDim / 16; ++kk) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+        ldmatrix_x4(a[mt], sQ + (warp_row + mt * 16 + lane % 16) * kStride + kk * 16 + lane / 16 * 8);
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, sKj + (np * 16 + (lane & 7) + (lane >> 4 << 3)) * kStride + kk * 16 +
+                           ((lane >> 3) & 1) * 8);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16x8x16<T>(s[mt][2 * np], a[mt], b[0], b[1]);
+          mma_16x8x16<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+
+    const bool needs_masking = has_mask || col0 + kBlockN > key_end ||
+                               (IsCausal && col0 + kBlockN - 1 > row0 + causal_offset);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[mt][nt][e] * scale_log2;
+          if (needs_masking) {
+            const int64_t row = row0 + warp_row + mt * 16 + g + (e >> 1) * 8;
+            const int64_t col = col0 + nt * 8 + 2 * t + (e & 1);
+            if (col >= key_end || (IsCausal && col > row + causal_offset)) {
+              x = -INFINITY;
+            } else if (has_mask && row < sh.seqlen_q) {
+              x += mask_log2<T>(p.mask, mask_base, row, col);
+            }
+          }
+          s[mt][nt][e] = x;
+        }
+      }
+      // Online softmax for the two rows (g, g + 8) this thread holds.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float row_max = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+          row_max = fmaxf(row_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        const float m_new = fmaxf(m_i[mt][h], quad_max(row_max));
+        // Nothing visible yet: shift by 0 so -inf scores give 0, not NaN.
+        const float shift = m_new == -INFINITY ? 0.0f : m_new;
+        const float rescale = exp2f(m_i[mt][h] - shift);
+        float row_sum = 0.0f;  // this thread's columns only; reduced at the end
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          s[mt][nt][2 * h] = exp2f(s[mt][nt][2 * h] - shift);
+          s[mt][nt][2 * h + 1] = exp2f(s[mt][nt][2 * h + 1] - shift);
+          row_sum += s[mt][nt][2 * h] + s[mt][nt][2 * h + 1];
+        }
+        l_i[mt][h] = l_i[mt][h] * rescale + row_sum;
+        m_i[mt][h] = m_new;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          acc[mt][dt][2 * h] *= rescale;
+          acc[mt][dt][2 * h + 1] *= rescale;
+        }
+      }
+    }
+
+    // acc += P V, P straight from the S accumulators (the C layout of two
+    // n-tiles is the A layout of one k-step).
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < HeadDim / 16; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, sVj + (kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride +
+                                 dp * 16 + (lane >> 4 << 3));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16x8x16<T>(acc[mt][2 * dp], a[mt], b[0], b[1]);
+          mma_16x8x16<T>(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // the next iteration's prefetch overwrites this stage
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Epilogue: normalise once, stage the tile in shared memory (Q's space) and
+  // write it with 16-byte stores. Fully masked rows (l = 0): out = 0, lse = -inf.
+  float* lse = p.lse + (batch * sh.heads_q + head) * sh.seqlen_q;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = quad_sum(l_i[mt][h]);
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const int r = warp_row + mt * 16 + g + h * 8;
+      if (t == 0 && r < rows)
+        lse[row0 + r] = l > 0.0f ? (m_i[mt][h] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+        *reinterpret_cast<uint32_t*>(sQ + r * kStride + dt * 8 + 2 * t) =
+            pack2<T>(acc[mt][dt][2 * h] * inv, acc[mt][dt][2 * h + 1] * inv);
+    }
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(p.out) + batch * p.out_strides.batch + head * p.out_strides.head;
+#pragma unroll
+  for (int c = threadIdx.x; c < kBlockM * Tr::kChunksPerRow; c += Tr::kThreads) {
+    const int r = c / Tr::kChunksPerRow, col = c % Tr::kChunksPerRow * 8;
+    if (r < rows)
+      *reinterpret_cast<uint4*>(out + (row0 + r) * p.out_strides.row + col) =
+          *reinterpret_cast<const uint4*>(sQ + r * kStride + col);
+  }
+}
+
+template <int HeadDim, typename T, bool IsCausal>
+void launch_forward_kernel(const ForwardParams& p, cudaStream_t stream) {
+  using Tr = ForwardTraits<HeadDim>;
+  auto kernel = forward_kernel<HeadDim, T, IsCausal>;
+  constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
+  FUSEDATTN_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  const int64_t m_blocks = (p.shape.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+  const int64_t heads = p.shape.batch * p.shape.heads_q;
+  if (m_blocks > 65535 || heads > 2147483647)
+    throw std::runtime_error("fusedattn: sequence or batch x heads too large for one launch");
+  const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(m_blocks));
+  kernel<<<grid, Tr::kThreads, smem_bytes, stream>>>(p);
+  FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int HeadDim, typename Element>
+void launch_forward_sm80(const ForwardParams& p, cudaStream_t stream) {
+  if (p.shape.batch * p.shape.heads_q == 0 || p.shape.seqlen_q == 0) return;
+  if (p.is_causal)
+    launch_forward_kernel<HeadDim, Element, true>(p, stream);
+  else
+    launch_forward_kernel<HeadDim, Element, false>(p, stream);
+}
+
+}  // namespace fusedattn::cuda

@@ -1,0 +1,22 @@
+// The sm80 family's forward: FlashAttention 2's algorithm on mma.sync tensor
+// cores, for compute capability 8.0 and newer.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fusedattn/params.h"
+
+namespace fusedattn::cuda {
+
+// Head dims this family is instantiated for.
+inline constexpr int kSm80HeadDims[] = {32, 64, 128};
+
+// Writes p.out and p.lse on `stream`. p.dtype must be Float16 or BFloat16 and
+// p.shape.head_dim one of kSm80HeadDims. Throws std::runtime_error on a CUDA error.
+void forward_sm80(const ForwardParams& p, cudaStream_t stream);
+
+// One instantiation per (head dim, element type), each in its own file.
+template <int HeadDim, typename Element>
+void launch_forward_sm80(const ForwardParams& p, cudaStream_t stream);
+
+}  // namespace fusedattn::cuda

@@ -1,0 +1,146 @@
+"""The CUDA forward against the float64 reference (marker `gpu`: skipped
+without a CUDA device or without CUDA kernels in the build)."""
+
+import pytest
+import torch
+
+import fusedattn
+from attention_cases import MASK_KINDS, Case, check_forward, make_inputs
+
+pytestmark = pytest.mark.gpu
+GPU_DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [32, 64, 128]
+
+
+def poison_allocator(nbytes: int = 1 << 28) -> None:
+    """Fill freed cached blocks with NaN so that outputs allocated next start as
+    NaN: an element the kernel never writes then fails the NaN check."""
+    block = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del block
+
+
+def check_cuda(case: Case):
+    poison_allocator()
+    return check_forward(case, device="cuda")
+
+
+@pytest.mark.parametrize("mask", MASK_KINDS)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_cuda_every_mask_kind(mask, is_causal, dtype, head_dim):
+    check_cuda(Case(seqlen_q=113, seqlen_k=97, head_dim=head_dim, dtype=dtype, mask=mask,
+                    is_causal=is_causal))
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1025), (7, 300), (300, 7), (97, 113), (128, 128),
+                                   (129, 64), (1025, 1025), (2048, 1000)])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_cuda_awkward_lengths(nq, nk, is_causal, head_dim):
+    check_cuda(Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=nq, seqlen_k=nk, head_dim=head_dim,
+                    dtype=torch.float16, is_causal=is_causal))
+
+
+@pytest.mark.parametrize("heads", [(8, 1), (6, 2), (4, 4)], ids=["mqa", "gqa", "mha"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_cuda_grouped_query_heads(heads, dtype):
+    check_cuda(Case(heads_q=heads[0], heads_kv=heads[1], seqlen_q=300, seqlen_k=520,
+                    head_dim=64, dtype=dtype, is_causal=True, mask="key_padding"))
+
+
+@pytest.mark.parametrize("n", [4096, 8192])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_cuda_long_sequences(n, is_causal):
+    check_cuda(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=n, seqlen_k=n, head_dim=128,
+                    dtype=torch.bfloat16, is_causal=is_causal))
+
+
+def test_cuda_fully_masked_rows_and_empty_keys():
+    check_cuda(Case(mask="fully_masked_rows", dtype=torch.float16, head_dim=64))
+    q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=64), "cuda")
+    out, lse = torch.ops.fusedattn.forward(q, k[:, :, :0], v[:, :, :0])
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+def test_cuda_matches_cpu():
+    case = Case(seqlen_q=200, seqlen_k=333, head_dim=64, dtype=torch.bfloat16, mask="additive",
+                is_causal=True)
+    q, k, v, mask = make_inputs(case, "cuda")
+    out, lse = torch.ops.fusedattn.forward(q, k, v, mask, True, None)
+    out_cpu, lse_cpu = torch.ops.fusedattn.forward(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), True, None)
+    torch.testing.assert_close(out.cpu(), out_cpu, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.cpu(), lse_cpu, atol=1e-3, rtol=1e-3)
+
+
+def test_cuda_arbitrary_strides_and_misaligned_data():
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=130, head_dim=64,
+                dtype=torch.float16, mask="bool")
+    q, k, v, mask = make_inputs(case, "cuda")
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, N, H, d] memory
+    k_wide = torch.cat([k, torch.randn_like(k)], dim=-1)[..., :64]  # row stride 128
+    v_off = torch.cat([torch.randn_like(v[..., :1]), v], dim=-1)[..., 1:]  # 2-byte offset rows
+    out, lse = torch.ops.fusedattn.forward(q_t, k_wide, v_off, mask, False, None)
+    check_forward(case, device="cuda", out=out, lse=lse)
+
+
+def test_cuda_offsets_beyond_int32():
+    """B * H * N * d > 2^31 elements: the last head must be right."""
+    B, H, N, d = 1, 520, 32768, 128  # 2.2e9 elements per tensor
+    q = torch.randn(B, H, N, d, device="cuda", dtype=torch.float16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    out, _ = torch.ops.fusedattn.forward(q, k, v, None, True, None)
+    last, _ = torch.ops.fusedattn.forward(q[:, -1:], k[:, -1:], v[:, -1:], None, True, None)
+    torch.testing.assert_close(out[:, -1:], last, atol=0, rtol=0)
+    tail = slice(N - 64, N)  # the reference on the last rows of the last head
+    ref = fusedattn.reference.attention(q[:, -1:, tail].double(), k[:, -1:].double(),
+                                        v[:, -1:].double(), is_causal=True)
+    torch.testing.assert_close(out[:, -1:, tail].double(), ref, atol=2e-3, rtol=0)
+
+
+def test_cuda_non_default_stream_and_graph():
+    case = Case(seqlen_q=257, seqlen_k=300, head_dim=128, dtype=torch.float16, is_causal=True)
+    q, k, v, _ = make_inputs(case, "cuda")
+    expected, _ = torch.ops.fusedattn.forward(q, k, v, None, True, None)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out, _ = torch.ops.fusedattn.forward(q, k, v, None, True, None)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+    graph = torch.cuda.CUDAGraph()
+    static_q = q.clone()
+    with torch.cuda.graph(graph):
+        graph_out, _ = torch.ops.fusedattn.forward(static_q, k, v, None, True, None)
+    for _ in range(2):
+        static_q.copy_(torch.randn_like(q))
+        graph.replay()
+        fresh, _ = torch.ops.fusedattn.forward(static_q, k, v, None, True, None)
+        torch.testing.assert_close(graph_out, fresh, atol=0, rtol=0)
+
+
+def test_cuda_compile_fullgraph():
+    torch._dynamo.reset()
+    case = Case(seqlen_q=100, seqlen_k=100, head_dim=64, dtype=torch.bfloat16, mask="key_padding")
+    q, k, v, mask = make_inputs(case, "cuda")
+    f = torch.compile(lambda q, k, v, m: fusedattn.attention(q, k, v, m) * 2, fullgraph=True)
+    torch.testing.assert_close(f(q, k, v, mask), fusedattn.attention(q, k, v, mask) * 2,
+                               atol=0, rtol=0)
+
+
+def test_cuda_opcheck():
+    for case in [Case(dtype=torch.float16, head_dim=64, mask="bool", is_causal=True),
+                 Case(dtype=torch.bfloat16, head_dim=32, mask="additive", seqlen_q=1)]:
+        q, k, v, mask = make_inputs(case, "cuda")
+        torch.library.opcheck(torch.ops.fusedattn.forward.default,
+                              (q, k, v, mask, case.is_causal, case.scale))
+
+
+def test_cuda_rejects_unsupported_inputs():
+    q, k, v, _ = make_inputs(Case(dtype=torch.float32, head_dim=64), "cuda")
+    with pytest.raises(RuntimeError, match=r"on CUDA q, k and v must be one of Half, BFloat16; got Float"):
+        torch.ops.fusedattn.forward(q, k, v)
+    q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=48), "cuda")
+    with pytest.raises(RuntimeError, match=r"on CUDA the head dim must be one of \[32, 64, 128\]; got 48"):
+        torch.ops.fusedattn.forward(q, k, v)
