@@ -23,9 +23,9 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 const at::Tensor& v,
                                                 const std::optional<at::Tensor>& attn_mask,
                                                 bool is_causal, std::optional<double> scale) {
-  const c10::cuda::CUDAGuard guard(q.device());
   PreparedInputs in =
       prepare_forward("fusedattn.forward", q, k, v, attn_mask, is_causal, scale, cuda_support());
+  const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
   auto outputs = allocate_forward_outputs(in);
   cuda::forward_sm80(in.params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return outputs;

@@ -27,10 +27,11 @@ struct ForwardTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   // 16-row MMA tiles per warp: with 2, every K/V fragment read from shared
-  // memory feeds two MMAs. At d=128 two tiles need more than 255 registers.
-  static constexpr int kMTiles = HeadDim <= 64 ? 2 : 1;
+  // memory feeds two MMAs (with 1, v1 was bound by shared-memory reads). At
+  // d=128 that needs 32-key tiles to stay under 255 registers without spills.
+  static constexpr int kMTiles = 2;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;
-  static constexpr int kBlockN = 64;
+  static constexpr int kBlockN = HeadDim <= 64 ? 64 : 32;
   static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
   static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
   static constexpr int kSmemElements = (kBlockM + 4 * kBlockN) * kStride;  // Q, 2 x K, 2 x V
@@ -178,6 +179,11 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
 
     const bool needs_masking = has_mask || col0 + kBlockN > key_end ||
                                (IsCausal && col0 + kBlockN - 1 > row0 + causal_offset);
+    // Tile-local bounds as 32-bit ints: column c is past the keys when
+    // c >= cols, and hidden by the causal rule when c - r > diagonal.
+    const int cols = static_cast<int>(min(int64_t(kBlockN), key_end - col0));
+    const int diagonal = static_cast<int>(
+        max(int64_t(-kBlockM - kBlockN), min(int64_t(kBlockM + kBlockN), row0 + causal_offset - col0)));
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -186,12 +192,12 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
         for (int e = 0; e < 4; ++e) {
           float x = s[mt][nt][e] * scale_log2;
           if (needs_masking) {
-            const int64_t row = row0 + warp_row + mt * 16 + g + (e >> 1) * 8;
-            const int64_t col = col0 + nt * 8 + 2 * t + (e & 1);
-            if (col >= key_end || (IsCausal && col > row + causal_offset)) {
+            const int r = warp_row + mt * 16 + g + (e >> 1) * 8;
+            const int c = nt * 8 + 2 * t + (e & 1);
+            if (c >= cols || (IsCausal && c - r > diagonal)) {
               x = -INFINITY;
-            } else if (has_mask && row < sh.seqlen_q) {
-              x += mask_log2<T>(p.mask, mask_base, row, col);
+            } else if (has_mask && r < rows) {
+              x += mask_log2<T>(p.mask, mask_base, row0 + r, col0 + c);
             }
           }
           s[mt][nt][e] = x;
