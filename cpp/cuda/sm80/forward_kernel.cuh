@@ -1,6 +1,6 @@
 // FlashAttention 2's forward on mma.sync tensor cores (sm_80 and newer).
 //
-// One thread block per (batch x query head, block of kBlockM queries); 4 warps,
+// One thread block per (block of kBlockM queries, batch x query head); 4 warps,
 // each owning kMTiles x 16 query rows. Q is loaded once; K/V tiles of kBlockN
 // keys stream through a two-stage shared-memory ring filled with cp.async, the
 // load of tile j + 1 in flight while tile j is computed:
@@ -27,11 +27,11 @@ struct ForwardTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   // 16-row MMA tiles per warp: with 2, every K/V fragment read from shared
-  // memory feeds two MMAs (with 1, v1 was bound by shared-memory reads). At
-  // d=128 that needs 32-key tiles to stay under 255 registers without spills.
-  static constexpr int kMTiles = 2;
+  // memory feeds two MMAs. At d=128 two tiles spill even with 32-key tiles
+  // (and measured only 135-151 TFLOP/s against 126-139 with one).
+  static constexpr int kMTiles = HeadDim <= 64 ? 2 : 1;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;
-  static constexpr int kBlockN = HeadDim <= 64 ? 64 : 32;
+  static constexpr int kBlockN = 64;
   static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
   static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
   static constexpr int kSmemElements = (kBlockM + 4 * kBlockN) * kStride;  // Q, 2 x K, 2 x V
@@ -103,11 +103,17 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
   const AttentionShape& sh = p.shape;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // fragment row group and column pair
-  const int64_t batch = blockIdx.x / sh.heads_q, head = blockIdx.x % sh.heads_q;
+  // One flat grid, query blocks fastest: the blocks resident at one time
+  // belong to few heads and share their K/V tiles in L2.
+  // (32-bit division: the launch checks that the grid fits in 2^31 blocks.)
+  const unsigned m_blocks = static_cast<unsigned>((sh.seqlen_q + kBlockM - 1) / kBlockM);
+  const unsigned bh = blockIdx.x / m_blocks, heads_q = static_cast<unsigned>(sh.heads_q);
+  const int64_t batch = bh / heads_q, head = bh % heads_q;
   const int64_t head_kv = head / (sh.heads_q / sh.heads_kv);
   // Causal blocks near the end have the most keys: launch those first.
-  const int m_block = IsCausal ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
-  const int64_t row0 = int64_t(m_block) * kBlockM;
+  const unsigned m_index = blockIdx.x % m_blocks;
+  const int64_t m_block = IsCausal ? m_blocks - 1 - m_index : m_index;
+  const int64_t row0 = m_block * kBlockM;
   const int64_t rows = min(int64_t(kBlockM), sh.seqlen_q - row0);
   const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;
 
@@ -297,11 +303,10 @@ void launch_forward_kernel(const ForwardParams& p, cudaStream_t stream) {
   FUSEDATTN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const int64_t m_blocks = (p.shape.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  const int64_t heads = p.shape.batch * p.shape.heads_q;
-  if (m_blocks > 65535 || heads > 2147483647)
-    throw std::runtime_error("fusedattn: sequence or batch x heads too large for one launch");
-  const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(m_blocks));
-  kernel<<<grid, Tr::kThreads, smem_bytes, stream>>>(p);
+  const int64_t blocks = m_blocks * p.shape.batch * p.shape.heads_q;
+  if (blocks > 2147483647)
+    throw std::runtime_error("fusedattn: B x Hq x query blocks exceeds one launch (2^31 - 1)");
+  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
