@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
   // (32-bit division: the launch checks that the grid fits in 2^31 blocks.)
   const unsigned m_blocks = static_cast<unsigned>((sh.seqlen_q + kBlockM - 1) / kBlockM);
   const unsigned bh = blockIdx.x / m_blocks, heads_q = static_cast<unsigned>(sh.heads_q);
-  const int64_t batch = bh / heads_q, head = bh % heads_q;
-  const int64_t head_kv = head / (sh.heads_q / sh.heads_kv);
+  const unsigned batch = bh / heads_q, head = bh % heads_q;
+  const unsigned head_kv = head / static_cast<unsigned>(sh.heads_q / sh.heads_kv);
   // Causal blocks near the end have the most keys: launch those first.
   const unsigned m_index = blockIdx.x % m_blocks;
   const int64_t m_block = IsCausal ? m_blocks - 1 - m_index : m_index;
