@@ -2,8 +2,8 @@
 //
 // One thread block per (block of kBlockM queries, batch x query head); 4 warps,
 // each owning kMTiles x 16 query rows. Q is loaded once; K/V tiles of kBlockN
-// keys stream through a two-stage shared-memory ring filled with cp.async, the
-// load of tile j + 1 in flight while tile j is computed:
+// keys stream through shared memory with cp.async, K and V loads alternating
+// so that one is always in flight while the other is computed on:
 //   S   = (scale log2 e) Q K^T                      mma.sync, fp32 accumulators
 //   m'  = max(m, rowmax S);  P = 2^(S - m')
 //   l   = 2^(m - m') l + rowsum P;  acc = 2^(m - m') acc + P V   (P from registers)
@@ -34,7 +34,7 @@ struct ForwardTraits {
   static constexpr int kBlockN = 64;
   static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
   static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
-  static constexpr int kSmemElements = (kBlockM + 4 * kBlockN) * kStride;  // Q, 2 x K, 2 x V
+  static constexpr int kSmemElements = (kBlockM + 2 * kBlockN) * kStride;  // Q, K, V
   static_assert(HeadDim % 16 == 0 && kBlockN % 16 == 0, "MMA tiles are 16 wide");
 };
 
@@ -47,14 +47,16 @@ struct HeadOffsets {
 template <int Rows, typename Tr, typename T>
 __device__ __forceinline__ void load_rows_async(T* smem, const T* head, int64_t row_stride,
                                                 int64_t row0, int64_t valid_rows) {
-  constexpr int kChunks = Rows * Tr::kChunksPerRow;
+  // Thread i copies chunk i % kChunksPerRow of rows i / kChunksPerRow + n * kRowStep.
+  constexpr int kRowStep = Tr::kThreads / Tr::kChunksPerRow;
+  static_assert(Tr::kThreads % Tr::kChunksPerRow == 0 && Rows % kRowStep == 0);
+  const int r0 = threadIdx.x / Tr::kChunksPerRow, col = threadIdx.x % Tr::kChunksPerRow * 8;
+  const T* src = head + (row0 + r0) * row_stride + col;
 #pragma unroll
-  for (int c = threadIdx.x; c < kChunks; c += Tr::kThreads) {
-    const int r = c / Tr::kChunksPerRow;
-    const int col = c % Tr::kChunksPerRow * 8;
+  for (int i = 0; i < Rows / kRowStep; ++i) {
+    const int r = r0 + i * kRowStep;
     const bool valid = r < valid_rows;
-    const T* src = valid ? head + (row0 + r) * row_stride + col : head;
-    cp_async_16(smem + r * Tr::kStride + col, src, valid);
+    cp_async_16(smem + r * Tr::kStride + col, valid ? src + i * kRowStep * row_stride : head, valid);
   }
 }
 
@@ -97,8 +99,8 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + kBlockM * kStride;  // [2][kBlockN][kStride]
-  T* sV = sK + 2 * kBlockN * kStride;
+  T* sK = sQ + kBlockM * kStride;  // [kBlockN][kStride]
+  T* sV = sK + kBlockN * kStride;
 
   const AttentionShape& sh = p.shape;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -128,11 +130,12 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
   if (IsCausal) key_end = max(int64_t(0), min(sh.seqlen_k, row0 + rows + causal_offset));
   const int n_tiles = static_cast<int>((key_end + kBlockN - 1) / kBlockN);
 
+  // The K and V loads alternate (FlashAttention 2's pipeline): V_j streams in
+  // while S_j = Q K_j^T and its softmax are computed, K_{j+1} while P_j V_j is.
+  // One buffer each keeps shared memory at (kBlockM + 2 kBlockN) rows, so more
+  // blocks fit on an SM.
   load_rows_async<kBlockM, Tr>(sQ, q, p.q_strides.row, row0, rows);
-  if (n_tiles > 0) {
-    load_rows_async<kBlockN, Tr>(sK, k, p.k_strides.row, 0, key_end);
-    load_rows_async<kBlockN, Tr>(sV, v, p.v_strides.row, 0, key_end);
-  }
+  if (n_tiles > 0) load_rows_async<kBlockN, Tr>(sK, k, p.k_strides.row, 0, key_end);
   cp_async_commit();
 
   float acc[kMTiles][kDTiles][4] = {};
@@ -144,23 +147,17 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
 
   for (int j = 0; j < n_tiles; ++j) {
     const int64_t col0 = int64_t(j) * kBlockN;
-    const T* sKj = sK + (j & 1) * kBlockN * kStride;
-    const T* sVj = sV + (j & 1) * kBlockN * kStride;
-    if (j + 1 < n_tiles) {  // prefetch tile j + 1 into the other stage
-      const int s = (j + 1) & 1;
-      load_rows_async<kBlockN, Tr>(sK + s * kBlockN * kStride, k, p.k_strides.row, col0 + kBlockN,
-                                   key_end - col0 - kBlockN);
-      load_rows_async<kBlockN, Tr>(sV + s * kBlockN * kStride, v, p.v_strides.row, col0 + kBlockN,
-                                   key_end - col0 - kBlockN);
-    }
-    cp_async_commit();
-    cp_async_wait<1>();  // everything but the prefetch has landed
-    __syncthreads();
+    cp_async_wait<0>();  // K_j (and Q) landed
+    __syncthreads();     // ... for every thread; and every warp is done with V_{j-1}
 
     if (has_mask && !mask_tile_visible<Tr, T>(p.mask, mask_base, row0, rows, col0, key_end - col0)) {
-      __syncthreads();
+      if (j + 1 < n_tiles)
+        load_rows_async<kBlockN, Tr>(sK, k, p.k_strides.row, col0 + kBlockN, key_end - col0 - kBlockN);
+      cp_async_commit();
       continue;
     }
+    load_rows_async<kBlockN, Tr>(sV, v, p.v_strides.row, col0, key_end - col0);
+    cp_async_commit();
 
     // S = Q K^T
     float s[kMTiles][kNTiles][4] = {};
@@ -173,7 +170,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
         uint32_t b[4];
-        ldmatrix_x4(b, sKj + (np * 16 + (lane & 7) + (lane >> 4 << 3)) * kStride + kk * 16 +
+        ldmatrix_x4(b, sK + (np * 16 + (lane & 7) + (lane >> 4 << 3)) * kStride + kk * 16 +
                            ((lane >> 3) & 1) * 8);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -237,6 +234,12 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
       }
     }
 
+    cp_async_wait<0>();  // V_j landed
+    __syncthreads();     // ... for every thread; and every warp is done with K_j
+    if (j + 1 < n_tiles)
+      load_rows_async<kBlockN, Tr>(sK, k, p.k_strides.row, col0 + kBlockN, key_end - col0 - kBlockN);
+    cp_async_commit();
+
     // acc += P V, P straight from the S accumulators (the C layout of two
     // n-tiles is the A layout of one k-step).
 #pragma unroll
@@ -252,7 +255,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
 #pragma unroll
       for (int dp = 0; dp < HeadDim / 16; ++dp) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, sVj + (kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride +
+        ldmatrix_x4_trans(b, sV + (kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride +
                                  dp * 16 + (lane >> 4 << 3));
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -261,7 +264,6 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
         }
       }
     }
-    __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
   cp_async_wait<0>();
   __syncthreads();
