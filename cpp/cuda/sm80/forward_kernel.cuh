@@ -26,10 +26,15 @@ template <int HeadDim>
 struct ForwardTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
-  // 16-row MMA tiles per warp: with 2, every K/V fragment read from shared
-  // memory feeds two MMAs. At d=128 two tiles spill even with 32-key tiles
-  // (and measured only 135-151 TFLOP/s against 126-139 with one).
-  static constexpr int kMTiles = HeadDim <= 64 ? 2 : 1;
+  // 16-row MMA tiles per warp. Two would let every K/V fragment read from
+  // shared memory feed two MMAs, but the registers they take cost occupancy,
+  // which is what this kernel is bound by: at d=64 two tiles ran 78-103
+  // TFLOP/s, one 172-193 (H200, 2026-11-30, docs/cuda-notes.md).
+  static constexpr int kMTiles = 1;
+  // Blocks per SM the register allocation must allow (the launch bound; 0 =
+  // none): 4 fits d <= 64 in 128 registers. d=128 unbounded takes 162-168,
+  // which allows 3 blocks; a bound of 3 spilled and a bound of 1 took 196.
+  static constexpr int kMinBlocksPerSM = HeadDim <= 64 ? 4 : 0;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;
   static constexpr int kBlockN = 64;
   static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
@@ -91,7 +96,7 @@ __device__ bool mask_tile_visible(const MaskParams& m, int64_t base, int64_t row
 }
 
 template <int HeadDim, typename T, bool IsCausal>
-__global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads)
+__global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTraits<HeadDim>::kMinBlocksPerSM)
     forward_kernel(const __grid_constant__ ForwardParams p) {
   using Tr = ForwardTraits<HeadDim>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
