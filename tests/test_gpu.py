@@ -144,3 +144,22 @@ def test_cuda_rejects_unsupported_inputs():
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=48), "cuda")
     with pytest.raises(RuntimeError, match=r"on CUDA the head dim must be one of \[32, 64, 128\]; got 48"):
         torch.ops.fusedattn.forward(q, k, v)
+
+
+@pytest.mark.parametrize("mask", MASK_KINDS)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_cuda_naive_forward(mask, is_causal, dtype):
+    """Seed 2's naive path (cuBLAS + fused row softmax) obeys the same contract."""
+    case = Case(heads_q=4, heads_kv=2, seqlen_q=113, seqlen_k=300, head_dim=64, dtype=dtype,
+                mask=mask, is_causal=is_causal)
+    q, k, v, m = make_inputs(case, "cuda")
+    poison_allocator()
+    out = torch.ops.fusedattn.naive_forward(q, k, v, m, is_causal, None)
+    check_forward(case, device="cuda", out=out)
+
+
+def test_cuda_naive_forward_opcheck():
+    case = Case(dtype=torch.bfloat16, head_dim=32, mask="key_padding", is_causal=True)
+    q, k, v, mask = make_inputs(case, "cuda")
+    torch.library.opcheck(torch.ops.fusedattn.naive_forward.default, (q, k, v, mask, True, None))

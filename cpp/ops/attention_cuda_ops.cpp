@@ -4,6 +4,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <ATen/ATen.h>
+
+#include "../cuda/naive/softmax_rows.h"
 #include "../cuda/sm80/forward_sm80.h"
 #include "checks.h"
 
@@ -31,8 +34,38 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
   return outputs;
 }
 
+// Seed 2: S = Q K^T (cuBLAS through ATen), one fused scale + mask + softmax
+// kernel per row of S in place, then P V. Grouped-query heads are expanded.
+at::Tensor naive_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const std::optional<at::Tensor>& attn_mask, bool is_causal,
+                              std::optional<double> scale) {
+  PreparedInputs in = prepare_forward("fusedattn.naive_forward", q, k, v, attn_mask, is_causal,
+                                      scale, cuda_support());
+  const c10::cuda::CUDAGuard guard(q.device());
+  const AttentionShape& sh = in.params.shape;
+  const at::Tensor k_full = in.k.repeat_interleave(sh.group_size(), 1);
+  const at::Tensor v_full = in.v.repeat_interleave(sh.group_size(), 1);
+  at::Tensor scores = at::matmul(in.q, k_full.transpose(-2, -1)).contiguous();
+
+  cuda::SoftmaxRowsParams p;
+  p.scores = scores.data_ptr();
+  p.dtype = in.params.dtype;
+  p.batch = sh.batch;
+  p.heads = sh.heads_q;
+  p.seqlen_q = sh.seqlen_q;
+  p.seqlen_k = sh.seqlen_k;
+  p.scale = in.params.scale;
+  p.is_causal = is_causal;
+  p.mask = in.params.mask;
+  cuda::softmax_rows(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  return at::matmul(scores, v_full);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedattn, CUDA, m) { m.impl("forward", &forward_cuda); }
+TORCH_LIBRARY_IMPL(fusedattn, CUDA, m) {
+  m.impl("forward", &forward_cuda);
+  m.impl("naive_forward", &naive_forward_cuda);
+}
 
 }  // namespace fusedattn::ops

@@ -11,4 +11,8 @@ TORCH_LIBRARY(fusedattn, m) {
       "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? attn_mask=None, bool is_causal=False, float? scale=None) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // Seed 2's naive path (materialises S), the baseline of the GPU benchmark. CUDA only.
+  m.def(
+      "naive_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, "
+      "float? scale=None) -> Tensor");
 }

@@ -71,10 +71,23 @@ def methods(device: torch.device) -> dict[str, Callable]:
         "sdpa": lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
     }
     if device.type == "cuda":
+        table["naive-cuda"] = lambda q, k, v, causal: torch.ops.fusedattn.naive_forward(q, k, v, None, causal, None)
         for name in ("flash", "efficient", "cudnn"):
             table[f"sdpa-{name}"] = _sdpa_backend(name)
     table["fusedattn"] = lambda q, k, v, causal: torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
     return table
+
+
+def min_bytes(cfg: Config, n: int, dtype: str) -> float:
+    """Fewest bytes attention must move: q, k, v read once, out written once."""
+    return 4.0 * cfg.batch * cfg.heads * n * cfg.head_dim * DTYPES[dtype].itemsize
+
+
+def matmul_ceiling(cfg: Config, dtype: str) -> float:
+    """Measured TFLOP/s of one large square matmul: the roofline's compute ceiling."""
+    n = 8192 if cfg.device.type == "cuda" else 2048
+    a, b = (torch.randn(n, n, device=cfg.device, dtype=DTYPES[dtype]) for _ in range(2))
+    return 2.0 * n**3 / median_seconds(lambda: a @ b, cfg) / 1e12
 
 
 def _time_once(fn, device) -> float:
@@ -112,7 +125,7 @@ def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dic
     shape = (cfg.batch, cfg.heads, n, cfg.head_dim)
     q, k, v = (torch.randn(shape, device=cfg.device, dtype=DTYPES[dtype]) for _ in range(3))
     score_bytes = cfg.batch * cfg.heads * n * n * q.element_size()
-    if name == "naive" and 3 * score_bytes > _available_bytes(cfg.device):
+    if name.startswith("naive") and 3 * score_bytes > _available_bytes(cfg.device):
         return {"status": "OOM (skipped: needs ~3 N^2 score matrices)"}
     call = lambda: fn(q, k, v, causal)  # noqa: E731
     try:
@@ -133,6 +146,7 @@ def run(cfg: Config, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     table = methods(cfg.device)
+    ceilings = {dt: matmul_ceiling(cfg, dt) for dt in cfg.dtypes}
     cells = [(dt, c, n, m) for dt in cfg.dtypes for c in cfg.causal for n in cfg.seqlens for m in table]
     rows: dict[tuple, dict] = {}
     for dt, c, n, m in tqdm(cells, desc="fusedattn bench", disable=not progress, unit="run"):
@@ -140,6 +154,10 @@ def run(cfg: Config, progress: bool = True) -> dict:
         row["results"][m] = measure(cfg, dt, c, n, m, table[m])
     for row in rows.values():
         fused = row["results"].get("fusedattn", {})
+        flops = forward_flops(cfg, row["seqlen"], row["causal"])
+        row["arithmetic_intensity"] = flops / min_bytes(cfg, row["seqlen"], row["dtype"])
+        if fused.get("status") == "ok":
+            row["fusedattn_pct_of_matmul"] = 100.0 * fused["tflops"] / ceilings[row["dtype"]]
         row["fusedattn_speedup"] = {
             m: r["seconds"] / fused["seconds"]
             for m, r in row["results"].items()
@@ -148,10 +166,12 @@ def run(cfg: Config, progress: bool = True) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": describe_device(cfg.device),
+        "device_type": cfg.device.type,
         "torch": torch.__version__,
         "config": {"batch": cfg.batch, "heads": cfg.heads, "head_dim": cfg.head_dim,
                    "repeats": cfg.repeats, "threads": torch.get_num_threads()},
         "methods": list(table),
+        "matmul_tflops": ceilings,
         "rows": list(rows.values()),
     }
 
@@ -174,10 +194,11 @@ def _fmt_bytes(b) -> str:
 
 def format_table(result: dict) -> str:
     names = result["methods"]
-    unit, mult = ("TFLOP/s", 1) if "cuda" in result["device"].lower() or "H200" in result["device"] else ("GFLOP/s", 1e3)
+    unit, mult = ("TFLOP/s", 1) if result["device_type"] == "cuda" else ("GFLOP/s", 1e3)
     others = [m for m in names if m != "fusedattn"]
     header = (["dtype", "causal", "N"] + [f"{m} ms" for m in names] + [f"{m} {unit}" for m in names]
-              + [f"x {m}" for m in others] + [f"mem {m}" for m in names])
+              + [f"x {m}" for m in others] + [f"mem {m}" for m in names]
+              + ["AI flop/B", "fusedattn % matmul"])
     lines = []
     for row in result["rows"]:
         res = row["results"]
@@ -188,13 +209,17 @@ def format_table(result: dict) -> str:
             + [cell(m, lambda r: f"{r['tflops'] * mult:.1f}") for m in names]
             + [f"{row['fusedattn_speedup'][m]:.2f}" if m in row["fusedattn_speedup"] else "-" for m in others]
             + [cell(m, lambda r: _fmt_bytes(r["peak_bytes"])) for m in names]
+            + [f"{row['arithmetic_intensity']:.0f}",
+               f"{row['fusedattn_pct_of_matmul']:.0f}%" if "fusedattn_pct_of_matmul" in row else "-"]
         )
     widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
     fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     cfg = result["config"]
     title = (f"{result['device']}, torch {result['torch']}, {result['date']}\n"
              f"B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']}, forward, median of {cfg['repeats']}; "
-             f"'x m' = time of m / time of fusedattn; mem = peak beyond the inputs (output included)\n")
+             f"'x m' = time of m / time of fusedattn; mem = peak beyond the inputs (output included); "
+             f"roofline: AI = FLOPs / bytes of q, k, v, out; matmul ceiling "
+             + ", ".join(f"{d} {t * mult:.0f} {unit}" for d, t in result["matmul_tflops"].items()) + "\n")
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return title + "\n".join([fmt(header), sep] + [fmt(l) for l in lines])
 

@@ -26,6 +26,11 @@ def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False,
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.register_fake("fusedattn::naive_forward")
+def _naive_forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None):
+    return q.new_empty(q.shape)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, is_causal, scale = inputs
     out, lse = output
