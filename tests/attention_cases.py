@@ -16,7 +16,7 @@ from fusedattn import reference
 
 # Absolute error floors per dtype, in units of the output's magnitude (outputs
 # are convex combinations of v, whose entries are about N(0, 1)).
-FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+FLOOR = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
 
 MASK_KINDS = (
     "none",
@@ -27,6 +27,7 @@ MASK_KINDS = (
     "per_head",  # bool [1, Hq, Nq, Nk]
     "rows_2d",  # bool [Nq, Nk], broadcast over batch and heads
     "fully_masked_rows",  # bool with whole query rows hidden
+    "key_block_holes",  # bool [B, 1, 1, Nk] hiding keys 64-191 and 256-767: whole tiles skipped
 )
 
 
@@ -78,6 +79,11 @@ def make_mask(case: Case, generator: torch.Generator, dtype: torch.dtype) -> tor
         return rand(1, H, Nq, Nk) > 0.5
     if kind == "rows_2d":
         return rand(Nq, Nk) > 0.4
+    if kind == "key_block_holes":
+        keep = torch.ones(B, 1, 1, Nk, dtype=torch.bool)
+        keep[..., 64:192] = False
+        keep[..., 256:768] = False
+        return keep
     if kind == "fully_masked_rows":
         m = rand(B, H, Nq, Nk) > 0.25
         m[:, :, ::3, :] = False  # every third query sees nothing

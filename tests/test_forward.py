@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attention_cases import MASK_KINDS, Case, check_forward, make_inputs
+from fusedattn.memory import cpu_peak_bytes
 
 AWKWARD = [1, 7, 97, 113, 256, 257, 1025]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -39,6 +40,9 @@ def test_forward_random_cases(case):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_mask_kind(mask, is_causal, dtype):
     check_forward(Case(seqlen_q=113, seqlen_k=97, dtype=dtype, mask=mask, is_causal=is_causal))
+    # Long enough for key_block_holes to hide whole 256-key tiles.
+    check_forward(Case(batch=1, seqlen_q=300, seqlen_k=900, dtype=dtype, mask=mask,
+                       is_causal=is_causal))
 
 
 @pytest.mark.parametrize("n", AWKWARD)
@@ -116,8 +120,12 @@ def test_broadcast_mask_is_not_materialised():
     """A [B, 1, 1, Nk] mask expanded to a huge shape costs nothing (stride 0 is read as is)."""
     case = Case(batch=1, heads_q=64, heads_kv=64, seqlen_q=2048, seqlen_k=2048, head_dim=8)
     q, k, v, _ = make_inputs(case)
-    mask = (torch.rand(1, 1, 1, 2048) > 0.5).expand(1, 64, 2048, 2048)  # 256M elements if dense
-    out, _ = torch.ops.fusedattn.forward(q, k, v, mask, False, None)
+    mask = (torch.rand(1, 1, 1, 2048) > 0.5).expand(1, 64, 2048, 2048)  # 256 MiB if dense
+    result = {}
+    used = cpu_peak_bytes(lambda: result.update(out=torch.ops.fusedattn.forward(q, k, v, mask, False, None)[0]))
+    out = result["out"]
+    if used is not None:
+        assert used < 64 * 2**20, f"forward used {used / 2**20:.0f} MiB: the mask was materialised?"
     dense = mask[:, :2].contiguous()
     expected, _ = torch.ops.fusedattn.forward(q[:, :2], k[:, :2], v[:, :2], dense, False, None)
     torch.testing.assert_close(out[:, :2], expected, atol=0, rtol=0)
@@ -126,3 +134,18 @@ def test_broadcast_mask_is_not_materialised():
 def test_large_scale_does_not_overflow():
     # Scores around 1e4: the online softmax must subtract the running max.
     check_forward(Case(scale=300.0, seqlen_q=60, seqlen_k=600, mask="additive"))
+
+
+def test_finfo_min_mask_counts_as_minus_inf():
+    """Documented rule: an additive value that overflows to -inf in base-2 units
+    (float32's finfo.min) hides its key exactly like -inf does."""
+    q, k, v, _ = make_inputs(Case())
+    hidden = torch.rand(q.shape[2], k.shape[2]) < 0.3
+    hidden[0] = True  # one row hidden entirely: out 0, lse -inf
+    with_inf = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))
+    with_min = torch.zeros(hidden.shape).masked_fill(hidden, torch.finfo(torch.float32).min)
+    out_inf, lse_inf = torch.ops.fusedattn.forward(q, k, v, with_inf, False, None)
+    out_min, lse_min = torch.ops.fusedattn.forward(q, k, v, with_min, False, None)
+    torch.testing.assert_close(out_min, out_inf, atol=0, rtol=0)
+    torch.testing.assert_close(lse_min, lse_inf, atol=0, rtol=0)
+    assert (out_min[:, :, 0] == 0).all() and (lse_min[:, :, 0] == float("-inf")).all()

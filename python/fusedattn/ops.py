@@ -49,6 +49,11 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     if grad_out is None:  # only lse was used downstream; lse is not differentiable
         return None, None, None, None, None, None
+    if q.is_cuda and not torch._C._dispatch_has_kernel_for_dispatch_key("fusedattn::backward", "CUDA"):
+        raise NotImplementedError(
+            "fusedattn: no CUDA backward kernel yet (the forward runs on CUDA; train on the CPU "
+            "or with torch.nn.functional.scaled_dot_product_attention for now)"
+        )
     grad_q, grad_k, grad_v = torch.ops.fusedattn.backward(
         grad_out.contiguous(), q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale
     )

@@ -49,15 +49,21 @@ def attention_with_lse(
     if is_causal:
         s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
 
-    # Rows whose keys are all masked give out = 0 and lse = -inf. Their scores
-    # are replaced by zeros before the softmax so that neither the forward nor
-    # autograd through it produces NaN.
+    # The softmax runs in float32 at least (as torch.softmax does for float16
+    # and bfloat16 inputs) and P is rounded to v's dtype for the PV product.
+    # Subtracting the row max, not the LSE, keeps the normalisation exact when
+    # scores are huge (a mask of finfo.min). Rows whose keys are all masked
+    # give out = 0 and lse = -inf; their scores are zeroed first so that
+    # neither the forward nor autograd through it produces NaN.
+    s = s.to(torch.promote_types(s.dtype, torch.float32))
     visible = (s != float("-inf")).any(dim=-1, keepdim=True)
     s = torch.where(visible, s, 0.0)
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.where(visible, torch.exp(s - lse), 0.0)
-    lse = torch.where(visible, lse, float("-inf")).squeeze(-1)
-    return torch.matmul(p, v), lse
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - m)
+    l = p.sum(dim=-1, keepdim=True)
+    p = torch.where(visible, p / l, 0.0)
+    lse = torch.where(visible, m + torch.log(l), float("-inf")).squeeze(-1)
+    return torch.matmul(p.to(v.dtype), v), lse
 
 
 def attention(
