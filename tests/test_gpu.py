@@ -1,11 +1,16 @@
 """The CUDA forward against the float64 reference (marker `gpu`: skipped
 without a CUDA device or without CUDA kernels in the build)."""
 
+import dataclasses
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import fusedattn
 from attention_cases import MASK_KINDS, Case, check_forward, make_inputs
+from test_forward import cases
 
 pytestmark = pytest.mark.gpu
 GPU_DTYPES = [torch.float16, torch.bfloat16]
@@ -26,6 +31,12 @@ def check_cuda(case: Case):
     poison_allocator((q.shape, q.dtype), (q.shape[:3], torch.float32))
     out, lse = torch.ops.fusedattn.forward(q, k, v, mask, case.is_causal, case.scale)
     return check_forward(case, device="cuda", out=out, lse=lse)
+
+
+@given(cases(max_len=1100), st.sampled_from(GPU_DTYPES), st.sampled_from(HEAD_DIMS))
+def test_cuda_random_cases(case, dtype, head_dim):
+    """The CPU suite's random cases, moved to the dtypes and head dims CUDA takes."""
+    check_cuda(dataclasses.replace(case, dtype=dtype, head_dim=head_dim))
 
 
 @pytest.mark.parametrize("mask", MASK_KINDS)
