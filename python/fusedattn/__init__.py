@@ -22,8 +22,8 @@ def _load_library() -> None:
 
 _load_library()
 
-from . import ops, reference  # noqa: E402  (ops registers fake functions and autograd)
+from . import nn, ops, reference  # noqa: E402  (ops registers fake functions and autograd)
 from .ops import attention  # noqa: E402
 
-__all__ = ["attention", "ops", "reference"]
+__all__ = ["attention", "nn", "ops", "reference"]
 __version__ = "0.1.0"

@@ -11,7 +11,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["attention"]
+__all__ = ["attention", "supports"]
+
+# What the CUDA kernels take; the CPU kernels take float32, float16 and
+# bfloat16 at any head dim.
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
+CUDA_HEAD_DIMS = (32, 64, 128)
+
+
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int, needs_grad: bool = False) -> bool:
+    """Whether fusedattn's kernels serve attention on this device, dtype and
+    head dim (and its backward, when ``needs_grad``)."""
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if device.type == "cuda":
+        kernels_ok = dtype in CUDA_DTYPES and head_dim in CUDA_HEAD_DIMS and \
+            torch._C._dispatch_has_kernel_for_dispatch_key("fusedattn::forward", "CUDA")
+        return kernels_ok and (not needs_grad or torch._C._dispatch_has_kernel_for_dispatch_key(
+            "fusedattn::backward", "CUDA"))
+    return False
 
 
 @torch.library.register_fake("fusedattn::forward")

@@ -1,0 +1,130 @@
+"""Modules built on the fused operator.
+
+:class:`MultiheadAttention` is a drop-in for :class:`torch.nn.MultiheadAttention`
+(same constructor, parameter names, state dict, forward signature and return
+values); :func:`swap_attention` turns every ``nn.MultiheadAttention`` of a model
+into it, in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .ops import attention, supports
+
+__all__ = ["MultiheadAttention", "swap_attention"]
+
+
+def _as_keep_or_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """nn.MultiheadAttention's convention (bool True = ignore) to fusedattn's
+    (bool True = may attend); floating masks are additive in both."""
+    return ~mask if mask.dtype == torch.bool else mask.to(dtype)
+
+
+def _combine(a: Tensor | None, b: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    if a is None or b is None:
+        return a if b is None else b
+    if a.dtype == torch.bool and b.dtype == torch.bool:
+        return a & b
+    as_bias = lambda m: torch.zeros((), dtype=dtype, device=m.device).masked_fill(~m, float("-inf")) \
+        if m.dtype == torch.bool else m  # noqa: E731
+    return as_bias(a) + as_bias(b)
+
+
+class MultiheadAttention(torch.nn.MultiheadAttention):
+    """:class:`torch.nn.MultiheadAttention` on fusedattn's fused kernels.
+
+    Same constructor, parameters, state dict (either loads into the other),
+    forward signature and return values. The fused operator serves a call when
+    ``need_weights=False``, no attention dropout is active (eval mode or
+    ``dropout=0``), ``add_bias_kv`` and ``add_zero_attn`` are off, and the
+    device's kernels take the dtype and head dim (any on the CPU; float16 or
+    bfloat16 with head dim 32, 64 or 128 on CUDA, where training also waits for
+    the CUDA backward kernel). Every other call takes PyTorch's own path, which
+    materialises the attention weights (memory O(N^2)) and is what
+    ``need_weights=True``, the default of ``nn.MultiheadAttention``, requires:
+    pass ``need_weights=False`` to get the fused kernel.
+
+    One difference: a query whose keys are all masked gives zeros here, where
+    PyTorch's path gives NaN.
+    """
+
+    def _fused_path_serves(self, query: Tensor, need_weights: bool) -> bool:
+        dropout_active = self.training and self.dropout > 0.0
+        if need_weights or dropout_active or self.bias_k is not None or self.add_zero_attn:
+            return False
+        needs_grad = torch.is_grad_enabled() and (
+            query.requires_grad or any(p.requires_grad for p in self.parameters()))
+        return supports(query.device, query.dtype, self.head_dim, needs_grad)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        if not self._fused_path_serves(query, need_weights):
+            return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                   average_attn_weights, is_causal)
+        if is_causal and attn_mask is None:
+            raise RuntimeError(
+                "Need attn_mask if specifying the is_causal hint (as torch.nn.MultiheadAttention)")
+
+        batched = query.dim() == 3
+        if not batched:  # (L, E) -> (1, L, E) in batch-first layout
+            query, key, value = (x.unsqueeze(0) for x in (query, key, value))
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:  # (L, N, E) -> (N, L, E)
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+
+        n, l, _ = query.shape
+        s = key.shape[1]
+        h, d = self.num_heads, self.head_dim
+        if self._qkv_same_embed_dim:
+            w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        b_q, b_k, b_v = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None,) * 3
+        q = F.linear(query, w_q, b_q).view(n, l, h, d).transpose(1, 2)
+        k = F.linear(key, w_k, b_k).view(n, s, h, d).transpose(1, 2)
+        v = F.linear(value, w_v, b_v).view(n, s, h, d).transpose(1, 2)
+
+        # With the causal hint, no padding mask and no weights, PyTorch ignores
+        # attn_mask and applies SDPA's top-left causal rule; do the same.
+        causal = is_causal and key_padding_mask is None
+        mask = None
+        if causal and l != s:
+            mask = torch.ones(l, s, dtype=torch.bool, device=q.device).tril()
+            causal = False
+        elif not causal:
+            if attn_mask is not None:
+                mask = _as_keep_or_bias(attn_mask, q.dtype)
+                if mask.dim() == 3:  # (N * H, L, S) or, unbatched, (H, L, S)
+                    mask = mask.view(n, h, l, s)
+            if key_padding_mask is not None:
+                pad = _as_keep_or_bias(key_padding_mask, q.dtype).view(n, 1, 1, s)
+                mask = _combine(mask, pad, q.dtype)
+
+        out = attention(q, k, v, attn_mask=mask, is_causal=causal)
+        out = self.out_proj(out.transpose(1, 2).reshape(n, l, h * d))
+        if not batched:
+            return out.squeeze(0), None
+        return (out if self.batch_first else out.transpose(0, 1)), None
+
+
+def swap_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Makes every ``torch.nn.MultiheadAttention`` inside ``model`` a
+    :class:`fusedattn.nn.MultiheadAttention`, in place (the weights, device and
+    dtype are the module's own, untouched), and returns ``model``."""
+    for module in model.modules():
+        if type(module) is torch.nn.MultiheadAttention:
+            module.__class__ = MultiheadAttention
+    return model
