@@ -23,14 +23,20 @@ def _as_keep_or_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return ~mask if mask.dtype == torch.bool else mask.to(dtype)
 
 
+def _as_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A keep-mask (True = may attend) as an additive one; additive masks as they are."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
 def _combine(a: Tensor | None, b: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """Both masks at once (they broadcast together)."""
     if a is None or b is None:
         return a if b is None else b
     if a.dtype == torch.bool and b.dtype == torch.bool:
         return a & b
-    as_bias = lambda m: torch.zeros((), dtype=dtype, device=m.device).masked_fill(~m, float("-inf")) \
-        if m.dtype == torch.bool else m  # noqa: E731
-    return as_bias(a) + as_bias(b)
+    return _as_bias(a, dtype) + _as_bias(b, dtype)
 
 
 class MultiheadAttention(torch.nn.MultiheadAttention):
