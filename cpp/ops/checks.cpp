@@ -173,10 +173,14 @@ std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(PreparedInputs& in) 
   const AttentionShape& sh = in.params.shape;
   at::Tensor out = at::empty({sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim}, in.q.options());
   at::Tensor lse = at::empty({sh.batch, sh.heads_q, sh.seqlen_q}, in.q.options().dtype(at::kFloat));
-  in.params.out = out.data_ptr();
-  in.params.out_strides = strides_of(out);
-  in.params.lse = lse.data_ptr<float>();
+  set_forward_outputs(in.params, out, lse);
   return {out, lse};
+}
+
+void set_forward_outputs(ForwardParams& params, const at::Tensor& out, const at::Tensor& lse) {
+  params.out = out.data_ptr();
+  params.out_strides = strides_of(out);
+  params.lse = lse.data_ptr<float>();
 }
 
 PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, const at::Tensor& q,

@@ -61,6 +61,10 @@ PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, co
                                   bool is_causal, std::optional<double> scale,
                                   const DeviceSupport& support);
 
+// Points params at out ([B, Hq, Nq, d], last dim contiguous) and lse
+// (contiguous float32 [B, Hq, Nq]).
+void set_forward_outputs(ForwardParams& params, const at::Tensor& out, const at::Tensor& lse);
+
 // Allocates out (q's dtype) and lse (float32 [B, Hq, Nq]) and points params at them.
 std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(PreparedInputs& in);
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["attention", "supports"]
+__all__ = ["attention", "attention_with_kvcache", "supports"]
 
 # What the CUDA kernels take; the CPU kernels take float32, float16 and
 # bfloat16 at any head dim.
@@ -42,6 +42,12 @@ def _forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None):
 @torch.library.register_fake("fusedattn::backward")
 def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.register_fake("fusedattn::forward_kvcache")
+def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, is_causal=True,
+                          scale=None):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.register_fake("fusedattn::naive_forward")
@@ -106,4 +112,37 @@ def attention(
         Differentiable with respect to q, k and v.
     """
     out, _ = torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale)
+    return out
+
+
+def attention_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    k_new: Tensor | None = None,
+    v_new: Tensor | None = None,
+    is_causal: bool = True,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention of a few new queries per sequence against a preallocated KV cache.
+
+    Args:
+        q: ``[B, Hq, Nq, d]``, usually Nq = 1 (decoding) or a short chunk.
+        k_cache, v_cache: ``[B, Hkv, max_len, d]``, modified in place when
+            ``k_new`` and ``v_new`` are given.
+        cache_seqlens: int32 ``[B]``, the number of valid cached positions of
+            each sequence before this call. It is not updated: add ``Nnew``
+            yourself once the call returns.
+        k_new, v_new: ``[B, Hkv, Nnew, d]`` or None; written into the caches at
+            positions ``cache_seqlens[b] .. cache_seqlens[b] + Nnew - 1``.
+        is_causal: bottom-right aligned per sequence: query i of sequence b sees
+            cache position j when ``j <= i + L_b - Nq`` with
+            ``L_b = cache_seqlens[b] + Nnew``.
+
+    Returns:
+        ``[B, Hq, Nq, d]``. Not differentiable (an inference operator).
+    """
+    out, _ = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                 is_causal, scale)
     return out

@@ -56,6 +56,8 @@ def attention_with_lse(
     # give out = 0 and lse = -inf; their scores are zeroed first so that
     # neither the forward nor autograd through it produces NaN.
     s = s.to(torch.promote_types(s.dtype, torch.float32))
+    if s.shape[-1] == 0:  # no keys at all: every row is fully masked
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), s.new_full(s.shape[:-1], float("-inf"))
     visible = (s != float("-inf")).any(dim=-1, keepdim=True)
     s = torch.where(visible, s, 0.0)
     m = s.amax(dim=-1, keepdim=True)

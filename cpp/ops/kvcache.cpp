@@ -1,0 +1,58 @@
+#include "kvcache.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace fusedattn::ops {
+
+std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+    const SequenceForward& forward) {
+  const char* op = "fusedattn.forward_kvcache";
+  TORCH_CHECK(q.dim() == 4, op, ": q must be [B, Hq, Nq, d], got shape ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
+              ": k_cache and v_cache must both be [B, Hkv, max_len, d], got ", k_cache.sizes(),
+              " and ", v_cache.sizes());
+  TORCH_CHECK(k_cache.size(0) == q.size(0), op, ": the caches hold ", k_cache.size(0),
+              " sequences but q has batch ", q.size(0));
+  const int64_t batch = q.size(0), max_len = k_cache.size(2);
+  TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == batch &&
+                  cache_seqlens.scalar_type() == at::kInt,
+              op, ": cache_seqlens must be int32 [B] = [", batch, "], got ",
+              cache_seqlens.scalar_type(), " ", cache_seqlens.sizes());
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), op,
+              ": k_new and v_new must be given together");
+  int64_t n_new = 0;
+  if (k_new) {
+    TORCH_CHECK(k_new->dim() == 4 && k_new->sizes() == v_new->sizes() &&
+                    k_new->size(0) == batch && k_new->size(1) == k_cache.size(1) &&
+                    k_new->size(3) == k_cache.size(3),
+                op, ": k_new and v_new must be [B, Hkv, Nnew, d] = [", batch, ", ",
+                k_cache.size(1), ", Nnew, ", k_cache.size(3), "], got ", k_new->sizes(), " and ",
+                v_new->sizes());
+    n_new = k_new->size(2);
+  }
+
+  const at::Tensor lengths = cache_seqlens.to(at::kCPU);
+  const int32_t* len = lengths.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(len[b] >= 0 && len[b] + n_new <= max_len, op, ": sequence ", b, " has ", len[b],
+                " cached positions and ", n_new, " new ones, but the cache holds ", max_len);
+
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({batch, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = len[b], end = len[b] + n_new;
+    if (k_new) {
+      k_cache[b].narrow(1, start, n_new).copy_((*k_new)[b]);
+      v_cache[b].narrow(1, start, n_new).copy_((*v_new)[b]);
+    }
+    forward(q.narrow(0, b, 1), k_cache.narrow(0, b, 1).narrow(2, 0, end),
+            v_cache.narrow(0, b, 1).narrow(2, 0, end), out.narrow(0, b, 1), lse.narrow(0, b, 1));
+  }
+  return {out, lse};
+}
+
+}  // namespace fusedattn::ops
