@@ -93,7 +93,16 @@ class Engine:
                  device="cpu", dtype=torch.float32):
         self.config, self.tokenizer = config, tokenizer
         self.device, self.dtype = torch.device(device), dtype
-        self.w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
+        w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
+        self.embed, self.output_norm = w["token_embd.weight"], w["output_norm.weight"]
+        # Per layer, with the projections that read the same input fused into
+        # one matrix each (Q|K|V and gate|up): fewer, larger GEMMs per token.
+        self.layers = [dict(
+            attn_norm=w[f"blk.{i}.attn_norm.weight"], ffn_norm=w[f"blk.{i}.ffn_norm.weight"],
+            qkv=torch.cat([w[f"blk.{i}.attn_{x}.weight"] for x in "qkv"]),
+            out=w[f"blk.{i}.attn_output.weight"], down=w[f"blk.{i}.ffn_down.weight"],
+            gate_up=torch.cat([w[f"blk.{i}.ffn_gate.weight"], w[f"blk.{i}.ffn_up.weight"]]),
+        ) for i in range(config.layers)]
         # GGUF stores Q and K rows permuted for llama.cpp's rotary embedding,
         # which rotates adjacent pairs (x[2i], x[2i+1]) by position * base^(-2i/d).
         d = config.head_dim
@@ -112,55 +121,58 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
         return cls(config, weights, tokenizer, device, dtype)
 
-    def _rope(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x: [B, H, T, d]; positions: [B, T]."""
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, d/2]
+    def _rotation(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin for positions [B, T], shaped to broadcast over heads."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, d/2]
+
+    @staticmethod
+    def _rope(x: Tensor, rotation: tuple[Tensor, Tensor]) -> Tensor:
+        """Rotates the adjacent pairs of x [B, H, T, d]."""
+        cos, sin = rotation
         even, odd = x[..., 0::2].float(), x[..., 1::2].float()
         out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
         return out.flatten(-2).to(x.dtype)
 
-    def _layer_qkv(self, i: int, x: Tensor, positions: Tensor):
-        c, w = self.config, self.w
+    def _layer_qkv(self, layer: dict, x: Tensor, rotation):
+        c = self.config
         b, t, _ = x.shape
-        h = _rms_norm(x, w[f"blk.{i}.attn_norm.weight"], c.norm_eps)
-        q = F.linear(h, w[f"blk.{i}.attn_q.weight"]).view(b, t, c.heads, c.head_dim).transpose(1, 2)
-        k = F.linear(h, w[f"blk.{i}.attn_k.weight"]).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
-        v = F.linear(h, w[f"blk.{i}.attn_v.weight"]).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
-        return self._rope(q, positions), self._rope(k, positions), v
+        h = _rms_norm(x, layer["attn_norm"], c.norm_eps)
+        qkv = F.linear(h, layer["qkv"]).view(b, t, c.heads + 2 * c.kv_heads, c.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([c.heads, c.kv_heads, c.kv_heads], dim=1)
+        return self._rope(q, rotation), self._rope(k, rotation), v
 
-    def _layer_rest(self, i: int, x: Tensor, attn: Tensor) -> Tensor:
-        c, w = self.config, self.w
-        x = x + F.linear(attn.transpose(1, 2).reshape(x.shape), w[f"blk.{i}.attn_output.weight"])
-        h = _rms_norm(x, w[f"blk.{i}.ffn_norm.weight"], c.norm_eps)
-        gate, up = F.linear(h, w[f"blk.{i}.ffn_gate.weight"]), F.linear(h, w[f"blk.{i}.ffn_up.weight"])
-        return x + F.linear(F.silu(gate) * up, w[f"blk.{i}.ffn_down.weight"])
+    def _layer_rest(self, layer: dict, x: Tensor, attn: Tensor) -> Tensor:
+        x = x + F.linear(attn.transpose(1, 2).reshape(x.shape), layer["out"])
+        h = _rms_norm(x, layer["ffn_norm"], self.config.norm_eps)
+        gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer["down"])
 
     def _logits(self, x: Tensor) -> Tensor:
-        x = _rms_norm(x, self.w["output_norm.weight"], self.config.norm_eps)
-        return F.linear(x, self.w["token_embd.weight"]).float()  # tied embeddings
+        x = _rms_norm(x, self.output_norm, self.config.norm_eps)
+        return F.linear(x, self.embed).float()  # tied embeddings
 
     @torch.no_grad()
     def prefill(self, tokens: list[int], caches, slot: int) -> Tensor:
         """Runs one prompt (causal fused forward), fills its cache slot; returns the last logits."""
         ids = torch.tensor([tokens], device=self.device)
-        positions = torch.arange(len(tokens), device=self.device)[None]
-        x = self.w["token_embd.weight"][ids]
-        for i, (k_cache, v_cache) in enumerate(caches):
-            q, k, v = self._layer_qkv(i, x, positions)
+        rotation = self._rotation(torch.arange(len(tokens), device=self.device)[None])
+        x = self.embed[ids]
+        for layer, (k_cache, v_cache) in zip(self.layers, caches):
+            q, k, v = self._layer_qkv(layer, x, rotation)
             k_cache[slot, :, : len(tokens)] = k[0]
             v_cache[slot, :, : len(tokens)] = v[0]
-            x = self._layer_rest(i, x, attention(q, k, v, is_causal=True))
+            x = self._layer_rest(layer, x, attention(q, k, v, is_causal=True))
         return self._logits(x[:, -1])[0]
 
     @torch.no_grad()
     def decode(self, tokens: Tensor, lengths: Tensor, caches) -> Tensor:
         """One token per sequence, each at its own position; appends to the caches."""
-        x = self.w["token_embd.weight"][tokens][:, None]  # [B, 1, hidden]
-        positions = lengths.long()[:, None]
-        for i, (k_cache, v_cache) in enumerate(caches):
-            q, k, v = self._layer_qkv(i, x, positions)
+        x = self.embed[tokens][:, None]  # [B, 1, hidden]
+        rotation = self._rotation(lengths.long()[:, None])
+        for layer, (k_cache, v_cache) in zip(self.layers, caches):
+            q, k, v = self._layer_qkv(layer, x, rotation)
             attn = attention_with_kvcache(q, k_cache, v_cache, lengths, k, v)
-            x = self._layer_rest(i, x, attn)
+            x = self._layer_rest(layer, x, attn)
         return self._logits(x[:, 0])
 
     def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64,
