@@ -17,6 +17,8 @@ namespace {
 // docs/cpu-notes.md.
 constexpr int64_t kBlockQ = 256;
 constexpr int64_t kBlockK = 256;
+// Blocks of at most this many queries compute S with dot products (see below).
+constexpr int64_t kDotRows = 16;
 
 template <typename scalar_t>
 void forward_typed(const ForwardParams& p) {
@@ -25,9 +27,12 @@ void forward_typed(const ForwardParams& p) {
   const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
   const float score_scale = p.scale * kLog2e;
 
+  // Buffers hold at most max_rows query rows: decoding (Nq = 1) then clears
+  // a few KB per task instead of a 256 x 256 tile.
+  const int64_t max_rows = std::min(kBlockQ, sh.seqlen_q);
   at::parallel_for(0, sh.batch * sh.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_buf(kBlockQ * d), kt_buf(d * kBlockK), v_buf(kBlockK * d);
-    std::vector<float> s(kBlockQ * kBlockK), acc(kBlockQ * d), m_i(kBlockQ), l_i(kBlockQ);
+    std::vector<float> q_buf(max_rows * d), kt_buf(d * kBlockK), v_buf(kBlockK * d);
+    std::vector<float> s(max_rows * kBlockK), acc(max_rows * d), m_i(max_rows), l_i(max_rows);
 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t batch = task / (sh.heads_q * q_blocks);
@@ -51,8 +56,17 @@ void forward_typed(const ForwardParams& p) {
         const Tile t{row0, rows, col0, std::min(kBlockK, key_end - col0)};
         if (!mask_tile_visible<scalar_t>(p.mask, batch, head, t)) continue;
 
-        const Matrix Kt = copy_rows_transposed(k, p.k_strides.row, col0, t.cols, d, kBlockK, kt_buf);
-        matmul(rows, t.cols, d, Q, Kt, s.data(), kBlockK, /*accumulate=*/false);
+        if (rows <= kDotRows) {
+          // Decoding-sized blocks: dot products against K's rows as stored
+          // cost less than transposing the K tile for a GEMM.
+          const Matrix K = view_rows(k, p.k_strides.row, col0, t.cols, d, kt_buf);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < t.cols; ++c)
+              s[r * kBlockK + c] = dot(Q.data + r * Q.ld, K.data + c * K.ld, d);
+        } else {
+          const Matrix Kt = copy_rows_transposed(k, p.k_strides.row, col0, t.cols, d, kBlockK, kt_buf);
+          matmul(rows, t.cols, d, Q, Kt, s.data(), kBlockK, /*accumulate=*/false);
+        }
         if (tile_needs_masking(p, t)) mask_scores<scalar_t>(s.data(), kBlockK, p, batch, head, t);
 
         for (int64_t r = 0; r < rows; ++r) {

@@ -152,17 +152,19 @@ class Engine:
         return F.linear(x, self.embed).float()  # tied embeddings
 
     @torch.no_grad()
-    def prefill(self, tokens: list[int], caches, slot: int) -> Tensor:
-        """Runs one prompt (causal fused forward), fills its cache slot; returns the last logits."""
-        ids = torch.tensor([tokens], device=self.device)
-        rotation = self._rotation(torch.arange(len(tokens), device=self.device)[None])
+    def prefill(self, prompts: list[list[int]], caches, slots: list[int]) -> Tensor:
+        """Runs prompts of one length together (causal fused forward), fills
+        their cache slots, and returns their last logits [len(prompts), vocab]."""
+        ids = torch.tensor(prompts, device=self.device)
+        length = ids.shape[1]
+        rotation = self._rotation(torch.arange(length, device=self.device).expand(ids.shape))
         x = self.embed[ids]
         for layer, (k_cache, v_cache) in zip(self.layers, caches):
             q, k, v = self._layer_qkv(layer, x, rotation)
-            k_cache[slot, :, : len(tokens)] = k[0]
-            v_cache[slot, :, : len(tokens)] = v[0]
+            k_cache[slots, :, :length] = k
+            v_cache[slots, :, :length] = v
             x = self._layer_rest(layer, x, attention(q, k, v, is_causal=True))
-        return self._logits(x[:, -1])[0]
+        return self._logits(x[:, -1])
 
     @torch.no_grad()
     def decode(self, tokens: Tensor, lengths: Tensor, caches) -> Tensor:
@@ -192,7 +194,11 @@ class Engine:
         generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
 
         start = time.perf_counter()
-        logits = torch.stack([self.prefill(p, caches, slot) for slot, p in enumerate(ids)])
+        # Prompts of the same length are prefilled together; no padding anywhere.
+        logits = torch.empty(len(ids), c.vocab, device=self.device)
+        for length in sorted({len(p) for p in ids}):
+            slots = [i for i, p in enumerate(ids) if len(p) == length]
+            logits[slots] = self.prefill([ids[i] for i in slots], caches, slots)
         lengths = torch.tensor([len(p) for p in ids], dtype=torch.int32, device=self.device)
         if stats is not None:
             stats["prefill_tokens"], stats["prefill_s"] = sum(map(len, ids)), time.perf_counter() - start
