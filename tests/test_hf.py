@@ -84,3 +84,26 @@ def test_smollm2_logits_and_greedy_generation_match_sdpa(device, fused_calls):
     torch.testing.assert_close(logits[real], ref_logits[real], atol=1e-3, rtol=1e-3)
     assert torch.equal(tokens, ref_tokens)
     assert len(fused_calls) >= 30 * 32  # 30 layers, prefill and every decode step
+
+
+def test_causal_branch_without_padding_on_a_small_llama(monkeypatch):
+    """No mask: transformers relies on the causal flag (prefill) and on a
+    single query (decode); both must equal the sdpa implementation."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                                      max_position_embeddings=128)
+    torch.manual_seed(0)
+    sdpa = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    fused = transformers.LlamaForCausalLM._from_config(config, attn_implementation="fusedattn").eval()
+    fused.load_state_dict(sdpa.state_dict())
+    causal_calls = []
+    real = fusedattn.hf.attention
+    monkeypatch.setattr(fusedattn.hf, "attention",
+                        lambda *a, **kw: causal_calls.append(kw["is_causal"]) or real(*a, **kw))
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, sdpa(ids).logits, atol=1e-5, rtol=1e-5)
+        assert causal_calls and all(causal_calls)
+        tokens = fused.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        ref = sdpa.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, ref)

@@ -108,3 +108,27 @@ def test_bad_inputs():
         op(q, k_cache, v_cache, lens, k_new[..., :5], v_new[..., :5])
     with pytest.raises(RuntimeError, match="caches hold 3 sequences but q has batch 2"):
         op(q[:2], k_cache, v_cache, lens, k_new, v_new)
+
+
+def test_rejected_calls_leave_the_cache_untouched():
+    q, k_cache, v_cache, lens, k_new, v_new = make_cache(n_new=2)
+    before = k_cache.clone()
+    op = torch.ops.fusedattn.forward_kvcache
+    with pytest.raises(RuntimeError, match="need the same d"):
+        op(torch.randn(3, 4, 1, 33), k_cache, v_cache, lens, k_new, v_new)
+    with pytest.raises(RuntimeError, match="must share dtype and device"):
+        op(q.double(), k_cache, v_cache, lens, k_new, v_new)
+    with pytest.raises(RuntimeError, match="k_new and v_new must have the caches' dtype"):
+        op(q, k_cache, v_cache, lens, k_new.double(), v_new.double())
+    with pytest.raises(RuntimeError, match="must be different tensors"):
+        op(q, k_cache, k_cache, lens, k_new, v_new)
+    assert torch.equal(k_cache, before)
+
+
+def test_non_contiguous_cache_seqlens():
+    q, k_cache, v_cache, lens, k_new, v_new = make_cache(n_new=1)
+    spread = torch.stack([lens, torch.zeros_like(lens)], dim=1).flatten()[::2]  # stride 2
+    assert not spread.is_contiguous() and torch.equal(spread, lens)
+    expected, _ = torch.ops.fusedattn.forward_kvcache(q, k_cache.clone(), v_cache.clone(), lens, k_new, v_new)
+    out, _ = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, spread, k_new, v_new)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)

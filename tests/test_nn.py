@@ -177,3 +177,40 @@ def test_swapped_encoder_compiles_without_graph_breaks():
     assert explanation.graph_break_count == 0, explanation.break_reasons
     torch.testing.assert_close(torch.compile(encoder, fullgraph=True)(x), encoder(x),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_integer_masks_are_refused_like_torch():
+    ours, theirs = pair(batch_first=True)
+    q, k, v = inputs(True)
+    pad = torch.zeros(3, 11, dtype=torch.uint8)
+    for module in (ours, theirs):
+        with pytest.raises(AssertionError, match="only bool and floating types"):
+            module(q, k, v, key_padding_mask=pad, need_weights=False)
+
+
+def test_gradient_flows_into_a_learned_float_mask():
+    ours, theirs = pair(batch_first=True)
+    q, k, v = inputs(True)
+    grads = []
+    for module in (ours, theirs):
+        bias = torch.randn(7, 11, generator=torch.Generator().manual_seed(4)).requires_grad_()
+        out, _ = module(q, k, v, attn_mask=bias, need_weights=False)
+        out.sum().backward()
+        grads.append((out, bias.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-5, rtol=1e-5)
+
+
+def test_unbatched_3d_attn_mask_and_bfloat16():
+    ours, theirs = pair()
+    q, k, v = (t[:, 0] for t in inputs(False))  # (L, E)
+    mask = torch.rand(H, 7, 11, generator=torch.Generator().manual_seed(5)) < 0.3
+    mask[..., 0] = False
+    out, _ = ours(q, k, v, attn_mask=mask, need_weights=False)
+    ref, _ = theirs(q, k, v, attn_mask=mask, need_weights=False)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    ours, theirs = ours.bfloat16().eval(), theirs.bfloat16().eval()
+    bias = torch.randn(7, 11).bfloat16()
+    out, _ = ours(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=bias, need_weights=False)
+    ref, _ = theirs(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=bias, need_weights=False)
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)

@@ -17,6 +17,15 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
               " and ", v_cache.sizes());
   TORCH_CHECK(k_cache.size(0) == q.size(0), op, ": the caches hold ", k_cache.size(0),
               " sequences but q has batch ", q.size(0));
+  TORCH_CHECK(!k_cache.is_same(v_cache), op, ": k_cache and v_cache must be different tensors");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.device() == k_cache.device() && q.device() == v_cache.device(),
+              op, ": q, k_cache and v_cache must share dtype and device, got q ", q.scalar_type(),
+              " on ", q.device(), ", k_cache ", k_cache.scalar_type(), " on ", k_cache.device(),
+              ", v_cache ", v_cache.scalar_type(), " on ", v_cache.device());
+  TORCH_CHECK(q.size(3) == k_cache.size(3) && k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
+              op, ": q [B, Hq, Nq, d] and the caches [B, Hkv, max_len, d] need the same d and Hq a "
+              "multiple of Hkv, got q ", q.sizes(), " and caches ", k_cache.sizes());
   const int64_t batch = q.size(0), max_len = k_cache.size(2);
   TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == batch &&
                   cache_seqlens.scalar_type() == at::kInt,
@@ -32,10 +41,16 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
                 op, ": k_new and v_new must be [B, Hkv, Nnew, d] = [", batch, ", ",
                 k_cache.size(1), ", Nnew, ", k_cache.size(3), "], got ", k_new->sizes(), " and ",
                 v_new->sizes());
+    TORCH_CHECK(k_new->scalar_type() == k_cache.scalar_type() &&
+                    v_new->scalar_type() == k_cache.scalar_type() &&
+                    k_new->device() == k_cache.device() && v_new->device() == k_cache.device(),
+                op, ": k_new and v_new must have the caches' dtype and device (", k_cache.scalar_type(),
+                " on ", k_cache.device(), "), got ", k_new->scalar_type(), " and ",
+                v_new->scalar_type());
     n_new = k_new->size(2);
   }
 
-  const at::Tensor lengths = cache_seqlens.to(at::kCPU);
+  const at::Tensor lengths = cache_seqlens.to(at::kCPU).contiguous();
   const int32_t* len = lengths.data_ptr<int32_t>();
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(len[b] >= 0 && len[b] + n_new <= max_len, op, ": sequence ", b, " has ", len[b],

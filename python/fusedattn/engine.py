@@ -72,6 +72,9 @@ def _read_gguf(path: str) -> tuple[LlamaConfig, dict[str, Tensor]]:
         raise ValueError(f"fusedattn.engine: expected a llama-architecture GGUF, got {arch!r} in {path}")
     weights = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
                for t in reader.tensors}
+    if "rope_freqs.weight" in weights:
+        raise ValueError(f"fusedattn.engine: {path} scales its rotary frequencies (rope_freqs), "
+                         "which this engine does not implement")
     config = LlamaConfig(
         layers=field("llama.block_count"), hidden=field("llama.embedding_length"),
         ffn=field("llama.feed_forward_length"), heads=field("llama.attention.head_count"),
@@ -93,8 +96,13 @@ class Engine:
                  device="cpu", dtype=torch.float32):
         self.config, self.tokenizer = config, tokenizer
         self.device, self.dtype = torch.device(device), dtype
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(
+                "fusedattn::forward_kvcache", self.device.type.upper()):
+            raise RuntimeError(f"fusedattn.engine: no forward_kvcache kernel for {self.device.type} "
+                               "yet (the CUDA decode kernel is issue 7); use device='cpu'")
         w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
         self.embed, self.output_norm = w["token_embd.weight"], w["output_norm.weight"]
+        self.lm_head = w.get("output.weight", self.embed)  # tied embeddings when absent
         # Per layer, with the projections that read the same input fused into
         # one matrix each (Q|K|V and gate|up): fewer, larger GEMMs per token.
         self.layers = [dict(
@@ -149,7 +157,7 @@ class Engine:
 
     def _logits(self, x: Tensor) -> Tensor:
         x = _rms_norm(x, self.output_norm, self.config.norm_eps)
-        return F.linear(x, self.embed).float()  # tied embeddings
+        return F.linear(x, self.lm_head).float()
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], caches, slots: list[int]) -> Tensor:
@@ -185,6 +193,8 @@ class Engine:
         if stop_tokens is None:
             stop_tokens = {self.tokenizer.eos_token_id} if self.tokenizer is not None else set()
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if not ids or any(len(p) == 0 for p in ids):
+            raise ValueError("fusedattn.engine: generate needs at least one prompt, each at least one token")
         c = self.config
         max_len = max(len(p) for p in ids) + max_new_tokens
         if max_len > c.context:

@@ -57,12 +57,17 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     PyTorch's path gives NaN.
     """
 
-    def _fused_path_serves(self, query: Tensor, need_weights: bool) -> bool:
+    def _fused_path_serves(self, query, key, value, masks, need_weights: bool) -> bool:
         dropout_active = self.training and self.dropout > 0.0
         if need_weights or dropout_active or self.bias_k is not None or self.add_zero_attn:
             return False
+        masks = [m for m in masks if m is not None]
+        # PyTorch's path raises for other mask dtypes, and it alone lets
+        # gradients flow into a mask.
+        if any(m.dtype != torch.bool and not m.is_floating_point() or m.requires_grad for m in masks):
+            return False
         needs_grad = torch.is_grad_enabled() and (
-            query.requires_grad or any(p.requires_grad for p in self.parameters()))
+            any(t.requires_grad for t in (query, key, value)) or any(p.requires_grad for p in self.parameters()))
         return supports(query.device, query.dtype, self.head_dim, needs_grad)
 
     def forward(
@@ -76,7 +81,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        if not self._fused_path_serves(query, need_weights):
+        if not self._fused_path_serves(query, key, value, (key_padding_mask, attn_mask), need_weights):
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
         if is_causal and attn_mask is None:
@@ -129,7 +134,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 def swap_attention(model: torch.nn.Module) -> torch.nn.Module:
     """Makes every ``torch.nn.MultiheadAttention`` inside ``model`` a
     :class:`fusedattn.nn.MultiheadAttention`, in place (the weights, device and
-    dtype are the module's own, untouched), and returns ``model``."""
+    dtype are the module's own, untouched), and returns ``model``.
+
+    ``nn.TransformerEncoderLayer`` in inference (eval mode, no autograd) may
+    take PyTorch's fused native encoder path, which never calls its attention
+    module's ``forward``: such layers keep PyTorch's own kernel."""
     for module in model.modules():
         if type(module) is torch.nn.MultiheadAttention:
             module.__class__ = MultiheadAttention
