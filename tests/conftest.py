@@ -13,9 +13,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def cuda_kernels_registered() -> bool:
-    import fusedattn  # noqa: F401
+    from fusedattn.ops import has_kernel
 
-    return torch._C._dispatch_has_kernel_for_dispatch_key("fusedattn::forward", "CUDA")
+    return has_kernel("forward", "cuda")
 
 
 def pytest_collection_modifyitems(config, items):

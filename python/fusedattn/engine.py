@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops import attention, attention_with_kvcache
+from .ops import attention, attention_with_kvcache, has_kernel
 
 __all__ = ["Engine", "LlamaConfig", "SamplingParams", "smollm2_path"]
 
@@ -96,8 +96,7 @@ class Engine:
                  device="cpu", dtype=torch.float32):
         self.config, self.tokenizer = config, tokenizer
         self.device, self.dtype = torch.device(device), dtype
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(
-                "fusedattn::forward_kvcache", self.device.type.upper()):
+        if not has_kernel("forward_kvcache", self.device.type):
             raise RuntimeError(f"fusedattn.engine: no forward_kvcache kernel for {self.device.type} "
                                "yet (the CUDA decode kernel is issue 7); use device='cpu'")
         w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}

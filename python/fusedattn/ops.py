@@ -11,12 +11,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["attention", "attention_with_kvcache", "supports"]
+__all__ = ["attention", "attention_with_kvcache", "has_kernel", "supports"]
 
 # What the CUDA kernels take; the CPU kernels take float32, float16 and
 # bfloat16 at any head dim.
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 CUDA_HEAD_DIMS = (32, 64, 128)
+
+
+def has_kernel(op: str, device_type: str) -> bool:
+    """Whether ``fusedattn::<op>`` has a kernel for ``device_type`` ("cpu", "cuda") in this build."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"fusedattn::{op}", device_type.upper())
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int, needs_grad: bool = False) -> bool:
@@ -25,10 +30,8 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, needs_grad
     if device.type == "cpu":
         return dtype in (torch.float32, torch.float16, torch.bfloat16)
     if device.type == "cuda":
-        kernels_ok = dtype in CUDA_DTYPES and head_dim in CUDA_HEAD_DIMS and \
-            torch._C._dispatch_has_kernel_for_dispatch_key("fusedattn::forward", "CUDA")
-        return kernels_ok and (not needs_grad or torch._C._dispatch_has_kernel_for_dispatch_key(
-            "fusedattn::backward", "CUDA"))
+        kernels_ok = dtype in CUDA_DTYPES and head_dim in CUDA_HEAD_DIMS and has_kernel("forward", "cuda")
+        return kernels_ok and (not needs_grad or has_kernel("backward", "cuda"))
     return False
 
 
@@ -73,7 +76,7 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     if grad_out is None:  # only lse was used downstream; lse is not differentiable
         return None, None, None, None, None, None
-    if q.is_cuda and not torch._C._dispatch_has_kernel_for_dispatch_key("fusedattn::backward", "CUDA"):
+    if q.is_cuda and not has_kernel("backward", "cuda"):
         raise NotImplementedError(
             "fusedattn: no CUDA backward kernel yet (the forward runs on CUDA; train on the CPU "
             "or with torch.nn.functional.scaled_dot_product_attention for now)"

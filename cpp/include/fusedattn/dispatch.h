@@ -1,4 +1,4 @@
-// Turning runtime values into compile-time constants, so kernels are
+// Turning the runtime dtype into a compile-time constant, so kernels are
 // specialised on them. Each backend maps the DType constant to its own element
 // type (c10::Half on the CPU, __half in CUDA code).
 #pragma once
@@ -22,13 +22,6 @@ decltype(auto) dispatch_dtype(DType dtype, F&& f) {
     case DType::BFloat16: return f(DTypeConstant<DType::BFloat16>{});
   }
   throw std::invalid_argument("fusedattn: unknown DType");
-}
-
-// f(std::bool_constant<value>{})
-template <typename F>
-decltype(auto) dispatch_bool(bool value, F&& f) {
-  if (value) return f(std::true_type{});
-  return f(std::false_type{});
 }
 
 }  // namespace fusedattn
