@@ -1,5 +1,6 @@
-"""Small CUDA forward calls for compute-sanitizer (memcheck, racecheck):
-every head dim, dtype, mask kind, causal, and sizes that end mid-tile.
+"""Small CUDA calls for compute-sanitizer (memcheck, racecheck): the forward
+for every head dim, dtype, mask kind, causal, and sizes that end mid-tile;
+forward_kvcache with appends, one and several splits, and an empty cache.
 Run: compute-sanitizer --tool memcheck python3 scripts/sanitizer_cases.py"""
 
 import sys
@@ -18,5 +19,17 @@ for head_dim in (32, 64, 128):
                         head_dim=head_dim, dtype=dtype, mask=mask, is_causal=causal)
             q, k, v, m = make_inputs(case, "cuda")
             torch.ops.fusedattn.forward(q, k, v, m, causal, None)
+
+import os  # noqa: E402
+
+from test_kvcache import make_cache  # noqa: E402
+
+for head_dim in (32, 64, 128):
+    for splits in ("1", "4"):
+        os.environ["FUSEDATTN_DECODE_SPLITS"] = splits
+        for nq, heads in ((1, (4, 4)), (3, (8, 2))):
+            args = [t.cuda() for t in make_cache(B=3, Hq=heads[0], Hkv=heads[1], d=head_dim, max_len=333,
+                                                 nq=nq, n_new=nq, dtype=torch.float16)]
+            torch.ops.fusedattn.forward_kvcache(*args, True, None)
 torch.cuda.synchronize()
 print("sanitizer cases: done")

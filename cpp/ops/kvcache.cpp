@@ -5,11 +5,10 @@
 
 namespace fusedattn::ops {
 
-std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
-    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& cache_seqlens,
-    const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-    const SequenceForward& forward) {
+int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                             const std::optional<at::Tensor>& k_new,
+                             const std::optional<at::Tensor>& v_new) {
   const char* op = "fusedattn.forward_kvcache";
   TORCH_CHECK(q.dim() == 4, op, ": q must be [B, Hq, Nq, d], got shape ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
@@ -26,11 +25,13 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
   TORCH_CHECK(q.size(3) == k_cache.size(3) && k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
               op, ": q [B, Hq, Nq, d] and the caches [B, Hkv, max_len, d] need the same d and Hq a "
               "multiple of Hkv, got q ", q.sizes(), " and caches ", k_cache.sizes());
-  const int64_t batch = q.size(0), max_len = k_cache.size(2);
+  const int64_t batch = q.size(0);
   TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == batch &&
                   cache_seqlens.scalar_type() == at::kInt,
               op, ": cache_seqlens must be int32 [B] = [", batch, "], got ",
               cache_seqlens.scalar_type(), " ", cache_seqlens.sizes());
+  TORCH_CHECK(cache_seqlens.device() == q.device(), op, ": cache_seqlens must be on q's device (",
+              q.device(), "), got ", cache_seqlens.device());
   TORCH_CHECK(k_new.has_value() == v_new.has_value(), op,
               ": k_new and v_new must be given together");
   int64_t n_new = 0;
@@ -49,12 +50,28 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
                 v_new->scalar_type());
     n_new = k_new->size(2);
   }
+  return n_new;
+}
 
-  const at::Tensor lengths = cache_seqlens.to(at::kCPU).contiguous();
+at::Tensor checked_cache_lengths(const at::Tensor& cache_seqlens, int64_t n_new, int64_t max_len) {
+  at::Tensor lengths = cache_seqlens.to(at::kCPU).contiguous();
   const int32_t* len = lengths.data_ptr<int32_t>();
-  for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK(len[b] >= 0 && len[b] + n_new <= max_len, op, ": sequence ", b, " has ", len[b],
-                " cached positions and ", n_new, " new ones, but the cache holds ", max_len);
+  for (int64_t b = 0; b < lengths.size(0); ++b)
+    TORCH_CHECK(len[b] >= 0 && len[b] + n_new <= max_len, "fusedattn.forward_kvcache: sequence ",
+                b, " has ", len[b], " cached positions and ", n_new,
+                " new ones, but the cache holds ", max_len);
+  return lengths;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+    const SequenceForward& forward) {
+  const int64_t n_new = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new);
+  const int64_t batch = q.size(0);
+  const at::Tensor lengths = checked_cache_lengths(cache_seqlens, n_new, k_cache.size(2));
+  const int32_t* len = lengths.data_ptr<int32_t>();
 
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({batch, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));

@@ -1,5 +1,6 @@
-// forward_kvcache's device-independent part: checks, the in-place append of
-// k_new/v_new, and one attention problem per sequence over its valid prefix.
+// forward_kvcache's device-independent part: checks, and (for devices without
+// a decode kernel) the in-place append of k_new/v_new followed by one
+// attention problem per sequence over its valid prefix.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,6 +10,18 @@
 #include "checks.h"
 
 namespace fusedattn::ops {
+
+// Checks shapes, dtypes and devices of every argument (not the values of
+// cache_seqlens) and returns Nnew, the positions k_new/v_new append (0 if none).
+int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                             const std::optional<at::Tensor>& k_new,
+                             const std::optional<at::Tensor>& v_new);
+
+// Checks that every sequence's cached positions plus n_new fit the caches and
+// returns cache_seqlens on the host, contiguous (a synchronisation for a
+// device tensor).
+at::Tensor checked_cache_lengths(const at::Tensor& cache_seqlens, int64_t n_new, int64_t max_len);
 
 // Runs `forward(q_b, k_b, v_b, out_b, lse_b)` for every sequence b, where k_b
 // and v_b are the first cache_seqlens[b] + Nnew cached positions (after the

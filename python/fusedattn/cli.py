@@ -12,19 +12,52 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _bench_decode(args) -> int:
+    from . import bench, bench_decode
+
+    for option in ("causal", "plot"):
+        if getattr(args, option) is not None:
+            raise SystemExit(f"fusedattn bench: --{option} does not apply to --decode")
+    cfg = bench_decode.DecodeConfig(torch.device(args.device or "cuda"))
+    for field in ("batch", "heads", "kv_heads", "head_dim", "seqlens", "repeats", "warmup"):
+        if getattr(args, field) is not None:
+            setattr(cfg, field, getattr(args, field))
+    if args.kv_heads is None:
+        cfg.kv_heads = cfg.heads
+    if args.dtype:
+        cfg.dtypes = _dtypes(args.dtype, bench.DTYPES)
+    if args.lengths:
+        cfg.varlen = {"full": [False], "varlen": [True], "both": [False, True]}[args.lengths]
+    result = bench_decode.run(cfg, progress=not args.no_progress)
+    print(bench_decode.format_table(result))
+    if args.json:
+        bench.save_json(result, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _dtypes(text: str, known: dict) -> list[str]:
+    unknown = [d for d in text.split(",") if d not in known]
+    if unknown:
+        raise SystemExit(f"fusedattn bench: unknown dtype {unknown}; choose from {list(known)}")
+    return text.split(",")
+
+
 def _bench(args) -> int:
     from . import bench
 
+    if args.decode:
+        return _bench_decode(args)
+    for option in ("kv_heads", "lengths"):
+        if getattr(args, option) is not None:
+            raise SystemExit(f"fusedattn bench: --{option.replace('_', '-')} needs --decode")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = bench.default_config(device)
     for field in ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"):
         if getattr(args, field) is not None:
             setattr(cfg, field, getattr(args, field))
     if args.dtype:
-        unknown = [d for d in args.dtype.split(",") if d not in bench.DTYPES]
-        if unknown:
-            raise SystemExit(f"fusedattn bench: unknown dtype {unknown}; choose from {list(bench.DTYPES)}")
-        cfg.dtypes = args.dtype.split(",")
+        cfg.dtypes = _dtypes(args.dtype, bench.DTYPES)
     if args.causal is not None:
         cfg.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
 
@@ -41,9 +74,11 @@ def _bench(args) -> int:
 
 def _generate(args) -> int:
     from .engine import Engine, SamplingParams
+    from .ops import has_kernel
 
-    device = args.device or "cpu"  # decoding on CUDA waits for its kernel (issue 7)
-    engine = Engine.from_gguf(args.gguf, device=device)
+    cuda = torch.cuda.is_available() and has_kernel("forward_kvcache", "cuda")
+    device = args.device or ("cuda" if cuda else "cpu")
+    engine = Engine.from_gguf(args.gguf, device=device, cuda_graph=not args.no_cuda_graph)
     prompts = [args.prompt] * args.batch
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -82,11 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", metavar="PATH", help="write the results as JSON")
     b.add_argument("--plot", metavar="PATH.png", help="plot time and memory against N (needs matplotlib)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--decode", action="store_true",
+                   help="decoding instead: 1 query per sequence against a KV cache of N (CUDA; "
+                        "defaults B=8 H=32 d=128 N=4K,32K,128K float16), reported in TB/s")
+    b.add_argument("--kv-heads", type=int, dest="kv_heads", help="--decode: key/value heads (default: --heads)")
+    b.add_argument("--lengths", choices=["full", "varlen", "both"],
+                   help="--decode: every cache at N, per-sequence lengths in [1, N], or both (default)")
     g = sub.add_parser("generate", help="generate text with SmolLM2 (or a llama GGUF) on fusedattn")
     g.add_argument("prompt")
     g.add_argument("--max-new-tokens", type=int, default=64, dest="max_new_tokens")
     g.add_argument("--batch", type=int, default=1, help="decode this many copies of the prompt together")
-    g.add_argument("--device", help="cpu (the default; CUDA decoding is not written yet)")
+    g.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--no-cuda-graph", action="store_true", dest="no_cuda_graph",
+                   help="decode eagerly instead of replaying a captured CUDA graph")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=0, dest="top_k")
     g.add_argument("--top-p", type=float, default=1.0, dest="top_p")

@@ -3,8 +3,10 @@
 It loads SmolLM2-135M-Instruct (or any GGUF file of the ``llama`` architecture)
 with the ``gguf`` package, prefills each prompt with the causal fused forward
 and decodes all sequences together with the KV-cache operator, each sequence at
-its own length (no padding). Needs ``gguf`` and, for the tokenizer,
-``transformers`` (the ``models`` extra).
+its own length (no padding). On CUDA the decode step (all layers, one token
+per sequence) is captured once per ``generate`` call in a CUDA graph and
+replayed, so a step costs one launch instead of hundreds. Needs ``gguf`` and,
+for the tokenizer, ``transformers`` (the ``models`` extra).
 
     engine = Engine.from_gguf(path)
     for step in engine.generate(["Hello"], max_new_tokens=32): ...
@@ -93,12 +95,16 @@ class Engine:
     """Greedy or sampled generation for a batch of prompts of different lengths."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], tokenizer=None,
-                 device="cpu", dtype=torch.float32):
+                 device="cpu", dtype: torch.dtype | None = None, cuda_graph: bool = True):
+        """dtype defaults to float32 on the CPU and float16 on CUDA (whose
+        kernels take float16 and bfloat16). cuda_graph=False decodes eagerly."""
         self.config, self.tokenizer = config, tokenizer
-        self.device, self.dtype = torch.device(device), dtype
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.float16 if self.device.type == "cuda" else torch.float32)
+        self.cuda_graph = cuda_graph and self.device.type == "cuda"
         if not has_kernel("forward_kvcache", self.device.type):
-            raise RuntimeError(f"fusedattn.engine: no forward_kvcache kernel for {self.device.type} "
-                               "yet (the CUDA decode kernel is issue 7); use device='cpu'")
+            raise RuntimeError(f"fusedattn.engine: this build has no forward_kvcache kernel for "
+                               f"{self.device.type}; use device='cpu' or a CUDA build")
         w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
         self.embed, self.output_norm = w["token_embd.weight"], w["output_norm.weight"]
         self.lm_head = w.get("output.weight", self.embed)  # tied embeddings when absent
@@ -118,7 +124,8 @@ class Engine:
         self.cos, self.sin = angles.cos().to(self.device), angles.sin().to(self.device)
 
     @classmethod
-    def from_gguf(cls, path: str | None = None, device="cpu", dtype=torch.float32) -> "Engine":
+    def from_gguf(cls, path: str | None = None, device="cpu", dtype: torch.dtype | None = None,
+                  cuda_graph: bool = True) -> "Engine":
         import os
 
         from transformers import AutoTokenizer
@@ -126,7 +133,7 @@ class Engine:
         path = path or smollm2_path()
         config, weights = _read_gguf(path)
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-        return cls(config, weights, tokenizer, device, dtype)
+        return cls(config, weights, tokenizer, device, dtype, cuda_graph)
 
     def _rotation(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin for positions [B, T], shaped to broadcast over heads."""
@@ -213,6 +220,7 @@ class Engine:
             stats["prefill_tokens"], stats["prefill_s"] = sum(map(len, ids)), time.perf_counter() - start
         done = [False] * len(ids)
         start, decoded = time.perf_counter(), 0
+        step_fn = None
         for step in range(max_new_tokens):
             tokens = _sample(logits, sampling, generator)
             out = [None if d else int(t) for d, t in zip(done, tokens)]
@@ -220,11 +228,33 @@ class Engine:
             yield out
             if all(done) or step == max_new_tokens - 1:
                 break
-            logits = self.decode(tokens, lengths, caches)
+            if step_fn is not None:
+                logits = step_fn(tokens)
+            else:  # the first step runs eagerly, which also warms up what a capture needs
+                logits = self.decode(tokens, lengths, caches)
+                if self.cuda_graph:
+                    step_fn = self._capture_decode(tokens, lengths, caches)
             lengths += 1
             decoded += len(ids)
         if stats is not None:
             stats["decode_tokens"], stats["decode_s"] = decoded, time.perf_counter() - start
+
+
+    def _capture_decode(self, tokens: Tensor, lengths: Tensor, caches):
+        """Captures decode() for this batch; returns f(tokens) -> logits that
+        replays it. The graph reads `lengths` and the caches in place, so they
+        must stay the same tensors (lengths is advanced with +=)."""
+        static_tokens = tokens.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_logits = self.decode(static_tokens, lengths, caches)
+
+        def step(new_tokens: Tensor) -> Tensor:
+            static_tokens.copy_(new_tokens)
+            graph.replay()
+            return static_logits
+
+        return step
 
 
 def _sample(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tensor:

@@ -18,6 +18,8 @@
 
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
+#include "../common/online_softmax.cuh"
+#include "../common/tile_loads.cuh"
 #include "forward_sm80.h"
 
 namespace fusedattn::cuda {
@@ -47,24 +49,6 @@ struct HeadOffsets {
   int64_t q, k, v, out;
 };
 
-// Copies rows [row0, row0 + Rows) of a [N, d] head into padded shared memory;
-// rows at or past `valid_rows` are zero-filled.
-template <int Rows, typename Tr, typename T>
-__device__ __forceinline__ void load_rows_async(T* smem, const T* head, int64_t row_stride,
-                                                int64_t row0, int64_t valid_rows) {
-  // Thread i copies chunk i % kChunksPerRow of rows i / kChunksPerRow + n * kRowStep.
-  constexpr int kRowStep = Tr::kThreads / Tr::kChunksPerRow;
-  static_assert(Tr::kThreads % Tr::kChunksPerRow == 0 && Rows % kRowStep == 0);
-  const int r0 = threadIdx.x / Tr::kChunksPerRow, col = threadIdx.x % Tr::kChunksPerRow * 8;
-  const T* src = head + (row0 + r0) * row_stride + col;
-#pragma unroll
-  for (int i = 0; i < Rows / kRowStep; ++i) {
-    const int r = r0 + i * kRowStep;
-    const bool valid = r < valid_rows;
-    cp_async_16(smem + r * Tr::kStride + col, valid ? src + i * kRowStep * row_stride : head, valid);
-  }
-}
-
 // attn_mask at (row, col) in base-2 score units: 0 or -inf for a bool mask,
 // value * log2(e) for an additive one.
 template <typename T>
@@ -75,9 +59,9 @@ __device__ __forceinline__ float mask_log2(const MaskParams& m, int64_t base, in
     case MaskKind::Bool:
       return static_cast<const uint8_t*>(m.ptr)[i] ? 0.0f : -INFINITY;
     case MaskKind::AdditiveFloat32:
-      return static_cast<const float*>(m.ptr)[i] * 1.4426950408889634f;
+      return static_cast<const float*>(m.ptr)[i] * kLog2e;
     case MaskKind::AdditiveInput:
-      return to_float(static_cast<const T*>(m.ptr)[i]) * 1.4426950408889634f;
+      return to_float(static_cast<const T*>(m.ptr)[i]) * kLog2e;
     default:
       return 0.0f;
   }
@@ -147,7 +131,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   float m_i[kMTiles][2], l_i[kMTiles][2] = {};
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) m_i[mt][0] = m_i[mt][1] = -INFINITY;
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const float scale_log2 = p.scale * kLog2e;
   const int warp_row = warp * 16 * kMTiles;  // first row of this warp in the block
 
   for (int j = 0; j < n_tiles; ++j) {
@@ -211,32 +195,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
           s[mt][nt][e] = x;
         }
       }
-      // Online softmax for the two rows (g, g + 8) this thread holds.
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float row_max = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-          row_max = fmaxf(row_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        const float m_new = fmaxf(m_i[mt][h], quad_max(row_max));
-        // Nothing visible yet: shift by 0 so -inf scores give 0, not NaN.
-        const float shift = m_new == -INFINITY ? 0.0f : m_new;
-        const float rescale = exp2f(m_i[mt][h] - shift);
-        float row_sum = 0.0f;  // this thread's columns only; reduced at the end
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-          s[mt][nt][2 * h] = exp2f(s[mt][nt][2 * h] - shift);
-          s[mt][nt][2 * h + 1] = exp2f(s[mt][nt][2 * h + 1] - shift);
-          row_sum += s[mt][nt][2 * h] + s[mt][nt][2 * h + 1];
-        }
-        l_i[mt][h] = l_i[mt][h] * rescale + row_sum;
-        m_i[mt][h] = m_new;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          acc[mt][dt][2 * h] *= rescale;
-          acc[mt][dt][2 * h + 1] *= rescale;
-        }
-      }
+      online_softmax_step(s[mt], m_i[mt], l_i[mt], acc[mt]);
     }
 
     cp_async_wait<0>();  // V_j landed
@@ -251,12 +210,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       uint32_t a[kMTiles][4];
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
+      for (int mt = 0; mt < kMTiles; ++mt) probabilities_as_a<T>(a[mt], s[mt], kk);
 #pragma unroll
       for (int dp = 0; dp < HeadDim / 16; ++dp) {
         uint32_t b[4];
@@ -284,7 +238,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       const int r = warp_row + mt * 16 + g + h * 8;
       if (t == 0 && r < rows)
-        lse[row0 + r] = l > 0.0f ? (m_i[mt][h] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+        lse[row0 + r] = lse_from_log2(m_i[mt][h], l);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt)
         *reinterpret_cast<uint32_t*>(sQ + r * kStride + dt * 8 + 2 * t) =

@@ -76,4 +76,29 @@ struct BackwardParams {
   TensorStrides grad_out_strides, grad_q_strides, grad_k_strides, grad_v_strides;
 };
 
+// Decoding against a preallocated KV cache (forward_kvcache): a few queries per
+// sequence, each sequence at its own length.
+struct KVCacheParams {
+  // q, k = k_cache, v = v_cache, out, lse, scale, is_causal. shape.seqlen_k is
+  // the positions each cache holds (max_len); sequence b attends to its first
+  // cache_seqlens[b] + n_new. The caches have 16-byte aligned rows.
+  ForwardParams attn;
+
+  // Device memory, [B]: cached positions of each sequence before the append.
+  const int32_t* cache_seqlens = nullptr;
+  // [B, Hkv, n_new, d], written into the caches at cache_seqlens[b]; null when n_new = 0.
+  int64_t n_new = 0;
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  TensorStrides k_new_strides, v_new_strides;
+
+  // The key range of every (sequence, kv head) is split over num_splits thread
+  // blocks. With more than one split, each writes a partial result here,
+  // normalised by its own softmax sum, and a combine kernel merges them:
+  //   partial_out: float32 [num_splits, B, Hq, Nq, d], partial_lse: [num_splits, B, Hq, Nq].
+  int num_splits = 1;
+  float* partial_out = nullptr;
+  float* partial_lse = nullptr;
+};
+
 }  // namespace fusedattn

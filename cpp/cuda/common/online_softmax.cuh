@@ -1,0 +1,67 @@
+// The online softmax of FlashAttention on mma.sync fragments, shared by the
+// kernel families. A warp holds a 16-row score tile S (m16n8 accumulators,
+// NTiles of them side by side) and the output rows acc (DTiles m16n8
+// accumulators); a thread owns rows g and g + 8 (see device_math.cuh).
+#pragma once
+
+#include <cmath>
+
+#include "device_math.cuh"
+
+namespace fusedattn::cuda {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+// One step over a score tile already in base-2 units (scaled by scale log2 e,
+// masked entries -inf), for the thread's two rows h = 0, 1:
+//   m' = max(m, rowmax S);  S = 2^(S - m');  l = 2^(m - m') l + rowsum S;  acc *= 2^(m - m')
+// l stays a per-thread partial sum over this thread's columns: quad_sum it at the end.
+template <int NTiles, int DTiles>
+__device__ __forceinline__ void online_softmax_step(float (&s)[NTiles][4], float (&m_i)[2],
+                                                    float (&l_i)[2], float (&acc)[DTiles][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float row_max = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < NTiles; ++nt)
+      row_max = fmaxf(row_max, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+    const float m_new = fmaxf(m_i[h], quad_max(row_max));
+    // Nothing visible yet: shift by 0 so -inf scores give 0, not NaN.
+    const float shift = m_new == -INFINITY ? 0.0f : m_new;
+    const float rescale = exp2f(m_i[h] - shift);
+    float row_sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NTiles; ++nt) {
+      s[nt][2 * h] = exp2f(s[nt][2 * h] - shift);
+      s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - shift);
+      row_sum += s[nt][2 * h] + s[nt][2 * h + 1];
+    }
+    l_i[h] = l_i[h] * rescale + row_sum;
+    m_i[h] = m_new;
+#pragma unroll
+    for (int dt = 0; dt < DTiles; ++dt) {
+      acc[dt][2 * h] *= rescale;
+      acc[dt][2 * h + 1] *= rescale;
+    }
+  }
+}
+
+// The probabilities of key columns [16 kk, 16 kk + 16) as the A operand of
+// P V: the C layout of two adjacent n-tiles is the A layout of one k-step.
+template <typename T, int NTiles>
+__device__ __forceinline__ void probabilities_as_a(uint32_t (&a)[4], const float (&p)[NTiles][4],
+                                                   int kk) {
+  a[0] = pack2<T>(p[2 * kk][0], p[2 * kk][1]);
+  a[1] = pack2<T>(p[2 * kk][2], p[2 * kk][3]);
+  a[2] = pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+  a[3] = pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+}
+
+// Natural-log LSE of a row from its base-2 running max and (full) sum; -inf
+// for a row that saw no key.
+__device__ __forceinline__ float lse_from_log2(float m, float l) {
+  return l > 0.0f ? (m + log2f(l)) * kLn2 : -INFINITY;
+}
+
+}  // namespace fusedattn::cuda

@@ -1,0 +1,29 @@
+// Global -> shared tile copies with cp.async, shared by the kernel families.
+#pragma once
+
+#include <cstdint>
+
+#include "device_math.cuh"
+
+namespace fusedattn::cuda {
+
+// Copies rows [row0, row0 + Rows) of a [N, d] head into shared memory rows of
+// Tr::kStride elements; rows at or past `valid_rows` are zero-filled (never
+// read). Tr gives kThreads (the block), kChunksPerRow (d / 8) and kStride.
+template <int Rows, typename Tr, typename T>
+__device__ __forceinline__ void load_rows_async(T* smem, const T* head, int64_t row_stride,
+                                                int64_t row0, int64_t valid_rows) {
+  // Thread i copies chunk i % kChunksPerRow of rows i / kChunksPerRow + n * kRowStep.
+  constexpr int kRowStep = Tr::kThreads / Tr::kChunksPerRow;
+  static_assert(Tr::kThreads % Tr::kChunksPerRow == 0 && Rows % kRowStep == 0);
+  const int r0 = threadIdx.x / Tr::kChunksPerRow, col = threadIdx.x % Tr::kChunksPerRow * 8;
+  const T* src = head + (row0 + r0) * row_stride + col;
+#pragma unroll
+  for (int i = 0; i < Rows / kRowStep; ++i) {
+    const int r = r0 + i * kRowStep;
+    const bool valid = r < valid_rows;
+    cp_async_16(smem + r * Tr::kStride + col, valid ? src + i * kRowStep * row_stride : head, valid);
+  }
+}
+
+}  // namespace fusedattn::cuda

@@ -1,0 +1,85 @@
+// forward_kvcache on CUDA: runtime (dtype, head dim) -> the compile-time
+// instantiation, the choice of splits, and the order of the kernels.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "../common/launch_check.h"
+#include "decode_steps.h"
+#include "forward_kvcache.h"
+
+namespace fusedattn::cuda {
+namespace {
+
+// f(std::integral_constant<int, head dim>{}, Element{})
+template <typename F>
+decltype(auto) dispatch_decode(const KVCacheParams& p, F&& f) {
+  auto by_head_dim = [&](auto element) -> decltype(auto) {
+    switch (p.attn.shape.head_dim) {
+      case 32: return f(std::integral_constant<int, 32>{}, element);
+      case 64: return f(std::integral_constant<int, 64>{}, element);
+      case 128: return f(std::integral_constant<int, 128>{}, element);
+    }
+    throw std::invalid_argument("fusedattn: no decode kernel for head dim " +
+                                std::to_string(p.attn.shape.head_dim));
+  };
+  switch (p.attn.dtype) {
+    case DType::Float16: return by_head_dim(__half{});
+    case DType::BFloat16: return by_head_dim(__nv_bfloat16{});
+    default: throw std::invalid_argument("fusedattn: the decode kernels take float16 or bfloat16");
+  }
+}
+
+// Fill the GPU in whole waves: among 1..max_splits, the fewest splits whose
+// last wave is at least 85% as full as the best choice's (FlashAttention 2's
+// rule for its split-KV forward).
+int splits_for_waves(int64_t blocks_per_split, int64_t slots, int max_splits) {
+  auto efficiency = [&](int s) {
+    const double waves = double(blocks_per_split) * s / double(slots);
+    return waves / std::ceil(waves);
+  };
+  double best = 0.0;
+  for (int s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
+  for (int s = 1; s <= max_splits; ++s)
+    if (efficiency(s) >= 0.85 * best) return s;
+  return 1;
+}
+
+}  // namespace
+
+int decode_num_splits(const KVCacheParams& p) {
+  const AttentionShape& sh = p.attn.shape;
+  constexpr int kKeysPerTile = 64;
+  const int64_t tiles = (sh.seqlen_k + kKeysPerTile - 1) / kKeysPerTile;
+  const int max_splits = static_cast<int>(std::clamp<int64_t>(tiles, 1, kMaxDecodeSplits));
+  if (const char* forced = std::getenv("FUSEDATTN_DECODE_SPLITS"))
+    return std::clamp(std::atoi(forced), 1, max_splits);
+  int device = 0, sms = 0;
+  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+  FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int per_sm = dispatch_decode(p, [](auto head_dim, auto element) {
+    return decode_blocks_per_sm<decltype(head_dim)::value, decltype(element)>();
+  });
+  const int64_t row_tiles = (sh.group_size() * sh.seqlen_q + 15) / 16;
+  return splits_for_waves(sh.batch * sh.heads_kv * row_tiles, int64_t(sms) * std::max(per_sm, 1),
+                          max_splits);
+}
+
+void forward_kvcache(const KVCacheParams& p, cudaStream_t stream) {
+  const AttentionShape& sh = p.attn.shape;
+  if (p.n_new > 0) launch_append(p, stream);
+  if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return;
+  if (p.num_splits > 1 && (p.partial_out == nullptr || p.partial_lse == nullptr))
+    throw std::invalid_argument("fusedattn: num_splits > 1 needs partial_out and partial_lse");
+  dispatch_decode(p, [&](auto head_dim, auto element) {
+    launch_decode<decltype(head_dim)::value, decltype(element)>(p, stream);
+  });
+  if (p.num_splits > 1) launch_combine(p, stream);
+}
+
+}  // namespace fusedattn::cuda

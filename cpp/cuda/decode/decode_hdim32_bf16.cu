@@ -1,0 +1,7 @@
+// One instantiation per file so the build compiles them in parallel.
+#include "decode_kernel.cuh"
+
+namespace fusedattn::cuda {
+template void launch_decode<32, __nv_bfloat16>(const KVCacheParams&, cudaStream_t);
+template int decode_blocks_per_sm<32, __nv_bfloat16>();
+}  // namespace fusedattn::cuda

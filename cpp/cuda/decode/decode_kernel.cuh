@@ -1,0 +1,304 @@
+// Split-KV attention for decoding (flash decoding) on mma.sync tensor cores.
+//
+// One thread block per (16 query rows, split, kv head, sequence). The rows are
+// the (query head, query) pairs of one kv head's group, so every K/V tile is
+// loaded once for all query heads that read it (GQA). The block's keys, its
+// share of the sequence's cache_seqlens[b] + n_new, stream through a ring of
+// kStages shared-memory buffers with cp.async: kStages - 1 tiles are always in
+// flight, which is what a memory-bound kernel needs. Each of the 4 warps takes
+// 16 keys of every 64-key tile and keeps its own online softmax (m_i, l_i,
+// acc); the warps merge in shared memory at the end:
+//   S   = (scale log2 e) Q K_w^T;  m' = max(m, rowmax S);  P = 2^(S - m')
+//   l   = 2^(m - m') l + rowsum P;  acc = 2^(m - m') acc + P V_w
+//   out = sum_w 2^(m_w - M) acc_w / sum_w 2^(m_w - M) l_w,  M = max_w m_w
+// With one split the block writes out and lse; with several it writes float32
+// partials and combine_kernel merges them.
+#pragma once
+
+#include <cmath>
+
+#include "../common/device_math.cuh"
+#include "../common/launch_check.h"
+#include "../common/online_softmax.cuh"
+#include "../common/tile_loads.cuh"
+#include "forward_kvcache.h"
+#include "kvcache_common.cuh"
+
+namespace fusedattn::cuda {
+
+template <int HeadDim>
+struct DecodeTraits {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlockM = 16;           // query rows: one MMA tile, shared by the warps
+  static constexpr int kBlockN = 16 * kWarps;  // keys per tile, 16 per warp
+  static constexpr int kStages = 3;            // tiles in the ring
+  static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
+  static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
+  static constexpr int kTileElements = kBlockN * kStride;
+  static constexpr int kSmemElements = kBlockM * kStride + kStages * 2 * kTileElements;  // Q, ring
+  // The epilogue reuses the ring: per warp its rows (float32, padded so the
+  // float2 stores of a half-warp hit 32 banks) and their m, l.
+  static constexpr int kAccStride = HeadDim + 8;
+  static constexpr int kEpilogueBytes = kWarps * kBlockM * (kAccStride + 2) * 4;
+  static_assert(kEpilogueBytes <= kStages * 2 * kTileElements * 2, "epilogue must fit in the ring");
+  static_assert(HeadDim % 16 == 0, "MMA tiles are 16 wide");
+};
+
+template <int HeadDim, typename T, bool IsCausal>
+__global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads)
+    decode_kernel(const __grid_constant__ KVCacheParams p) {
+  using Tr = DecodeTraits<HeadDim>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
+  constexpr int kStages = Tr::kStages, kWarps = Tr::kWarps, kDTiles = HeadDim / 8;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sRing = sQ + kBlockM * kStride;  // stage i: K tile at 2i, V tile at 2i + 1
+
+  const ForwardParams& a = p.attn;
+  const AttentionShape& sh = a.shape;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;  // fragment row group and column pair
+
+  // Flat grid, row tiles fastest (they read the same K/V), then splits, kv
+  // heads, sequences. 32-bit division: the launch checks the grid fits 2^31.
+  const int64_t group = sh.heads_q / sh.heads_kv;
+  const int64_t group_rows = group * sh.seqlen_q;  // rows reading this kv head
+  const unsigned row_tiles = static_cast<unsigned>((group_rows + kBlockM - 1) / kBlockM);
+  unsigned index = blockIdx.x;
+  const unsigned row_tile = index % row_tiles;
+  index /= row_tiles;
+  const unsigned split = index % static_cast<unsigned>(p.num_splits);
+  index /= static_cast<unsigned>(p.num_splits);
+  const unsigned head_kv = index % static_cast<unsigned>(sh.heads_kv);
+  const unsigned batch = index / static_cast<unsigned>(sh.heads_kv);
+
+  const int64_t row0 = int64_t(row_tile) * kBlockM;  // first row within the group
+  const int rows = static_cast<int>(min(int64_t(kBlockM), group_rows - row0));
+  // Row r of the group is query r % Nq of head head_kv * group + r / Nq, so the
+  // group's rows are consecutive in [B, Hq, Nq] (out, lse, partials).
+  const int64_t first_row = (int64_t(batch) * sh.heads_q + head_kv * group) * sh.seqlen_q + row0;
+
+  const int64_t length = kv_length(p, batch);  // -1: invalid
+  const int64_t n_tiles = length > 0 ? (length + kBlockN - 1) / kBlockN : 0;
+  const int64_t tiles_per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+  const int64_t tile_begin = min(n_tiles, split * tiles_per_split);
+  const int64_t tile_end = min(n_tiles, tile_begin + tiles_per_split);
+  // Query i sees key j when j <= i + causal_offset; keys below unmasked_end
+  // are seen by every row, so only the last tiles pay for masking.
+  const int64_t causal_offset = length - sh.seqlen_q;
+  const int64_t unmasked_end = IsCausal ? causal_offset + 1 : length;
+
+  const T* q = static_cast<const T*>(a.q) + batch * a.q_strides.batch;
+  const T* k = static_cast<const T*>(a.k) + batch * a.k_strides.batch + head_kv * a.k_strides.head;
+  const T* v = static_cast<const T*>(a.v) + batch * a.v_strides.batch + head_kv * a.v_strides.head;
+
+  // Q: gather the block's (head, query) rows; rows past the group are zero.
+  for (int c = threadIdx.x; c < kBlockM * Tr::kChunksPerRow; c += Tr::kThreads) {
+    const int r = c / Tr::kChunksPerRow, col = c % Tr::kChunksPerRow * 8;
+    const int64_t row = row0 + r;
+    const int64_t head = head_kv * group + row / sh.seqlen_q, query = row % sh.seqlen_q;
+    const bool valid = r < rows;
+    cp_async_16(sQ + r * kStride + col,
+                valid ? q + head * a.q_strides.head + query * a.q_strides.row + col : q, valid);
+  }
+  cp_async_commit();
+
+  // Every load_tile commits a group (empty past the end), so the wait counts
+  // below hold on every iteration.
+  auto load_tile = [&](int64_t tile) {
+    if (tile < tile_end) {
+      T* sK = sRing + 2 * ((tile - tile_begin) % kStages) * Tr::kTileElements;
+      const int64_t col0 = tile * kBlockN;
+      load_rows_async<kBlockN, Tr>(sK, k, a.k_strides.row, col0, length - col0);
+      load_rows_async<kBlockN, Tr>(sK + Tr::kTileElements, v, a.v_strides.row, col0, length - col0);
+    }
+    cp_async_commit();
+  };
+  for (int i = 0; i < kStages - 1; ++i) load_tile(tile_begin + i);
+
+  cp_async_wait<kStages - 1>();  // Q landed
+  __syncthreads();
+  uint32_t q_frag[HeadDim / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < HeadDim / 16; ++kk)
+    ldmatrix_x4(q_frag[kk], sQ + (lane % 16) * kStride + kk * 16 + lane / 16 * 8);
+
+  // The queries of this thread's two rows (g, g + 8), for the causal rule.
+  int64_t query[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) query[h] = (row0 + g + 8 * h) % sh.seqlen_q;
+
+  float acc[kDTiles][4] = {};
+  float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {};
+  const float scale_log2 = a.scale * kLog2e;
+
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    cp_async_wait<kStages - 2>();  // this tile landed
+    __syncthreads();               // ... for every thread; and every warp is done with the stage reloaded next
+    load_tile(tile + kStages - 1);
+    const T* sK = sRing + 2 * ((tile - tile_begin) % kStages) * Tr::kTileElements + warp * 16 * kStride;
+    const T* sV = sK + Tr::kTileElements;
+
+    // S = Q K^T for this warp's 16 keys: two n-tiles.
+    float s[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < HeadDim / 16; ++kk) {
+      uint32_t b[4];
+      ldmatrix_x4(b, sK + ((lane & 7) + (lane >> 4 << 3)) * kStride + kk * 16 + ((lane >> 3) & 1) * 8);
+      mma_16x8x16<T>(s[0], q_frag[kk], b[0], b[1]);
+      mma_16x8x16<T>(s[1], q_frag[kk], b[2], b[3]);
+    }
+
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+    const int64_t key0 = tile * kBlockN + warp * 16;
+    if (key0 + 16 > unmasked_end) {
+      // Warp-local bounds as 32-bit ints: key column c is past the sequence
+      // when c >= cols, and hidden from row h by the causal rule when c > diagonal[h].
+      const int cols = static_cast<int>(min(int64_t(16), length - key0));
+      int diagonal[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        diagonal[h] = IsCausal ? static_cast<int>(max(int64_t(-1), min(int64_t(16), query[h] + causal_offset - key0)))
+                               : 16;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = nt * 8 + 2 * t + (e & 1);
+          if (c >= cols || c > diagonal[e >> 1]) s[nt][e] = -INFINITY;
+        }
+    }
+    online_softmax_step(s, m_i, l_i, acc);
+
+    // acc += P V for the same 16 keys.
+    uint32_t p_frag[4];
+    probabilities_as_a<T>(p_frag, s, 0);
+#pragma unroll
+    for (int dp = 0; dp < HeadDim / 16; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sV + ((lane & 7) + (((lane >> 3) & 1) << 3)) * kStride + dp * 16 + (lane >> 4 << 3));
+      mma_16x8x16<T>(acc[2 * dp], p_frag, b[0], b[1]);
+      mma_16x8x16<T>(acc[2 * dp + 1], p_frag, b[2], b[3]);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is free
+
+  // Merge the warps: each stores its rows rescaled to the block's running max
+  // M (computed from every warp's m) and its l; then each thread sums 8
+  // columns of one row over the warps and writes them with 16-byte stores.
+  float* sAcc = reinterpret_cast<float*>(sRing);  // [kWarps][kBlockM][kAccStride]
+  float* sM = sAcc + kWarps * kBlockM * Tr::kAccStride;  // [kWarps][kBlockM]
+  float* sL = sM + kWarps * kBlockM;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = quad_sum(l_i[h]);
+    if (t == 0) {
+      sM[warp * kBlockM + g + 8 * h] = m_i[h];
+      sL[warp * kBlockM + g + 8 * h] = l;
+    }
+  }
+  __syncthreads();
+  // Block max of a row, and warp w's factor 2^(m_w - M) (0 for a warp that saw no key).
+  auto block_max = [&](int r) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sM[w * kBlockM + r]);
+    return m;
+  };
+  auto factor = [](float m_w, float m) { return m_w == -INFINITY ? 0.0f : exp2f(m_w - m); };
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    const float f = factor(m_i[h], block_max(r));
+    float* dst = sAcc + (warp * kBlockM + r) * Tr::kAccStride + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+      *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(acc[dt][2 * h] * f, acc[dt][2 * h + 1] * f);
+  }
+  __syncthreads();
+
+  const bool direct = p.num_splits == 1;
+  for (int c = threadIdx.x; c < kBlockM * Tr::kChunksPerRow; c += Tr::kThreads) {
+    const int r = c / Tr::kChunksPerRow, col = c % Tr::kChunksPerRow * 8;
+    if (r >= rows) continue;
+    const float m = block_max(r);
+    float l = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) l += sL[w * kBlockM + r] * factor(sM[w * kBlockM + r], m);
+    const float inv = length < 0 ? NAN : l > 0.0f ? 1.0f / l : 0.0f;
+    float o[8] = {};
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float* src = sAcc + (w * kBlockM + r) * Tr::kAccStride + col;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o[j] += src[j];
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] *= inv;
+    const float lse = length < 0 ? NAN : lse_from_log2(m, l);
+    const int64_t row = first_row + r;
+    if (direct) {
+      const int64_t in_group = row0 + r;
+      const int64_t head = head_kv * group + in_group / sh.seqlen_q, query_index = in_group % sh.seqlen_q;
+      T* out = static_cast<T*>(a.out) + batch * a.out_strides.batch + head * a.out_strides.head +
+               query_index * a.out_strides.row + col;
+      uint4 packed;
+      uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) words[j] = pack2<T>(o[2 * j], o[2 * j + 1]);
+      *reinterpret_cast<uint4*>(out) = packed;
+      if (col == 0) a.lse[row] = lse;
+    } else {
+      const int64_t rows_total = sh.batch * sh.heads_q * sh.seqlen_q;
+      float4* out = reinterpret_cast<float4*>(p.partial_out + (split * rows_total + row) * HeadDim + col);
+      out[0] = make_float4(o[0], o[1], o[2], o[3]);
+      out[1] = make_float4(o[4], o[5], o[6], o[7]);
+      if (col == 0) p.partial_lse[split * rows_total + row] = lse;
+    }
+  }
+}
+
+template <int HeadDim, typename T, bool IsCausal>
+void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
+  using Tr = DecodeTraits<HeadDim>;
+  auto kernel = decode_kernel<HeadDim, T, IsCausal>;
+  constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
+  FUSEDATTN_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  const AttentionShape& sh = p.attn.shape;
+  const int64_t row_tiles = (sh.group_size() * sh.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+  const int64_t blocks = row_tiles * p.num_splits * sh.heads_kv * sh.batch;
+  if (blocks > 2147483647)
+    throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
+  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
+  FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int HeadDim, typename Element>
+void launch_decode(const KVCacheParams& p, cudaStream_t stream) {
+  if (p.attn.is_causal)
+    launch_decode_kernel<HeadDim, Element, true>(p, stream);
+  else
+    launch_decode_kernel<HeadDim, Element, false>(p, stream);
+}
+
+template <int HeadDim, typename Element>
+int decode_blocks_per_sm() {
+  using Tr = DecodeTraits<HeadDim>;
+  constexpr int smem_bytes = Tr::kSmemElements * sizeof(Element);
+  auto kernel = decode_kernel<HeadDim, Element, true>;
+  FUSEDATTN_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  int blocks = 0;
+  FUSEDATTN_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Tr::kThreads, smem_bytes));
+  return blocks;
+}
+
+}  // namespace fusedattn::cuda

@@ -1,0 +1,37 @@
+// The decode family: forward_kvcache on CUDA. A few queries per sequence
+// against a long KV cache is memory bound, so the key range of every
+// (sequence, kv head) is split over several thread blocks (flash decoding) and
+// a combine kernel merges their partial results exactly.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fusedattn/params.h"
+
+namespace fusedattn::cuda {
+
+// Head dims this family is instantiated for.
+inline constexpr int kDecodeHeadDims[] = {32, 64, 128};
+// Upper bound of KVCacheParams::num_splits.
+inline constexpr int kMaxDecodeSplits = 64;
+
+// How many blocks to split each (sequence, kv head)'s keys over on the current
+// device, for p's shape (p.attn.shape.seqlen_k, the cache size, stands in for
+// the lengths, which only the device knows). FUSEDATTN_DECODE_SPLITS=n forces
+// n (for benchmarks and tests).
+int decode_num_splits(const KVCacheParams& p);
+
+// Appends k_new/v_new to the caches, then writes p.attn.out and p.attn.lse on
+// `stream`; p.num_splits > 1 needs p.partial_out and p.partial_lse. A sequence
+// whose cache_seqlens[b] + n_new is outside [0, max_len] is not appended to and
+// gets NaN outputs (the operator layer checks the lengths on the host when it
+// may synchronise). Throws std::runtime_error on a CUDA error.
+void forward_kvcache(const KVCacheParams& p, cudaStream_t stream);
+
+// One instantiation per (head dim, element type), each in its own file.
+template <int HeadDim, typename Element>
+void launch_decode(const KVCacheParams& p, cudaStream_t stream);
+template <int HeadDim, typename Element>
+int decode_blocks_per_sm();
+
+}  // namespace fusedattn::cuda

@@ -1,0 +1,87 @@
+// forward_kvcache on CUDA: the decode family (cpp/cuda/decode). No host
+// synchronisation inside CUDA graph capture, so a decoding step can be captured.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+
+#include <iterator>
+
+#include "../cuda/decode/forward_kvcache.h"
+#include "checks.h"
+#include "kvcache.h"
+
+namespace fusedattn::ops {
+namespace {
+
+const DeviceSupport& decode_support() {
+  static const DeviceSupport support{
+      "CUDA",
+      {at::kHalf, at::kBFloat16},
+      std::vector<int64_t>(std::begin(cuda::kDecodeHeadDims), std::end(cuda::kDecodeHeadDims)),
+      /*aligned_rows=*/true};
+  return support;
+}
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
+    const std::optional<at::Tensor>& v_new, bool is_causal, std::optional<double> scale) {
+  const char* op = "fusedattn.forward_kvcache";
+  const int64_t n_new = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new);
+  PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale,
+                                      decode_support());
+  // The caches are written in place: they cannot be replaced by aligned copies.
+  TORCH_CHECK(in.k.is_same(k_cache) && in.v.is_same(v_cache), op,
+              ": on CUDA k_cache and v_cache need a contiguous last dimension and rows starting "
+              "on 16-byte boundaries (strides multiples of ", 16 / k_cache.element_size(),
+              " elements), got strides ", k_cache.strides(), " and ", v_cache.strides());
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  // Outside capture the lengths are checked on the host (one synchronisation)
+  // for a clear error; inside, the kernels skip sequences that do not fit and
+  // return NaN for them.
+  if (!capturing(stream)) checked_cache_lengths(cache_seqlens, n_new, k_cache.size(2));
+
+  KVCacheParams p;
+  auto outputs = allocate_forward_outputs(in);
+  p.attn = in.params;
+  const at::Tensor lengths = cache_seqlens.contiguous();
+  p.cache_seqlens = lengths.data_ptr<int32_t>();
+  at::Tensor k_append, v_append;
+  if (n_new > 0) {
+    k_append = as_kernel_operand(*k_new, decode_support());
+    v_append = as_kernel_operand(*v_new, decode_support());
+    p.n_new = n_new;
+    p.k_new = k_append.data_ptr();
+    p.v_new = v_append.data_ptr();
+    p.k_new_strides = strides_of(k_append);
+    p.v_new_strides = strides_of(v_append);
+  }
+  p.num_splits = cuda::decode_num_splits(p);
+  at::Tensor partial_out, partial_lse;
+  if (p.num_splits > 1) {
+    partial_out = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2), q.size(3)},
+                            q.options().dtype(at::kFloat));
+    partial_lse = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2)}, partial_out.options());
+    p.partial_out = partial_out.data_ptr<float>();
+    p.partial_lse = partial_lse.data_ptr<float>();
+  }
+  cuda::forward_kvcache(p, stream);
+  return outputs;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedattn, CUDA, m) {
+  m.impl("forward_kvcache", &forward_kvcache_cuda);
+}
+
+}  // namespace fusedattn::ops

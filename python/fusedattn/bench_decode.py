@@ -1,0 +1,127 @@
+"""Decoding attention: one new query per sequence against a long KV cache.
+
+Memory bound, so the figure of merit is bandwidth: bytes of K and V that the
+step must read (each sequence's valid positions, once) per second. fusedattn's
+forward_kvcache is timed against PyTorch's SDPA backends given the same q and
+a K/V of exactly the cache length. With per-sequence lengths (``varlen``) SDPA
+has no equivalent (it would read the whole cache), so only fusedattn runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+import torch.nn.functional as F
+
+from .bench import DTYPES, _sdpa_backend, describe_device, median_seconds
+
+
+@dataclasses.dataclass
+class DecodeConfig:
+    device: torch.device
+    batch: int = 8
+    heads: int = 32
+    kv_heads: int = 32
+    head_dim: int = 128
+    seqlens: list[int] = dataclasses.field(default_factory=lambda: [4096, 32768, 131072])
+    dtypes: list[str] = dataclasses.field(default_factory=lambda: ["float16"])
+    varlen: list[bool] = dataclasses.field(default_factory=lambda: [False, True])
+    repeats: int = 20
+    warmup: int = 5
+
+
+def cache_lengths(cfg: DecodeConfig, n: int, varlen: bool) -> torch.Tensor:
+    """Every sequence at n, or (varlen) lengths drawn uniformly from [1, n], seeded."""
+    if not varlen:
+        return torch.full((cfg.batch,), n, dtype=torch.int32)
+    g = torch.Generator().manual_seed(n)
+    return torch.randint(1, n + 1, (cfg.batch,), generator=g, dtype=torch.int32)
+
+
+def _sdpa(name: str):
+    run = _sdpa_backend(name)
+    return lambda q, k, v, lengths: run(q, k, v, False)
+
+
+def methods(cfg: DecodeConfig) -> dict:
+    """Name -> f(q, k_cache, v_cache, lengths); the SDPA ones read all of k and v."""
+    table = {f"sdpa-{name}": _sdpa(name) for name in ("flash", "efficient", "cudnn")}
+    table["fusedattn"] = lambda q, k, v, lengths: torch.ops.fusedattn.forward_kvcache(
+        q, k, v, lengths, None, None, True, None)[0]
+    return table
+
+
+def measure(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, name: str, fn) -> dict:
+    if varlen and name != "fusedattn":
+        return {"status": "n/a (no per-sequence lengths)"}
+    torch.manual_seed(0)
+    dt = DTYPES[dtype]
+    q = torch.randn(cfg.batch, cfg.heads, 1, cfg.head_dim, device=cfg.device, dtype=dt)
+    k, v = (torch.randn(cfg.batch, cfg.kv_heads, n, cfg.head_dim, device=cfg.device, dtype=dt)
+            for _ in range(2))
+    lengths = cache_lengths(cfg, n, varlen).to(cfg.device)
+    useful = 2 * int(lengths.sum()) * cfg.kv_heads * cfg.head_dim * q.element_size()
+    try:
+        seconds = median_seconds(lambda: fn(q, k, v, lengths), cfg)
+    except torch.OutOfMemoryError:
+        return {"status": "OOM"}
+    except (RuntimeError, NotImplementedError) as e:
+        return {"status": f"n/a ({str(e).splitlines()[0][:60]})"}
+    finally:
+        del k, v
+        torch.cuda.empty_cache()
+    return {"status": "ok", "seconds": seconds, "kv_bytes": useful, "tb_per_s": useful / seconds / 1e12}
+
+
+def run(cfg: DecodeConfig, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    if cfg.device.type != "cuda":
+        raise SystemExit("fusedattn bench --decode: the decode benchmark needs a CUDA device")
+    table = methods(cfg)
+    cells = [(dt, vl, n, m) for dt in cfg.dtypes for vl in cfg.varlen for n in cfg.seqlens for m in table]
+    rows: dict[tuple, dict] = {}
+    for dt, vl, n, m in tqdm(cells, desc="fusedattn bench --decode", disable=not progress, unit="run"):
+        row = rows.setdefault((dt, vl, n), {"dtype": dt, "varlen": vl, "seqlen": n, "results": {}})
+        row["results"][m] = measure(cfg, dt, n, vl, m, table[m])
+    for row in rows.values():
+        fused = row["results"]["fusedattn"]
+        row["fusedattn_speedup"] = {
+            m: r["seconds"] / fused["seconds"] for m, r in row["results"].items()
+            if m != "fusedattn" and r.get("status") == "ok" and fused.get("status") == "ok"}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": describe_device(cfg.device),
+        "torch": torch.__version__,
+        "config": {"batch": cfg.batch, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
+                   "head_dim": cfg.head_dim, "repeats": cfg.repeats},
+        "methods": list(table),
+        "rows": list(rows.values()),
+    }
+
+
+def format_table(result: dict) -> str:
+    names = result["methods"]
+    others = [m for m in names if m != "fusedattn"]
+    header = (["dtype", "lengths", "N"] + [f"{m} ms" for m in names] + [f"{m} TB/s" for m in names]
+              + [f"x {m}" for m in others])
+    lines = []
+    for row in result["rows"]:
+        res = row["results"]
+        cell = lambda m, f: f(res[m]) if res[m]["status"] == "ok" else res[m]["status"].split(" ")[0]  # noqa: E731
+        lines.append(
+            [row["dtype"], "1..N" if row["varlen"] else "N", str(row["seqlen"])]
+            + [cell(m, lambda r: f"{r['seconds'] * 1e3:.3f}") for m in names]
+            + [cell(m, lambda r: f"{r['tb_per_s']:.2f}") for m in names]
+            + [f"{row['fusedattn_speedup'][m]:.2f}" if m in row["fusedattn_speedup"] else "-" for m in others])
+    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
+    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    cfg = result["config"]
+    title = (f"{result['device']}, torch {result['torch']}, {result['date']}\n"
+             f"decode: B={cfg['batch']} Hq={cfg['heads']} Hkv={cfg['kv_heads']} d={cfg['head_dim']}, "
+             f"1 query per sequence, median of {cfg['repeats']}; TB/s = bytes of the valid K and V / time; "
+             f"lengths 1..N: per-sequence lengths drawn from [1, N]; 'x m' = time of m / time of fusedattn\n")
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return title + "\n".join([fmt(header), sep] + [fmt(l) for l in lines])

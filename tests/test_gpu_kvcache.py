@@ -1,0 +1,167 @@
+"""forward_kvcache on CUDA (the split-KV decode kernels) against the float64
+reference (marker `gpu`)."""
+
+import pytest
+import torch
+
+import fusedattn
+from test_gpu import GPU_DTYPES, HEAD_DIMS, poison_allocator
+from test_kvcache import check_against_reference, make_cache
+
+pytestmark = pytest.mark.gpu
+op = torch.ops.fusedattn.forward_kvcache
+
+
+def cuda_cache(**kwargs):
+    return [t if t is None else t.cuda() for t in make_cache(**kwargs)]
+
+
+def run_checked(q, k_cache, v_cache, lens, k_new, v_new, is_causal):
+    """One call, with the outputs poisoned, the append and the untouched rest of the caches checked."""
+    n_new = 0 if k_new is None else k_new.shape[2]
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    poison_allocator((q.shape, q.dtype), (q.shape[:3], torch.float32))
+    out, lse = op(q, k_cache, v_cache, lens, k_new, v_new, is_causal, None)
+    for b in range(q.shape[0]):
+        start, end = int(lens[b]), int(lens[b]) + n_new
+        if n_new:
+            assert torch.equal(k_cache[b, :, start:end], k_new[b])
+            assert torch.equal(v_cache[b, :, start:end], v_new[b])
+        for cache, before in ((k_cache, k_before), (v_cache, v_before)):
+            assert torch.equal(cache[b, :, :start], before[b, :, :start])
+            assert torch.equal(cache[b, :, end:], before[b, :, end:])
+    check_against_reference(q, k_cache, v_cache, lens, k_new, v_new, is_causal, out, lse)
+    return out, lse
+
+
+@pytest.mark.parametrize("nq", [1, 2, 7])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_cuda_kvcache_matches_reference(nq, heads, dtype, head_dim, is_causal):
+    # max_len 700: several 64-key tiles, lengths from 0 (empty) to full.
+    args = cuda_cache(B=4, Hq=heads[0], Hkv=heads[1], d=head_dim, max_len=700, nq=nq, n_new=nq,
+                      dtype=dtype, seed=nq + head_dim)
+    run_checked(*args, is_causal)
+
+
+@pytest.mark.parametrize("splits", ["1", "3", "64"])
+def test_cuda_kvcache_forced_splits(monkeypatch, splits):
+    """Every split count gives the reference's answer, also splits with no keys."""
+    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
+    args = cuda_cache(B=3, Hq=8, Hkv=2, d=64, max_len=1500, nq=2, n_new=2, dtype=torch.float16)
+    run_checked(*args, True)
+
+
+def test_cuda_kvcache_combine_is_exact(monkeypatch):
+    """Merging splits equals one pass up to float32 rounding, in out and lse."""
+    q, k_cache, v_cache, lens, _, _ = cuda_cache(B=2, Hq=8, Hkv=8, d=128, max_len=4096, nq=1, n_new=0,
+                                                 dtype=torch.bfloat16)
+    results = {}
+    for splits in ("1", "5", "32"):
+        monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
+        results[splits] = op(q, k_cache, v_cache, lens, None, None, True, None)
+    one_out, one_lse = results["1"]
+    for splits in ("5", "32"):
+        out, lse = results[splits]
+        # One bf16 rounding step apart at most (the float32 sums differ in their last bits).
+        torch.testing.assert_close(out.float(), one_out.float(), atol=1e-5, rtol=2**-7)
+        torch.testing.assert_close(lse, one_lse, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("lengths", [[4096, 4096], [1, 8191], [0, 5000]])
+def test_cuda_kvcache_long_caches(lengths):
+    """The automatic split count on long caches, with per-sequence lengths."""
+    q, k_cache, v_cache, _, k_new, v_new = cuda_cache(B=2, Hq=32, Hkv=8, d=128, max_len=8192, nq=1,
+                                                      n_new=1, dtype=torch.float16)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda") - 1
+    lens.clamp_(min=0)
+    run_checked(q, k_cache, v_cache, lens, k_new, v_new, True)
+
+
+def test_cuda_kvcache_decode_loop_equals_causal_forward():
+    torch.manual_seed(0)
+    B, Hq, Hkv, d, n = 2, 8, 2, 64, 70
+    q = torch.randn(B, Hq, n, d, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(B, Hkv, n, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    full = fusedattn.attention(q, k, v, is_causal=True)
+    k_cache, v_cache = (torch.zeros(B, Hkv, n, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    lens = torch.zeros(B, dtype=torch.int32, device="cuda")
+    for t in range(n):
+        step = fusedattn.attention_with_kvcache(q[:, :, t:t + 1], k_cache, v_cache, lens,
+                                                k[:, :, t:t + 1], v[:, :, t:t + 1])
+        torch.testing.assert_close(step, full[:, :, t:t + 1], atol=2e-3, rtol=2e-3)
+        lens += 1
+
+
+def test_cuda_kvcache_graph_capture_and_replay():
+    """A captured step reads cache_seqlens and the new keys from their tensors at replay."""
+    q, k_cache, v_cache, lens, k_new, v_new = cuda_cache(B=3, Hq=4, Hkv=2, d=64, max_len=600, nq=1,
+                                                         n_new=1, dtype=torch.float16)
+    lens.copy_(torch.tensor([5, 100, 300], dtype=torch.int32))
+    static = [t.clone() for t in (q, lens, k_new, v_new)]
+    graph_k, graph_v = k_cache.clone(), v_cache.clone()
+    op(static[0], graph_k.clone(), graph_v.clone(), static[1], static[2], static[3])  # warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, _ = op(static[0], graph_k, graph_v, static[1], static[2], static[3])
+    for step in range(3):
+        for t in (static[0], static[2], static[3]):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        expected, _ = op(static[0], k_cache, v_cache, static[1], static[2], static[3])
+        torch.testing.assert_close(graph_out, expected, atol=0, rtol=0)
+        assert torch.equal(graph_k, k_cache) and torch.equal(graph_v, v_cache)
+        static[1] += 1
+
+
+def test_cuda_kvcache_out_of_range_lengths():
+    """Outside capture: a clear error and untouched caches. Inside: NaN for that sequence only."""
+    q, k_cache, v_cache, lens, k_new, v_new = cuda_cache(B=2, Hq=4, Hkv=2, d=64, max_len=100, nq=1,
+                                                         n_new=1, dtype=torch.float16)
+    before = k_cache.clone()
+    bad = torch.tensor([10, 100], dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="sequence 1 has 100 cached positions and 1 new ones, but the cache holds 100"):
+        op(q, k_cache, v_cache, bad, k_new, v_new)
+    assert torch.equal(k_cache, before)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = op(q, k_cache, v_cache, bad, k_new, v_new)
+    graph.replay()
+    assert out[1].isnan().all() and lse[1].isnan().all()
+    assert not out[0].isnan().any()
+    assert torch.equal(k_cache[1], before[1]) and torch.equal(k_cache[0, :, 10], k_new[0, :, 0])
+
+
+def test_cuda_kvcache_layout_errors():
+    q, k_cache, v_cache, lens, k_new, v_new = cuda_cache(B=2, Hq=4, Hkv=2, d=64, max_len=50, nq=1,
+                                                         n_new=1, dtype=torch.float16)
+    strided = torch.zeros(2, 2, 50, 128, device="cuda", dtype=torch.float16)[..., ::2]
+    with pytest.raises(RuntimeError, match="k_cache and v_cache need a contiguous last dimension"):
+        op(q, strided, v_cache, lens, k_new, v_new)
+    with pytest.raises(RuntimeError, match="cache_seqlens must be on q's device"):
+        op(q, k_cache, v_cache, lens.cpu(), k_new, v_new)
+    with pytest.raises(RuntimeError, match=r"the head dim must be one of \[32, 64, 128\]; got 48"):
+        c = torch.zeros(2, 2, 50, 48, device="cuda", dtype=torch.float16)
+        op(q[..., :48], c, c.clone(), lens)
+    # k_new laid out [B, Nnew, Hkv, d] (a transposed view) is read as given.
+    k_t = k_new.transpose(1, 2).contiguous().transpose(1, 2)
+    expected, _ = op(q, k_cache.clone(), v_cache.clone(), lens, k_new, v_new)
+    out, _ = op(q, k_cache, v_cache, lens, k_t, v_new)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_cuda_kvcache_opcheck_and_compile():
+    q, k_cache, v_cache, lens, k_new, v_new = cuda_cache(B=2, Hq=4, Hkv=2, d=64, max_len=200, nq=2,
+                                                         n_new=2, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.fusedattn.forward_kvcache.default,
+                          (q, k_cache.clone(), v_cache.clone(), lens, k_new, v_new, True, None))
+    torch._dynamo.reset()
+    expected_k = k_cache.clone()
+    expected, _ = op(q, expected_k, v_cache.clone(), lens, k_new, v_new)
+    compiled = torch.compile(fusedattn.attention_with_kvcache, fullgraph=True)
+    k_c, v_c = k_cache.clone(), v_cache.clone()
+    torch.testing.assert_close(compiled(q, k_c, v_c, lens, k_new, v_new), expected, atol=0, rtol=0)
+    assert torch.equal(k_c, expected_k)
