@@ -55,19 +55,28 @@ def test_cuda_kvcache_forced_splits(monkeypatch, splits):
 
 
 def test_cuda_kvcache_combine_is_exact(monkeypatch):
-    """Merging splits equals one pass up to float32 rounding, in out and lse."""
-    q, k_cache, v_cache, lens, _, _ = cuda_cache(B=2, Hq=8, Hkv=8, d=128, max_len=4096, nq=1, n_new=0,
-                                                 dtype=torch.bfloat16)
+    """Merging splits equals one pass up to float32 rounding. With q = 0 every
+    score is 0 and every probability exactly 1, so no split rounds P
+    differently (with random scores P is rounded to float16 against each
+    split's own running max, a difference within the tolerance rule that the
+    forced-splits test covers); v holds small integers, whose sums are exact."""
+    q, k_cache, v_cache, lens, _, _ = cuda_cache(B=3, Hq=8, Hkv=8, d=128, max_len=4096, nq=1, n_new=0,
+                                                 dtype=torch.float16)
+    q.zero_()
+    v_cache.copy_(torch.randint(1, 9, v_cache.shape, device="cuda"))
     results = {}
     for splits in ("1", "5", "32"):
         monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
         results[splits] = op(q, k_cache, v_cache, lens, None, None, True, None)
     one_out, one_lse = results["1"]
+    for b in range(q.shape[0]):  # the mean of each sequence's values, in float64
+        expected = v_cache[b, :, :lens[b]].double().mean(dim=1, keepdim=True)
+        if lens[b] > 0:
+            torch.testing.assert_close(one_out[b].double(), expected, atol=0, rtol=2**-10)
     for splits in ("5", "32"):
         out, lse = results[splits]
-        # One bf16 rounding step apart at most (the float32 sums differ in their last bits).
-        torch.testing.assert_close(out.float(), one_out.float(), atol=1e-5, rtol=2**-7)
-        torch.testing.assert_close(lse, one_lse, atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(out, one_out, atol=0, rtol=2**-10)  # one float16 rounding apart at most
+        torch.testing.assert_close(lse, one_lse, atol=0, rtol=1e-6)
 
 
 @pytest.mark.parametrize("lengths", [[4096, 4096], [1, 8191], [0, 5000]])
@@ -118,21 +127,16 @@ def test_cuda_kvcache_graph_capture_and_replay():
 
 
 def test_cuda_kvcache_out_of_range_lengths():
-    """Outside capture: a clear error and untouched caches. Inside: NaN for that sequence only."""
-    q, k_cache, v_cache, lens, k_new, v_new = cuda_cache(B=2, Hq=4, Hkv=2, d=64, max_len=100, nq=1,
+    """A sequence whose lengths do not fit gets NaN and no append; the others are unaffected.
+    (CUDA does not read cache_seqlens on the host, so there is no exception.)"""
+    q, k_cache, v_cache, lens, k_new, v_new = cuda_cache(B=3, Hq=4, Hkv=2, d=64, max_len=100, nq=1,
                                                          n_new=1, dtype=torch.float16)
     before = k_cache.clone()
-    bad = torch.tensor([10, 100], dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match="sequence 1 has 100 cached positions and 1 new ones, but the cache holds 100"):
-        op(q, k_cache, v_cache, bad, k_new, v_new)
-    assert torch.equal(k_cache, before)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = op(q, k_cache, v_cache, bad, k_new, v_new)
-    graph.replay()
-    assert out[1].isnan().all() and lse[1].isnan().all()
+    bad = torch.tensor([10, 100, -1], dtype=torch.int32, device="cuda")
+    out, lse = op(q, k_cache, v_cache, bad, k_new, v_new)
+    assert out[1:].isnan().all() and lse[1:].isnan().all()
     assert not out[0].isnan().any()
-    assert torch.equal(k_cache[1], before[1]) and torch.equal(k_cache[0, :, 10], k_new[0, :, 0])
+    assert torch.equal(k_cache[1:], before[1:]) and torch.equal(k_cache[0, :, 10], k_new[0, :, 0])
 
 
 def test_cuda_kvcache_layout_errors():

@@ -9,8 +9,9 @@ namespace fusedattn::cuda {
 
 // Copies rows [row0, row0 + Rows) of a [N, d] head into shared memory rows of
 // Tr::kStride elements; rows at or past `valid_rows` are zero-filled (never
-// read). Tr gives kThreads (the block), kChunksPerRow (d / 8) and kStride.
-template <int Rows, typename Tr, typename T>
+// read). Tr gives kThreads (the block), kChunksPerRow (d / 8) and kStride;
+// L2Prefetch is cp_async_16's.
+template <int Rows, typename Tr, int L2Prefetch = 0, typename T>
 __device__ __forceinline__ void load_rows_async(T* smem, const T* head, int64_t row_stride,
                                                 int64_t row0, int64_t valid_rows) {
   // Thread i copies chunk i % kChunksPerRow of rows i / kChunksPerRow + n * kRowStep.
@@ -22,7 +23,8 @@ __device__ __forceinline__ void load_rows_async(T* smem, const T* head, int64_t 
   for (int i = 0; i < Rows / kRowStep; ++i) {
     const int r = r0 + i * kRowStep;
     const bool valid = r < valid_rows;
-    cp_async_16(smem + r * Tr::kStride + col, valid ? src + i * kRowStep * row_stride : head, valid);
+    cp_async_16<L2Prefetch>(smem + r * Tr::kStride + col, valid ? src + i * kRowStep * row_stride : head,
+                            valid);
   }
 }
 

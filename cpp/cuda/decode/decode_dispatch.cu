@@ -35,39 +35,48 @@ decltype(auto) dispatch_decode(const KVCacheParams& p, F&& f) {
   }
 }
 
-// Fill the GPU in whole waves: among 1..max_splits, the fewest splits whose
-// last wave is at least 85% as full as the best choice's (FlashAttention 2's
-// rule for its split-KV forward).
-int splits_for_waves(int64_t blocks_per_split, int64_t slots, int max_splits) {
-  auto efficiency = [&](int s) {
+// Measured on the H200 (docs/cuda-notes.md): a split should stream at least
+// kMinTilesPerSplit tiles once the GPU is full (each block's start and end
+// cost about two tiles of streaming), and at most kMaxTilesPerSplit (with
+// fewer, longer blocks the slowest ones leave a tail: 128K keys ran 4.3 TB/s
+// in 1 split per head and 4.45 in 16). Within those bounds, FlashAttention
+// 2's rule: the fewest splits whose last wave is at least 85% as full as the
+// best choice's.
+constexpr int64_t kMinTilesPerSplit = 16;
+constexpr int64_t kMaxTilesPerSplit = 128;
+
+int splits_for_waves(int64_t blocks_per_split, int64_t slots, int64_t tiles) {
+  // Below a full wave, more (shorter) splits are free parallelism.
+  const int64_t fill = std::max<int64_t>(1, slots / std::max<int64_t>(1, blocks_per_split));
+  const int64_t max_splits = std::clamp<int64_t>(
+      std::min(tiles, std::max(tiles / kMinTilesPerSplit, fill)), 1, kMaxDecodeSplits);
+  const int64_t min_splits = std::clamp<int64_t>((tiles + kMaxTilesPerSplit - 1) / kMaxTilesPerSplit, 1, max_splits);
+  auto efficiency = [&](int64_t s) {
     const double waves = double(blocks_per_split) * s / double(slots);
     return waves / std::ceil(waves);
   };
   double best = 0.0;
-  for (int s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
-  for (int s = 1; s <= max_splits; ++s)
-    if (efficiency(s) >= 0.85 * best) return s;
-  return 1;
+  for (int64_t s = min_splits; s <= max_splits; ++s) best = std::max(best, efficiency(s));
+  for (int64_t s = min_splits; s <= max_splits; ++s)
+    if (efficiency(s) >= 0.85 * best) return static_cast<int>(s);
+  return static_cast<int>(min_splits);
 }
 
 }  // namespace
 
 int decode_num_splits(const KVCacheParams& p) {
   const AttentionShape& sh = p.attn.shape;
-  constexpr int kKeysPerTile = 64;
-  const int64_t tiles = (sh.seqlen_k + kKeysPerTile - 1) / kKeysPerTile;
-  const int max_splits = static_cast<int>(std::clamp<int64_t>(tiles, 1, kMaxDecodeSplits));
+  const int64_t tiles = (sh.seqlen_k + kDecodeBlockN - 1) / kDecodeBlockN;
   if (const char* forced = std::getenv("FUSEDATTN_DECODE_SPLITS"))
-    return std::clamp(std::atoi(forced), 1, max_splits);
+    return static_cast<int>(std::clamp<int64_t>(std::atoi(forced), 1, std::clamp<int64_t>(tiles, 1, kMaxDecodeSplits)));
   int device = 0, sms = 0;
   FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
   FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int per_sm = dispatch_decode(p, [](auto head_dim, auto element) {
     return decode_blocks_per_sm<decltype(head_dim)::value, decltype(element)>();
   });
-  const int64_t row_tiles = (sh.group_size() * sh.seqlen_q + 15) / 16;
-  return splits_for_waves(sh.batch * sh.heads_kv * row_tiles, int64_t(sms) * std::max(per_sm, 1),
-                          max_splits);
+  const int64_t row_tiles = (sh.group_size() * sh.seqlen_q + kDecodeBlockM - 1) / kDecodeBlockM;
+  return splits_for_waves(sh.batch * sh.heads_kv * row_tiles, int64_t(sms) * std::max(per_sm, 1), tiles);
 }
 
 void forward_kvcache(const KVCacheParams& p, cudaStream_t stream) {

@@ -30,9 +30,18 @@ template <int HeadDim>
 struct DecodeTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBlockM = 16;           // query rows: one MMA tile, shared by the warps
-  static constexpr int kBlockN = 16 * kWarps;  // keys per tile, 16 per warp
-  static constexpr int kStages = 3;            // tiles in the ring
+  static constexpr int kBlockM = kDecodeBlockM;  // query rows: one MMA tile, shared by the warps
+  static constexpr int kBlockN = kDecodeBlockN;  // keys per tile, 16 per warp
+  static_assert(kBlockM == 16 && kBlockN == 16 * kWarps);
+  // Tiles in the ring: kStages - 1 in flight while one is computed on. At
+  // d=128, 3 stages take 109 KB and fit 2 blocks per SM; 2 stages (3 blocks)
+  // and 4 stages (1 block) both streamed 2.5 TB/s against 4.3 (H200,
+  // docs/cuda-notes.md). Also tried there, no better: 8 warps and 128-key
+  // tiles; 2 warps, 32-key tiles and 4 or 6 stages; prefetching later tiles
+  // into L2 (prefetch.global.L2), which cost 10-35%.
+  static constexpr int kStages = 3;
+  // Each 16-byte cp.async asks L2 for the surrounding 128 bytes: +2-3%.
+  static constexpr int kL2Prefetch = 128;
   static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
   static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
   static constexpr int kTileElements = kBlockN * kStride;
@@ -111,11 +120,13 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads)
     if (tile < tile_end) {
       T* sK = sRing + 2 * ((tile - tile_begin) % kStages) * Tr::kTileElements;
       const int64_t col0 = tile * kBlockN;
-      load_rows_async<kBlockN, Tr>(sK, k, a.k_strides.row, col0, length - col0);
-      load_rows_async<kBlockN, Tr>(sK + Tr::kTileElements, v, a.v_strides.row, col0, length - col0);
+      load_rows_async<kBlockN, Tr, Tr::kL2Prefetch>(sK, k, a.k_strides.row, col0, length - col0);
+      load_rows_async<kBlockN, Tr, Tr::kL2Prefetch>(sK + Tr::kTileElements, v, a.v_strides.row, col0,
+                                                    length - col0);
     }
     cp_async_commit();
   };
+
   for (int i = 0; i < kStages - 1; ++i) load_tile(tile_begin + i);
 
   cp_async_wait<kStages - 1>();  // Q landed

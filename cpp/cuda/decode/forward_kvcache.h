@@ -14,6 +14,10 @@ namespace fusedattn::cuda {
 inline constexpr int kDecodeHeadDims[] = {32, 64, 128};
 // Upper bound of KVCacheParams::num_splits.
 inline constexpr int kMaxDecodeSplits = 64;
+// A thread block takes kDecodeBlockM (query head, query) rows of one kv head
+// and streams its keys in tiles of kDecodeBlockN.
+inline constexpr int kDecodeBlockM = 16;
+inline constexpr int kDecodeBlockN = 64;
 
 // How many blocks to split each (sequence, kv head)'s keys over on the current
 // device, for p's shape (p.attn.shape.seqlen_k, the cache size, stands in for
