@@ -36,23 +36,33 @@ def cuda_engine():
 
 def transformers_greedy(tokenizer, device="cpu", dtype=None):
     """transformers' own generate (SDPA) on the same GGUF file: the new tokens
-    of each prompt and the logits of every step [B, steps, vocab]."""
+    of each prompt, the logits of every step [B, steps, vocab], and the ids
+    that end a sequence for either implementation (transformers releases
+    differ in which end-of-text ids they read from the file; what follows
+    the end is not compared)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = smollm2_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), attn_implementation="sdpa")
     model = model.to(device=device, dtype=dtype).eval()
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # older transformers read no pad token from the GGUF file
+        tokenizer.pad_token = tokenizer.eos_token
     batch = tokenizer(PROMPTS, padding=True, return_tensors="pt").to(device)
     with torch.no_grad():
         hf = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                             return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
     new = hf.sequences[:, batch["input_ids"].shape[1]:].tolist()
-    return new, torch.stack(hf.logits, dim=1).float()
+    stop = model.generation_config.eos_token_id
+    stop = {tokenizer.eos_token_id} | (set(stop) if isinstance(stop, list) else {stop} - {None})
+    return new, torch.stack(hf.logits, dim=1).float(), stop
 
 
 def until_eos(tokens, eos):
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+    """tokens up to and including the first of the ids in eos (an int or a set)."""
+    eos = {eos} if isinstance(eos, int) else eos
+    end = next((i for i, t in enumerate(tokens) if t in eos), len(tokens) - 1)
+    return tokens[: end + 1]
 
 
 def run(engine, prompts, **kwargs):
@@ -65,9 +75,8 @@ def run(engine, prompts, **kwargs):
 
 
 def test_greedy_tokens_match_transformers_generate(engine):
-    expected, _ = transformers_greedy(engine.tokenizer)
+    expected, _, eos = transformers_greedy(engine.tokenizer)
     ours = run(engine, PROMPTS, max_new_tokens=NEW_TOKENS)
-    eos = engine.tokenizer.eos_token_id
     for i, prompt in enumerate(PROMPTS):
         assert until_eos(ours[i], eos) == until_eos(expected[i], eos), prompt
 
@@ -80,9 +89,8 @@ NEAR_TIE = 0.1
 
 @pytest.mark.gpu
 def test_cuda_greedy_tokens_match_transformers_generate(cuda_engine):
-    expected, logits = transformers_greedy(cuda_engine.tokenizer, "cuda", cuda_engine.dtype)
+    expected, logits, eos = transformers_greedy(cuda_engine.tokenizer, "cuda", cuda_engine.dtype)
     ours = run(cuda_engine, PROMPTS, max_new_tokens=NEW_TOKENS)
-    eos = cuda_engine.tokenizer.eos_token_id
     for i, prompt in enumerate(PROMPTS):
         a, b = until_eos(ours[i], eos), until_eos(expected[i], eos)
         same = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -105,7 +105,7 @@ class Engine:
         if not has_kernel("forward_kvcache", self.device.type):
             raise RuntimeError(f"fusedattn.engine: this build has no forward_kvcache kernel for "
                                f"{self.device.type}; use device='cpu' or a CUDA build")
-        w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
+        w = {name: t.to(device=self.device, dtype=self.dtype) for name, t in weights.items()}
         self.embed, self.output_norm = w["token_embd.weight"], w["output_norm.weight"]
         self.lm_head = w.get("output.weight", self.embed)  # tied embeddings when absent
         # Per layer, with the projections that read the same input fused into
