@@ -25,4 +25,25 @@ for src in "${sources[@]}"; do
     echo "check_cuda_compiles: WARNING: $src spills registers (see $obj.ptxas.log)"
   fi
 done
+
+# The CUDA operator layer (cpp/ops/*_cuda*.cpp) is C++ against PyTorch's CUDA
+# headers; it is built only with a CUDA torch. With any torch installed,
+# check its syntax against those headers. A CPU wheel lacks the one generated
+# header, c10/cuda/impl/cuda_cmake_macros.h (build options, none of which these
+# files use): an empty stand-in takes its place.
+torch_include=$(python3 -c "import torch.utils.cpp_extension as e; print(' '.join(e.include_paths()))" 2>/dev/null || true)
+if [ -n "$torch_include" ]; then
+  stub="$out/stub-include"
+  mkdir -p "$stub/c10/cuda/impl"
+  : > "$stub/c10/cuda/impl/cuda_cmake_macros.h"
+  # nvcc may be a wrapper script: ask it where its headers are.
+  cuda_include=$(nvcc --dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/.*INCLUDES="-I\([^"]*\)".*/\1/p' | head -1)
+  for src in cpp/ops/*_cuda*.cpp; do
+    echo "  $src: syntax against torch's CUDA headers"
+    g++ -std=c++20 -fsyntax-only -DFUSEDATTN_WITH_CUDA -Icpp/include -I"$stub" \
+      $(printf -- '-I%s ' $torch_include) -I"$cuda_include" "$src"
+  done
+else
+  echo "check_cuda_compiles: torch not importable, skipping the CUDA operator layer"
+fi
 echo "check_cuda_compiles: ok"

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fusedattn import cli
 
@@ -32,6 +33,39 @@ def test_bench_json_and_plot(tmp_path, capsys):
 def test_bench_rejects_unknown_dtype():
     with pytest.raises(SystemExit, match="unknown dtype"):
         cli.main(["bench", "--device", "cpu", "--dtype", "float8", "--no-progress"])
+
+
+def test_bench_decode_options_are_checked():
+    with pytest.raises(SystemExit, match="--kv-heads needs --decode"):
+        cli.main(["bench", "--device", "cpu", "--kv-heads", "8", "--no-progress"])
+    with pytest.raises(SystemExit, match="--plot does not apply to --decode"):
+        cli.main(["bench", "--decode", "--plot", "x.png", "--no-progress"])
+    with pytest.raises(SystemExit, match="the decode benchmark needs a CUDA device"):
+        cli.main(["bench", "--decode", "--device", "cpu", "--no-progress"])
+
+
+def test_bench_decode_lengths():
+    """Per-sequence lengths are seeded, within [1, N], and used for the byte count."""
+    from fusedattn import bench_decode
+
+    cfg = bench_decode.DecodeConfig(torch.device("cpu"), batch=16)
+    varlen = bench_decode.cache_lengths(cfg, 1000, True)
+    assert torch.equal(varlen, bench_decode.cache_lengths(cfg, 1000, True))
+    assert varlen.min() >= 1 and varlen.max() <= 1000 and len(set(varlen.tolist())) > 1
+    assert (bench_decode.cache_lengths(cfg, 1000, False) == 1000).all()
+
+
+@pytest.mark.gpu
+def test_bench_decode_on_cuda(tmp_path):
+    out = tmp_path / "decode.json"
+    assert cli.main(["bench", "--decode", "--batch", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                     "--seqlens", "256,1000", "--repeats", "2", "--no-progress", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4
+    for row in rows:
+        assert row["results"]["fusedattn"]["tb_per_s"] > 0
+        if row["varlen"]:
+            assert row["results"]["sdpa-flash"]["status"].startswith("n/a")
 
 
 def test_python_dash_m_entry_point():

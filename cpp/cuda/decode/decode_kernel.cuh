@@ -35,7 +35,7 @@ struct DecodeTraits {
   static_assert(kBlockM == 16 && kBlockN == 16 * kWarps);
   // Tiles in the ring: kStages - 1 in flight while one is computed on. At
   // d=128, 3 stages take 109 KB and fit 2 blocks per SM; 2 stages (3 blocks)
-  // and 4 stages (1 block) both streamed 2.5 TB/s against 4.3 (H200,
+  // and 4 stages (1 block) streamed 2.4-2.9 TB/s against 4.0-4.4 (H200,
   // docs/cuda-notes.md). Also tried there, no better: 8 warps and 128-key
   // tiles; 2 warps, 32-key tiles and 4 or 6 stages; prefetching later tiles
   // into L2 (prefetch.global.L2), which cost 10-35%.
