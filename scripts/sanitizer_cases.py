@@ -1,6 +1,7 @@
 """Small CUDA calls for compute-sanitizer (memcheck, racecheck): the forward
 for every head dim, dtype, mask kind, causal, and sizes that end mid-tile;
-forward_kvcache with appends, one and several splits, and an empty cache.
+forward_kvcache with and without appends, one and several splits, empty
+caches, float16 and bfloat16, and a sequence whose length does not fit.
 Run: compute-sanitizer --tool memcheck python3 scripts/sanitizer_cases.py"""
 
 import sys
@@ -27,9 +28,13 @@ from test_kvcache import make_cache  # noqa: E402
 for head_dim in (32, 64, 128):
     for splits in ("1", "4"):
         os.environ["FUSEDATTN_DECODE_SPLITS"] = splits
-        for nq, heads in ((1, (4, 4)), (3, (8, 2))):
-            args = [t.cuda() for t in make_cache(B=3, Hq=heads[0], Hkv=heads[1], d=head_dim, max_len=333,
-                                                 nq=nq, n_new=nq, dtype=torch.float16)]
+        for nq, n_new, heads, dtype in ((1, 1, (4, 4), torch.float16), (3, 3, (8, 2), torch.bfloat16),
+                                        (2, 0, (6, 1), torch.float16)):
+            args = [t if t is None else t.cuda()
+                    for t in make_cache(B=3, Hq=heads[0], Hkv=heads[1], d=head_dim, max_len=333, nq=nq,
+                                        n_new=n_new, dtype=dtype)]
             torch.ops.fusedattn.forward_kvcache(*args, True, None)
+            args[3][1] = 400  # max_len is 333: does not fit: NaN for sequence 1, no append
+            torch.ops.fusedattn.forward_kvcache(*args, False, None)
 torch.cuda.synchronize()
 print("sanitizer cases: done")

@@ -39,7 +39,12 @@ def run_checked(q, k_cache, v_cache, lens, k_new, v_new, is_causal):
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("is_causal", [True, False])
-def test_cuda_kvcache_matches_reference(nq, heads, dtype, head_dim, is_causal):
+@pytest.mark.parametrize("splits", ["1", None], ids=["one-split", "auto-splits"])
+def test_cuda_kvcache_matches_reference(monkeypatch, nq, heads, dtype, head_dim, is_causal, splits):
+    """Both output paths: one split (the decode kernel writes out and lse) and
+    the automatic count (about 10 splits here, merged by the combine kernel)."""
+    if splits:
+        monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
     # max_len 700: several 64-key tiles, lengths from 0 (empty) to full.
     args = cuda_cache(B=4, Hq=heads[0], Hkv=heads[1], d=head_dim, max_len=700, nq=nq, n_new=nq,
                       dtype=dtype, seed=nq + head_dim)
@@ -79,14 +84,13 @@ def test_cuda_kvcache_combine_is_exact(monkeypatch):
         torch.testing.assert_close(lse, one_lse, atol=0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("lengths", [[4096, 4096], [1, 8191], [0, 5000]])
+@pytest.mark.parametrize("lengths", [[4096, 4096], [1, 8192], [0, 5000]])
 def test_cuda_kvcache_long_caches(lengths):
-    """The automatic split count on long caches, with per-sequence lengths."""
-    q, k_cache, v_cache, _, k_new, v_new = cuda_cache(B=2, Hq=32, Hkv=8, d=128, max_len=8192, nq=1,
-                                                      n_new=1, dtype=torch.float16)
-    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda") - 1
-    lens.clamp_(min=0)
-    run_checked(q, k_cache, v_cache, lens, k_new, v_new, True)
+    """The automatic split count on long caches, with per-sequence lengths (an empty one too)."""
+    q, k_cache, v_cache, _, _, _ = cuda_cache(B=2, Hq=32, Hkv=8, d=128, max_len=8192, nq=1, n_new=0,
+                                              dtype=torch.float16)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    run_checked(q, k_cache, v_cache, lens, None, None, True)
 
 
 def test_cuda_kvcache_decode_loop_equals_causal_forward():
@@ -126,9 +130,11 @@ def test_cuda_kvcache_graph_capture_and_replay():
         static[1] += 1
 
 
-def test_cuda_kvcache_out_of_range_lengths():
+@pytest.mark.parametrize("splits", ["1", "2"])
+def test_cuda_kvcache_out_of_range_lengths(monkeypatch, splits):
     """A sequence whose lengths do not fit gets NaN and no append; the others are unaffected.
     (CUDA does not read cache_seqlens on the host, so there is no exception.)"""
+    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
     q, k_cache, v_cache, lens, k_new, v_new = cuda_cache(B=3, Hq=4, Hkv=2, d=64, max_len=100, nq=1,
                                                          n_new=1, dtype=torch.float16)
     before = k_cache.clone()
@@ -141,7 +147,7 @@ def test_cuda_kvcache_out_of_range_lengths():
 
 def test_cuda_kvcache_layout_errors():
     q, k_cache, v_cache, lens, k_new, v_new = cuda_cache(B=2, Hq=4, Hkv=2, d=64, max_len=50, nq=1,
-                                                         n_new=1, dtype=torch.float16)
+                                                         n_new=3, dtype=torch.float16)
     strided = torch.zeros(2, 2, 50, 128, device="cuda", dtype=torch.float16)[..., ::2]
     with pytest.raises(RuntimeError, match="k_cache and v_cache need a contiguous last dimension"):
         op(q, strided, v_cache, lens, k_new, v_new)
@@ -150,8 +156,9 @@ def test_cuda_kvcache_layout_errors():
     with pytest.raises(RuntimeError, match=r"the head dim must be one of \[32, 64, 128\]; got 48"):
         c = torch.zeros(2, 2, 50, 48, device="cuda", dtype=torch.float16)
         op(q[..., :48], c, c.clone(), lens)
-    # k_new laid out [B, Nnew, Hkv, d] (a transposed view) is read as given.
+    # k_new laid out [B, Nnew, Hkv, d] (a transposed view, 3 rows) is read as given.
     k_t = k_new.transpose(1, 2).contiguous().transpose(1, 2)
+    assert k_t.stride() != k_new.stride()
     expected, _ = op(q, k_cache.clone(), v_cache.clone(), lens, k_new, v_new)
     out, _ = op(q, k_cache, v_cache, lens, k_t, v_new)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)

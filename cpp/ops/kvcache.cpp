@@ -53,6 +53,10 @@ int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
   return n_new;
 }
 
+namespace {
+
+// Checks that every sequence's cached positions plus n_new fit the caches and
+// returns cache_seqlens on the host, contiguous.
 at::Tensor checked_cache_lengths(const at::Tensor& cache_seqlens, int64_t n_new, int64_t max_len) {
   at::Tensor lengths = cache_seqlens.to(at::kCPU).contiguous();
   const int32_t* len = lengths.data_ptr<int32_t>();
@@ -62,6 +66,8 @@ at::Tensor checked_cache_lengths(const at::Tensor& cache_seqlens, int64_t n_new,
                 " new ones, but the cache holds ", max_len);
   return lengths;
 }
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -18,11 +18,6 @@ int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
                              const std::optional<at::Tensor>& k_new,
                              const std::optional<at::Tensor>& v_new);
 
-// Checks that every sequence's cached positions plus n_new fit the caches and
-// returns cache_seqlens on the host, contiguous (a synchronisation for a
-// device tensor).
-at::Tensor checked_cache_lengths(const at::Tensor& cache_seqlens, int64_t n_new, int64_t max_len);
-
 // Runs `forward(q_b, k_b, v_b, out_b, lse_b)` for every sequence b, where k_b
 // and v_b are the first cache_seqlens[b] + Nnew cached positions (after the
 // append), and returns (out, lse).

@@ -58,8 +58,10 @@ def _sdpa_backend(name: str):
                "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
 
     def run(q, k, v, causal):
+        # enable_gqa exists from torch 2.5: pass it only for grouped heads.
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
 
     return run
 

@@ -239,19 +239,22 @@ class Engine:
         if stats is not None:
             stats["decode_tokens"], stats["decode_s"] = decoded, time.perf_counter() - start
 
-
     def _capture_decode(self, tokens: Tensor, lengths: Tensor, caches):
         """Captures decode() for this batch; returns f(tokens) -> logits that
         replays it. The graph reads `lengths` and the caches in place, so they
         must stay the same tensors (lengths is advanced with +=)."""
         static_tokens = tokens.clone()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_logits = self.decode(static_tokens, lengths, caches)
+        # On the engine's GPU, whichever is current: a capture stream of
+        # another GPU would record nothing of decode()'s work.
+        with torch.cuda.device(self.device):
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
+                static_logits = self.decode(static_tokens, lengths, caches)
 
         def step(new_tokens: Tensor) -> Tensor:
             static_tokens.copy_(new_tokens)
-            graph.replay()
+            with torch.cuda.device(self.device):
+                graph.replay()
             return static_logits
 
         return step

@@ -100,7 +100,6 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   }
 }
 
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most `pending` committed groups are still in flight.

@@ -4,6 +4,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -50,7 +52,13 @@ int splits_for_waves(int64_t blocks_per_split, int64_t slots, int64_t tiles) {
   const int64_t fill = std::max<int64_t>(1, slots / std::max<int64_t>(1, blocks_per_split));
   const int64_t max_splits = std::clamp<int64_t>(
       std::min(tiles, std::max(tiles / kMinTilesPerSplit, fill)), 1, kMaxDecodeSplits);
-  const int64_t min_splits = std::clamp<int64_t>((tiles + kMaxTilesPerSplit - 1) / kMaxTilesPerSplit, 1, max_splits);
+  // A grid already kMaxWaves deep has no long single wave to cut up (and its
+  // partials would only cost memory: B x Hq x Nq x d floats per split).
+  constexpr int64_t kMaxWaves = 4;
+  const int64_t min_splits =
+      blocks_per_split >= kMaxWaves * slots
+          ? 1
+          : std::clamp<int64_t>((tiles + kMaxTilesPerSplit - 1) / kMaxTilesPerSplit, 1, max_splits);
   auto efficiency = [&](int64_t s) {
     const double waves = double(blocks_per_split) * s / double(slots);
     return waves / std::ceil(waves);
@@ -62,6 +70,24 @@ int splits_for_waves(int64_t blocks_per_split, int64_t slots, int64_t tiles) {
   return static_cast<int>(min_splits);
 }
 
+// SMs x resident blocks per SM of one instantiation on the current device,
+// asked of the driver once per device.
+template <int HeadDim, typename Element>
+int64_t block_slots() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> known[kMaxDevices];
+  int device = 0;
+  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < kMaxDevices) {
+    if (const int64_t slots = known[device].load(std::memory_order_relaxed)) return slots;
+  }
+  int sms = 0;
+  FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t slots = int64_t(sms) * std::max(decode_blocks_per_sm<HeadDim, Element>(), 1);
+  if (device < kMaxDevices) known[device].store(slots, std::memory_order_relaxed);
+  return slots;
+}
+
 }  // namespace
 
 int decode_num_splits(const KVCacheParams& p) {
@@ -69,14 +95,10 @@ int decode_num_splits(const KVCacheParams& p) {
   const int64_t tiles = (sh.seqlen_k + kDecodeBlockN - 1) / kDecodeBlockN;
   if (const char* forced = std::getenv("FUSEDATTN_DECODE_SPLITS"))
     return static_cast<int>(std::clamp<int64_t>(std::atoi(forced), 1, std::clamp<int64_t>(tiles, 1, kMaxDecodeSplits)));
-  int device = 0, sms = 0;
-  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-  FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int per_sm = dispatch_decode(p, [](auto head_dim, auto element) {
-    return decode_blocks_per_sm<decltype(head_dim)::value, decltype(element)>();
+  const int64_t slots = dispatch_decode(p, [](auto head_dim, auto element) {
+    return block_slots<decltype(head_dim)::value, decltype(element)>();
   });
-  const int64_t row_tiles = (sh.group_size() * sh.seqlen_q + kDecodeBlockM - 1) / kDecodeBlockM;
-  return splits_for_waves(sh.batch * sh.heads_kv * row_tiles, int64_t(sms) * std::max(per_sm, 1), tiles);
+  return splits_for_waves(sh.batch * sh.heads_kv * decode_row_tiles(sh), slots, tiles);
 }
 
 void forward_kvcache(const KVCacheParams& p, cudaStream_t stream) {

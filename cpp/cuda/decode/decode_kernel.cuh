@@ -15,6 +15,7 @@
 // partials and combine_kernel merges them.
 #pragma once
 
+#include <atomic>
 #include <cmath>
 
 #include "../common/device_math.cuh"
@@ -74,7 +75,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads)
   // heads, sequences. 32-bit division: the launch checks the grid fits 2^31.
   const int64_t group = sh.heads_q / sh.heads_kv;
   const int64_t group_rows = group * sh.seqlen_q;  // rows reading this kv head
-  const unsigned row_tiles = static_cast<unsigned>((group_rows + kBlockM - 1) / kBlockM);
+  const unsigned row_tiles = static_cast<unsigned>(decode_row_tiles(sh));
   unsigned index = blockIdx.x;
   const unsigned row_tile = index % row_tiles;
   index /= row_tiles;
@@ -275,19 +276,31 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads)
   }
 }
 
+// Raises the kernel's dynamic shared memory limit, once per device (the
+// attribute is per device; setting it costs a driver call per launch otherwise).
+template <int HeadDim, typename T, bool IsCausal>
+void configure_decode_kernel() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> configured[kMaxDevices];
+  int device = 0;
+  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < kMaxDevices && configured[device].load(std::memory_order_acquire)) return;
+  FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<HeadDim, T, IsCausal>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            DecodeTraits<HeadDim>::kSmemElements * sizeof(T)));
+  if (device < kMaxDevices) configured[device].store(true, std::memory_order_release);
+}
+
 template <int HeadDim, typename T, bool IsCausal>
 void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   using Tr = DecodeTraits<HeadDim>;
-  auto kernel = decode_kernel<HeadDim, T, IsCausal>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
-  FUSEDATTN_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  configure_decode_kernel<HeadDim, T, IsCausal>();
   const AttentionShape& sh = p.attn.shape;
-  const int64_t row_tiles = (sh.group_size() * sh.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  const int64_t blocks = row_tiles * p.num_splits * sh.heads_kv * sh.batch;
+  const int64_t blocks = decode_row_tiles(sh) * p.num_splits * sh.heads_kv * sh.batch;
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
-  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
+  decode_kernel<HeadDim, T, IsCausal><<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -299,16 +312,15 @@ void launch_decode(const KVCacheParams& p, cudaStream_t stream) {
     launch_decode_kernel<HeadDim, Element, false>(p, stream);
 }
 
+// Both causal variants share traits and registers closely enough that one
+// occupancy answer serves both.
 template <int HeadDim, typename Element>
 int decode_blocks_per_sm() {
   using Tr = DecodeTraits<HeadDim>;
-  constexpr int smem_bytes = Tr::kSmemElements * sizeof(Element);
-  auto kernel = decode_kernel<HeadDim, Element, true>;
-  FUSEDATTN_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  configure_decode_kernel<HeadDim, Element, true>();
   int blocks = 0;
-  FUSEDATTN_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Tr::kThreads, smem_bytes));
+  FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, decode_kernel<HeadDim, Element, true>, Tr::kThreads, Tr::kSmemElements * sizeof(Element)));
   return blocks;
 }
 

@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "fusedattn/params.h"
 
 namespace fusedattn::cuda {
@@ -19,6 +21,12 @@ inline constexpr int kMaxDecodeSplits = 64;
 inline constexpr int kDecodeBlockM = 16;
 inline constexpr int kDecodeBlockN = 64;
 
+// Blocks per (sequence, kv head, split): the group's Hq / Hkv x Nq rows in
+// tiles of kDecodeBlockM.
+__host__ __device__ inline int64_t decode_row_tiles(const AttentionShape& sh) {
+  return (sh.heads_q / sh.heads_kv * sh.seqlen_q + kDecodeBlockM - 1) / kDecodeBlockM;
+}
+
 // How many blocks to split each (sequence, kv head)'s keys over on the current
 // device, for p's shape (p.attn.shape.seqlen_k, the cache size, stands in for
 // the lengths, which only the device knows). FUSEDATTN_DECODE_SPLITS=n forces
@@ -28,8 +36,8 @@ int decode_num_splits(const KVCacheParams& p);
 // Appends k_new/v_new to the caches, then writes p.attn.out and p.attn.lse on
 // `stream`; p.num_splits > 1 needs p.partial_out and p.partial_lse. A sequence
 // whose cache_seqlens[b] + n_new is outside [0, max_len] is not appended to and
-// gets NaN outputs (the operator layer checks the lengths on the host when it
-// may synchronise). Throws std::runtime_error on a CUDA error.
+// gets NaN outputs (the lengths live on the device; nothing here reads them on
+// the host). Throws std::runtime_error on a CUDA error.
 void forward_kvcache(const KVCacheParams& p, cudaStream_t stream);
 
 // One instantiation per (head dim, element type), each in its own file.
