@@ -26,6 +26,11 @@ for src in "${sources[@]}"; do
   fi
 done
 
+# dev/cuda: standalone kernel drivers (no PyTorch), built and linked so they keep up with the kernels.
+nvcc -std=c++17 -O3 --use_fast_math -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
+  dev/cuda/decode_splits.cu cpp/cuda/decode/combine_kernel.cu -o "$out/decode_splits"
+echo "  dev/cuda/decode_splits.cu: built"
+
 # The CUDA operator layer (cpp/ops/*_cuda*.cpp) is C++ against PyTorch's CUDA
 # headers; it is built only with a CUDA torch. With any torch installed,
 # check its syntax against those headers. A CPU wheel lacks the one generated
