@@ -87,8 +87,8 @@ def _read_gguf(path: str) -> tuple[LlamaConfig, dict[str, Tensor]]:
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    """In float32, then scaled by the weight in x's dtype (as transformers' LlamaRMSNorm)."""
+    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype) * weight
 
 
 class Engine:
@@ -117,11 +117,12 @@ class Engine:
             gate_up=torch.cat([w[f"blk.{i}.ffn_gate.weight"], w[f"blk.{i}.ffn_up.weight"]]),
         ) for i in range(config.layers)]
         # GGUF stores Q and K rows permuted for llama.cpp's rotary embedding,
-        # which rotates adjacent pairs (x[2i], x[2i+1]) by position * base^(-2i/d).
+        # which rotates adjacent pairs (x[2i], x[2i+1]) by position * base^(-2i/d):
+        # as complex numbers, a product with e^(i angle).
         d = config.head_dim
         inv_freq = config.rope_base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
         angles = torch.arange(config.context, dtype=torch.float32)[:, None] * inv_freq
-        self.cos, self.sin = angles.cos().to(self.device), angles.sin().to(self.device)
+        self.rotations = torch.polar(torch.ones_like(angles), angles).to(self.device)  # [context, d/2]
 
     @classmethod
     def from_gguf(cls, path: str | None = None, device="cpu", dtype: torch.dtype | None = None,
@@ -135,25 +136,25 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
         return cls(config, weights, tokenizer, device, dtype, cuda_graph)
 
-    def _rotation(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and sin for positions [B, T], shaped to broadcast over heads."""
-        return self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, d/2]
+    def _rotation(self, positions: Tensor) -> Tensor:
+        """e^(i angle) for positions [B, T], shaped to broadcast over heads: [B, T, 1, d/2]."""
+        return self.rotations[positions][:, :, None]
 
     @staticmethod
-    def _rope(x: Tensor, rotation: tuple[Tensor, Tensor]) -> Tensor:
-        """Rotates the adjacent pairs of x [B, H, T, d]."""
-        cos, sin = rotation
-        even, odd = x[..., 0::2].float(), x[..., 1::2].float()
-        out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-        return out.flatten(-2).to(x.dtype)
+    def _rope(x: Tensor, rotation: Tensor) -> Tensor:
+        """Rotates the adjacent pairs of x [B, T, H, d] (in float32, as complex numbers)."""
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
-    def _layer_qkv(self, layer: dict, x: Tensor, rotation):
+    def _layer_qkv(self, layer: dict, x: Tensor, rotation: Tensor):
+        """q [B, Hq, T, d], k and v [B, Hkv, T, d] (views: attention takes any strides)."""
         c = self.config
         b, t, _ = x.shape
         h = _rms_norm(x, layer["attn_norm"], c.norm_eps)
-        qkv = F.linear(h, layer["qkv"]).view(b, t, c.heads + 2 * c.kv_heads, c.head_dim).transpose(1, 2)
-        q, k, v = qkv.split([c.heads, c.kv_heads, c.kv_heads], dim=1)
-        return self._rope(q, rotation), self._rope(k, rotation), v
+        qkv = F.linear(h, layer["qkv"]).view(b, t, c.heads + 2 * c.kv_heads, c.head_dim)
+        qk = self._rope(qkv[:, :, : c.heads + c.kv_heads], rotation).transpose(1, 2)  # q and k in one pass
+        q, k = qk.split([c.heads, c.kv_heads], dim=1)
+        return q, k, qkv[:, :, c.heads + c.kv_heads:].transpose(1, 2)
 
     def _layer_rest(self, layer: dict, x: Tensor, attn: Tensor) -> Tensor:
         x = x + F.linear(attn.transpose(1, 2).reshape(x.shape), layer["out"])
