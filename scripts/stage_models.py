@@ -40,7 +40,7 @@ def package_files(name: str) -> list[tuple[Path, Path]]:
             if f.is_file() and "__pycache__" not in f.parts]
 
 
-def split(out: Path, max_bytes: int) -> None:
+def split(out: Path, max_bytes: int, packages: list[str] = PACKAGES) -> None:
     loads: list[int] = []  # bytes in each load so far
 
     def place(size: int) -> Path:
@@ -51,7 +51,7 @@ def split(out: Path, max_bytes: int) -> None:
         loads.append(size)
         return out / f"load-{len(loads)}"
 
-    for name in PACKAGES:
+    for name in packages:
         for path, rel in package_files(name):
             data_size = path.stat().st_size
             if data_size <= max_bytes:
@@ -86,7 +86,7 @@ def join(staged: Path, site: Path) -> None:
         with open(site / whole, "wb") as out:
             for piece in sorted(pieces, key=lambda p: p.name):
                 out.write(piece.read_bytes())
-    print(f"stage_models: {site} holds {', '.join(PACKAGES)}; add it to PYTHONPATH")
+    print(f"stage_models: {site} holds {', '.join(sorted(p.name for p in site.iterdir()))}; add it to PYTHONPATH")
 
 
 def main(argv: list[str]) -> None:
