@@ -80,21 +80,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 }
 
 // 16-byte global -> shared copy that bypasses registers; writes zeros when
-// !valid. L2Prefetch (0, 64, 128 or 256) asks L2 to fetch that many bytes
-// around the address from memory in one request.
+// !valid. L2Prefetch = 128 asks L2 to fetch the surrounding 128 bytes from
+// memory in one request.
 template <int L2Prefetch = 0>
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  if constexpr (L2Prefetch == 256) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
-                 "l"(gmem), "r"(valid ? 16 : 0));
-  } else if constexpr (L2Prefetch == 128) {
+  static_assert(L2Prefetch == 0 || L2Prefetch == 128, "the kernels use no other L2 prefetch size");
+  if constexpr (L2Prefetch == 128) {
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
                  "l"(gmem), "r"(valid ? 16 : 0));
-  } else if constexpr (L2Prefetch == 64) {
-    asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
-                 "l"(gmem), "r"(valid ? 16 : 0));
   } else {
-    static_assert(L2Prefetch == 0, "L2 prefetch sizes are 64, 128 and 256 bytes");
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
                  "l"(gmem), "r"(valid ? 16 : 0));
   }

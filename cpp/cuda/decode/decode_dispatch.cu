@@ -1,16 +1,12 @@
 // forward_kvcache on CUDA: runtime (dtype, head dim) -> the compile-time
 // instantiation, the choice of splits, and the order of the kernels.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <stdexcept>
-#include <string>
-#include <type_traits>
 
+#include "../common/instantiation_dispatch.h"
 #include "../common/launch_check.h"
 #include "decode_steps.h"
 #include "forward_kvcache.h"
@@ -18,23 +14,10 @@
 namespace fusedattn::cuda {
 namespace {
 
-// f(std::integral_constant<int, head dim>{}, Element{})
+// f(std::integral_constant<int, head dim>{}, Element{}) for p's instantiation.
 template <typename F>
 decltype(auto) dispatch_decode(const KVCacheParams& p, F&& f) {
-  auto by_head_dim = [&](auto element) -> decltype(auto) {
-    switch (p.attn.shape.head_dim) {
-      case 32: return f(std::integral_constant<int, 32>{}, element);
-      case 64: return f(std::integral_constant<int, 64>{}, element);
-      case 128: return f(std::integral_constant<int, 128>{}, element);
-    }
-    throw std::invalid_argument("fusedattn: no decode kernel for head dim " +
-                                std::to_string(p.attn.shape.head_dim));
-  };
-  switch (p.attn.dtype) {
-    case DType::Float16: return by_head_dim(__half{});
-    case DType::BFloat16: return by_head_dim(__nv_bfloat16{});
-    default: throw std::invalid_argument("fusedattn: the decode kernels take float16 or bfloat16");
-  }
+  return dispatch_instantiation<32, 64, 128>("decode kernel", p.attn.dtype, p.attn.shape.head_dim, f);
 }
 
 // Measured on the H200 (docs/cuda-notes.md): a split should stream at least
