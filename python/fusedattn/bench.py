@@ -160,11 +160,7 @@ def run(cfg: Config, progress: bool = True) -> dict:
         row["arithmetic_intensity"] = flops / min_bytes(cfg, row["seqlen"], row["dtype"])
         if fused.get("status") == "ok":
             row["fusedattn_pct_of_matmul"] = 100.0 * fused["tflops"] / ceilings[row["dtype"]]
-        row["fusedattn_speedup"] = {
-            m: r["seconds"] / fused["seconds"]
-            for m, r in row["results"].items()
-            if m != "fusedattn" and r.get("status") == "ok" and fused.get("status") == "ok"
-        }
+        row["fusedattn_speedup"] = speedups(row["results"])
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": describe_device(cfg.device),
@@ -176,6 +172,15 @@ def run(cfg: Config, progress: bool = True) -> dict:
         "matmul_tflops": ceilings,
         "rows": list(rows.values()),
     }
+
+
+def speedups(results: dict) -> dict:
+    """Time of each other method over fusedattn's, where both ran."""
+    fused = results.get("fusedattn", {})
+    if fused.get("status") != "ok":
+        return {}
+    return {m: r["seconds"] / fused["seconds"] for m, r in results.items()
+            if m != "fusedattn" and r.get("status") == "ok"}
 
 
 def describe_device(device: torch.device) -> str:
@@ -194,6 +199,19 @@ def _fmt_bytes(b) -> str:
     return "-" if b is None else f"{b / 2**20:.0f} MiB" if b < 2**30 else f"{b / 2**30:.1f} GiB"
 
 
+def cell(result: dict, fmt: Callable[[dict], str]) -> str:
+    """fmt(result) for a method that ran; the first word of its status otherwise ("OOM", "n/a")."""
+    return fmt(result) if result["status"] == "ok" else result["status"].split(" ")[0]
+
+
+def markdown_table(header: list[str], lines: list[list[str]]) -> str:
+    """A Markdown table with right-aligned columns as wide as their widest cell."""
+    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
+    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(header), sep] + [fmt(l) for l in lines])
+
+
 def format_table(result: dict) -> str:
     names = result["methods"]
     unit, mult = ("TFLOP/s", 1) if result["device_type"] == "cuda" else ("GFLOP/s", 1e3)
@@ -204,26 +222,22 @@ def format_table(result: dict) -> str:
     lines = []
     for row in result["rows"]:
         res = row["results"]
-        cell = lambda m, f: f(res[m]) if res[m]["status"] == "ok" else res[m]["status"].split(" ")[0]  # noqa: E731
         lines.append(
             [row["dtype"], "yes" if row["causal"] else "no", str(row["seqlen"])]
-            + [cell(m, lambda r: f"{r['seconds'] * 1e3:.2f}") for m in names]
-            + [cell(m, lambda r: f"{r['tflops'] * mult:.1f}") for m in names]
+            + [cell(res[m], lambda r: f"{r['seconds'] * 1e3:.2f}") for m in names]
+            + [cell(res[m], lambda r: f"{r['tflops'] * mult:.1f}") for m in names]
             + [f"{row['fusedattn_speedup'][m]:.2f}" if m in row["fusedattn_speedup"] else "-" for m in others]
-            + [cell(m, lambda r: _fmt_bytes(r["peak_bytes"])) for m in names]
+            + [cell(res[m], lambda r: _fmt_bytes(r["peak_bytes"])) for m in names]
             + [f"{row['arithmetic_intensity']:.0f}",
                f"{row['fusedattn_pct_of_matmul']:.0f}%" if "fusedattn_pct_of_matmul" in row else "-"]
         )
-    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
-    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     cfg = result["config"]
     title = (f"{result['device']}, torch {result['torch']}, {result['date']}\n"
              f"B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']}, forward, median of {cfg['repeats']}; "
              f"'x m' = time of m / time of fusedattn; mem = peak beyond the inputs (output included); "
              f"roofline: AI = FLOPs / bytes of q, k, v, out; matmul ceiling "
              + ", ".join(f"{d} {t * mult:.0f} {unit}" for d, t in result["matmul_tflops"].items()) + "\n")
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return title + "\n".join([fmt(header), sep] + [fmt(l) for l in lines])
+    return title + markdown_table(header, lines)
 
 
 def plot(result: dict, path: str) -> None:

@@ -15,7 +15,7 @@ import datetime
 import torch
 import torch.nn.functional as F
 
-from .bench import DTYPES, _sdpa_backend, describe_device, median_seconds
+from .bench import DTYPES, _sdpa_backend, cell, describe_device, markdown_table, median_seconds, speedups
 
 
 # Calls per timed interval: a step over a 4K cache takes about 0.1 ms, close to
@@ -96,10 +96,7 @@ def run(cfg: DecodeConfig, progress: bool = True) -> dict:
         row = rows.setdefault((dt, vl, n), {"dtype": dt, "varlen": vl, "seqlen": n, "results": {}})
         row["results"][m] = measure(cfg, dt, n, vl, m, table[m])
     for row in rows.values():
-        fused = row["results"]["fusedattn"]
-        row["fusedattn_speedup"] = {
-            m: r["seconds"] / fused["seconds"] for m, r in row["results"].items()
-            if m != "fusedattn" and r.get("status") == "ok" and fused.get("status") == "ok"}
+        row["fusedattn_speedup"] = speedups(row["results"])
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": describe_device(cfg.device),
@@ -119,18 +116,14 @@ def format_table(result: dict) -> str:
     lines = []
     for row in result["rows"]:
         res = row["results"]
-        cell = lambda m, f: f(res[m]) if res[m]["status"] == "ok" else res[m]["status"].split(" ")[0]  # noqa: E731
         lines.append(
             [row["dtype"], "1..N" if row["varlen"] else "N", str(row["seqlen"])]
-            + [cell(m, lambda r: f"{r['seconds'] * 1e3:.3f}") for m in names]
-            + [cell(m, lambda r: f"{r['tb_per_s']:.2f}") for m in names]
+            + [cell(res[m], lambda r: f"{r['seconds'] * 1e3:.3f}") for m in names]
+            + [cell(res[m], lambda r: f"{r['tb_per_s']:.2f}") for m in names]
             + [f"{row['fusedattn_speedup'][m]:.2f}" if m in row["fusedattn_speedup"] else "-" for m in others])
-    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
-    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     cfg = result["config"]
     title = (f"{result['device']}, torch {result['torch']}, {result['date']}\n"
              f"decode: B={cfg['batch']} Hq={cfg['heads']} Hkv={cfg['kv_heads']} d={cfg['head_dim']}, "
              f"1 query per sequence, median of {cfg['repeats']}; TB/s = bytes of the valid K and V / time; "
              f"lengths 1..N: per-sequence lengths drawn from [1, N]; 'x m' = time of m / time of fusedattn\n")
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return title + "\n".join([fmt(header), sep] + [fmt(l) for l in lines])
+    return title + markdown_table(header, lines)

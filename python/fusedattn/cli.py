@@ -19,13 +19,9 @@ def _bench_decode(args) -> int:
         if getattr(args, option) is not None:
             raise SystemExit(f"fusedattn bench: --{option} does not apply to --decode")
     cfg = bench_decode.DecodeConfig(torch.device(args.device or "cuda"))
-    for field in ("batch", "heads", "kv_heads", "head_dim", "seqlens", "repeats", "warmup"):
-        if getattr(args, field) is not None:
-            setattr(cfg, field, getattr(args, field))
+    _apply_options(cfg, args, ("batch", "heads", "kv_heads", "head_dim", "seqlens", "repeats", "warmup"))
     if args.kv_heads is None:
         cfg.kv_heads = cfg.heads
-    if args.dtype:
-        cfg.dtypes = _dtypes(args.dtype, bench.DTYPES)
     if args.lengths:
         cfg.varlen = {"full": [False], "varlen": [True], "both": [False, True]}[args.lengths]
     result = bench_decode.run(cfg, progress=not args.no_progress)
@@ -36,11 +32,18 @@ def _bench_decode(args) -> int:
     return 0
 
 
-def _dtypes(text: str, known: dict) -> list[str]:
-    unknown = [d for d in text.split(",") if d not in known]
-    if unknown:
-        raise SystemExit(f"fusedattn bench: unknown dtype {unknown}; choose from {list(known)}")
-    return text.split(",")
+def _apply_options(cfg, args, fields: tuple[str, ...]) -> None:
+    """Copies the given options, and --dtype, onto a benchmark config where they were passed."""
+    from . import bench
+
+    for field in fields:
+        if getattr(args, field) is not None:
+            setattr(cfg, field, getattr(args, field))
+    if args.dtype:
+        unknown = [d for d in args.dtype.split(",") if d not in bench.DTYPES]
+        if unknown:
+            raise SystemExit(f"fusedattn bench: unknown dtype {unknown}; choose from {list(bench.DTYPES)}")
+        cfg.dtypes = args.dtype.split(",")
 
 
 def _bench(args) -> int:
@@ -53,11 +56,7 @@ def _bench(args) -> int:
             raise SystemExit(f"fusedattn bench: --{option.replace('_', '-')} needs --decode")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = bench.default_config(device)
-    for field in ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"):
-        if getattr(args, field) is not None:
-            setattr(cfg, field, getattr(args, field))
-    if args.dtype:
-        cfg.dtypes = _dtypes(args.dtype, bench.DTYPES)
+    _apply_options(cfg, args, ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
     if args.causal is not None:
         cfg.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
 
