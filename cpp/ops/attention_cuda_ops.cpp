@@ -6,7 +6,10 @@
 
 #include <ATen/ATen.h>
 
+#include <ATen/Context.h>
+
 #include "../cuda/naive/softmax_rows.h"
+#include "../cuda/sm80/backward_sm80.h"
 #include "../cuda/sm80/forward_sm80.h"
 #include "checks.h"
 
@@ -32,6 +35,25 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
   auto outputs = allocate_forward_outputs(in);
   cuda::forward_sm80(in.params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return outputs;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+    bool is_causal, std::optional<double> scale) {
+  PreparedBackward b = prepare_backward("fusedattn.backward", grad_out, q, k, v, out, lse, attn_mask,
+                                        is_causal, scale, cuda_support());
+  // grad_q is summed with float32 atomics in an order that varies between runs.
+  TORCH_CHECK(!at::globalContext().deterministicAlgorithms(),
+              "fusedattn.backward: the CUDA backward is not deterministic yet (grad_q is summed "
+              "with atomics); call torch.use_deterministic_algorithms(False) or train on the CPU");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor delta = at::empty(lse.sizes(), lse.options().dtype(at::kFloat));
+  const at::Tensor grad_q_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  b.params.delta = delta.data_ptr<float>();
+  b.params.grad_q_accum = grad_q_accum.data_ptr<float>();
+  cuda::backward_sm80(b.params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  return {b.grad_q, b.grad_k, b.grad_v};
 }
 
 // Seed 2: S = Q K^T (cuBLAS through ATen), one fused scale + mask + softmax
@@ -65,6 +87,7 @@ at::Tensor naive_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at
 
 TORCH_LIBRARY_IMPL(fusedattn, CUDA, m) {
   m.impl("forward", &forward_cuda);
+  m.impl("backward", &backward_cuda);
   m.impl("naive_forward", &naive_forward_cuda);
 }
 

@@ -74,6 +74,12 @@ struct BackwardParams {
   void* grad_k = nullptr;
   void* grad_v = nullptr;
   TensorStrides grad_out_strides, grad_q_strides, grad_k_strides, grad_v_strides;
+
+  // Device workspaces, for the CUDA kernels (the CPU's allocate their own):
+  // delta = rowsum(grad_out * out), float32 [B, Hq, Nq]; grad_q_accum,
+  // float32 [B, Hq, Nq, d], where key blocks add their share of grad_q.
+  float* delta = nullptr;
+  float* grad_q_accum = nullptr;
 };
 
 // Decoding against a preallocated KV cache (forward_kvcache): a few queries per

@@ -1,0 +1,21 @@
+// The sm80 family's backward: FlashAttention 2's algorithm on mma.sync tensor
+// cores, for compute capability 8.0 and newer.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fusedattn/params.h"
+
+namespace fusedattn::cuda {
+
+// Writes p.grad_q, p.grad_k, p.grad_v on `stream`, using p.delta and
+// p.grad_q_accum as workspaces. p.fwd.dtype must be Float16 or BFloat16 and
+// the head dim one of kSm80HeadDims. dQ is summed with float32 atomics, so
+// its bits may differ between runs. Throws std::runtime_error on a CUDA error.
+void backward_sm80(const BackwardParams& p, cudaStream_t stream);
+
+// One instantiation per (head dim, element type), each in its own file.
+template <int HeadDim, typename Element>
+void launch_backward_sm80(const BackwardParams& p, cudaStream_t stream);
+
+}  // namespace fusedattn::cuda
