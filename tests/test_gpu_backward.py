@@ -78,12 +78,22 @@ def test_cuda_backward_opcheck_and_compile():
         torch.testing.assert_close(a, t.grad, atol=2e-3, rtol=2e-3)
 
 
-def test_cuda_backward_refuses_deterministic_mode():
-    q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=64), "cuda", requires_grad=True)
-    out = fusedattn.attention(q, k, v)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_cuda_backward_deterministic_mode(is_causal, head_dim):
+    """Under torch.use_deterministic_algorithms(True) grad_q comes from its own
+    pass: the same bits on every run, and within the rule of the reference."""
+    case = Case(heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=333, head_dim=head_dim,
+                dtype=torch.bfloat16, mask="key_padding", is_causal=is_causal)
     torch.use_deterministic_algorithms(True)
     try:
-        with pytest.raises(RuntimeError, match="not deterministic yet"):
-            out.sum().backward()
+        check_backward(case, device="cuda")
+        q, k, v, mask = make_inputs(case, "cuda", requires_grad=True)
+        grad = torch.randn_like(q)
+        runs = []
+        for _ in range(3):
+            runs.append(torch.autograd.grad(fusedattn.attention(q, k, v, mask, is_causal), (q, k, v), grad))
+        for other in runs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
     finally:
         torch.use_deterministic_algorithms(False)

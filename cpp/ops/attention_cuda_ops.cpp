@@ -43,15 +43,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     bool is_causal, std::optional<double> scale) {
   PreparedBackward b = prepare_backward("fusedattn.backward", grad_out, q, k, v, out, lse, attn_mask,
                                         is_causal, scale, cuda_support());
-  // grad_q is summed with float32 atomics in an order that varies between runs.
-  TORCH_CHECK(!at::globalContext().deterministicAlgorithms(),
-              "fusedattn.backward: the CUDA backward is not deterministic yet (grad_q is summed "
-              "with atomics); call torch.use_deterministic_algorithms(False) or train on the CPU");
   const c10::cuda::CUDAGuard guard(q.device());
+  // torch.use_deterministic_algorithms(True): grad_q from its own pass, in a
+  // fixed order, instead of float32 atomics.
+  b.params.deterministic = at::globalContext().deterministicAlgorithms();
   const at::Tensor delta = at::empty(lse.sizes(), lse.options().dtype(at::kFloat));
-  const at::Tensor grad_q_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  at::Tensor grad_q_accum;
+  if (!b.params.deterministic) {
+    grad_q_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+    b.params.grad_q_accum = grad_q_accum.data_ptr<float>();
+  }
   b.params.delta = delta.data_ptr<float>();
-  b.params.grad_q_accum = grad_q_accum.data_ptr<float>();
   cuda::backward_sm80(b.params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {b.grad_q, b.grad_k, b.grad_v};
 }

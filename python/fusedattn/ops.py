@@ -24,16 +24,13 @@ def has_kernel(op: str, device_type: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"fusedattn::{op}", device_type.upper())
 
 
-def supports(device: torch.device, dtype: torch.dtype, head_dim: int, needs_grad: bool = False) -> bool:
-    """Whether fusedattn's kernels serve attention on this device, dtype and
-    head dim (and its backward, when ``needs_grad``: not on CUDA under
-    ``torch.use_deterministic_algorithms(True)``)."""
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether fusedattn's kernels (forward and backward) serve attention on
+    this device, dtype and head dim."""
     if device.type == "cpu":
         return dtype in (torch.float32, torch.float16, torch.bfloat16)
     if device.type == "cuda":
-        kernels_ok = dtype in CUDA_DTYPES and head_dim in CUDA_HEAD_DIMS and has_kernel("forward", "cuda")
-        # The CUDA backward sums grad_q with atomics: not for deterministic mode.
-        return kernels_ok and not (needs_grad and torch.are_deterministic_algorithms_enabled())
+        return dtype in CUDA_DTYPES and head_dim in CUDA_HEAD_DIMS and has_kernel("forward", "cuda")
     return False
 
 

@@ -10,7 +10,8 @@
 //        S^T  = K Q^T                      P^T = 2^(S^T scale log2 e + mask - lse log2 e)
 //        dV  += P^T dO                     dP^T = V dO^T
 //        dS^T = P^T (dP^T - delta)         dK  += dS^T Q          (scaled at the end)
-//        dQ  += dS K, added to the float32 accumulator with atomics
+//        dQ  += dS K, added to the float32 accumulator with atomics (or,
+//               deterministic, left to backward_dq_kernel.cuh's own pass)
 //      Each warp owns 16 keys (the rows of S^T, so P^T and dS^T are A
 //      operands straight from the accumulators, as P is in the forward), and
 //      keeps their dK and dV in registers across the whole walk: GQA's sum
@@ -26,6 +27,7 @@
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_loads.cuh"
+#include "backward_dq_kernel.cuh"
 #include "backward_sm80.h"
 
 namespace fusedattn::cuda {
@@ -53,7 +55,8 @@ struct BackwardTraits {
   static_assert(HeadDim % 16 == 0 && kBlockM % 16 == 0 && kDqWarpsM * kDqWarpsD == kWarps);
 };
 
-// delta[row] = sum_d dO[row, d] O[row, d]; grad_q_accum[row, :] = 0. One warp per row.
+// delta[row] = sum_d dO[row, d] O[row, d]; grad_q_accum[row, :] = 0 (when
+// there is one). One warp per row.
 template <typename T>
 __global__ void __launch_bounds__(128) backward_preprocess_kernel(const __grid_constant__ BackwardParams p) {
   const AttentionShape& sh = p.fwd.shape;
@@ -71,6 +74,7 @@ __global__ void __launch_bounds__(128) backward_preprocess_kernel(const __grid_c
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
   if (lane == 0) p.delta[row] = sum;
+  if (p.grad_q_accum == nullptr) return;
   float* accum = p.grad_q_accum + row * sh.head_dim;
   for (int c = lane; c < sh.head_dim; c += 32) accum[c] = 0.0f;
 }
@@ -90,7 +94,7 @@ __global__ void __launch_bounds__(256) backward_convert_dq_kernel(const __grid_c
   *reinterpret_cast<uint32_t*>(dq) = pack2<T>(accum[0] * p.fwd.scale, accum[1] * p.fwd.scale);
 }
 
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool IsCausal, bool AtomicDq>
 __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     backward_kernel(const __grid_constant__ BackwardParams p) {
   using Tr = BackwardTraits<HeadDim>;
@@ -249,7 +253,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
         for (int e = 0; e < 4; ++e) st[nt][e] *= dpt[nt][e] - delta[nt * 8 + 2 * t + (e & 1)];
     }
 
-    // dK += dS^T Q; dS^T also goes to shared memory for dQ.
+    // dK += dS^T Q; dS^T also goes to shared memory for dQ (atomic mode).
 #pragma unroll
     for (int kq = 0; kq < kBlockM / 16; ++kq) {
       uint32_t a[4];
@@ -262,42 +266,44 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
         mma_16x8x16<T>(dk[2 * dp + 1], a, b[2], b[3]);
       }
     }
+    if constexpr (AtomicDq) {
 #pragma unroll
-    for (int nt = 0; nt < kMTiles; ++nt)
+      for (int nt = 0; nt < kMTiles; ++nt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<uint32_t*>(sdS + (key_row + g + 8 * h) * Tr::kDsStride + nt * 8 + 2 * t) =
-            pack2<T>(st[nt][2 * h], st[nt][2 * h + 1]);
-    __syncthreads();  // all of dS^T written
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<uint32_t*>(sdS + (key_row + g + 8 * h) * Tr::kDsStride + nt * 8 + 2 * t) =
+              pack2<T>(st[nt][2 * h], st[nt][2 * h + 1]);
+      __syncthreads();  // all of dS^T written
 
-    // dQ += dS K: this warp's row tile of the step's queries and its share of d.
-    {
-      const int mt = warp % Tr::kDqWarpsM, d0 = warp / Tr::kDqWarpsM * Tr::kDqTiles * 8;
-      float dq[Tr::kDqTiles][4] = {};
+      // dQ += dS K: this warp's row tile of the step's queries and its share of d.
+      {
+        const int mt = warp % Tr::kDqWarpsM, d0 = warp / Tr::kDqWarpsM * Tr::kDqTiles * 8;
+        float dq[Tr::kDqTiles][4] = {};
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        // A = dS (queries x keys) from dS^T stored [key][query]: transposed 8x8 loads,
-        // matrix i of the four covers queries (i & 1) * 8 and keys (i >> 1) * 8.
-        uint32_t a[4];
-        const int i = lane / 8;
-        ldmatrix_x4_trans(a, sdS + (kk * 16 + (i >> 1) * 8 + lane % 8) * Tr::kDsStride + mt * 16 + (i & 1) * 8);
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          // A = dS (queries x keys) from dS^T stored [key][query]: transposed 8x8 loads,
+          // matrix i of the four covers queries (i & 1) * 8 and keys (i >> 1) * 8.
+          uint32_t a[4];
+          const int i = lane / 8;
+          ldmatrix_x4_trans(a, sdS + (kk * 16 + (i >> 1) * 8 + lane % 8) * Tr::kDsStride + mt * 16 + (i & 1) * 8);
 #pragma unroll
-        for (int dp = 0; dp < Tr::kDqTiles / 2; ++dp) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, sK + (kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride + d0 + dp * 16 + (lane >> 4 << 3));
-          mma_16x8x16<T>(dq[2 * dp], a, b[0], b[1]);
-          mma_16x8x16<T>(dq[2 * dp + 1], a, b[2], b[3]);
+          for (int dp = 0; dp < Tr::kDqTiles / 2; ++dp) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, sK + (kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride + d0 + dp * 16 + (lane >> 4 << 3));
+            mma_16x8x16<T>(dq[2 * dp], a, b[0], b[1]);
+            mma_16x8x16<T>(dq[2 * dp + 1], a, b[2], b[3]);
+          }
         }
-      }
-      float* accum = p.grad_q_accum + ((int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + m0) * HeadDim + d0;
+        float* accum = p.grad_q_accum + ((int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + m0) * HeadDim + d0;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = mt * 16 + g + 8 * h;
-        if (m0 + r >= sh.seqlen_q) continue;
+        for (int h = 0; h < 2; ++h) {
+          const int r = mt * 16 + g + 8 * h;
+          if (m0 + r >= sh.seqlen_q) continue;
 #pragma unroll
-        for (int dt = 0; dt < Tr::kDqTiles; ++dt) {
-          atomicAdd(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h]);
-          atomicAdd(accum + r * HeadDim + dt * 8 + 2 * t + 1, dq[dt][2 * h + 1]);
+          for (int dt = 0; dt < Tr::kDqTiles; ++dt) {
+            atomicAdd(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h]);
+            atomicAdd(accum + r * HeadDim + dt * 8 + 2 * t + 1, dq[dt][2 * h + 1]);
+          }
         }
       }
     }
@@ -321,10 +327,10 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   }
 }
 
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool IsCausal, bool AtomicDq>
 void launch_backward_kernel(const BackwardParams& p, cudaStream_t stream) {
   using Tr = BackwardTraits<HeadDim>;
-  auto kernel = backward_kernel<HeadDim, T, IsCausal>;
+  auto kernel = backward_kernel<HeadDim, T, IsCausal, AtomicDq>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T) + Tr::kSmemFloats * sizeof(float);
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const AttentionShape& sh = p.fwd.shape;
@@ -335,6 +341,37 @@ void launch_backward_kernel(const BackwardParams& p, cudaStream_t stream) {
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
+template <int HeadDim, typename T, bool IsCausal>
+void launch_backward_dq_kernel(const BackwardParams& p, cudaStream_t stream) {
+  using Tr = DqTraits<HeadDim>;
+  auto kernel = backward_dq_kernel<HeadDim, T, IsCausal>;
+  constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
+  FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t blocks = (sh.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * sh.heads_q * sh.batch;
+  if (blocks > 2147483647)
+    throw std::runtime_error("fusedattn: B x Hq x query blocks exceeds one launch (2^31 - 1)");
+  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
+  FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int HeadDim, typename T, bool IsCausal>
+void launch_backward_passes(const BackwardParams& p, cudaStream_t stream) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
+  if (p.deterministic) {
+    if (sh.batch * sh.heads_kv * sh.seqlen_k > 0) launch_backward_kernel<HeadDim, T, IsCausal, false>(p, stream);
+    if (rows > 0) launch_backward_dq_kernel<HeadDim, T, IsCausal>(p, stream);
+    return;
+  }
+  if (sh.batch * sh.heads_kv * sh.seqlen_k > 0) launch_backward_kernel<HeadDim, T, IsCausal, true>(p, stream);
+  if (rows > 0) {
+    const int64_t pairs = rows * HeadDim / 2;
+    backward_convert_dq_kernel<T><<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(p);
+    FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
 template <int HeadDim, typename Element>
 void launch_backward_sm80(const BackwardParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.fwd.shape;
@@ -343,17 +380,10 @@ void launch_backward_sm80(const BackwardParams& p, cudaStream_t stream) {
     backward_preprocess_kernel<Element><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
     FUSEDATTN_CUDA_CHECK(cudaGetLastError());
   }
-  if (sh.batch * sh.heads_kv * sh.seqlen_k > 0) {
-    if (p.fwd.is_causal)
-      launch_backward_kernel<HeadDim, Element, true>(p, stream);
-    else
-      launch_backward_kernel<HeadDim, Element, false>(p, stream);
-  }
-  if (rows > 0) {
-    const int64_t pairs = rows * HeadDim / 2;
-    backward_convert_dq_kernel<Element><<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(p);
-    FUSEDATTN_CUDA_CHECK(cudaGetLastError());
-  }
+  if (p.fwd.is_causal)
+    launch_backward_passes<HeadDim, Element, true>(p, stream);
+  else
+    launch_backward_passes<HeadDim, Element, false>(p, stream);
 }
 
 }  // namespace fusedattn::cuda

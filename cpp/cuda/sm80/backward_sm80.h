@@ -8,10 +8,12 @@
 
 namespace fusedattn::cuda {
 
-// Writes p.grad_q, p.grad_k, p.grad_v on `stream`, using p.delta and
-// p.grad_q_accum as workspaces. p.fwd.dtype must be Float16 or BFloat16 and
-// the head dim one of kSm80HeadDims. dQ is summed with float32 atomics, so
-// its bits may differ between runs. Throws std::runtime_error on a CUDA error.
+// Writes p.grad_q, p.grad_k, p.grad_v on `stream`, using p.delta and (unless
+// p.deterministic) p.grad_q_accum as workspaces. p.fwd.dtype must be Float16
+// or BFloat16 and the head dim one of kSm80HeadDims. By default dQ is summed
+// with float32 atomics, whose order (and so the last bits) varies between
+// runs; p.deterministic computes it in a separate pass instead. Throws
+// std::runtime_error on a CUDA error.
 void backward_sm80(const BackwardParams& p, cudaStream_t stream);
 
 // One instantiation per (head dim, element type), each in its own file.

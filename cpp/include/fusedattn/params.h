@@ -77,9 +77,12 @@ struct BackwardParams {
 
   // Device workspaces, for the CUDA kernels (the CPU's allocate their own):
   // delta = rowsum(grad_out * out), float32 [B, Hq, Nq]; grad_q_accum,
-  // float32 [B, Hq, Nq, d], where key blocks add their share of grad_q.
+  // float32 [B, Hq, Nq, d], where key blocks add their share of grad_q
+  // (unused when deterministic).
   float* delta = nullptr;
   float* grad_q_accum = nullptr;
+  // Same bits on every run (grad_q summed in a fixed order; no accumulator).
+  bool deterministic = false;
 };
 
 // Decoding against a preallocated KV cache (forward_kvcache): a few queries per
