@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1;
         const int64_t query = row0 + warp_row + g + 8 * h, key = col0 + nt * 8 + 2 * t + (e & 1);
-        float x = s[nt][e] * scale_log2 - lse_log2[h];
+        float x = s[nt][e] * scale_log2;  // the forward's score, mask included, then minus lse
         if (needs_masking) {
           if (key >= key_end || (IsCausal && key > query + causal_offset)) {
             x = -INFINITY;
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
             x += mask_log2<T>(f.mask, mask_base, query, key);
           }
         }
-        s[nt][e] = exp2f(x) * (dp[nt][e] - delta[h]);
+        s[nt][e] = exp2f(x - lse_log2[h]) * (dp[nt][e] - delta[h]);
       }
     }
 

@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = key_row + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
-        float x = st[nt][e] * scale_log2 - lse[c];
+        float x = st[nt][e] * scale_log2;  // the forward's score, mask included, then minus lse
         if (needs_masking) {
           const int64_t key = key0 + r, query = m0 + c;
           if (key >= sh.seqlen_k || (IsCausal && key > query + causal_offset)) {
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
             x += mask_log2<T>(f.mask, mask_base, query, key);
           }
         }
-        st[nt][e] = exp2f(x);
+        st[nt][e] = exp2f(x - lse[c]);
       }
     }
 
@@ -367,6 +367,8 @@ void launch_backward_passes(const BackwardParams& p, cudaStream_t stream) {
   if (sh.batch * sh.heads_kv * sh.seqlen_k > 0) launch_backward_kernel<HeadDim, T, IsCausal, true>(p, stream);
   if (rows > 0) {
     const int64_t pairs = rows * HeadDim / 2;
+    if ((pairs + 255) / 256 > 2147483647)
+      throw std::runtime_error("fusedattn: B x Hq x Nq x d exceeds one launch of the grad_q conversion");
     backward_convert_dq_kernel<T><<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(p);
     FUSEDATTN_CUDA_CHECK(cudaGetLastError());
   }
@@ -376,6 +378,8 @@ template <int HeadDim, typename Element>
 void launch_backward_sm80(const BackwardParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.fwd.shape;
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
+  if ((rows + 3) / 4 > 2147483647)
+    throw std::runtime_error("fusedattn: B x Hq x Nq exceeds one launch of the backward's preprocess");
   if (rows > 0) {
     backward_preprocess_kernel<Element><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
     FUSEDATTN_CUDA_CHECK(cudaGetLastError());
