@@ -54,6 +54,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     b.params.grad_q_accum = grad_q_accum.data_ptr<float>();
   }
   b.params.delta = delta.data_ptr<float>();
+  b.params.head_splits = cuda::backward_head_splits(b.params);
+  at::Tensor grad_kv_accum;
+  if (b.params.head_splits > 1) {
+    grad_kv_accum = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, q.options().dtype(at::kFloat));
+    b.params.grad_kv_accum = grad_kv_accum.data_ptr<float>();
+  }
   cuda::backward_sm80(b.params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {b.grad_q, b.grad_k, b.grad_v};
 }

@@ -36,7 +36,8 @@ template <int HeadDim>
 struct BackwardTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBlockN = 16 * kWarps;  // keys per block, 16 per warp
+  static constexpr int kBlockN = kBackwardBlockN;  // keys per block, 16 per warp
+  static_assert(kBlockN == 16 * kWarps);
   // Queries per step. S^T, dP^T (2 x kBlockM/2 registers) and dQ's share
   // come on top of dK and dV (HeadDim / 2 registers each per thread): at
   // d=128 a 64-query step would not fit in 255 registers.
@@ -116,12 +117,17 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
-  // Flat grid, key blocks fastest. 32-bit division: the launch checks the grid fits 2^31.
+  // Flat grid: key blocks fastest, then head splits, kv heads, sequences.
+  // 32-bit division: the launch checks the grid fits 2^31.
   const unsigned n_blocks = static_cast<unsigned>((sh.seqlen_k + kBlockN - 1) / kBlockN);
-  const unsigned n_block = blockIdx.x % n_blocks, bh = blockIdx.x / n_blocks;
+  const unsigned n_block = blockIdx.x % n_blocks;
+  const unsigned head_split = blockIdx.x / n_blocks % static_cast<unsigned>(p.head_splits);
+  const unsigned bh = blockIdx.x / n_blocks / static_cast<unsigned>(p.head_splits);
   const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
   const unsigned batch = bh / heads_kv, head_kv = bh % heads_kv;
   const int64_t group = sh.heads_q / sh.heads_kv;
+  const int64_t split_heads = group / p.head_splits;  // query heads this block walks
+  const int64_t first_head = head_kv * group + head_split * split_heads;
   const int64_t key0 = int64_t(n_block) * kBlockN;
   const int64_t keys = min(int64_t(kBlockN), sh.seqlen_k - key0);
   const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;  // query i sees key j iff j <= i + offset
@@ -131,18 +137,18 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   load_rows_async<kBlockN, Tr>(sK, k, f.k_strides.row, key0, keys);
   load_rows_async<kBlockN, Tr>(sV, v, f.v_strides.row, key0, keys);
 
-  // The steps: every query block of every query head of the group that can
-  // see one of these keys. Causal: query i sees key0 once i >= key0 - offset.
+  // The steps: every query block of every query head of the block's share of
+  // the group that can see one of these keys. Causal: query i sees key0 once i >= key0 - offset.
   const int64_t first_query = IsCausal ? max(int64_t(0), key0 - causal_offset) : 0;
   const int64_t m_begin = first_query / kBlockM * kBlockM;
   const int64_t steps_per_head = first_query < sh.seqlen_q ? (sh.seqlen_q - m_begin + kBlockM - 1) / kBlockM : 0;
-  const int64_t steps = steps_per_head * group;
+  const int64_t steps = steps_per_head * split_heads;
 
   // Queues step s's Q and dO (cp.async) and writes its lse (base 2; +inf for
   // rows past the queries and rows that saw no key, so that P = 0 there) and
   // delta into buffer `buf`.
   auto load_step = [&](int64_t s, int buf) {
-    const int64_t head = head_kv * group + s / steps_per_head;
+    const int64_t head = first_head + s / steps_per_head;
     const int64_t m0 = m_begin + s % steps_per_head * kBlockM;
     const int64_t rows = sh.seqlen_q - m0;
     load_rows_async<kBlockM, Tr>(sQ + buf * kBlockM * kStride,
@@ -174,7 +180,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     if (s + 1 < steps) load_step(s + 1, 1 - buf);
     cp_async_commit();
 
-    const int64_t head = head_kv * group + s / steps_per_head;
+    const int64_t head = first_head + s / steps_per_head;
     const int64_t m0 = m_begin + s % steps_per_head * kBlockM;
     const T* q_tile = sQ + buf * kBlockM * kStride;
     const T* do_tile = sdO + buf * kBlockM * kStride;
@@ -310,7 +316,10 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   }
   cp_async_wait<0>();
 
-  // dK (scaled: S was scale Q K^T) and dV of this warp's keys.
+  // dK (scaled: S was scale Q K^T) and dV of this warp's keys: written, or
+  // added to the float32 sums when the group is split over blocks.
+  const int64_t kv_row = (int64_t(batch) * sh.heads_kv + head_kv) * sh.seqlen_k;
+  const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * HeadDim;
   T* grad_k = static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + head_kv * p.grad_k_strides.head;
   T* grad_v = static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + head_kv * p.grad_v_strides.head;
 #pragma unroll
@@ -319,12 +328,40 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     if (key >= sh.seqlen_k) continue;
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt) {
-      *reinterpret_cast<uint32_t*>(grad_k + key * p.grad_k_strides.row + dt * 8 + 2 * t) =
-          pack2<T>(dk[dt][2 * h] * f.scale, dk[dt][2 * h + 1] * f.scale);
-      *reinterpret_cast<uint32_t*>(grad_v + key * p.grad_v_strides.row + dt * 8 + 2 * t) =
-          pack2<T>(dv[dt][2 * h], dv[dt][2 * h + 1]);
+      const int col = dt * 8 + 2 * t;
+      if (p.head_splits > 1) {
+        float* dk_sum = p.grad_kv_accum + (kv_row + key) * HeadDim + col;
+        atomicAdd(dk_sum, dk[dt][2 * h] * f.scale);
+        atomicAdd(dk_sum + 1, dk[dt][2 * h + 1] * f.scale);
+        atomicAdd(dk_sum + kv_size, dv[dt][2 * h]);
+        atomicAdd(dk_sum + kv_size + 1, dv[dt][2 * h + 1]);
+      } else {
+        *reinterpret_cast<uint32_t*>(grad_k + key * p.grad_k_strides.row + col) =
+            pack2<T>(dk[dt][2 * h] * f.scale, dk[dt][2 * h + 1] * f.scale);
+        *reinterpret_cast<uint32_t*>(grad_v + key * p.grad_v_strides.row + col) =
+            pack2<T>(dv[dt][2 * h], dv[dt][2 * h + 1]);
+      }
     }
   }
+}
+
+// grad_k, grad_v = the float32 sums of the head splits, in T. One thread per element pair.
+template <typename T>
+__global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_constant__ BackwardParams p) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t size = sh.batch * sh.heads_kv * sh.seqlen_k * sh.head_dim;
+  const int64_t pair = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  if (pair * 2 >= size) return;
+  const int64_t row = pair * 2 / sh.head_dim, col = pair * 2 % sh.head_dim;
+  const int64_t batch = row / (sh.heads_kv * sh.seqlen_k), head = row / sh.seqlen_k % sh.heads_kv,
+                key = row % sh.seqlen_k;
+  const float* dk = p.grad_kv_accum + pair * 2;
+  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch +
+                               head * p.grad_k_strides.head + key * p.grad_k_strides.row + col) =
+      pack2<T>(dk[0], dk[1]);
+  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch +
+                               head * p.grad_v_strides.head + key * p.grad_v_strides.row + col) =
+      pack2<T>(dk[size], dk[size + 1]);
 }
 
 template <int HeadDim, typename T, bool IsCausal, bool AtomicDq>
@@ -334,9 +371,9 @@ void launch_backward_kernel(const BackwardParams& p, cudaStream_t stream) {
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T) + Tr::kSmemFloats * sizeof(float);
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const AttentionShape& sh = p.fwd.shape;
-  const int64_t blocks = (sh.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN * sh.heads_kv * sh.batch;
+  const int64_t blocks = (sh.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN * p.head_splits * sh.heads_kv * sh.batch;
   if (blocks > 2147483647)
-    throw std::runtime_error("fusedattn: B x Hkv x key blocks exceeds one launch (2^31 - 1)");
+    throw std::runtime_error("fusedattn: B x Hkv x head splits x key blocks exceeds one launch (2^31 - 1)");
   kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
@@ -360,11 +397,23 @@ void launch_backward_passes(const BackwardParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.fwd.shape;
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   if (p.deterministic) {
+    if (p.head_splits != 1) throw std::invalid_argument("fusedattn: a deterministic backward takes head_splits = 1");
     if (sh.batch * sh.heads_kv * sh.seqlen_k > 0) launch_backward_kernel<HeadDim, T, IsCausal, false>(p, stream);
     if (rows > 0) launch_backward_dq_kernel<HeadDim, T, IsCausal>(p, stream);
     return;
   }
-  if (sh.batch * sh.heads_kv * sh.seqlen_k > 0) launch_backward_kernel<HeadDim, T, IsCausal, true>(p, stream);
+  const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * HeadDim;
+  if (kv_size > 0) {
+    if (p.head_splits > 1)
+      FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(p.grad_kv_accum, 0, 2 * kv_size * sizeof(float), stream));
+    launch_backward_kernel<HeadDim, T, IsCausal, true>(p, stream);
+    if (p.head_splits > 1) {
+      if ((kv_size / 2 + 255) / 256 > 2147483647)
+        throw std::runtime_error("fusedattn: B x Hkv x Nk x d exceeds one launch of the dK/dV conversion");
+      backward_convert_dkv_kernel<T><<<static_cast<unsigned>((kv_size / 2 + 255) / 256), 256, 0, stream>>>(p);
+      FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+    }
+  }
   if (rows > 0) {
     const int64_t pairs = rows * HeadDim / 2;
     if ((pairs + 255) / 256 > 2147483647)

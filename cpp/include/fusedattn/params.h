@@ -83,6 +83,11 @@ struct BackwardParams {
   float* grad_q_accum = nullptr;
   // Same bits on every run (grad_q summed in a fixed order; no accumulator).
   bool deterministic = false;
+  // The query heads of each kv head's group split over this many blocks per
+  // key block (when B x Hkv x key blocks alone would leave SMs idle); their
+  // dK and dV are then summed in grad_kv_accum, float32 [2, B, Hkv, Nk, d].
+  int head_splits = 1;
+  float* grad_kv_accum = nullptr;
 };
 
 // Decoding against a preallocated KV cache (forward_kvcache): a few queries per
