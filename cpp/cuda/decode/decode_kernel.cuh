@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads)
   // the wait counts below hold on every iteration.
   auto load_tile = [&](int64_t tile) {
     if (tile < tile_end) {
-      const int stage = static_cast<int>((tile - tile_begin) % kStages);
+      const int stage = static_cast<int>(tile - tile_begin) % kStages;
       T* sK = sRing + 2 * stage * Tr::kTileElements;
       T* sV = sK + Tr::kTileElements;
       const int64_t col0 = tile * kBlockN;
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads)
   // warp is done with the stage the next load_tile refills.
   auto wait_tile = [&](int64_t tile) {
     if constexpr (kBulk) {
-      const int64_t use = tile - tile_begin;
+      const int use = static_cast<int>(tile - tile_begin);  // a split has fewer than 2^31 tiles
       mbarrier_wait(&tile_landed[use % kStages], static_cast<uint32_t>(use / kStages) & 1);
     } else {
       cp_async_wait<kStages - 2>();
