@@ -17,9 +17,21 @@ inline constexpr bool kHasBulkCopies = true;
 inline constexpr bool kHasBulkCopies = false;
 #endif
 
+// Call from one thread, then mbarrier_init_fence(), then sync the block.
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
 #ifdef FUSEDATTN_BULK_COPIES
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals));
+#else
+  __trap();  // no bulk copies before sm_90: a caller took this path by mistake
+#endif
+}
+
+// Makes initialised mbarriers visible to the bulk copies' (async) proxy.
+__device__ __forceinline__ void mbarrier_init_fence() {
+#ifdef FUSEDATTN_BULK_COPIES
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#else
+  __trap();  // no bulk copies before sm_90: a caller took this path by mistake
 #endif
 }
 
@@ -28,6 +40,8 @@ __device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* bar, uint
 #ifdef FUSEDATTN_BULK_COPIES
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                : "memory");
+#else
+  __trap();  // no bulk copies before sm_90: a caller took this path by mistake
 #endif
 }
 
@@ -43,6 +57,8 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
       "}\n" ::"r"(smem_addr(bar)),
       "r"(phase)
       : "memory");
+#else
+  __trap();  // no bulk copies before sm_90: a caller took this path by mistake
 #endif
 }
 
@@ -55,6 +71,8 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem
           smem_addr(smem)),
       "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
+#else
+  __trap();  // no bulk copies before sm_90: a caller took this path by mistake
 #endif
 }
 
@@ -63,6 +81,8 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem
 __device__ __forceinline__ void fence_proxy_async_shared() {
 #ifdef FUSEDATTN_BULK_COPIES
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#else
+  __trap();  // no bulk copies before sm_90: a caller took this path by mistake
 #endif
 }
 

@@ -44,9 +44,9 @@ struct DecodeTraits {
   static constexpr int kStages = 3;
   // Each 16-byte cp.async asks L2 for the surrounding 128 bytes: +2-3%.
   static constexpr int kL2Prefetch = 128;
-  // On sm_90, K and V rows arrive by bulk copies (one per row, issued by
-  // warp 0, counted by an mbarrier per stage) instead of 16-byte cp.async by
-  // every thread. (Not measured yet.)
+  // On sm_90, K and V rows arrive by bulk copies (one per row; each warp
+  // issues those of its own 16 keys and arrives on the stage's mbarrier with
+  // their bytes) instead of 16-byte cp.async by every thread. (Not measured yet.)
   static constexpr bool kBulkCopies = true;
   static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
   static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
@@ -123,8 +123,10 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads)
   constexpr bool kBulk = Tr::kBulkCopies && kHasBulkCopies;
   __shared__ uint64_t tile_landed[kStages];  // bulk copies: one mbarrier per stage
   if constexpr (kBulk) {
-    if (threadIdx.x == 0)
-      for (int i = 0; i < kStages; ++i) mbarrier_init(&tile_landed[i], 1);
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < kStages; ++i) mbarrier_init(&tile_landed[i], kWarps);  // one arrival per warp
+      mbarrier_init_fence();
+    }
     __syncthreads();
   }
 
@@ -142,15 +144,20 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads)
         for (int i = threadIdx.x; i < (kBlockN - rows) * Tr::kChunksPerRow; i += Tr::kThreads)
           *reinterpret_cast<uint4*>(sV + (rows + i / Tr::kChunksPerRow) * kStride + i % Tr::kChunksPerRow * 8) =
               make_uint4(0, 0, 0, 0);
-        if (warp == 0) {
-          constexpr uint32_t kRowBytes = HeadDim * sizeof(T);
-          fence_proxy_async_shared();  // the stage's earlier reads before the copies' writes
-          if (lane == 0) mbarrier_arrive_expect_bytes(&tile_landed[stage], 2 * kRowBytes * rows);
-          __syncwarp();
-          for (int r = lane; r < rows; r += 32) {
+        // Rows past the sequence are not copied. K's are masked (column c >=
+        // cols below), whatever they hold.
+        constexpr uint32_t kRowBytes = HeadDim * sizeof(T);
+        static_assert(kRowBytes % 16 == 0 && kStride * sizeof(T) % 16 == 0, "bulk copies move 16-byte units");
+        const int mine = max(0, min(16, rows - warp * 16));  // this warp's keys in the tile
+        fence_proxy_async_shared();  // the stage's earlier reads before the copies' writes
+        if (lane == 0) mbarrier_arrive_expect_bytes(&tile_landed[stage], 2 * kRowBytes * mine);
+        __syncwarp();
+        const int r = warp * 16 + lane % 16;  // lanes 0-15: K rows, 16-31: V rows
+        if (lane % 16 < mine) {
+          if (lane < 16)
             bulk_copy_to_shared(sK + r * kStride, k + (col0 + r) * a.k_strides.row, kRowBytes, &tile_landed[stage]);
+          else
             bulk_copy_to_shared(sV + r * kStride, v + (col0 + r) * a.v_strides.row, kRowBytes, &tile_landed[stage]);
-          }
         }
       } else {
         load_rows_async<kBlockN, Tr, Tr::kL2Prefetch>(sK, k, a.k_strides.row, col0, length - col0);
