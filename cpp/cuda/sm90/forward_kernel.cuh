@@ -94,16 +94,17 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads)
   for (int j = 0; j < n_tiles; ++j) {
     const int64_t col0 = int64_t(j) * kBlockN;
     cp_async_wait<0>();  // K_j (and Q) landed
-    __syncthreads();     // ... for every thread; and the warpgroup is done with V_{j-1}
     // cp.async writes are generic-proxy stores; wgmma reads shared memory
-    // through the async proxy.
+    // through the async proxy: each writer fences, then the block syncs.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();  // ... for every thread; and the warpgroup is done with V_{j-1}
     load_swizzled_async<HeadDim>(sV, v, p.v_strides.row, col0, key_end - col0);
     cp_async_commit();
 
     // S = Q K^T
     float s[kNTiles][4];
     float (&s_flat)[kNTiles * 4] = reinterpret_cast<float (&)[kNTiles * 4]>(s);
+    fence_registers(s_flat);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HeadDim / 16; ++kk)
@@ -131,8 +132,8 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads)
     online_softmax_step(s, m_i, l_i, acc);
 
     cp_async_wait<0>();  // V_j landed
-    __syncthreads();     // ... for every thread; and the warpgroup is done with K_j
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();  // ... for every thread; and the warpgroup is done with K_j
     if (j + 1 < n_tiles) load_swizzled_async<HeadDim>(sK, k, p.k_strides.row, col0 + kBlockN, key_end - col0 - kBlockN);
     cp_async_commit();
 
@@ -140,7 +141,11 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads)
     float (&acc_flat)[kDTiles * 4] = reinterpret_cast<float (&)[kDTiles * 4]>(acc);
     uint32_t a[kBlockN / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) probabilities_as_a<T>(a[kk], s, kk);
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      probabilities_as_a<T>(a[kk], s, kk);
+      fence_registers(a[kk]);
+    }
+    fence_registers(acc_flat);  // the rescaled accumulators
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)

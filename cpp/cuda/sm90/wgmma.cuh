@@ -54,11 +54,17 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 // Keeps the compiler from moving reads or writes of these registers across
-// the asynchronous wgmma (call after wgmma_wait, on the accumulators).
+// the asynchronous wgmma: call on its accumulators and A fragments before
+// wgmma_fence() and after wgmma_wait().
 template <int N>
 __device__ __forceinline__ void fence_registers(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
 // d (64 x 64, f32) (+)= A (64 x 16, smem, K-major) B (16 x 64, smem, K-major), f16.
