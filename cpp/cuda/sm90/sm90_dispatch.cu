@@ -1,13 +1,10 @@
 // Runtime (dtype, head dim) -> the compile-time instantiation, and whether
 // this build and device can run the family at all.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <mutex>
 #include <stdexcept>
-#include <string>
 #include <vector>
 
+#include "../common/instantiation_dispatch.h"
 #include "../common/launch_check.h"
 #include "forward_sm90.h"
 
@@ -50,22 +47,11 @@ bool sm90_forward_available() {
   return known[device] == 1;
 }
 
-template <typename Element>
-void forward_sm90_typed(const ForwardParams& p, cudaStream_t stream) {
-  switch (p.shape.head_dim) {
-    case 64: return launch_forward_sm90<64, Element>(p, stream);
-    case 128: return launch_forward_sm90<128, Element>(p, stream);
-  }
-  throw std::invalid_argument("fusedattn: no sm90 forward for head dim " + std::to_string(p.shape.head_dim));
-}
-
 void forward_sm90(const ForwardParams& p, cudaStream_t stream) {
   if (p.mask.kind != MaskKind::None) throw std::invalid_argument("fusedattn: the sm90 forward takes no attn_mask yet");
-  switch (p.dtype) {
-    case DType::Float16: return forward_sm90_typed<__half>(p, stream);
-    case DType::BFloat16: return forward_sm90_typed<__nv_bfloat16>(p, stream);
-    default: throw std::invalid_argument("fusedattn: the sm90 forward takes float16 or bfloat16");
-  }
+  dispatch_instantiation<64, 128>("sm90 forward", p.dtype, p.shape.head_dim, [&](auto head_dim, auto element) {
+    launch_forward_sm90<decltype(head_dim)::value, decltype(element)>(p, stream);
+  });
 }
 
 }  // namespace fusedattn::cuda
