@@ -8,9 +8,15 @@
 
 #include <ATen/Context.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <iterator>
+#include <string>
+
 #include "../cuda/naive/softmax_rows.h"
 #include "../cuda/sm80/backward_sm80.h"
 #include "../cuda/sm80/forward_sm80.h"
+#include "../cuda/sm90/forward_sm90.h"
 #include "checks.h"
 
 namespace fusedattn::ops {
@@ -25,6 +31,30 @@ const DeviceSupport& cuda_support() {
   return support;
 }
 
+// The kernel family for a forward call: sm90 (wgmma) where this build and the
+// device have it and it takes the call (no attn_mask, head dim 64 or 128),
+// else sm80. FUSEDATTN_FORWARD_FAMILY=sm80 or sm90 forces one (for tests and
+// benchmarks); forcing sm90 where it cannot run is an error.
+bool use_sm90(const ForwardParams& p) {
+  const char* forced = std::getenv("FUSEDATTN_FORWARD_FAMILY");
+  const std::string family = forced ? forced : "auto";
+  TORCH_CHECK(family == "auto" || family == "sm80" || family == "sm90",
+              "fusedattn: FUSEDATTN_FORWARD_FAMILY must be auto, sm80 or sm90, got '", family, "'");
+  if (family == "sm80") return false;
+  const bool takes = p.mask.kind == MaskKind::None &&
+                     std::find(std::begin(cuda::kSm90HeadDims), std::end(cuda::kSm90HeadDims),
+                               p.shape.head_dim) != std::end(cuda::kSm90HeadDims);
+  const bool available = cuda::sm90_forward_available();
+  if (family == "sm90") {
+    TORCH_CHECK(available, "fusedattn: FUSEDATTN_FORWARD_FAMILY=sm90, but this build or device has no sm90 "
+                "kernels (they need compute capability 9.0 and a build for 9.0a)");
+    TORCH_CHECK(takes, "fusedattn: FUSEDATTN_FORWARD_FAMILY=sm90, but the sm90 forward takes no attn_mask and "
+                "head dims 64 and 128 only; got head dim ", p.shape.head_dim,
+                p.mask.kind != MaskKind::None ? " with a mask" : "");
+  }
+  return available && takes;
+}
+
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v,
                                                 const std::optional<at::Tensor>& attn_mask,
@@ -33,7 +63,11 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
       prepare_forward("fusedattn.forward", q, k, v, attn_mask, is_causal, scale, cuda_support());
   const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
   auto outputs = allocate_forward_outputs(in);
-  cuda::forward_sm80(in.params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  if (use_sm90(in.params))
+    cuda::forward_sm90(in.params, stream);
+  else
+    cuda::forward_sm80(in.params, stream);
   return outputs;
 }
 

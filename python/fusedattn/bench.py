@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -76,6 +77,23 @@ def _sdpa_backend(name: str):
     return run
 
 
+def _forward_family(family: str) -> Callable:
+    """fusedattn's forward with FUSEDATTN_FORWARD_FAMILY set to `family` for the call."""
+
+    def run(q, k, v, causal):
+        before = os.environ.get("FUSEDATTN_FORWARD_FAMILY")
+        os.environ["FUSEDATTN_FORWARD_FAMILY"] = family
+        try:
+            return torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
+        finally:
+            if before is None:
+                del os.environ["FUSEDATTN_FORWARD_FAMILY"]
+            else:
+                os.environ["FUSEDATTN_FORWARD_FAMILY"] = before
+
+    return run
+
+
 def methods(device: torch.device) -> dict[str, Callable]:
     """Name -> f(q, k, v, causal). The first one is the baseline of the table."""
     table = {
@@ -86,6 +104,9 @@ def methods(device: torch.device) -> dict[str, Callable]:
         table["naive-cuda"] = lambda q, k, v, causal: torch.ops.fusedattn.naive_forward(q, k, v, None, causal, None)
         for name in ("flash", "efficient", "cudnn"):
             table[f"sdpa-{name}"] = _sdpa_backend(name)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        # The default there is the sm90 family where it takes the call; the sm80 family alongside.
+        table["fusedattn-sm80"] = _forward_family("sm80")
     table["fusedattn"] = lambda q, k, v, causal: torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
     return table
 
