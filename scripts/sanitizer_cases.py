@@ -1,5 +1,6 @@
 """Small CUDA calls for compute-sanitizer (memcheck, racecheck): the forward
-for every head dim, dtype, mask kind, causal, and sizes that end mid-tile;
+and backward for every head dim, dtype, mask kind, causal, and sizes that end
+mid-tile;
 forward_kvcache with and without appends, one and several splits, empty
 caches, float16 and bfloat16, and a sequence whose length does not fit.
 Run: compute-sanitizer --tool memcheck python3 scripts/sanitizer_cases.py"""
@@ -19,7 +20,8 @@ for head_dim in (32, 64, 128):
             case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=70, seqlen_k=331,
                         head_dim=head_dim, dtype=dtype, mask=mask, is_causal=causal)
             q, k, v, m = make_inputs(case, "cuda")
-            torch.ops.fusedattn.forward(q, k, v, m, causal, None)
+            out, lse = torch.ops.fusedattn.forward(q, k, v, m, causal, None)
+            torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, m, causal, None)
 
 import os  # noqa: E402
 

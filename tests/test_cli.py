@@ -35,6 +35,17 @@ def test_bench_rejects_unknown_dtype():
         cli.main(["bench", "--device", "cpu", "--dtype", "float8", "--no-progress"])
 
 
+def test_bench_backward_on_the_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--device", "cpu", "--backward", "--seqlens", "64", "--dtype", "float32",
+                     "--causal", "yes", "--repeats", "1", "--warmup", "0", "--no-progress",
+                     "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["backward"] is True
+    (row,) = result["rows"]
+    assert row["results"]["fusedattn"]["status"] == "ok" and row["fusedattn_speedup"]["sdpa"] > 0
+
+
 def test_bench_decode_options_are_checked():
     with pytest.raises(SystemExit, match="--kv-heads needs --decode"):
         cli.main(["bench", "--device", "cpu", "--kv-heads", "8", "--no-progress"])

@@ -6,8 +6,17 @@
 
 #include <ATen/ATen.h>
 
+#include <ATen/Context.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <iterator>
+#include <string>
+
 #include "../cuda/naive/softmax_rows.h"
+#include "../cuda/sm80/backward_sm80.h"
 #include "../cuda/sm80/forward_sm80.h"
+#include "../cuda/sm90/forward_sm90.h"
 #include "checks.h"
 
 namespace fusedattn::ops {
@@ -22,6 +31,30 @@ const DeviceSupport& cuda_support() {
   return support;
 }
 
+// The kernel family for a forward call: sm90 (wgmma) where this build and the
+// device have it and it takes the call (no attn_mask, head dim 64 or 128),
+// else sm80. FUSEDATTN_FORWARD_FAMILY=sm80 or sm90 forces one (for tests and
+// benchmarks); forcing sm90 where it cannot run is an error.
+bool use_sm90(const ForwardParams& p) {
+  const char* forced = std::getenv("FUSEDATTN_FORWARD_FAMILY");
+  const std::string family = forced ? forced : "auto";
+  TORCH_CHECK(family == "auto" || family == "sm80" || family == "sm90",
+              "fusedattn: FUSEDATTN_FORWARD_FAMILY must be auto, sm80 or sm90, got '", family, "'");
+  if (family == "sm80") return false;
+  const bool takes = p.mask.kind == MaskKind::None &&
+                     std::find(std::begin(cuda::kSm90HeadDims), std::end(cuda::kSm90HeadDims),
+                               p.shape.head_dim) != std::end(cuda::kSm90HeadDims);
+  const bool available = cuda::sm90_forward_available();
+  if (family == "sm90") {
+    TORCH_CHECK(available, "fusedattn: FUSEDATTN_FORWARD_FAMILY=sm90, but this build or device has no sm90 "
+                "kernels (they need compute capability 9.0 and a build for 9.0a)");
+    TORCH_CHECK(takes, "fusedattn: FUSEDATTN_FORWARD_FAMILY=sm90, but the sm90 forward takes no attn_mask and "
+                "head dims 64 and 128 only; got head dim ", p.shape.head_dim,
+                p.mask.kind != MaskKind::None ? " with a mask" : "");
+  }
+  return available && takes;
+}
+
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v,
                                                 const std::optional<at::Tensor>& attn_mask,
@@ -30,8 +63,39 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
       prepare_forward("fusedattn.forward", q, k, v, attn_mask, is_causal, scale, cuda_support());
   const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
   auto outputs = allocate_forward_outputs(in);
-  cuda::forward_sm80(in.params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  if (use_sm90(in.params))
+    cuda::forward_sm90(in.params, stream);
+  else
+    cuda::forward_sm80(in.params, stream);
   return outputs;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+    bool is_causal, std::optional<double> scale) {
+  PreparedBackward b = prepare_backward("fusedattn.backward", grad_out, q, k, v, out, lse, attn_mask,
+                                        is_causal, scale, cuda_support());
+  const c10::cuda::CUDAGuard guard(q.device());
+  // torch.use_deterministic_algorithms(True): grad_q from its own pass, in a
+  // fixed order, instead of float32 atomics.
+  b.params.deterministic = at::globalContext().deterministicAlgorithms();
+  const at::Tensor delta = at::empty(lse.sizes(), lse.options().dtype(at::kFloat));
+  at::Tensor grad_q_accum;
+  if (!b.params.deterministic) {
+    grad_q_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+    b.params.grad_q_accum = grad_q_accum.data_ptr<float>();
+  }
+  b.params.delta = delta.data_ptr<float>();
+  b.params.head_splits = cuda::backward_head_splits(b.params);
+  at::Tensor grad_kv_accum;
+  if (b.params.head_splits > 1) {
+    grad_kv_accum = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, q.options().dtype(at::kFloat));
+    b.params.grad_kv_accum = grad_kv_accum.data_ptr<float>();
+  }
+  cuda::backward_sm80(b.params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  return {b.grad_q, b.grad_k, b.grad_v};
 }
 
 // Seed 2: S = Q K^T (cuBLAS through ATen), one fused scale + mask + softmax
@@ -65,6 +129,7 @@ at::Tensor naive_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at
 
 TORCH_LIBRARY_IMPL(fusedattn, CUDA, m) {
   m.impl("forward", &forward_cuda);
+  m.impl("backward", &backward_cuda);
   m.impl("naive_forward", &naive_forward_cuda);
 }
 

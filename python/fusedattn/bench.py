@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -36,6 +37,7 @@ class Config:
     causal: list[bool]
     repeats: int
     warmup: int
+    backward: bool = False  # time forward + backward
 
 
 def default_config(device: torch.device) -> Config:
@@ -49,6 +51,15 @@ def default_config(device: torch.device) -> Config:
 def forward_flops(cfg: Config, n: int, causal: bool) -> float:
     flops = 4.0 * cfg.batch * cfg.heads * n * n * cfg.head_dim
     return flops / 2 if causal else flops
+
+
+# The backward's matmuls (S again, dV, dP, dQ, dK) are 2.5 times the forward's.
+BACKWARD_FLOP_RATIO = 2.5
+
+
+def timed_flops(cfg: Config, n: int, causal: bool) -> float:
+    """FLOPs of what one timed call does: the forward, plus the backward with --backward."""
+    return forward_flops(cfg, n, causal) * (1 + BACKWARD_FLOP_RATIO if cfg.backward else 1)
 
 
 def _sdpa_backend(name: str):
@@ -66,6 +77,23 @@ def _sdpa_backend(name: str):
     return run
 
 
+def _forward_family(family: str) -> Callable:
+    """fusedattn's forward with FUSEDATTN_FORWARD_FAMILY set to `family` for the call."""
+
+    def run(q, k, v, causal):
+        before = os.environ.get("FUSEDATTN_FORWARD_FAMILY")
+        os.environ["FUSEDATTN_FORWARD_FAMILY"] = family
+        try:
+            return torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
+        finally:
+            if before is None:
+                del os.environ["FUSEDATTN_FORWARD_FAMILY"]
+            else:
+                os.environ["FUSEDATTN_FORWARD_FAMILY"] = before
+
+    return run
+
+
 def methods(device: torch.device) -> dict[str, Callable]:
     """Name -> f(q, k, v, causal). The first one is the baseline of the table."""
     table = {
@@ -76,6 +104,9 @@ def methods(device: torch.device) -> dict[str, Callable]:
         table["naive-cuda"] = lambda q, k, v, causal: torch.ops.fusedattn.naive_forward(q, k, v, None, causal, None)
         for name in ("flash", "efficient", "cudnn"):
             table[f"sdpa-{name}"] = _sdpa_backend(name)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        # The default there is the sm90 family where it takes the call; the sm80 family alongside.
+        table["fusedattn-sm80"] = _forward_family("sm80")
     table["fusedattn"] = lambda q, k, v, causal: torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
     return table
 
@@ -125,11 +156,21 @@ def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dic
     """One cell of the table: time, TFLOP/s and peak memory, or why it did not run."""
     torch.manual_seed(0)
     shape = (cfg.batch, cfg.heads, n, cfg.head_dim)
-    q, k, v = (torch.randn(shape, device=cfg.device, dtype=DTYPES[dtype]) for _ in range(3))
+    q, k, v = (torch.randn(shape, device=cfg.device, dtype=DTYPES[dtype]).requires_grad_(cfg.backward)
+               for _ in range(3))
     score_bytes = cfg.batch * cfg.heads * n * n * q.element_size()
     if name.startswith("naive") and 3 * score_bytes > _available_bytes(cfg.device):
         return {"status": "OOM (skipped: needs ~3 N^2 score matrices)"}
-    call = lambda: fn(q, k, v, causal)  # noqa: E731
+    if cfg.backward:
+        if name == "naive-cuda":
+            return {"status": "n/a (forward only)"}
+        grad = torch.randn_like(q)
+
+        def call():
+            fn(q, k, v, causal).backward(grad)
+            q.grad = k.grad = v.grad = None  # each call allocates its gradients afresh
+    else:
+        call = lambda: fn(q, k, v, causal)  # noqa: E731
     try:
         memory = peak_bytes(call, cfg.device)
         seconds = median_seconds(call, cfg)
@@ -141,7 +182,7 @@ def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dic
         if cfg.device.type == "cuda":
             torch.cuda.empty_cache()
     return {"status": "ok", "seconds": seconds,
-            "tflops": forward_flops(cfg, n, causal) / seconds / 1e12, "peak_bytes": memory}
+            "tflops": timed_flops(cfg, n, causal) / seconds / 1e12, "peak_bytes": memory}
 
 
 def run(cfg: Config, progress: bool = True) -> dict:
@@ -156,7 +197,7 @@ def run(cfg: Config, progress: bool = True) -> dict:
         row["results"][m] = measure(cfg, dt, c, n, m, table[m])
     for row in rows.values():
         fused = row["results"].get("fusedattn", {})
-        flops = forward_flops(cfg, row["seqlen"], row["causal"])
+        flops = timed_flops(cfg, row["seqlen"], row["causal"])
         row["arithmetic_intensity"] = flops / min_bytes(cfg, row["seqlen"], row["dtype"])
         if fused.get("status") == "ok":
             row["fusedattn_pct_of_matmul"] = 100.0 * fused["tflops"] / ceilings[row["dtype"]]
@@ -167,7 +208,7 @@ def run(cfg: Config, progress: bool = True) -> dict:
         "device_type": cfg.device.type,
         "torch": torch.__version__,
         "config": {"batch": cfg.batch, "heads": cfg.heads, "head_dim": cfg.head_dim,
-                   "repeats": cfg.repeats, "threads": torch.get_num_threads()},
+                   "repeats": cfg.repeats, "threads": torch.get_num_threads(), "backward": cfg.backward},
         "methods": list(table),
         "matmul_tflops": ceilings,
         "rows": list(rows.values()),
@@ -233,8 +274,11 @@ def format_table(result: dict) -> str:
         )
     cfg = result["config"]
     title = (f"{result['device']}, torch {result['torch']}, {result['date']}\n"
-             f"B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']}, forward, median of {cfg['repeats']}; "
-             f"'x m' = time of m / time of fusedattn; mem = peak beyond the inputs (output included); "
+             f"B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']}, "
+             f"{'forward + backward (FLOPs: 3.5x the forward)' if cfg.get('backward') else 'forward'}, "
+             f"median of {cfg['repeats']}; "
+             f"'x m' = time of m / time of fusedattn; mem = peak beyond the inputs (output"
+             f"{' and gradients' if cfg.get('backward') else ''} included); "
              f"roofline: AI = FLOPs / bytes of q, k, v, out; matmul ceiling "
              + ", ".join(f"{d} {t * mult:.0f} {unit}" for d, t in result["matmul_tflops"].items()) + "\n")
     return title + markdown_table(header, lines)

@@ -18,6 +18,8 @@ def _bench_decode(args) -> int:
     for option in ("causal", "plot"):
         if getattr(args, option) is not None:
             raise SystemExit(f"fusedattn bench: --{option} does not apply to --decode")
+    if args.backward:
+        raise SystemExit("fusedattn bench: --backward does not apply to --decode")
     cfg = bench_decode.DecodeConfig(torch.device(args.device or "cuda"))
     _apply_options(cfg, args, ("batch", "heads", "kv_heads", "head_dim", "seqlens", "repeats", "warmup"))
     if args.kv_heads is None:
@@ -59,6 +61,7 @@ def _bench(args) -> int:
     _apply_options(cfg, args, ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
     if args.causal is not None:
         cfg.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
+    cfg.backward = args.backward
 
     result = bench.run(cfg, progress=not args.no_progress)
     print(bench.format_table(result))
@@ -116,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", metavar="PATH", help="write the results as JSON")
     b.add_argument("--plot", metavar="PATH.png", help="plot time and memory against N (needs matplotlib)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--backward", action="store_true",
+                   help="time forward + backward (gradients of q, k, v); FLOPs count the backward as 2.5x the forward")
     b.add_argument("--decode", action="store_true",
                    help="decoding instead: 1 query per sequence against a KV cache of N (CUDA; "
                         "defaults B=8 H=32 d=128 N=4K,32K,128K float16), reported in TB/s")

@@ -28,10 +28,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     returns ``([B, L, Hq, d], None)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     shapes_served = value.shape[-1] == query.shape[-1] and query.shape[0] == key.shape[0]
     if (dropout > 0.0 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-            or not shapes_served or not supports(query.device, query.dtype, query.shape[-1], needs_grad)):
+            or not shapes_served or not supports(query.device, query.dtype, query.shape[-1])):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
 

@@ -24,14 +24,13 @@ def has_kernel(op: str, device_type: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"fusedattn::{op}", device_type.upper())
 
 
-def supports(device: torch.device, dtype: torch.dtype, head_dim: int, needs_grad: bool = False) -> bool:
-    """Whether fusedattn's kernels serve attention on this device, dtype and
-    head dim (and its backward, when ``needs_grad``)."""
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether fusedattn's kernels (forward and backward) serve attention on
+    this device, dtype and head dim."""
     if device.type == "cpu":
         return dtype in (torch.float32, torch.float16, torch.bfloat16)
     if device.type == "cuda":
-        kernels_ok = dtype in CUDA_DTYPES and head_dim in CUDA_HEAD_DIMS and has_kernel("forward", "cuda")
-        return kernels_ok and (not needs_grad or has_kernel("backward", "cuda"))
+        return dtype in CUDA_DTYPES and head_dim in CUDA_HEAD_DIMS and has_kernel("forward", "cuda")
     return False
 
 
@@ -76,11 +75,6 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     if grad_out is None:  # only lse was used downstream; lse is not differentiable
         return None, None, None, None, None, None
-    if q.is_cuda and not has_kernel("backward", "cuda"):
-        raise NotImplementedError(
-            "fusedattn: no CUDA backward kernel yet (the forward runs on CUDA; train on the CPU "
-            "or with torch.nn.functional.scaled_dot_product_attention for now)"
-        )
     grad_q, grad_k, grad_v = torch.ops.fusedattn.backward(
         grad_out.contiguous(), q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale
     )

@@ -18,6 +18,7 @@
 
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
+#include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_loads.cuh"
 #include "forward_sm80.h"
@@ -48,24 +49,6 @@ struct ForwardTraits {
 struct HeadOffsets {
   int64_t q, k, v, out;
 };
-
-// attn_mask at (row, col) in base-2 score units: 0 or -inf for a bool mask,
-// value * log2(e) for an additive one.
-template <typename T>
-__device__ __forceinline__ float mask_log2(const MaskParams& m, int64_t base, int64_t row,
-                                           int64_t col) {
-  const int64_t i = base + row * m.row_stride + col * m.col_stride;
-  switch (m.kind) {
-    case MaskKind::Bool:
-      return static_cast<const uint8_t*>(m.ptr)[i] ? 0.0f : -INFINITY;
-    case MaskKind::AdditiveFloat32:
-      return static_cast<const float*>(m.ptr)[i] * kLog2e;
-    case MaskKind::AdditiveInput:
-      return to_float(static_cast<const T*>(m.ptr)[i]) * kLog2e;
-    default:
-      return 0.0f;
-  }
-}
 
 // Whether attn_mask lets any valid (row, col) of the tile through. Block-wide.
 template <typename Tr, typename T>

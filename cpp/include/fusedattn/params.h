@@ -74,6 +74,20 @@ struct BackwardParams {
   void* grad_k = nullptr;
   void* grad_v = nullptr;
   TensorStrides grad_out_strides, grad_q_strides, grad_k_strides, grad_v_strides;
+
+  // Device workspaces, for the CUDA kernels (the CPU's allocate their own):
+  // delta = rowsum(grad_out * out), float32 [B, Hq, Nq]; grad_q_accum,
+  // float32 [B, Hq, Nq, d], where key blocks add their share of grad_q
+  // (unused when deterministic).
+  float* delta = nullptr;
+  float* grad_q_accum = nullptr;
+  // Same bits on every run (grad_q summed in a fixed order; no accumulator).
+  bool deterministic = false;
+  // The query heads of each kv head's group split over this many blocks per
+  // key block (when B x Hkv x key blocks alone would leave SMs idle); their
+  // dK and dV are then summed in grad_kv_accum, float32 [2, B, Hkv, Nk, d].
+  int head_splits = 1;
+  float* grad_kv_accum = nullptr;
 };
 
 // Decoding against a preallocated KV cache (forward_kvcache): a few queries per

@@ -1,0 +1,442 @@
+// FlashAttention 2's backward on mma.sync tensor cores (sm_80 and newer).
+//
+// Three kernels:
+//   1. preprocess: delta = rowsum(dO * O) per query row (float32), and the
+//      float32 grad_q accumulator zeroed;
+//   2. the main kernel, one thread block per (block of kBlockN keys, kv head,
+//      sequence). It walks every query head of the kv head's group and every
+//      block of kBlockM queries that can see its keys, recomputing from the
+//      saved LSE instead of storing P:
+//        S^T  = K Q^T                      P^T = 2^(S^T scale log2 e + mask - lse log2 e)
+//        dV  += P^T dO                     dP^T = V dO^T
+//        dS^T = P^T (dP^T - delta)         dK  += dS^T Q          (scaled at the end)
+//        dQ  += dS K, added to the float32 accumulator with atomics (or,
+//               deterministic, left to backward_dq_kernel.cuh's own pass)
+//      Each warp owns 16 keys (the rows of S^T, so P^T and dS^T are A
+//      operands straight from the accumulators, as P is in the forward), and
+//      keeps their dK and dV in registers across the whole walk: GQA's sum
+//      over the group's query heads costs nothing extra. The next query
+//      block's Q and dO stream in with cp.async while one is computed on;
+//   3. convert: grad_q = scale * accumulator, in the input dtype.
+#pragma once
+
+#include <cmath>
+
+#include "../common/device_math.cuh"
+#include "../common/launch_check.h"
+#include "../common/mask.cuh"
+#include "../common/online_softmax.cuh"
+#include "../common/tile_loads.cuh"
+#include "backward_dq_kernel.cuh"
+#include "backward_sm80.h"
+
+namespace fusedattn::cuda {
+
+template <int HeadDim>
+struct BackwardTraits {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlockN = kBackwardBlockN;  // keys per block, 16 per warp
+  static_assert(kBlockN == 16 * kWarps);
+  // Queries per step. S^T, dP^T (2 x kBlockM/2 registers) and dQ's share
+  // come on top of dK and dV (HeadDim / 2 registers each per thread): at
+  // d=128 a 64-query step would not fit in 255 registers.
+  static constexpr int kBlockM = HeadDim <= 64 ? 64 : 32;
+  static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
+  static constexpr int kChunksPerRow = HeadDim / 8;
+  static constexpr int kDsStride = kBlockM + 8;  // dS^T rows [key][query], padded
+  // dQ = dS K of a step: kBlockM / 16 row tiles x HeadDim / 8 column tiles
+  // shared by the warps, row tiles first.
+  static constexpr int kDqWarpsM = kBlockM / 16 < kWarps ? kBlockM / 16 : kWarps;
+  static constexpr int kDqWarpsD = kWarps / kDqWarpsM;
+  static constexpr int kDqTiles = HeadDim / 8 / kDqWarpsD;
+  // K, V; Q and dO double-buffered; dS^T (elements), then lse and delta (floats).
+  static constexpr int kSmemElements = 2 * kBlockN * kStride + 4 * kBlockM * kStride + kBlockN * kDsStride;
+  static constexpr int kSmemFloats = 4 * kBlockM;
+  static_assert(HeadDim % 16 == 0 && kBlockM % 16 == 0 && kDqWarpsM * kDqWarpsD == kWarps);
+};
+
+// delta[row] = sum_d dO[row, d] O[row, d]; grad_q_accum[row, :] = 0 (when
+// there is one). One warp per row.
+template <typename T>
+__global__ void __launch_bounds__(128) backward_preprocess_kernel(const __grid_constant__ BackwardParams p) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= sh.batch * sh.heads_q * sh.seqlen_q) return;
+  const int64_t batch = row / (sh.heads_q * sh.seqlen_q), head = row / sh.seqlen_q % sh.heads_q,
+                query = row % sh.seqlen_q;
+  const T* o = static_cast<const T*>(p.fwd.out) + batch * p.fwd.out_strides.batch +
+               head * p.fwd.out_strides.head + query * p.fwd.out_strides.row;
+  const T* d_o = static_cast<const T*>(p.grad_out) + batch * p.grad_out_strides.batch +
+                 head * p.grad_out_strides.head + query * p.grad_out_strides.row;
+  float sum = 0.0f;
+  for (int c = lane; c < sh.head_dim; c += 32) sum += to_float(o[c]) * to_float(d_o[c]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (lane == 0) p.delta[row] = sum;
+  if (p.grad_q_accum == nullptr) return;
+  float* accum = p.grad_q_accum + row * sh.head_dim;
+  for (int c = lane; c < sh.head_dim; c += 32) accum[c] = 0.0f;
+}
+
+// grad_q = scale * grad_q_accum, in T. One thread per element pair.
+template <typename T>
+__global__ void __launch_bounds__(256) backward_convert_dq_kernel(const __grid_constant__ BackwardParams p) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t pair = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  if (pair * 2 >= sh.batch * sh.heads_q * sh.seqlen_q * sh.head_dim) return;
+  const int64_t row = pair * 2 / sh.head_dim, col = pair * 2 % sh.head_dim;
+  const int64_t batch = row / (sh.heads_q * sh.seqlen_q), head = row / sh.seqlen_q % sh.heads_q,
+                query = row % sh.seqlen_q;
+  const float* accum = p.grad_q_accum + row * sh.head_dim + col;
+  T* dq = static_cast<T*>(p.grad_q) + batch * p.grad_q_strides.batch + head * p.grad_q_strides.head +
+          query * p.grad_q_strides.row + col;
+  *reinterpret_cast<uint32_t*>(dq) = pack2<T>(accum[0] * p.fwd.scale, accum[1] * p.fwd.scale);
+}
+
+template <int HeadDim, typename T, bool IsCausal, bool AtomicDq>
+__global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
+    backward_kernel(const __grid_constant__ BackwardParams p) {
+  using Tr = BackwardTraits<HeadDim>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
+  constexpr int kMTiles = kBlockM / 8;  // n-tiles of S^T (queries)
+  constexpr int kDTiles = HeadDim / 8;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + kBlockN * kStride;
+  T* sQ = sV + kBlockN * kStride;        // [2][kBlockM][kStride]
+  T* sdO = sQ + 2 * kBlockM * kStride;   // [2][kBlockM][kStride]
+  T* sdS = sdO + 2 * kBlockM * kStride;  // [kBlockN][kDsStride], dS^T
+  float* sLse = reinterpret_cast<float*>(sdS + kBlockN * Tr::kDsStride);  // [2][kBlockM], base 2
+  float* sDelta = sLse + 2 * kBlockM;                                      // [2][kBlockM]
+
+  const ForwardParams& f = p.fwd;
+  const AttentionShape& sh = f.shape;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  // Flat grid: key blocks fastest, then head splits, kv heads, sequences.
+  // 32-bit division: the launch checks the grid fits 2^31.
+  const unsigned n_blocks = static_cast<unsigned>((sh.seqlen_k + kBlockN - 1) / kBlockN);
+  const unsigned n_block = blockIdx.x % n_blocks;
+  const unsigned head_split = blockIdx.x / n_blocks % static_cast<unsigned>(p.head_splits);
+  const unsigned bh = blockIdx.x / n_blocks / static_cast<unsigned>(p.head_splits);
+  const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
+  const unsigned batch = bh / heads_kv, head_kv = bh % heads_kv;
+  const int64_t group = sh.heads_q / sh.heads_kv;
+  const int64_t split_heads = group / p.head_splits;  // query heads this block walks
+  const int64_t first_head = head_kv * group + head_split * split_heads;
+  const int64_t key0 = int64_t(n_block) * kBlockN;
+  const int64_t keys = min(int64_t(kBlockN), sh.seqlen_k - key0);
+  const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;  // query i sees key j iff j <= i + offset
+
+  const T* k = static_cast<const T*>(f.k) + batch * f.k_strides.batch + head_kv * f.k_strides.head;
+  const T* v = static_cast<const T*>(f.v) + batch * f.v_strides.batch + head_kv * f.v_strides.head;
+  load_rows_async<kBlockN, Tr>(sK, k, f.k_strides.row, key0, keys);
+  load_rows_async<kBlockN, Tr>(sV, v, f.v_strides.row, key0, keys);
+
+  // The steps: every query block of every query head of the block's share of
+  // the group that can see one of these keys. Causal: query i sees key0 once i >= key0 - offset.
+  const int64_t first_query = IsCausal ? max(int64_t(0), key0 - causal_offset) : 0;
+  const int64_t m_begin = first_query / kBlockM * kBlockM;
+  const int64_t steps_per_head = first_query < sh.seqlen_q ? (sh.seqlen_q - m_begin + kBlockM - 1) / kBlockM : 0;
+  const int64_t steps = steps_per_head * split_heads;
+
+  // Queues step s's Q and dO (cp.async) and writes its lse (base 2; +inf for
+  // rows past the queries and rows that saw no key, so that P = 0 there) and
+  // delta into buffer `buf`.
+  auto load_step = [&](int64_t s, int buf) {
+    const int64_t head = first_head + s / steps_per_head;
+    const int64_t m0 = m_begin + s % steps_per_head * kBlockM;
+    const int64_t rows = sh.seqlen_q - m0;
+    load_rows_async<kBlockM, Tr>(sQ + buf * kBlockM * kStride,
+                                 static_cast<const T*>(f.q) + batch * f.q_strides.batch + head * f.q_strides.head,
+                                 f.q_strides.row, m0, rows);
+    load_rows_async<kBlockM, Tr>(sdO + buf * kBlockM * kStride,
+                                 static_cast<const T*>(p.grad_out) + batch * p.grad_out_strides.batch +
+                                     head * p.grad_out_strides.head,
+                                 p.grad_out_strides.row, m0, rows);
+    const int64_t row_base = (int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + m0;
+    for (int r = threadIdx.x; r < kBlockM; r += Tr::kThreads) {
+      const float lse = r < rows ? f.lse[row_base + r] : -INFINITY;
+      sLse[buf * kBlockM + r] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+      sDelta[buf * kBlockM + r] = r < rows ? p.delta[row_base + r] : 0.0f;
+    }
+  };
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  float dk[kDTiles][4] = {}, dv[kDTiles][4] = {};
+  const float scale_log2 = f.scale * kLog2e;
+  const bool has_mask = f.mask.kind != MaskKind::None;
+  const int key_row = warp * 16;  // this warp's first key in the block
+
+  for (int64_t s = 0; s < steps; ++s) {
+    const int buf = s % 2;
+    cp_async_wait<0>();  // step s's Q, dO (and K, V) landed
+    __syncthreads();     // ... for every thread, with its lse and delta; step s - 1 is done everywhere
+    if (s + 1 < steps) load_step(s + 1, 1 - buf);
+    cp_async_commit();
+
+    const int64_t head = first_head + s / steps_per_head;
+    const int64_t m0 = m_begin + s % steps_per_head * kBlockM;
+    const T* q_tile = sQ + buf * kBlockM * kStride;
+    const T* do_tile = sdO + buf * kBlockM * kStride;
+    const float* lse = sLse + buf * kBlockM;
+    const float* delta = sDelta + buf * kBlockM;
+
+    // S^T = K Q^T for this warp's 16 keys and the step's queries.
+    float st[kMTiles][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < HeadDim / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, sK + (key_row + lane % 16) * kStride + kk * 16 + lane / 16 * 8);
+#pragma unroll
+      for (int np = 0; np < kMTiles / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, q_tile + (np * 16 + (lane & 7) + (lane >> 4 << 3)) * kStride + kk * 16 + ((lane >> 3) & 1) * 8);
+        mma_16x8x16<T>(st[2 * np], a, b[0], b[1]);
+        mma_16x8x16<T>(st[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+
+    // P^T. Element (key row g + 8h, query column 2t + e) of each n-tile.
+    const bool needs_masking = has_mask || key0 + kBlockN > sh.seqlen_k ||
+                               (IsCausal && key0 + kBlockN - 1 > m0 + causal_offset);
+    const int64_t mask_base = batch * f.mask.batch_stride + head * f.mask.head_stride;
+#pragma unroll
+    for (int nt = 0; nt < kMTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = key_row + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
+        float x = st[nt][e] * scale_log2;  // the forward's score, mask included, then minus lse
+        if (needs_masking) {
+          const int64_t key = key0 + r, query = m0 + c;
+          if (key >= sh.seqlen_k || (IsCausal && key > query + causal_offset)) {
+            x = -INFINITY;
+          } else if (has_mask && query < sh.seqlen_q) {
+            x += mask_log2<T>(f.mask, mask_base, query, key);
+          }
+        }
+        st[nt][e] = exp2f(x - lse[c]);
+      }
+    }
+
+    // dV += P^T dO
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq) {
+      uint32_t a[4];
+      probabilities_as_a<T>(a, st, kq);
+#pragma unroll
+      for (int dp = 0; dp < HeadDim / 16; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, do_tile + (kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride + dp * 16 + (lane >> 4 << 3));
+        mma_16x8x16<T>(dv[2 * dp], a, b[0], b[1]);
+        mma_16x8x16<T>(dv[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+
+    // dP^T = V dO^T, then dS^T = P^T (dP^T - delta) in place of P^T.
+    {
+      float dpt[kMTiles][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < HeadDim / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, sV + (key_row + lane % 16) * kStride + kk * 16 + lane / 16 * 8);
+#pragma unroll
+        for (int np = 0; np < kMTiles / 2; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, do_tile + (np * 16 + (lane & 7) + (lane >> 4 << 3)) * kStride + kk * 16 + ((lane >> 3) & 1) * 8);
+          mma_16x8x16<T>(dpt[2 * np], a, b[0], b[1]);
+          mma_16x8x16<T>(dpt[2 * np + 1], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < kMTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[nt][e] *= dpt[nt][e] - delta[nt * 8 + 2 * t + (e & 1)];
+    }
+
+    // dK += dS^T Q; dS^T also goes to shared memory for dQ (atomic mode).
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq) {
+      uint32_t a[4];
+      probabilities_as_a<T>(a, st, kq);
+#pragma unroll
+      for (int dp = 0; dp < HeadDim / 16; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, q_tile + (kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride + dp * 16 + (lane >> 4 << 3));
+        mma_16x8x16<T>(dk[2 * dp], a, b[0], b[1]);
+        mma_16x8x16<T>(dk[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+    if constexpr (AtomicDq) {
+#pragma unroll
+      for (int nt = 0; nt < kMTiles; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<uint32_t*>(sdS + (key_row + g + 8 * h) * Tr::kDsStride + nt * 8 + 2 * t) =
+              pack2<T>(st[nt][2 * h], st[nt][2 * h + 1]);
+      __syncthreads();  // all of dS^T written
+
+      // dQ += dS K: this warp's row tile of the step's queries and its share of d.
+      {
+        const int mt = warp % Tr::kDqWarpsM, d0 = warp / Tr::kDqWarpsM * Tr::kDqTiles * 8;
+        float dq[Tr::kDqTiles][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          // A = dS (queries x keys) from dS^T stored [key][query]: transposed 8x8 loads,
+          // matrix i of the four covers queries (i & 1) * 8 and keys (i >> 1) * 8.
+          uint32_t a[4];
+          const int i = lane / 8;
+          ldmatrix_x4_trans(a, sdS + (kk * 16 + (i >> 1) * 8 + lane % 8) * Tr::kDsStride + mt * 16 + (i & 1) * 8);
+#pragma unroll
+          for (int dp = 0; dp < Tr::kDqTiles / 2; ++dp) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, sK + (kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride + d0 + dp * 16 + (lane >> 4 << 3));
+            mma_16x8x16<T>(dq[2 * dp], a, b[0], b[1]);
+            mma_16x8x16<T>(dq[2 * dp + 1], a, b[2], b[3]);
+          }
+        }
+        float* accum = p.grad_q_accum + ((int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + m0) * HeadDim + d0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = mt * 16 + g + 8 * h;
+          if (m0 + r >= sh.seqlen_q) continue;
+#pragma unroll
+          for (int dt = 0; dt < Tr::kDqTiles; ++dt) {
+            atomicAdd(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h]);
+            atomicAdd(accum + r * HeadDim + dt * 8 + 2 * t + 1, dq[dt][2 * h + 1]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // dK (scaled: S was scale Q K^T) and dV of this warp's keys: written, or
+  // added to the float32 sums when the group is split over blocks.
+  const int64_t kv_row = (int64_t(batch) * sh.heads_kv + head_kv) * sh.seqlen_k;
+  const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * HeadDim;
+  T* grad_k = static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + head_kv * p.grad_k_strides.head;
+  T* grad_v = static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + head_kv * p.grad_v_strides.head;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t key = key0 + key_row + g + 8 * h;
+    if (key >= sh.seqlen_k) continue;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      const int col = dt * 8 + 2 * t;
+      if (p.head_splits > 1) {
+        float* dk_sum = p.grad_kv_accum + (kv_row + key) * HeadDim + col;
+        atomicAdd(dk_sum, dk[dt][2 * h] * f.scale);
+        atomicAdd(dk_sum + 1, dk[dt][2 * h + 1] * f.scale);
+        atomicAdd(dk_sum + kv_size, dv[dt][2 * h]);
+        atomicAdd(dk_sum + kv_size + 1, dv[dt][2 * h + 1]);
+      } else {
+        *reinterpret_cast<uint32_t*>(grad_k + key * p.grad_k_strides.row + col) =
+            pack2<T>(dk[dt][2 * h] * f.scale, dk[dt][2 * h + 1] * f.scale);
+        *reinterpret_cast<uint32_t*>(grad_v + key * p.grad_v_strides.row + col) =
+            pack2<T>(dv[dt][2 * h], dv[dt][2 * h + 1]);
+      }
+    }
+  }
+}
+
+// grad_k, grad_v = the float32 sums of the head splits, in T. One thread per element pair.
+template <typename T>
+__global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_constant__ BackwardParams p) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t size = sh.batch * sh.heads_kv * sh.seqlen_k * sh.head_dim;
+  const int64_t pair = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  if (pair * 2 >= size) return;
+  const int64_t row = pair * 2 / sh.head_dim, col = pair * 2 % sh.head_dim;
+  const int64_t batch = row / (sh.heads_kv * sh.seqlen_k), head = row / sh.seqlen_k % sh.heads_kv,
+                key = row % sh.seqlen_k;
+  const float* dk = p.grad_kv_accum + pair * 2;
+  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch +
+                               head * p.grad_k_strides.head + key * p.grad_k_strides.row + col) =
+      pack2<T>(dk[0], dk[1]);
+  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch +
+                               head * p.grad_v_strides.head + key * p.grad_v_strides.row + col) =
+      pack2<T>(dk[size], dk[size + 1]);
+}
+
+template <int HeadDim, typename T, bool IsCausal, bool AtomicDq>
+void launch_backward_kernel(const BackwardParams& p, cudaStream_t stream) {
+  using Tr = BackwardTraits<HeadDim>;
+  auto kernel = backward_kernel<HeadDim, T, IsCausal, AtomicDq>;
+  constexpr int smem_bytes = Tr::kSmemElements * sizeof(T) + Tr::kSmemFloats * sizeof(float);
+  FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t blocks = (sh.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN * p.head_splits * sh.heads_kv * sh.batch;
+  if (blocks > 2147483647)
+    throw std::runtime_error("fusedattn: B x Hkv x head splits x key blocks exceeds one launch (2^31 - 1)");
+  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
+  FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int HeadDim, typename T, bool IsCausal>
+void launch_backward_dq_kernel(const BackwardParams& p, cudaStream_t stream) {
+  using Tr = DqTraits<HeadDim>;
+  auto kernel = backward_dq_kernel<HeadDim, T, IsCausal>;
+  constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
+  FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t blocks = (sh.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * sh.heads_q * sh.batch;
+  if (blocks > 2147483647)
+    throw std::runtime_error("fusedattn: B x Hq x query blocks exceeds one launch (2^31 - 1)");
+  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
+  FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int HeadDim, typename T, bool IsCausal>
+void launch_backward_passes(const BackwardParams& p, cudaStream_t stream) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
+  if (p.deterministic) {
+    if (p.head_splits != 1) throw std::invalid_argument("fusedattn: a deterministic backward takes head_splits = 1");
+    if (sh.batch * sh.heads_kv * sh.seqlen_k > 0) launch_backward_kernel<HeadDim, T, IsCausal, false>(p, stream);
+    if (rows > 0) launch_backward_dq_kernel<HeadDim, T, IsCausal>(p, stream);
+    return;
+  }
+  const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * HeadDim;
+  if (kv_size > 0) {
+    if (p.head_splits > 1)
+      FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(p.grad_kv_accum, 0, 2 * kv_size * sizeof(float), stream));
+    launch_backward_kernel<HeadDim, T, IsCausal, true>(p, stream);
+    if (p.head_splits > 1) {
+      if ((kv_size / 2 + 255) / 256 > 2147483647)
+        throw std::runtime_error("fusedattn: B x Hkv x Nk x d exceeds one launch of the dK/dV conversion");
+      backward_convert_dkv_kernel<T><<<static_cast<unsigned>((kv_size / 2 + 255) / 256), 256, 0, stream>>>(p);
+      FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+    }
+  }
+  if (rows > 0) {
+    const int64_t pairs = rows * HeadDim / 2;
+    if ((pairs + 255) / 256 > 2147483647)
+      throw std::runtime_error("fusedattn: B x Hq x Nq x d exceeds one launch of the grad_q conversion");
+    backward_convert_dq_kernel<T><<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(p);
+    FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+template <int HeadDim, typename Element>
+void launch_backward_sm80(const BackwardParams& p, cudaStream_t stream) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
+  if ((rows + 3) / 4 > 2147483647)
+    throw std::runtime_error("fusedattn: B x Hq x Nq exceeds one launch of the backward's preprocess");
+  if (rows > 0) {
+    backward_preprocess_kernel<Element><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
+    FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+  }
+  if (p.fwd.is_causal)
+    launch_backward_passes<HeadDim, Element, true>(p, stream);
+  else
+    launch_backward_passes<HeadDim, Element, false>(p, stream);
+}
+
+}  // namespace fusedattn::cuda

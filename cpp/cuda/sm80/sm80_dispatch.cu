@@ -1,0 +1,40 @@
+// Runtime (dtype, head dim) -> the compile-time instantiation, forward and
+// backward; the backward's split of query heads over blocks.
+#include <cuda_runtime.h>
+
+#include "../common/instantiation_dispatch.h"
+#include "../common/launch_check.h"
+#include "backward_sm80.h"
+#include "forward_sm80.h"
+
+namespace fusedattn::cuda {
+
+void forward_sm80(const ForwardParams& p, cudaStream_t stream) {
+  dispatch_instantiation<32, 64, 128>("sm80 forward", p.dtype, p.shape.head_dim, [&](auto head_dim, auto element) {
+    launch_forward_sm80<decltype(head_dim)::value, decltype(element)>(p, stream);
+  });
+}
+
+int backward_head_splits(const BackwardParams& p) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t group = sh.heads_q / sh.heads_kv;
+  if (p.deterministic || group == 1) return 1;  // the splits' sums are float32 atomics
+  int device = 0, sms = 0;
+  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+  FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // Two blocks per SM fit at d=128 (242 registers); two such waves.
+  const int64_t target = 4 * int64_t(sms);
+  const int64_t blocks = (sh.seqlen_k + kBackwardBlockN - 1) / kBackwardBlockN * sh.heads_kv * sh.batch;
+  for (int64_t s = 1; s < group; ++s)
+    if (group % s == 0 && blocks * s >= target) return static_cast<int>(s);
+  return static_cast<int>(group);
+}
+
+void backward_sm80(const BackwardParams& p, cudaStream_t stream) {
+  dispatch_instantiation<32, 64, 128>("sm80 backward", p.fwd.dtype, p.fwd.shape.head_dim,
+                                      [&](auto head_dim, auto element) {
+    launch_backward_sm80<decltype(head_dim)::value, decltype(element)>(p, stream);
+  });
+}
+
+}  // namespace fusedattn::cuda

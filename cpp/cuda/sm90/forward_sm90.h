@@ -1,0 +1,25 @@
+// The sm90 family's forward: wgmma on Hopper (compute capability 9.0, built
+// for sm_90a only). Takes no attn_mask yet.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fusedattn/params.h"
+
+namespace fusedattn::cuda {
+
+// Head dims this family is instantiated for.
+inline constexpr int kSm90HeadDims[] = {64, 128};
+
+// Whether this build has the sm90 kernels (compiled for sm_90a) and the
+// current device can run them.
+bool sm90_forward_available();
+
+// Writes p.out and p.lse on `stream`. p.dtype must be Float16 or BFloat16,
+// p.shape.head_dim one of kSm90HeadDims, p.mask.kind None.
+void forward_sm90(const ForwardParams& p, cudaStream_t stream);
+
+template <int HeadDim, typename Element>
+void launch_forward_sm90(const ForwardParams& p, cudaStream_t stream);
+
+}  // namespace fusedattn::cuda

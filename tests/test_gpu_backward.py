@@ -1,0 +1,136 @@
+"""The CUDA backward against autograd of the float64 reference (3x rule;
+marker `gpu`)."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fusedattn
+from attention_cases import MASK_KINDS, Case, check_backward, make_inputs
+from test_forward import cases
+from test_gpu import GPU_DTYPES, HEAD_DIMS, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+
+def check_cuda_backward(case: Case):
+    """check_backward on CUDA with NaN-filled blocks of the gradients' and
+    workspaces' sizes freed just before, so an element never written fails."""
+    q_shape = (case.batch, case.heads_q, case.seqlen_q, case.head_dim)
+    kv_shape = (case.batch, case.heads_kv, case.seqlen_k, case.head_dim)
+    poison_allocator(*[(q_shape, case.dtype)] * 3, *[(kv_shape, case.dtype)] * 2, (q_shape, torch.float32),
+                     (q_shape[:3], torch.float32))
+    check_backward(case, device="cuda")
+
+
+@given(cases(max_len=400), st.sampled_from(GPU_DTYPES), st.sampled_from(HEAD_DIMS))
+def test_cuda_backward_random_cases(case, dtype, head_dim):
+    check_cuda_backward(dataclasses.replace(case, dtype=dtype, head_dim=head_dim))
+
+
+@pytest.mark.parametrize("mask", MASK_KINDS)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_cuda_backward_every_mask_kind(mask, is_causal, dtype, head_dim):
+    check_cuda_backward(Case(seqlen_q=113, seqlen_k=800, head_dim=head_dim, dtype=dtype, mask=mask,
+                             is_causal=is_causal))
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1025), (7, 300), (300, 7), (97, 113), (129, 64),
+                                   (1025, 1025), (2048, 1000)])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_cuda_backward_awkward_lengths(nq, nk, is_causal, head_dim):
+    check_cuda_backward(Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=nq, seqlen_k=nk, head_dim=head_dim,
+                             dtype=torch.float16, is_causal=is_causal))
+
+
+@pytest.mark.parametrize("heads", [(8, 1), (6, 2), (4, 4)], ids=["mqa", "gqa", "mha"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_cuda_backward_grouped_query_heads(heads, dtype):
+    check_cuda_backward(Case(heads_q=heads[0], heads_kv=heads[1], seqlen_q=300, seqlen_k=520, head_dim=64,
+                             dtype=dtype, is_causal=True, mask="key_padding"))
+
+
+def test_cuda_backward_strided_inputs():
+    """q laid out [B, N, H, d], k with a wide row stride, v on 2-byte-offset rows (copied)."""
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=130, head_dim=64,
+                dtype=torch.float16, mask="bool", is_causal=True)
+    q, k, v, mask = make_inputs(case, "cuda")
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    k_wide = torch.cat([k, torch.randn_like(k)], dim=-1)[..., :64].requires_grad_()
+    v_off = torch.cat([torch.randn_like(v[..., :1]), v], dim=-1)[..., 1:].requires_grad_()
+    grad_out = torch.randn_like(q)
+    grads = torch.autograd.grad(fusedattn.attention(q_t, k_wide, v_off, mask, True), (q_t, k_wide, v_off),
+                                grad_out)
+    check_backward(case, device="cuda", grads=grads, grad_out=grad_out)
+
+
+def test_cuda_backward_empty_sides():
+    """No queries: dK = dV = 0 (every key block still writes). No keys: dQ = 0."""
+    q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=64), "cuda", requires_grad=True)
+    poison_allocator((k.shape, k.dtype), (k.shape, k.dtype))
+    dq, dk, dv = torch.autograd.grad(fusedattn.attention(q[:, :, :0], k, v).sum(), (q, k, v))
+    assert (dk == 0).all() and (dv == 0).all() and dq.shape == q.shape
+    poison_allocator((q.shape, q.dtype))
+    out = fusedattn.attention(q, k[:, :, :0], v[:, :, :0])
+    dq, = torch.autograd.grad(out, (q,), torch.randn_like(out))
+    assert (dq == 0).all()
+
+
+def test_cuda_backward_fully_masked_rows_and_cpu_agreement():
+    case = Case(mask="fully_masked_rows", dtype=torch.bfloat16, head_dim=64, seqlen_q=130, seqlen_k=200)
+    q, k, v, mask = make_inputs(case, "cuda", requires_grad=True)
+    grad = torch.randn_like(q)
+    fusedattn.attention(q, k, v, mask).backward(grad)
+    hidden = ~mask.any(dim=-1)
+    assert hidden.any() and (q.grad[hidden] == 0).all()
+    assert not any(t.grad.isnan().any() for t in (q, k, v))
+    qc, kc, vc = (t.detach().cpu().requires_grad_() for t in (q, k, v))
+    fusedattn.attention(qc, kc, vc, mask.cpu()).backward(grad.cpu())
+    for a, b in ((q, qc), (k, kc), (v, vc)):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, atol=3e-2, rtol=3e-2)
+
+
+def test_cuda_backward_opcheck_and_compile():
+    case = Case(dtype=torch.float16, head_dim=64, mask="bool", is_causal=True)
+    q, k, v, mask = make_inputs(case, "cuda")
+    out, lse = torch.ops.fusedattn.forward(q, k, v, mask, True, None)
+    torch.library.opcheck(torch.ops.fusedattn.backward.default,
+                          (torch.randn_like(out), q, k, v, out, lse, mask, True, None))
+    torch._dynamo.reset()
+    q, k, v, _ = make_inputs(case, "cuda", requires_grad=True)
+    f = torch.compile(lambda q, k, v: fusedattn.attention(q, k, v, is_causal=True).sum(), fullgraph=True)
+    f(q, k, v).backward()
+    expected = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    fusedattn.attention(q, k, v, is_causal=True).sum().backward()
+    for a, t in zip(expected, (q, k, v)):
+        torch.testing.assert_close(a, t.grad, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_cuda_backward_deterministic_mode(is_causal, head_dim):
+    """Under torch.use_deterministic_algorithms(True) grad_q comes from its own
+    pass: the same bits on every run, and within the rule of the reference
+    (checked outside deterministic mode: the reference's cuBLAS calls would
+    need CUBLAS_WORKSPACE_CONFIG inside it)."""
+    case = Case(heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=333, head_dim=head_dim,
+                dtype=torch.bfloat16, mask="key_padding", is_causal=is_causal)
+    q, k, v, mask = make_inputs(case, "cuda", requires_grad=True)
+    grad_out = torch.randn_like(q)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [torch.autograd.grad(fusedattn.attention(q, k, v, mask, is_causal), (q, k, v), grad_out)
+                for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    check_backward(case, device="cuda", grads=runs[0], grad_out=grad_out)

@@ -1,0 +1,72 @@
+"""The sm90 (wgmma) forward against the float64 reference, forced with
+FUSEDATTN_FORWARD_FAMILY=sm90 (marker `gpu`; skipped where the build or the
+device has no sm90 kernels)."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attention_cases import Case, check_forward, make_inputs
+from test_forward import cases
+from test_gpu import GPU_DTYPES, check_cuda
+
+pytestmark = pytest.mark.gpu
+SM90_HEAD_DIMS = [64, 128]
+
+
+@pytest.fixture(autouse=True)
+def sm90(monkeypatch):
+    monkeypatch.setenv("FUSEDATTN_FORWARD_FAMILY", "sm90")
+    q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=64), "cuda")
+    try:
+        torch.ops.fusedattn.forward(q, k, v)
+    except RuntimeError as e:
+        if "has no sm90 kernels" in str(e):
+            pytest.skip(str(e).splitlines()[0])
+        raise
+
+
+@given(cases(max_len=700), st.sampled_from(GPU_DTYPES), st.sampled_from(SM90_HEAD_DIMS))
+def test_sm90_random_cases(case, dtype, head_dim):
+    check_cuda(dataclasses.replace(case, dtype=dtype, head_dim=head_dim, mask="none"))
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1025), (7, 300), (300, 7), (97, 113), (128, 128),
+                                   (129, 64), (1025, 1025), (2048, 1000)])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_sm90_awkward_lengths(nq, nk, is_causal, head_dim, dtype):
+    check_cuda(Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=nq, seqlen_k=nk, head_dim=head_dim,
+                    dtype=dtype, is_causal=is_causal))
+
+
+@pytest.mark.parametrize("n", [4096, 8192])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sm90_long_sequences(n, is_causal):
+    check_cuda(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=n, seqlen_k=n, head_dim=128,
+                    dtype=torch.bfloat16, is_causal=is_causal))
+
+
+def test_sm90_agrees_with_sm80(monkeypatch):
+    case = Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=300, seqlen_k=517, head_dim=128,
+                dtype=torch.float16, is_causal=True)
+    q, k, v, _ = make_inputs(case, "cuda")
+    out90, lse90 = torch.ops.fusedattn.forward(q, k, v, None, True, None)
+    monkeypatch.setenv("FUSEDATTN_FORWARD_FAMILY", "sm80")
+    out80, lse80 = torch.ops.fusedattn.forward(q, k, v, None, True, None)
+    torch.testing.assert_close(out90, out80, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse90, lse80, atol=1e-4, rtol=1e-5)
+    check_forward(case, device="cuda", out=out90, lse=lse90)
+
+
+def test_sm90_refuses_what_it_cannot_take():
+    q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=32), "cuda")
+    with pytest.raises(RuntimeError, match="head dims 64 and 128 only; got head dim 32"):
+        torch.ops.fusedattn.forward(q, k, v)
+    q, k, v, mask = make_inputs(Case(dtype=torch.float16, head_dim=64, mask="bool"), "cuda")
+    with pytest.raises(RuntimeError, match="takes no attn_mask"):
+        torch.ops.fusedattn.forward(q, k, v, mask)
