@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import fusedattn
 from attention_cases import Case, check_forward, make_inputs
 from test_forward import cases
 from test_gpu import GPU_DTYPES, check_cuda
@@ -70,3 +71,28 @@ def test_sm90_refuses_what_it_cannot_take():
     q, k, v, mask = make_inputs(Case(dtype=torch.float16, head_dim=64, mask="bool"), "cuda")
     with pytest.raises(RuntimeError, match="takes no attn_mask"):
         torch.ops.fusedattn.forward(q, k, v, mask)
+
+
+def test_sm90_strided_operands():
+    """Strides the tensor maps take: q in [B, N, H, d] memory, k rows 128 elements apart."""
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=200, seqlen_k=333, head_dim=64,
+                dtype=torch.bfloat16, is_causal=True)
+    q, k, v, _ = make_inputs(case, "cuda")
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)
+    k_wide = torch.cat([k, torch.randn_like(k)], dim=-1)[..., :64]
+    out, lse = torch.ops.fusedattn.forward(q_t, k_wide, v, None, True, None)
+    check_forward(case, device="cuda", out=out, lse=lse)
+
+
+def test_sm90_declines_what_tensor_maps_cannot_describe(monkeypatch):
+    """k and v broadcast over heads (stride 0): the sm80 kernel takes the call
+    unless sm90 is forced, which is an error that says why."""
+    q = torch.randn(2, 4, 150, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(2, 1, 150, 128, device="cuda", dtype=torch.float16).expand(2, 4, 150, 128)
+    v = torch.randn(2, 1, 150, 128, device="cuda", dtype=torch.float16).expand(2, 4, 150, 128)
+    with pytest.raises(RuntimeError, match="tensor memory accelerator cannot describe"):
+        torch.ops.fusedattn.forward(q, k, v, None, False, None)
+    monkeypatch.setenv("FUSEDATTN_FORWARD_FAMILY", "auto")
+    out, _ = torch.ops.fusedattn.forward(q, k, v, None, False, None)
+    ref = fusedattn.reference.attention(q.double(), k.double(), v.double())
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)

@@ -35,11 +35,18 @@ const DeviceSupport& cuda_support() {
 // device have it and it takes the call (no attn_mask, head dim 64 or 128),
 // else sm80. FUSEDATTN_FORWARD_FAMILY=sm80 or sm90 forces one (for tests and
 // benchmarks); forcing sm90 where it cannot run is an error.
-bool use_sm90(const ForwardParams& p) {
+std::string forward_family() {
   const char* forced = std::getenv("FUSEDATTN_FORWARD_FAMILY");
   const std::string family = forced ? forced : "auto";
   TORCH_CHECK(family == "auto" || family == "sm80" || family == "sm90",
               "fusedattn: FUSEDATTN_FORWARD_FAMILY must be auto, sm80 or sm90, got '", family, "'");
+  return family;
+}
+
+bool forced_family_is(const char* family) { return forward_family() == family; }
+
+bool use_sm90(const ForwardParams& p) {
+  const std::string family = forward_family();
   if (family == "sm80") return false;
   const bool takes = p.mask.kind == MaskKind::None &&
                      std::find(std::begin(cuda::kSm90HeadDims), std::end(cuda::kSm90HeadDims),
@@ -64,10 +71,14 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
   const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
   auto outputs = allocate_forward_outputs(in);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  if (use_sm90(in.params))
-    cuda::forward_sm90(in.params, stream);
-  else
+  // The sm90 kernel declines operands its tensor maps cannot describe (a
+  // stride of 0, say); the sm80 kernel takes those.
+  const bool on_sm90 = use_sm90(in.params) && cuda::forward_sm90(in.params, stream);
+  if (!on_sm90) {
+    TORCH_CHECK(!forced_family_is("sm90"), "fusedattn: FUSEDATTN_FORWARD_FAMILY=sm90, but the tensor memory "
+                "accelerator cannot describe these q, k, v layouts (strides of 0 or not multiples of 16 bytes)");
     cuda::forward_sm80(in.params, stream);
+  }
   return outputs;
 }
 

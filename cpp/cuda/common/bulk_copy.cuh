@@ -45,6 +45,15 @@ __device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* bar, uint
 #endif
 }
 
+// One arrival on `bar` (a consumer releasing a buffer).
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+#ifdef FUSEDATTN_BULK_COPIES
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#else
+  __trap();  // no bulk copies before sm_90: a caller took this path by mistake
+#endif
+}
+
 // Waits until the phase with parity `phase` of `bar` has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
 #ifdef FUSEDATTN_BULK_COPIES

@@ -15,11 +15,13 @@ inline constexpr float kLn2 = 0.6931471805599453f;
 
 // One step over a score tile already in base-2 units (scaled by scale log2 e,
 // masked entries -inf), for the thread's two rows h = 0, 1:
-//   m' = max(m, rowmax S);  S = 2^(S - m');  l = 2^(m - m') l + rowsum S;  acc *= 2^(m - m')
+//   m' = max(m, rowmax S);  S = 2^(S - m');  l = 2^(m - m') l + rowsum S
+// and rescale[h] = 2^(m - m'), by which the caller multiplies the output rows
+// (rescale_rows) once no MMA is writing them.
 // l stays a per-thread partial sum over this thread's columns: quad_sum it at the end.
-template <int NTiles, int DTiles>
-__device__ __forceinline__ void online_softmax_step(float (&s)[NTiles][4], float (&m_i)[2],
-                                                    float (&l_i)[2], float (&acc)[DTiles][4]) {
+template <int NTiles>
+__device__ __forceinline__ void online_softmax_scores(float (&s)[NTiles][4], float (&m_i)[2],
+                                                      float (&l_i)[2], float (&rescale)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float row_max = -INFINITY;
@@ -29,7 +31,7 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[NTiles][4], float
     const float m_new = fmaxf(m_i[h], quad_max(row_max));
     // Nothing visible yet: shift by 0 so -inf scores give 0, not NaN.
     const float shift = m_new == -INFINITY ? 0.0f : m_new;
-    const float rescale = exp2f(m_i[h] - shift);
+    rescale[h] = exp2f(m_i[h] - shift);
     float row_sum = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < NTiles; ++nt) {
@@ -37,14 +39,30 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[NTiles][4], float
       s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - shift);
       row_sum += s[nt][2 * h] + s[nt][2 * h + 1];
     }
-    l_i[h] = l_i[h] * rescale + row_sum;
+    l_i[h] = l_i[h] * rescale[h] + row_sum;
     m_i[h] = m_new;
-#pragma unroll
-    for (int dt = 0; dt < DTiles; ++dt) {
-      acc[dt][2 * h] *= rescale;
-      acc[dt][2 * h + 1] *= rescale;
-    }
   }
+}
+
+// acc (the thread's two output rows) *= rescale.
+template <int DTiles>
+__device__ __forceinline__ void rescale_rows(float (&acc)[DTiles][4], const float (&rescale)[2]) {
+#pragma unroll
+  for (int dt = 0; dt < DTiles; ++dt) {
+    acc[dt][0] *= rescale[0];
+    acc[dt][1] *= rescale[0];
+    acc[dt][2] *= rescale[1];
+    acc[dt][3] *= rescale[1];
+  }
+}
+
+// Both at once, for kernels whose output rows are not in flight.
+template <int NTiles, int DTiles>
+__device__ __forceinline__ void online_softmax_step(float (&s)[NTiles][4], float (&m_i)[2],
+                                                    float (&l_i)[2], float (&acc)[DTiles][4]) {
+  float rescale[2];
+  online_softmax_scores(s, m_i, l_i, rescale);
+  rescale_rows(acc, rescale);
 }
 
 // The probabilities of key columns [16 kk, 16 kk + 16) as the A operand of

@@ -2,5 +2,5 @@
 #include "forward_kernel.cuh"
 
 namespace fusedattn::cuda {
-template void launch_forward_sm90<128, __half>(const ForwardParams&, cudaStream_t);
+template void launch_forward_sm90<128, __half>(const Sm90ForwardArgs&, cudaStream_t);
 }  // namespace fusedattn::cuda

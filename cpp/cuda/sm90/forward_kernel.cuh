@@ -1,122 +1,164 @@
-// The sm90 forward, first rung: FlashAttention 2's loop with both GEMMs on
-// Hopper's warpgroup MMA. One warpgroup (4 warps) per block of 64 queries;
-// K/V tiles of 64 keys stream through shared memory with cp.async, K and V
-// loads alternating as in the sm80 kernel, into 128-byte-swizzled tiles that
-// wgmma reads through descriptors:
-//   S = Q K^T          wgmma m64n64k16, both operands from shared memory
-//   P = 2^(S - m')     online softmax in registers (the accumulator of each
-//                      warp is laid out as mma.sync's, so the sm80 helpers apply)
-//   O += P V           wgmma m64n{d}k16, P from registers, V read transposed
-// Not yet: TMA, warp specialisation, overlap of softmax with the GEMMs,
-// attn_mask (the dispatcher sends masked calls to the sm80 kernel).
+// The sm90 forward: FlashAttention with Hopper's machinery. A block owns 128
+// queries of one head and is three warpgroups:
+//   producer (warpgroup 0): one thread issues tensor-memory-accelerator loads,
+//     Q once, then K and V tiles of 128 keys into two-stage rings guarded by
+//     mbarriers ("full" when the bytes landed, "empty" when both consumers are
+//     done reading); it gives its registers to the consumers (setmaxnreg).
+//   consumers (warpgroups 1, 2): 64 queries each, and per key tile j
+//     S_j = Q K_j^T     wgmma m64n128k16, both operands from shared memory
+//     O += P_{j-1} V    wgmma m64n{d}k16, P from registers, V read transposed,
+//                       issued right behind S_j, so the online softmax of S_j
+//                       runs while this GEMM is in flight;
+//   the two consumers take turns issuing their GEMMs (named barriers), so one
+//   warpgroup's softmax overlaps the other's tensor-core work.
+// The accumulators of each warp have mma.sync's C layout, so the softmax and P
+// packing helpers of the sm80 kernel apply unchanged. Not yet: attn_mask (the
+// dispatcher sends masked calls to the sm80 kernel).
 #pragma once
 
 #include <cmath>
 
+#include "../common/bulk_copy.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/online_softmax.cuh"
 #include "forward_sm90.h"
+#include "forward_traits.h"
+#include "tma.cuh"
+#include "warpgroup.cuh"
 #include "wgmma.cuh"
 
 namespace fusedattn::cuda {
 
-template <int HeadDim>
-struct Sm90ForwardTraits {
-  static constexpr int kThreads = 128;  // one warpgroup
-  static constexpr int kBlockM = 64;    // one wgmma M
-  static constexpr int kBlockN = 64;
-  static constexpr int kChunksPerRow = HeadDim / 8;
-  static constexpr int kTileBytes = 64 * HeadDim * 2;  // Q, K and V tiles alike
-  // Q, K, V tiles, each 1024-byte aligned (the swizzle pattern's period),
-  // plus room to align the dynamic shared memory base.
-  static constexpr int kSmemBytes = 3 * kTileBytes + 1024;
-  static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of 64-column slabs");
-};
-
-// Copies rows [row0, row0 + 64) of a [N, d] head into a swizzled tile;
-// rows at or past valid_rows are zero-filled.
-template <int HeadDim, typename T>
-__device__ __forceinline__ void load_swizzled_async(unsigned char* tile, const T* head, int64_t row_stride,
-                                                    int64_t row0, int64_t valid_rows) {
-  using Tr = Sm90ForwardTraits<HeadDim>;
-  for (int i = threadIdx.x; i < 64 * Tr::kChunksPerRow; i += Tr::kThreads) {
-    const int r = i / Tr::kChunksPerRow, chunk = i % Tr::kChunksPerRow;
-    const bool valid = r < valid_rows;
-    cp_async_16(tile + swizzled_chunk_offset(r, chunk, 64),
-                valid ? head + (row0 + r) * row_stride + chunk * 8 : head, valid);
-  }
-}
-
 template <int HeadDim, typename T, bool IsCausal>
-__global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads)
-    sm90_forward_kernel(const __grid_constant__ ForwardParams p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma exists only in sm_90a code
+__global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
+    sm90_forward_kernel(const __grid_constant__ Sm90ForwardArgs args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and setmaxnreg exist only in sm_90a code
   using Tr = Sm90ForwardTraits<HeadDim>;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages;
   constexpr int kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
 
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   unsigned char* sQ = smem;
-  unsigned char* sK = sQ + Tr::kTileBytes;
-  unsigned char* sV = sK + Tr::kTileBytes;
+  unsigned char* sK = sQ + Tr::kQBytes;                    // stage s at s * kTileBytes
+  unsigned char* sV = sK + kStages * Tr::kTileBytes;
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Tr::kBarriersOffset);
+  uint64_t* k_full = q_full + 1;
+  uint64_t* k_empty = k_full + kStages;
+  uint64_t* v_full = k_empty + kStages;
+  uint64_t* v_empty = v_full + kStages;
 
+  const ForwardParams& p = args.p;
   const AttentionShape& sh = p.shape;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
   const unsigned m_blocks = static_cast<unsigned>((sh.seqlen_q + kBlockM - 1) / kBlockM);
   const unsigned bh = blockIdx.x / m_blocks, heads_q = static_cast<unsigned>(sh.heads_q);
-  const unsigned batch = bh / heads_q, head = bh % heads_q;
-  const unsigned head_kv = head / static_cast<unsigned>(sh.heads_q / sh.heads_kv);
+  const int batch = static_cast<int>(bh / heads_q), head = static_cast<int>(bh % heads_q);
+  const int head_kv = head / static_cast<int>(sh.heads_q / sh.heads_kv);
   const unsigned m_index = blockIdx.x % m_blocks;
+  // Causal: the longest rows (last query block) are launched first.
   const int64_t row0 = int64_t(IsCausal ? m_blocks - 1 - m_index : m_index) * kBlockM;
   const int64_t rows = min(int64_t(kBlockM), sh.seqlen_q - row0);
   const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;
-
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head;
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_strides.batch + head_kv * p.k_strides.head;
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_strides.batch + head_kv * p.v_strides.head;
-
   int64_t key_end = sh.seqlen_k;
   if (IsCausal) key_end = max(int64_t(0), min(sh.seqlen_k, row0 + rows + causal_offset));
   const int n_tiles = static_cast<int>((key_end + kBlockN - 1) / kBlockN);
 
-  load_swizzled_async<HeadDim>(sQ, q, p.q_strides.row, row0, rows);
-  if (n_tiles > 0) load_swizzled_async<HeadDim>(sK, k, p.k_strides.row, 0, key_end);
-  cp_async_commit();
+  if (threadIdx.x == 0) {
+    mbarrier_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&k_full[s], 1);
+      mbarrier_init(&v_full[s], 1);
+      mbarrier_init(&k_empty[s], 4 * Tr::kConsumers);  // every consumer warp
+      mbarrier_init(&v_empty[s], 4 * Tr::kConsumers);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ---------------- producer ----------------
+    warpgroup_release_registers<Tr::kProducerRegisters>();
+    if (threadIdx.x != 0 || n_tiles == 0) return;
+    prefetch_tensor_map(&args.q_map);
+    prefetch_tensor_map(&args.k_map);
+    prefetch_tensor_map(&args.v_map);
+    mbarrier_arrive_expect_bytes(q_full, Tr::kQBytes);
+    for (int slab = 0; slab < Tr::kSlabs; ++slab)
+      tma_load_box(sQ + slab * kBlockM * 128, &args.q_map, 64 * slab, static_cast<int>(row0), head, batch, q_full);
+    // K runs one tile ahead of V, the order in which the consumers use them.
+    auto load_tile = [&](const CUtensorMap* map, unsigned char* ring, uint64_t* full, uint64_t* empty, int j) {
+      const int stage = j % kStages;
+      mbarrier_wait(&empty[stage], ((j / kStages) & 1) ^ 1);  // the first round finds it free
+      mbarrier_arrive_expect_bytes(&full[stage], Tr::kTileBytes);
+      for (int slab = 0; slab < Tr::kSlabs; ++slab)
+        tma_load_box(ring + stage * Tr::kTileBytes + slab * kBlockN * 128, map, 64 * slab, j * kBlockN, head_kv,
+                     batch, &full[stage]);
+    };
+    for (int j = 0; j < n_tiles; ++j) {
+      load_tile(&args.k_map, sK, k_full, k_empty, j);
+      if (j > 0) load_tile(&args.v_map, sV, v_full, v_empty, j - 1);
+    }
+    load_tile(&args.v_map, sV, v_full, v_empty, n_tiles - 1);
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  warpgroup_claim_registers<Tr::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int64_t wg_row0 = row0 + 64 * consumer;  // this warpgroup's first query
+  const int warp_row = warp * 16;                 // this warp's rows within the warpgroup's 64
+  const float scale_log2 = p.scale * kLog2e;
 
   float acc[kDTiles][4] = {};
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {};
-  const float scale_log2 = p.scale * kLog2e;
-  const int warp_row = warp * 16;
+  float (&acc_flat)[kDTiles * 4] = reinterpret_cast<float (&)[kDTiles * 4]>(acc);
+  float s[kNTiles][4];
+  float (&s_flat)[kNTiles * 4] = reinterpret_cast<float (&)[kNTiles * 4]>(s);
+  uint32_t p_a[kBlockN / 16][4];  // P of the previous tile, the A operand of O += P V
 
-  for (int j = 0; j < n_tiles; ++j) {
-    const int64_t col0 = int64_t(j) * kBlockN;
-    cp_async_wait<0>();  // K_j (and Q) landed
-    // cp.async writes are generic-proxy stores; wgmma reads shared memory
-    // through the async proxy: each writer fences, then the block syncs.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();  // ... for every thread; and the warpgroup is done with V_{j-1}
-    load_swizzled_async<HeadDim>(sV, v, p.v_strides.row, col0, key_end - col0);
-    cp_async_commit();
+  // The turn-taking: consumer c issues GEMMs after a sync on barrier 1 + c,
+  // then lets the other go by arriving on its barrier; consumer 1 first lets
+  // consumer 0 go, and skips its last arrival, which nobody would wait for.
+  const int my_turn = 1 + consumer, their_turn = 2 - consumer;
+  auto take_turn = [&] { named_barrier_sync(my_turn, 256); };
+  auto pass_turn = [&] { named_barrier_arrive(their_turn, 256); };
 
-    // S = Q K^T
-    float s[kNTiles][4];
-    float (&s_flat)[kNTiles * 4] = reinterpret_cast<float (&)[kNTiles * 4]>(s);
+  // S_j = Q K_j^T, issued (not waited for).
+  auto issue_scores = [&](int j) {
+    const unsigned char* k_tile = sK + (j % kStages) * Tr::kTileBytes;
     fence_registers(s_flat);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HeadDim / 16; ++kk)
-      wgmma_ss<T, kBlockN>(s_flat, k_major_descriptor(sQ, 64, kk), k_major_descriptor(sK, 64, kk), kk > 0);
+      wgmma_ss<T, kBlockN>(s_flat, k_major_descriptor(sQ + consumer * 64 * 128, kBlockM, kk),
+                           k_major_descriptor(k_tile, kBlockN, kk), kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(s_flat);
-
-    const bool needs_masking = col0 + kBlockN > key_end || (IsCausal && col0 + kBlockN - 1 > row0 + causal_offset);
+  };
+  // O += P V_j, issued (not waited for).
+  auto issue_pv = [&](int j) {
+    const unsigned char* v_tile = sV + (j % kStages) * Tr::kTileBytes;
+    fence_registers(acc_flat);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) fence_registers(p_a[kk]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      wgmma_rs<T, HeadDim>(acc_flat, p_a[kk], mn_major_descriptor(v_tile, kBlockN, kk), true);
+    wgmma_commit();
+  };
+  // Scale S_j to base 2, hide keys past the end and (causal) above the
+  // diagonal, and take the online-softmax step; returns the factor by which
+  // O must be rescaled.
+  auto softmax = [&](int j, float (&rescale)[2]) {
+    const int64_t col0 = int64_t(j) * kBlockN;
+    const bool needs_masking = col0 + kBlockN > key_end || (IsCausal && col0 + kBlockN - 1 > wg_row0 + causal_offset);
     const int cols = static_cast<int>(min(int64_t(kBlockN), key_end - col0));
     const int diagonal = static_cast<int>(
-        max(int64_t(-kBlockM - kBlockN), min(int64_t(kBlockM + kBlockN), row0 + causal_offset - col0)));
+        max(int64_t(-64 - kBlockN), min(int64_t(64 + kBlockN), wg_row0 + causal_offset - col0)));
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
@@ -129,32 +171,61 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads)
         s[nt][e] = x;
       }
     }
-    online_softmax_step(s, m_i, l_i, acc);
-
-    cp_async_wait<0>();  // V_j landed
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();  // ... for every thread; and the warpgroup is done with K_j
-    if (j + 1 < n_tiles) load_swizzled_async<HeadDim>(sK, k, p.k_strides.row, col0 + kBlockN, key_end - col0 - kBlockN);
-    cp_async_commit();
-
-    // O += P V, P from the S accumulators (16 keys per k-step).
-    float (&acc_flat)[kDTiles * 4] = reinterpret_cast<float (&)[kDTiles * 4]>(acc);
-    uint32_t a[kBlockN / 16][4];
+    online_softmax_scores(s, m_i, l_i, rescale);
+  };
+  auto pack_probabilities = [&] {
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      probabilities_as_a<T>(a[kk], s, kk);
-      fence_registers(a[kk]);
+    for (int kk = 0; kk < kBlockN / 16; ++kk) probabilities_as_a<T>(p_a[kk], s, kk);
+  };
+  // Each warp releases a stage once its own wgmma_wait has returned: a warp's
+  // share of a wgmma runs on its own quarter of the SM, so one warp's wait
+  // says nothing of the others' reads.
+  auto release = [&](uint64_t* empty, int j) {
+    if (lane == 0) mbarrier_arrive(&empty[j % kStages]);
+  };
+  auto phase = [](int j) { return static_cast<uint32_t>((j / kStages) & 1); };
+
+  if (n_tiles > 0) {
+    mbarrier_wait(q_full, 0);
+    if (consumer == 1) pass_turn();
+    float rescale[2];
+
+    mbarrier_wait(&k_full[0], 0);
+    take_turn();
+    issue_scores(0);
+    pass_turn();
+    wgmma_wait<0>();
+    fence_registers(s_flat);
+    release(k_empty, 0);
+    softmax(0, rescale);  // O is still zero: no rescale
+    pack_probabilities();
+
+    for (int j = 1; j < n_tiles; ++j) {
+      mbarrier_wait(&k_full[j % kStages], phase(j));
+      take_turn();
+      issue_scores(j);
+      mbarrier_wait(&v_full[(j - 1) % kStages], phase(j - 1));
+      issue_pv(j - 1);
+      pass_turn();
+      wgmma_wait<1>();  // S_j done; P_{j-1} V still running
+      fence_registers(s_flat);
+      release(k_empty, j);
+      softmax(j, rescale);
+      wgmma_wait<0>();
+      fence_registers(acc_flat);
+      release(v_empty, j - 1);
+      rescale_rows(acc, rescale);
+      pack_probabilities();
     }
-    fence_registers(acc_flat);  // the rescaled accumulators
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-      wgmma_rs<T, HeadDim>(acc_flat, a[kk], mn_major_descriptor(sV, 64, kk), true);
-    wgmma_commit();
+
+    mbarrier_wait(&v_full[(n_tiles - 1) % kStages], phase(n_tiles - 1));
+    take_turn();
+    issue_pv(n_tiles - 1);
+    if (consumer == 0) pass_turn();
     wgmma_wait<0>();
     fence_registers(acc_flat);
+    release(v_empty, n_tiles - 1);
   }
-  cp_async_wait<0>();
 
   // Epilogue: normalise once; fully masked rows (l = 0): out = 0, lse = -inf.
   float* lse = p.lse + (int64_t(batch) * sh.heads_q + head) * sh.seqlen_q;
@@ -163,12 +234,12 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads)
   for (int h = 0; h < 2; ++h) {
     const float l = quad_sum(l_i[h]);
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int r = warp_row + g + h * 8;
-    if (r >= rows) continue;
-    if (t == 0) lse[row0 + r] = lse_from_log2(m_i[h], l);
+    const int64_t r = wg_row0 + warp_row + g + h * 8;
+    if (r >= row0 + rows) continue;
+    if (t == 0) lse[r] = lse_from_log2(m_i[h], l);
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
-      *reinterpret_cast<uint32_t*>(out + (row0 + r) * p.out_strides.row + dt * 8 + 2 * t) =
+      *reinterpret_cast<uint32_t*>(out + r * p.out_strides.row + dt * 8 + 2 * t) =
           pack2<T>(acc[dt][2 * h] * inv, acc[dt][2 * h + 1] * inv);
   }
 #else
@@ -177,24 +248,24 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads)
 }
 
 template <int HeadDim, typename T, bool IsCausal>
-void launch_sm90_forward_kernel(const ForwardParams& p, cudaStream_t stream) {
+void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90ForwardTraits<HeadDim>;
   auto kernel = sm90_forward_kernel<HeadDim, T, IsCausal>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-  const int64_t blocks = (p.shape.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * p.shape.batch * p.shape.heads_q;
+  const AttentionShape& sh = args.p.shape;
+  const int64_t blocks = (sh.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * sh.batch * sh.heads_q;
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hq x query blocks exceeds one launch (2^31 - 1)");
-  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
+  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
 template <int HeadDim, typename Element>
-void launch_forward_sm90(const ForwardParams& p, cudaStream_t stream) {
-  if (p.shape.batch * p.shape.heads_q == 0 || p.shape.seqlen_q == 0) return;
-  if (p.is_causal)
-    launch_sm90_forward_kernel<HeadDim, Element, true>(p, stream);
+void launch_forward_sm90(const Sm90ForwardArgs& args, cudaStream_t stream) {
+  if (args.p.is_causal)
+    launch_sm90_forward_kernel<HeadDim, Element, true>(args, stream);
   else
-    launch_sm90_forward_kernel<HeadDim, Element, false>(p, stream);
+    launch_sm90_forward_kernel<HeadDim, Element, false>(args, stream);
 }
 
 }  // namespace fusedattn::cuda

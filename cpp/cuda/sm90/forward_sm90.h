@@ -15,11 +15,14 @@ inline constexpr int kSm90HeadDims[] = {64, 128};
 // current device can run them.
 bool sm90_forward_available();
 
-// Writes p.out and p.lse on `stream`. p.dtype must be Float16 or BFloat16,
+// Writes p.out and p.lse on `stream` and returns true; or returns false,
+// launching nothing, when the tensor memory accelerator cannot describe q, k
+// or v (see tensor_maps.h). p.dtype must be Float16 or BFloat16,
 // p.shape.head_dim one of kSm90HeadDims, p.mask.kind None.
-void forward_sm90(const ForwardParams& p, cudaStream_t stream);
+bool forward_sm90(const ForwardParams& p, cudaStream_t stream);
 
+struct Sm90ForwardArgs;  // forward_kernel.cuh
 template <int HeadDim, typename Element>
-void launch_forward_sm90(const ForwardParams& p, cudaStream_t stream);
+void launch_forward_sm90(const Sm90ForwardArgs& args, cudaStream_t stream);
 
 }  // namespace fusedattn::cuda

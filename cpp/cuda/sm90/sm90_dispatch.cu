@@ -7,6 +7,8 @@
 #include "../common/instantiation_dispatch.h"
 #include "../common/launch_check.h"
 #include "forward_sm90.h"
+#include "forward_traits.h"
+#include "tensor_maps.h"
 
 namespace fusedattn::cuda {
 namespace {
@@ -47,11 +49,28 @@ bool sm90_forward_available() {
   return known[device] == 1;
 }
 
-void forward_sm90(const ForwardParams& p, cudaStream_t stream) {
+bool forward_sm90(const ForwardParams& p, cudaStream_t stream) {
   if (p.mask.kind != MaskKind::None) throw std::invalid_argument("fusedattn: the sm90 forward takes no attn_mask yet");
-  dispatch_instantiation<64, 128>("sm90 forward", p.dtype, p.shape.head_dim, [&](auto head_dim, auto element) {
-    launch_forward_sm90<decltype(head_dim)::value, decltype(element)>(p, stream);
+  const AttentionShape& sh = p.shape;
+  if (sh.batch * sh.heads_q == 0 || sh.seqlen_q == 0) return true;
+  Sm90ForwardArgs args{};
+  args.p = p;
+  // Every head dim shares the tile shapes: 128 query rows, 128 key rows.
+  constexpr int kBlockM = Sm90ForwardTraits<128>::kBlockM, kBlockN = Sm90ForwardTraits<128>::kBlockN;
+  static_assert(Sm90ForwardTraits<64>::kBlockM == kBlockM && Sm90ForwardTraits<64>::kBlockN == kBlockN);
+  const bool encoded =
+      encode_head_tensor_map(&args.q_map, p.dtype, p.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim, p.q_strides,
+                             kBlockM) &&
+      (sh.seqlen_k == 0 ||
+       (encode_head_tensor_map(&args.k_map, p.dtype, p.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
+                               p.k_strides, kBlockN) &&
+        encode_head_tensor_map(&args.v_map, p.dtype, p.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
+                               p.v_strides, kBlockN)));
+  if (!encoded) return false;
+  dispatch_instantiation<64, 128>("sm90 forward", p.dtype, sh.head_dim, [&](auto head_dim, auto element) {
+    launch_forward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);
   });
+  return true;
 }
 
 }  // namespace fusedattn::cuda

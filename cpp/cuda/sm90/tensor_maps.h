@@ -1,0 +1,22 @@
+// Host side of the sm90 family's TMA loads: a tensor map per operand.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "fusedattn/params.h"
+
+namespace fusedattn::cuda {
+
+// Describes a 16-bit [batch, heads, rows, head_dim] operand (last dim
+// contiguous, other strides in elements) as the 4-D grid (head_dim, rows,
+// heads, batch), loaded in boxes of 64 columns x box_rows rows into
+// 128-byte-swizzled shared memory; rows past `rows` read as zeros. Returns
+// false, leaving *map unspecified, when the tensor memory accelerator cannot
+// express the operand (its base or a stride not a multiple of 16 bytes, a
+// stride the driver refuses).
+bool encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* base, int64_t batch, int64_t heads,
+                            int64_t rows, int64_t head_dim, const TensorStrides& strides, int box_rows);
+
+}  // namespace fusedattn::cuda

@@ -1,0 +1,31 @@
+// Tensor-memory-accelerator loads of a tile of one head (sm_90a): the tensor
+// map (built on the host, tensor_maps.h) describes a [B, H, N, d] operand as
+// the 4-D box grid (d, N, H, B); one load brings a box of 64 columns x `rows`
+// rows into a 128-byte-swizzled slab and completes its bytes on an mbarrier.
+// Rows past N are written as zeros.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "../common/device_math.cuh"
+
+namespace fusedattn::cuda {
+
+// The map must live in kernel parameter space (a __grid_constant__ argument).
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Box at (column, row, head, batch), coordinates in elements.
+__device__ __forceinline__ void tma_load_box(void* smem_slab, const CUtensorMap* map, int column, int row, int head,
+                                             int batch, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(smem_addr(smem_slab)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(head), "r"(batch), "r"(smem_addr(bar))
+      : "memory");
+}
+
+}  // namespace fusedattn::cuda
