@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers", reason="needs the models extr
 pytest.importorskip("gguf", reason="needs the models extra: pip install .[models]")
 
 from fusedattn import cli  # noqa: E402
+from hf_tokenizers import pad_on_the_left  # noqa: E402
 from fusedattn.engine import Engine, SamplingParams, smollm2_path  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Attention is all you",
@@ -45,9 +46,7 @@ def transformers_greedy(tokenizer, device="cpu", dtype=None):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), attn_implementation="sdpa")
     model = model.to(device=device, dtype=dtype).eval()
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:  # older transformers read no pad token from the GGUF file
-        tokenizer.pad_token = tokenizer.eos_token
+    pad_on_the_left(tokenizer)
     batch = tokenizer(PROMPTS, padding=True, return_tensors="pt").to(device)
     with torch.no_grad():
         hf = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,

@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers", reason="needs the models extr
 pytest.importorskip("gguf", reason="needs the models extra: pip install .[models]")
 
 import fusedattn.hf  # noqa: E402
+from hf_tokenizers import pad_on_the_left  # noqa: E402
 
 fusedattn.hf.register()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -63,8 +64,7 @@ def load_smollm(impl, device):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", attn_implementation=impl)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    tokenizer.padding_side = "left"
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval(), pad_on_the_left(tokenizer)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -77,7 +77,7 @@ def test_smollm2_logits_and_greedy_generation_match_sdpa(device, fused_calls):
         with torch.no_grad():
             logits = model(**batch).logits
             tokens = model.generate(**batch, max_new_tokens=32, do_sample=False,
-                                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+                                    pad_token_id=tokenizer.pad_token_id)
         results[impl] = (logits, tokens, batch["attention_mask"].bool())
     (logits, tokens, real), (ref_logits, ref_tokens, _) = results["fusedattn"], results["sdpa"]
     # Padded positions are never read; compare the real ones.
