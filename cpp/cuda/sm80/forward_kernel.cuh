@@ -35,9 +35,15 @@ struct ForwardTraits {
   // TFLOP/s, one 172-193 (H200, 2026-11-30, docs/cuda-notes.md).
   static constexpr int kMTiles = 1;
   // Blocks per SM the register allocation must allow (the launch bound; 0 =
-  // none): 4 fits d <= 64 in 128 registers. d=128 unbounded takes 162-168,
-  // which allows 3 blocks; a bound of 3 spilled and a bound of 1 took 196.
+  // none): 4 fits d <= 64 in 128 registers for sm_90 (what the H200 runs);
+  // sm_80's code spilled 40 bytes there (CUDA 13.0), so it gets 3 blocks and
+  // 168. d=128 unbounded takes 162-168, which allows 3 blocks; a bound of 3
+  // spilled and a bound of 1 took 196.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  static constexpr int kMinBlocksPerSM = HeadDim <= 64 ? 3 : 0;
+#else
   static constexpr int kMinBlocksPerSM = HeadDim <= 64 ? 4 : 0;
+#endif
   static constexpr int kBlockM = 16 * kMTiles * kWarps;
   static constexpr int kBlockN = 64;
   static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
