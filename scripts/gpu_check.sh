@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # On a CUDA machine with PyTorch installed and no network: build fusedattn
 # against that torch, run the whole test suite (the GPU group included) and the
-# benchmark, and write logs and JSON into OUTDIR.
+# benchmark, and write logs and JSON into OUTDIR (7 files at most: the lent
+# machine sends back only a few). Each stage has a time limit, so that a hang
+# costs one stage, not the whole device call.
 #   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
+# GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench"; all
+# of them take about 8 minutes on the H200, so split them over two device
+# calls when one is limited to 10: "build tests", then "sanitizer bench" on
+# the still-warm machine).
 # TORCH_CUDA_ARCH_LIST defaults to 9.0a (Hopper); set it for other GPUs.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [bench args]}
@@ -26,42 +32,54 @@ status=0
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   nvcc --version | tail -1
   echo "CXX=$CXX ($($CXX --version | head -1))"
-} 2>&1 | tee "$out/env.txt"
+} 2>&1 | tee "$out/build.log"
 
-echo "== build"
-t0=$SECONDS
-if ! python3 -m pip install --no-build-isolation --no-deps -v . > "$out/build.log" 2>&1; then
-  tail -40 "$out/build.log"
-  echo "gpu_check: BUILD FAILED (see build.log)"
-  exit 1
-fi
-echo "built in $((SECONDS - t0)) s"
-grep -E "building CUDA kernels" "$out/build.log" | tail -1
+stage_build() {
+  local t0=$SECONDS
+  if ! python3 -m pip install --no-build-isolation --no-deps -v . >> "$out/build.log" 2>&1; then
+    tail -40 "$out/build.log"
+    echo "gpu_check: BUILD FAILED (see build.log)"
+    exit 1
+  fi
+  echo "built in $((SECONDS - t0)) s"
+  grep -E "building CUDA kernels" "$out/build.log" | tail -1
+}
 
-echo "== tests"
-(cd tests && python3 -m pytest -q -p no:cacheprovider -rs --junitxml="$out/tests.xml" .) \
-  2>&1 | tee "$out/tests.log" | tail -25
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+stage_tests() {
+  (cd tests && timeout "${FUSEDATTN_TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rs .) \
+    2>&1 | tee "$out/tests.log" | tail -25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
 
-echo "== compute-sanitizer"
-if command -v compute-sanitizer >/dev/null 2>&1; then
+stage_sanitizer() {
+  if ! command -v compute-sanitizer >/dev/null 2>&1; then
+    echo "compute-sanitizer not found"
+    return
+  fi
+  local tool rc
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_cases.py \
-      > "$out/sanitizer-$tool.log" 2>&1
+    timeout 180 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_cases.py \
+      > "$out/sanitizer.tmp" 2>&1
     rc=$?
-    echo "$tool: exit $rc, $(grep -c -E '^========= (Invalid|Error|Race)' "$out/sanitizer-$tool.log") reports"
-    tail -3 "$out/sanitizer-$tool.log"
+    echo "$tool: exit $rc, $(grep -c -E '^========= (Invalid|Error|Race)' "$out/sanitizer.tmp") reports"
+    tail -3 "$out/sanitizer.tmp"
+    { echo "== $tool (exit $rc)"; cat "$out/sanitizer.tmp"; } >> "$out/sanitizer.log"
+    rm -f "$out/sanitizer.tmp"
     [ $rc -eq 0 ] || status=1
   done
-else
-  echo "compute-sanitizer not found"
-fi
+}
 
-echo "== bench"
-plot=(--plot "$out/bench.png")
-[[ " $* " == *" --decode "* ]] && plot=()  # the decode table has no plot
-fusedattn bench --no-progress --json "$out/bench.json" "${plot[@]}" "$@" 2>&1 | tee "$out/bench.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+stage_bench() {
+  local plot=(--plot "$out/bench.png")
+  [[ " $* " == *" --decode "* ]] && plot=()  # the decode table has no plot
+  timeout "${FUSEDATTN_BENCH_TIMEOUT:-300}" fusedattn bench --no-progress --json "$out/bench.json" "${plot[@]}" "$@" 2>&1 | tee "$out/bench.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+
+for stage in ${GPU_CHECK_STAGES:-build tests sanitizer bench}; do
+  echo "== $stage"
+  "stage_$stage" "$@"
+done
 
 echo "gpu_check: exit $status"
 exit $status
