@@ -5,8 +5,9 @@
 # machine sends back only a few). Each stage has a time limit, so that a hang
 # costs one stage, not the whole device call.
 #   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
-# GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench"; all
-# of them take about 8 minutes on the H200, so split them over two device
+# GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench";
+# "profile" runs Nsight Compute on the main kernels; the default four
+# take about 8 minutes on the H200, so split them over two device
 # calls when one is limited to 10: "build tests", then "sanitizer bench" on
 # the still-warm machine).
 # TORCH_CUDA_ARCH_LIST defaults to 9.0a (Hopper); set it for other GPUs.
@@ -74,6 +75,21 @@ stage_bench() {
   [[ " $* " == *" --decode "* ]] && plot=()  # the decode table has no plot
   timeout "${FUSEDATTN_BENCH_TIMEOUT:-300}" fusedattn bench --no-progress --json "$out/bench.json" "${plot[@]}" "$@" 2>&1 | tee "$out/bench.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+
+# Not in the default stages: Nsight Compute on the forward's and the
+# backward's main kernels (B=4 H=32 d=128 N=4K fp16), the counters that say
+# what limits them.
+stage_profile() {
+  if ! command -v ncu >/dev/null 2>&1; then
+    echo "ncu not found"
+    return
+  fi
+  timeout 300 ncu --clock-control none --launch-skip 2 --launch-count 2 \
+    -k regex:"sm90_forward_kernel|sm90_backward_kernel|forward_kernel|backward_kernel" --set full \
+    python3 scripts/profile_cases.py > "$out/profile.txt" 2>&1 || status=1
+  grep -E "^  [a-z_0-9]+.*\(|Duration|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|Stall|Tensor" \
+    "$out/profile.txt" | head -60
 }
 
 for stage in ${GPU_CHECK_STAGES:-build tests sanitizer bench}; do
