@@ -16,7 +16,8 @@ args = parser.parse_args()
 
 shape = (4, 32, args.seqlen, args.head_dim)
 q, k, v, grad = (torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(4))
-for _ in range(2):  # a warm-up pair, then the profiled pair (gpu_check.sh skips the first 2 launches)
+# A warm-up pair, then the profiled pair (gpu_check.sh skips the first two launches).
+for _ in range(2):
     out, lse = torch.ops.fusedattn.forward(q, k, v, None, args.causal, None)
     torch.ops.fusedattn.backward(grad, q, k, v, out, lse, None, args.causal, None)
 torch.cuda.synchronize()
