@@ -72,6 +72,43 @@ __global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_
       pack2<T>(dk[size], dk[size + 1]);
 }
 
+// What a block of a key-block kernel owns and walks (the sm90 kernel's; the
+// sm80 kernel computes the same inline, where this struct cost it a spill at
+// d=64 on sm_90a). The grid is flat: key
+// blocks fastest, then head splits, kv heads, sequences (32-bit division: the
+// launches check the grid fits 2^31). A block walks every query block of
+// every query head of its share of the group that can see one of its keys;
+// causal: query i sees key0 once i >= key0 - (Nk - Nq).
+template <int BlockN, int BlockM, bool IsCausal>
+struct KeyBlockWalk {
+  unsigned batch, head_kv;
+  int64_t key0, keys;              // the block's keys: [key0, key0 + keys)
+  int64_t first_head, m_begin;     // the walk starts at this query head and query
+  int steps_per_head, steps;       // query blocks per head, and in all (< 2^31: Nq / BlockM x group)
+
+  __device__ explicit KeyBlockWalk(const BackwardParams& p) {
+    const AttentionShape& sh = p.fwd.shape;
+    const unsigned n_blocks = static_cast<unsigned>((sh.seqlen_k + BlockN - 1) / BlockN);
+    const unsigned n_block = blockIdx.x % n_blocks;
+    const unsigned head_split = blockIdx.x / n_blocks % static_cast<unsigned>(p.head_splits);
+    const unsigned bh = blockIdx.x / n_blocks / static_cast<unsigned>(p.head_splits);
+    batch = bh / static_cast<unsigned>(sh.heads_kv);
+    head_kv = bh % static_cast<unsigned>(sh.heads_kv);
+    const int64_t group = sh.heads_q / sh.heads_kv;
+    const int64_t split_heads = group / p.head_splits;
+    first_head = head_kv * group + head_split * split_heads;
+    key0 = int64_t(n_block) * BlockN;
+    keys = min(int64_t(BlockN), sh.seqlen_k - key0);
+    const int64_t first_query = IsCausal ? max(int64_t(0), key0 - (sh.seqlen_k - sh.seqlen_q)) : 0;
+    m_begin = first_query / BlockM * BlockM;
+    steps_per_head = static_cast<int>(first_query < sh.seqlen_q ? (sh.seqlen_q - m_begin + BlockM - 1) / BlockM : 0);
+    steps = steps_per_head * static_cast<int>(split_heads);
+  }
+  // The query head and first query of step s.
+  __device__ int64_t head(int s) const { return first_head + s / steps_per_head; }
+  __device__ int64_t m0(int s) const { return m_begin + int64_t(s % steps_per_head) * BlockM; }
+};
+
 // dK (scaled: S was scale Q K^T) and dV of one warp's 16 keys, rows
 // first_key + g and first_key + g + 8 of m16n8 accumulators (mma.sync's C
 // layout, which wgmma's accumulators share per warp): written, or added to

@@ -94,6 +94,12 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   }
 }
 
+// 4-byte global -> shared copy (one float); writes zero when !valid.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(valid ? 4 : 0));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most `pending` committed groups are still in flight.
