@@ -133,10 +133,8 @@ __device__ __forceinline__ void store_key_gradients(const BackwardParams& p, uns
       const int col = dt * 8 + 2 * t;
       if (p.head_splits > 1) {
         float* dk_sum = p.grad_kv_accum + (kv_row + key) * HeadDim + col;
-        atomicAdd(dk_sum, dk[dt][2 * h] * scale);
-        atomicAdd(dk_sum + 1, dk[dt][2 * h + 1] * scale);
-        atomicAdd(dk_sum + kv_size, dv[dt][2 * h]);
-        atomicAdd(dk_sum + kv_size + 1, dv[dt][2 * h + 1]);
+        red_add_float2(dk_sum, dk[dt][2 * h] * scale, dk[dt][2 * h + 1] * scale);
+        red_add_float2(dk_sum + kv_size, dv[dt][2 * h], dv[dt][2 * h + 1]);
       } else {
         *reinterpret_cast<uint32_t*>(grad_k + key * p.grad_k_strides.row + col) =
             pack2<T>(dk[dt][2 * h] * scale, dk[dt][2 * h + 1] * scale);

@@ -108,6 +108,17 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
 }
 
+// addr[0] += x, addr[1] += y in global memory (addr 8-byte aligned), with no
+// result: one 8-byte reduction from sm_90 on, two float atomics before.
+__device__ __forceinline__ void red_add_float2(float* addr, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(x), "f"(y) : "memory");
+#else
+  atomicAdd(addr, x);
+  atomicAdd(addr + 1, y);
+#endif
+}
+
 // Reduction over the 4 lanes (t = 0..3) that share a row of a fragment.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));

@@ -269,10 +269,8 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
           const int r = mt * 16 + g + 8 * h;
           if (m0 + r >= sh.seqlen_q) continue;
 #pragma unroll
-          for (int dt = 0; dt < Tr::kDqTiles; ++dt) {
-            atomicAdd(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h]);
-            atomicAdd(accum + r * HeadDim + dt * 8 + 2 * t + 1, dq[dt][2 * h + 1]);
-          }
+          for (int dt = 0; dt < Tr::kDqTiles; ++dt)
+            red_add_float2(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h], dq[dt][2 * h + 1]);
         }
       }
     }

@@ -181,9 +181,4 @@ __device__ __forceinline__ void stmatrix_x4_trans(const uint32_t (&r)[4], void* 
                : "memory");
 }
 
-// *addr += (x, y) in global memory, one 8-byte reduction (addr 8-byte aligned).
-__device__ __forceinline__ void red_add_float2(float* addr, float x, float y) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(x), "f"(y) : "memory");
-}
-
 }  // namespace fusedattn::cuda
