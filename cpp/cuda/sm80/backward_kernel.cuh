@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   T* sQ = sV + kBlockN * kStride;        // [2][kBlockM][kStride]
   T* sdO = sQ + 2 * kBlockM * kStride;   // [2][kBlockM][kStride]
   T* sdS = sdO + 2 * kBlockM * kStride;  // [kBlockN][kDsStride], dS^T
-  float* sLse = reinterpret_cast<float*>(sdS + kBlockN * Tr::kDsStride);  // [2][kBlockM], base 2
+  float* sLse = reinterpret_cast<float*>(sdS + kBlockN * Tr::kDsStride);  // [2][kBlockM], natural log
   float* sDelta = sLse + 2 * kBlockM;                                      // [2][kBlockM]
 
   const ForwardParams& f = p.fwd;
@@ -107,9 +107,9 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   const int64_t steps_per_head = first_query < sh.seqlen_q ? (sh.seqlen_q - m_begin + kBlockM - 1) / kBlockM : 0;
   const int64_t steps = steps_per_head * split_heads;
 
-  // Queues step s's Q and dO (cp.async) and writes its lse (base 2; +inf for
-  // rows past the queries and rows that saw no key, so that P = 0 there) and
-  // delta into buffer `buf`.
+  // Queues step s's Q, dO, lse and delta into buffer `buf` (cp.async; zeros
+  // past the queries: their P V and dS Q terms are 0 as their dO and Q rows
+  // are, and their dQ is not written).
   auto load_step = [&](int64_t s, int buf) {
     const int64_t head = first_head + s / steps_per_head;
     const int64_t m0 = m_begin + s % steps_per_head * kBlockM;
@@ -121,12 +121,8 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
                                  static_cast<const T*>(p.grad_out) + batch * p.grad_out_strides.batch +
                                      head * p.grad_out_strides.head,
                                  p.grad_out_strides.row, m0, rows);
-    const int64_t row_base = (int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + m0;
-    for (int r = threadIdx.x; r < kBlockM; r += Tr::kThreads) {
-      const float lse = r < rows ? f.lse[row_base + r] : -INFINITY;
-      sLse[buf * kBlockM + r] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-      sDelta[buf * kBlockM + r] = r < rows ? p.delta[row_base + r] : 0.0f;
-    }
+    load_lse_delta_async<kBlockM, Tr::kThreads>(sLse + buf * kBlockM, sDelta + buf * kBlockM, p,
+                                                (int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + m0, rows);
   };
   if (steps > 0) load_step(0, 0);
   cp_async_commit();
@@ -183,7 +179,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
             x += mask_log2<T>(f.mask, mask_base, query, key);
           }
         }
-        st[nt][e] = exp2f(x - lse[c]);
+        st[nt][e] = exp2f(x - lse_in_log2(lse[c]));
       }
     }
 

@@ -89,15 +89,8 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads)
         sdO + buf * Tr::kTileBytes,
         static_cast<const T*>(p.grad_out) + walk.batch * p.grad_out_strides.batch + head * p.grad_out_strides.head,
         p.grad_out_strides.row, m0, rows);
-    const int64_t row_base = (int64_t(walk.batch) * sh.heads_q + head) * sh.seqlen_q + m0;
-    for (int r = threadIdx.x; r < 2 * kBlockM; r += Tr::kThreads) {
-      const int row = r % kBlockM;
-      const bool valid = row < rows;
-      if (r < kBlockM)
-        cp_async_4(sLse + buf * kBlockM + row, valid ? f.lse + row_base + row : f.lse, valid);
-      else
-        cp_async_4(sDelta + buf * kBlockM + row, valid ? p.delta + row_base + row : p.delta, valid);
-    }
+    load_lse_delta_async<kBlockM, Tr::kThreads>(sLse + buf * kBlockM, sDelta + buf * kBlockM, p,
+                                                (int64_t(walk.batch) * sh.heads_q + head) * sh.seqlen_q + m0, rows);
   };
   if (walk.steps > 0) load_step(0, 0);
   cp_async_commit();
@@ -157,9 +150,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads)
           if (key >= sh.seqlen_k || query >= sh.seqlen_q || (IsCausal && key > query + causal_offset))
             x = -INFINITY;
         }
-        // A row that saw no key has lse = -inf and P = 0.
-        const float lse_log2 = lse[c] == -INFINITY ? INFINITY : lse[c] * kLog2e;
-        const float prob = exp2f(x - lse_log2);
+        const float prob = exp2f(x - lse_in_log2(lse[c]));
         st[nt][e] = prob;
         dpt[nt][e] = prob * (dpt[nt][e] - delta[c]);
       }
