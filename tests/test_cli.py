@@ -1,6 +1,7 @@
 """The command line: `fusedattn bench` writes a table, JSON and a plot."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -44,6 +45,39 @@ def test_bench_backward_on_the_cpu(tmp_path):
     assert result["config"]["backward"] is True
     (row,) = result["rows"]
     assert row["results"]["fusedattn"]["status"] == "ok" and row["fusedattn_speedup"]["sdpa"] > 0
+
+
+def test_bench_applies_a_methods_environment_to_forward_and_backward(monkeypatch):
+    """A kernel-family column holds FUSEDATTN_KERNEL_FAMILY through the
+    backward too (it runs after the method returns), then restores it."""
+    from fusedattn import bench
+
+    monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "auto")
+    seen = []
+
+    class Recording(bench._KernelFamily):
+        def __call__(self, q, k, v, causal):
+            seen.append(os.environ["FUSEDATTN_KERNEL_FAMILY"])
+            return _RecordingBackward.apply(super().__call__(q, k, v, causal), seen)
+
+    cfg = bench.Config(torch.device("cpu"), batch=1, heads=2, head_dim=16, seqlens=[32], dtypes=["float32"],
+                       causal=[False], repeats=1, warmup=0, backward=True)
+    cell = bench.measure(cfg, "float32", False, 32, "fusedattn-sm80", Recording("sm80"))
+    assert cell["status"] == "ok"
+    assert seen and set(seen) == {"sm80", "sm80 (backward)"}
+    assert os.environ["FUSEDATTN_KERNEL_FAMILY"] == "auto"
+
+
+class _RecordingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seen):
+        ctx.seen = seen
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.seen.append(os.environ["FUSEDATTN_KERNEL_FAMILY"] + " (backward)")
+        return grad, None
 
 
 def test_bench_decode_options_are_checked():

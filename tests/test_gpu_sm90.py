@@ -1,5 +1,5 @@
 """The sm90 (wgmma) forward against the float64 reference, forced with
-FUSEDATTN_FORWARD_FAMILY=sm90 (marker `gpu`; skipped where the build or the
+FUSEDATTN_KERNEL_FAMILY=sm90 (marker `gpu`; skipped where the build or the
 device has no sm90 kernels)."""
 
 import dataclasses
@@ -20,7 +20,7 @@ SM90_HEAD_DIMS = [64, 128]
 
 @pytest.fixture(autouse=True)
 def sm90(monkeypatch):
-    monkeypatch.setenv("FUSEDATTN_FORWARD_FAMILY", "sm90")
+    monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "sm90")
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=64), "cuda")
     try:
         torch.ops.fusedattn.forward(q, k, v)
@@ -57,7 +57,7 @@ def test_sm90_agrees_with_sm80(monkeypatch):
                 dtype=torch.float16, is_causal=True)
     q, k, v, _ = make_inputs(case, "cuda")
     out90, lse90 = torch.ops.fusedattn.forward(q, k, v, None, True, None)
-    monkeypatch.setenv("FUSEDATTN_FORWARD_FAMILY", "sm80")
+    monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "sm80")
     out80, lse80 = torch.ops.fusedattn.forward(q, k, v, None, True, None)
     torch.testing.assert_close(out90, out80, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(lse90, lse80, atol=1e-4, rtol=1e-5)
@@ -92,7 +92,7 @@ def test_sm90_declines_what_tensor_maps_cannot_describe(monkeypatch):
     v = torch.randn(2, 1, 150, 128, device="cuda", dtype=torch.float16).expand(2, 4, 150, 128)
     with pytest.raises(RuntimeError, match="tensor memory accelerator cannot describe"):
         torch.ops.fusedattn.forward(q, k, v, None, False, None)
-    monkeypatch.setenv("FUSEDATTN_FORWARD_FAMILY", "auto")
+    monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "auto")
     out, _ = torch.ops.fusedattn.forward(q, k, v, None, False, None)
     ref = fusedattn.reference.attention(q.double(), k.double(), v.double())
     torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)

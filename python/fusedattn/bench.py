@@ -7,6 +7,7 @@ faster) and the peak memory beyond the inputs (the output included).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -77,21 +78,29 @@ def _sdpa_backend(name: str):
     return run
 
 
-def _forward_family(family: str) -> Callable:
-    """fusedattn's forward with FUSEDATTN_FORWARD_FAMILY set to `family` for the call."""
+class _KernelFamily:
+    """fusedattn with FUSEDATTN_KERNEL_FAMILY=family while it is measured
+    (measure() applies `env` around the forward and the backward alike)."""
 
-    def run(q, k, v, causal):
-        before = os.environ.get("FUSEDATTN_FORWARD_FAMILY")
-        os.environ["FUSEDATTN_FORWARD_FAMILY"] = family
-        try:
-            return torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
-        finally:
-            if before is None:
-                del os.environ["FUSEDATTN_FORWARD_FAMILY"]
+    def __init__(self, family: str):
+        self.env = {"FUSEDATTN_KERNEL_FAMILY": family}
+
+    def __call__(self, q, k, v, causal):
+        return torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]):
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
             else:
-                os.environ["FUSEDATTN_FORWARD_FAMILY"] = before
-
-    return run
+                os.environ[name] = value
 
 
 def methods(device: torch.device) -> dict[str, Callable]:
@@ -106,7 +115,7 @@ def methods(device: torch.device) -> dict[str, Callable]:
             table[f"sdpa-{name}"] = _sdpa_backend(name)
     if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
         # The default there is the sm90 family where it takes the call; the sm80 family alongside.
-        table["fusedattn-sm80"] = _forward_family("sm80")
+        table["fusedattn-sm80"] = _KernelFamily("sm80")
     table["fusedattn"] = lambda q, k, v, causal: torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
     return table
 
@@ -172,8 +181,9 @@ def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dic
     else:
         call = lambda: fn(q, k, v, causal)  # noqa: E731
     try:
-        memory = peak_bytes(call, cfg.device)
-        seconds = median_seconds(call, cfg)
+        with _environment(getattr(fn, "env", {})):
+            memory = peak_bytes(call, cfg.device)
+            seconds = median_seconds(call, cfg)
     except torch.OutOfMemoryError:
         return {"status": "OOM"}
     except (RuntimeError, NotImplementedError) as e:  # a backend that cannot take this input

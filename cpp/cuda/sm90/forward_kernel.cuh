@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
           pack2<T>(acc[dt][2 * h] * inv, acc[dt][2 * h + 1] * inv);
   }
 #else
-  __trap();  // built for another target: sm90_forward_available() keeps callers away
+  __trap();  // built for another target: sm90_available() keeps callers away
 #endif
 }
 

@@ -13,7 +13,7 @@ inline constexpr int kSm90HeadDims[] = {64, 128};
 
 // Whether this build has the sm90 kernels (compiled for sm_90a) and the
 // current device can run them.
-bool sm90_forward_available();
+bool sm90_available();
 
 // Writes p.out and p.lse on `stream` and returns true; or returns false,
 // launching nothing, when the tensor memory accelerator cannot describe q, k

@@ -6,6 +6,7 @@
 
 #include "../common/instantiation_dispatch.h"
 #include "../common/launch_check.h"
+#include "backward_sm90.h"
 #include "forward_sm90.h"
 #include "forward_traits.h"
 #include "tensor_maps.h"
@@ -38,7 +39,7 @@ bool probe_device(int device) {
 
 }  // namespace
 
-bool sm90_forward_available() {
+bool sm90_available() {
   static std::mutex lock;
   static std::vector<int> known;  // per device: -1 unknown, 0 no, 1 yes
   int device = 0;
@@ -71,6 +72,14 @@ bool forward_sm90(const ForwardParams& p, cudaStream_t stream) {
     launch_forward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);
   });
   return true;
+}
+
+void backward_sm90(const BackwardParams& p, cudaStream_t stream) {
+  if (p.fwd.mask.kind != MaskKind::None || p.deterministic)
+    throw std::invalid_argument("fusedattn: the sm90 backward takes no attn_mask and no deterministic mode yet");
+  dispatch_instantiation<64, 128>("sm90 backward", p.fwd.dtype, p.fwd.shape.head_dim, [&](auto head_dim, auto element) {
+    launch_backward_sm90<decltype(head_dim)::value, decltype(element)>(p, stream);
+  });
 }
 
 }  // namespace fusedattn::cuda
