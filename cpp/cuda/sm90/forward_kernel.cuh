@@ -1,16 +1,16 @@
-// The sm90 forward: FlashAttention with Hopper's machinery. A block owns 128
-// queries of one head and is three warpgroups:
+// The sm90 forward: FlashAttention with Hopper's machinery. A block owns 64
+// queries per consumer warpgroup (2 at d=128, 3 at d=64) of one head:
 //   producer (warpgroup 0): one thread issues tensor-memory-accelerator loads,
 //     Q once, then K and V tiles of 128 keys into two-stage rings guarded by
 //     mbarriers ("full" when the bytes landed, "empty" when both consumers are
 //     done reading); it gives its registers to the consumers (setmaxnreg).
-//   consumers (warpgroups 1, 2): 64 queries each, and per key tile j
+//   consumers (warpgroups 1, 2[, 3]): 64 queries each, and per key tile j
 //     S_j = Q K_j^T     wgmma m64n128k16, both operands from shared memory
 //     O += P_{j-1} V    wgmma m64n{d}k16, P from registers, V read transposed,
 //                       issued right behind S_j, so the online softmax of S_j
 //                       runs while this GEMM is in flight;
-//   the two consumers take turns issuing their GEMMs (named barriers), so one
-//   warpgroup's softmax overlaps the other's tensor-core work.
+//   the consumers take turns issuing their GEMMs (named barriers), so one
+//   warpgroup's softmax overlaps the others' tensor-core work.
 // The accumulators of each warp have mma.sync's C layout, so the softmax and P
 // packing helpers of the sm80 kernel apply unchanged. Not yet: attn_mask (the
 // dispatcher sends masked calls to the sm80 kernel).
@@ -120,12 +120,14 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
   float (&s_flat)[kNTiles * 4] = reinterpret_cast<float (&)[kNTiles * 4]>(s);
   uint32_t p_a[kBlockN / 16][4];  // P of the previous tile, the A operand of O += P V
 
-  // The turn-taking: consumer c issues GEMMs after a sync on barrier 1 + c,
-  // then lets the other go by arriving on its barrier; consumer 1 first lets
-  // consumer 0 go, and skips its last arrival, which nobody would wait for.
-  const int my_turn = 1 + consumer, their_turn = 2 - consumer;
+  // The turn-taking, round robin: consumer c issues GEMMs after a sync on
+  // barrier 1 + c, then lets the next go by arriving on its barrier; the last
+  // consumer first lets consumer 0 go, and skips its last arrival, which
+  // nobody would wait for.
+  const bool last_consumer = consumer == Tr::kConsumers - 1;
+  const int my_turn = 1 + consumer, next_turn = 1 + (consumer + 1) % Tr::kConsumers;
   auto take_turn = [&] { named_barrier_sync(my_turn, 256); };
-  auto pass_turn = [&] { named_barrier_arrive(their_turn, 256); };
+  auto pass_turn = [&] { named_barrier_arrive(next_turn, 256); };
 
   // S_j = Q K_j^T, issued (not waited for).
   auto issue_scores = [&](int j) {
@@ -187,7 +189,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
 
   if (n_tiles > 0) {
     mbarrier_wait(q_full, 0);
-    if (consumer == 1) pass_turn();
+    if (last_consumer) pass_turn();
     float rescale[2];
 
     mbarrier_wait(&k_full[0], 0);
@@ -221,7 +223,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
     mbarrier_wait(&v_full[(n_tiles - 1) % kStages], phase(n_tiles - 1));
     take_turn();
     issue_pv(n_tiles - 1);
-    if (consumer == 0) pass_turn();
+    if (!last_consumer) pass_turn();
     wgmma_wait<0>();
     fence_registers(acc_flat);
     release(v_empty, n_tiles - 1);
