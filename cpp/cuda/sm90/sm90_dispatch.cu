@@ -1,5 +1,6 @@
 // Runtime (dtype, head dim) -> the compile-time instantiation, and whether
 // this build and device can run the family at all.
+#include <algorithm>
 #include <mutex>
 #include <stdexcept>
 #include <vector>
@@ -67,6 +68,8 @@ bool forward_sm90(const ForwardParams& p, cudaStream_t stream) {
   if (p.mask.kind != MaskKind::None) throw std::invalid_argument("fusedattn: the sm90 forward takes no attn_mask yet");
   const AttentionShape& sh = p.shape;
   if (sh.batch * sh.heads_q == 0 || sh.seqlen_q == 0) return true;
+  // The kernel does row arithmetic in int (and TMA coordinates are int).
+  if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30)) return false;
   bool launched = false;
   dispatch_instantiation<64, 128>("sm90 forward", p.dtype, sh.head_dim, [&](auto head_dim, auto element) {
     using Tr = Sm90ForwardTraits<decltype(head_dim)::value>;
