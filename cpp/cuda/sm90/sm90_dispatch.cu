@@ -1,5 +1,6 @@
 // Runtime (dtype, head dim) -> the compile-time instantiation, and whether
 // this build and device can run the family at all.
+#include <algorithm>
 #include <mutex>
 #include <stdexcept>
 #include <vector>
@@ -37,6 +38,20 @@ bool probe_device(int device) {
   return launched == cudaSuccess && built == 1;
 }
 
+// Q, K and V as tensor maps with the kernel's box heights; false where the
+// tensor memory accelerator cannot describe one of them.
+bool encode_operand_maps(Sm90ForwardArgs& args, int block_m, int block_n) {
+  const ForwardParams& p = args.p;
+  const AttentionShape& sh = p.shape;
+  return encode_head_tensor_map(&args.q_map, p.dtype, p.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim,
+                                p.q_strides, block_m) &&
+         (sh.seqlen_k == 0 ||  // no key tile is ever loaded
+          (encode_head_tensor_map(&args.k_map, p.dtype, p.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
+                                  p.k_strides, block_n) &&
+           encode_head_tensor_map(&args.v_map, p.dtype, p.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
+                                  p.v_strides, block_n)));
+}
+
 }  // namespace
 
 bool sm90_available() {
@@ -54,24 +69,18 @@ bool forward_sm90(const ForwardParams& p, cudaStream_t stream) {
   if (p.mask.kind != MaskKind::None) throw std::invalid_argument("fusedattn: the sm90 forward takes no attn_mask yet");
   const AttentionShape& sh = p.shape;
   if (sh.batch * sh.heads_q == 0 || sh.seqlen_q == 0) return true;
-  Sm90ForwardArgs args{};
-  args.p = p;
-  // Every head dim shares the tile shapes: 128 query rows, 128 key rows.
-  constexpr int kBlockM = Sm90ForwardTraits<128>::kBlockM, kBlockN = Sm90ForwardTraits<128>::kBlockN;
-  static_assert(Sm90ForwardTraits<64>::kBlockM == kBlockM && Sm90ForwardTraits<64>::kBlockN == kBlockN);
-  const bool encoded =
-      encode_head_tensor_map(&args.q_map, p.dtype, p.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim, p.q_strides,
-                             kBlockM) &&
-      (sh.seqlen_k == 0 ||
-       (encode_head_tensor_map(&args.k_map, p.dtype, p.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
-                               p.k_strides, kBlockN) &&
-        encode_head_tensor_map(&args.v_map, p.dtype, p.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
-                               p.v_strides, kBlockN)));
-  if (!encoded) return false;
+  // The kernel does row arithmetic in int (and TMA coordinates are int).
+  if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30)) return false;
+  bool launched = false;
   dispatch_instantiation<64, 128>("sm90 forward", p.dtype, sh.head_dim, [&](auto head_dim, auto element) {
+    using Tr = Sm90ForwardTraits<decltype(head_dim)::value>;
+    Sm90ForwardArgs args{};
+    args.p = p;
+    if (!encode_operand_maps(args, Tr::kBlockM, Tr::kBlockN)) return;
     launch_forward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);
+    launched = true;
   });
-  return true;
+  return launched;
 }
 
 void backward_sm90(const BackwardParams& p, cudaStream_t stream) {
