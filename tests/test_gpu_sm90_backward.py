@@ -24,7 +24,7 @@ def sm90(monkeypatch):
     monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "sm90")
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=64), "cuda", requires_grad=True)
     try:
-        fusedattn.attention(q, k, v).sum().backward()
+        (fusedattn.attention(q, k, v) * torch.randn_like(q)).sum().backward()
     except RuntimeError as e:
         if "has no sm90 kernels" in str(e):
             pytest.skip(str(e).splitlines()[0])
@@ -83,6 +83,18 @@ def test_sm90_backward_agrees_with_sm80(monkeypatch):
     for a, b in zip(grads90, grads80):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     check_backward(case, device="cuda", grads=grads90, grad_out=grad_out)
+
+
+def test_sm90_backward_declines_what_tensor_maps_cannot_describe(monkeypatch):
+    """out.sum()'s gradient is one value broadcast (strides 0): the sm80 kernel
+    takes it unless sm90 is forced, which is an error that says why."""
+    case = Case(dtype=torch.float16, head_dim=128, seqlen_q=100, seqlen_k=150, is_causal=True)
+    q, k, v, _ = make_inputs(case, "cuda", requires_grad=True)
+    with pytest.raises(RuntimeError, match="tensor memory accelerator cannot describe"):
+        fusedattn.attention(q, k, v, None, True).sum().backward()
+    monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "auto")
+    grads = torch.autograd.grad(fusedattn.attention(q, k, v, None, True).sum(), (q, k, v))
+    check_backward(case, device="cuda", grads=grads, grad_out=torch.ones_like(q))
 
 
 def test_sm90_backward_refuses_what_it_cannot_take():

@@ -121,17 +121,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     b.params.grad_q_accum = grad_q_accum.data_ptr<float>();
   }
   b.params.delta = delta.data_ptr<float>();
-  b.params.head_splits = cuda::backward_head_splits(b.params);
+  // The group's query heads split over blocks when a family's key blocks
+  // alone would leave SMs idle; their float32 dK/dV sums need a workspace.
   at::Tensor grad_kv_accum;
-  if (b.params.head_splits > 1) {
-    grad_kv_accum = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, q.options().dtype(at::kFloat));
-    b.params.grad_kv_accum = grad_kv_accum.data_ptr<float>();
-  }
+  auto split_heads_for = [&](int keys_per_block, int blocks_per_sm) {
+    b.params.head_splits = cuda::backward_head_splits(b.params, keys_per_block, blocks_per_sm);
+    if (b.params.head_splits > 1 && !grad_kv_accum.defined()) {
+      grad_kv_accum = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, q.options().dtype(at::kFloat));
+      b.params.grad_kv_accum = grad_kv_accum.data_ptr<float>();
+    }
+  };
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  if (use_sm90_backward(b.params))
-    cuda::backward_sm90(b.params, stream);
-  else
-    cuda::backward_sm80(b.params, stream);
+  if (use_sm90_backward(b.params)) {
+    split_heads_for(cuda::kSm90BackwardBlockN, cuda::kSm90BackwardBlocksPerSm);
+    if (cuda::backward_sm90(b.params, stream)) return {b.grad_q, b.grad_k, b.grad_v};
+    // Declined: its tensor maps cannot describe the operands. sm80 takes them.
+    TORCH_CHECK(!forced_family_is("sm90"), "fusedattn: FUSEDATTN_KERNEL_FAMILY=sm90, but the tensor memory "
+                "accelerator cannot describe these q, k, v, grad_out layouts (strides of 0 or not multiples of 16 "
+                "bytes)");
+  }
+  split_heads_for(cuda::kBackwardBlockN, cuda::kBackwardBlocksPerSm);
+  cuda::backward_sm80(b.params, stream);
   return {b.grad_q, b.grad_k, b.grad_v};
 }
 

@@ -72,23 +72,6 @@ __global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_
       pack2<T>(dk[size], dk[size + 1]);
 }
 
-// Queues rows [row0, row0 + Rows) of lse and delta (one query head's, from
-// `first` = its row 0) into shared memory with cp.async; rows at or past
-// `rows` read as 0 (callers mask those queries). Every one of the Threads
-// threads calls it.
-template <int Rows, int Threads>
-__device__ __forceinline__ void load_lse_delta_async(float* s_lse, float* s_delta, const BackwardParams& p,
-                                                     int64_t first, int64_t rows) {
-  for (int i = threadIdx.x; i < 2 * Rows; i += Threads) {
-    const int r = i % Rows;
-    const bool valid = r < rows;
-    if (i < Rows)
-      cp_async_4(s_lse + r, valid ? p.fwd.lse + first + r : p.fwd.lse, valid);
-    else
-      cp_async_4(s_delta + r, valid ? p.delta + first + r : p.delta, valid);
-  }
-}
-
 // What a block of a key-block kernel owns and walks (the sm90 kernel's; the
 // sm80 kernel computes the same inline, where this struct cost it a spill at
 // d=64 on sm_90a). The grid is flat: key

@@ -58,6 +58,23 @@ struct BackwardTraits {
   static_assert(HeadDim % 16 == 0 && kBlockM % 16 == 0 && kDqWarpsM * kDqWarpsD == kWarps);
 };
 
+// Queues rows [row0, row0 + Rows) of lse and delta (one query head's, from
+// `first` = its row 0) into shared memory with cp.async; rows at or past
+// `rows` read as 0 (callers mask those queries). Every one of the Threads
+// threads calls it.
+template <int Rows, int Threads>
+__device__ __forceinline__ void load_lse_delta_async(float* s_lse, float* s_delta, const BackwardParams& p,
+                                                     int64_t first, int64_t rows) {
+  for (int i = threadIdx.x; i < 2 * Rows; i += Threads) {
+    const int r = i % Rows;
+    const bool valid = r < rows;
+    if (i < Rows)
+      cp_async_4(s_lse + r, valid ? p.fwd.lse + first + r : p.fwd.lse, valid);
+    else
+      cp_async_4(s_delta + r, valid ? p.delta + first + r : p.delta, valid);
+  }
+}
+
 template <int HeadDim, typename T, bool IsCausal, bool AtomicDq>
 __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     backward_kernel(const __grid_constant__ BackwardParams p) {

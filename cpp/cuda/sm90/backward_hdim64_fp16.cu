@@ -2,5 +2,5 @@
 #include "backward_kernel.cuh"
 
 namespace fusedattn::cuda {
-template void launch_backward_sm90<64, __half>(const BackwardParams&, cudaStream_t);
+template void launch_backward_sm90<64, __half>(const Sm90BackwardArgs&, cudaStream_t);
 }  // namespace fusedattn::cuda

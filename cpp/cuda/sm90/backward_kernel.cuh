@@ -1,19 +1,24 @@
-// The sm90 backward's key-block kernel, first rung: FlashAttention 2's walk
-// (the sm80 kernel's; common/backward_passes.cuh runs the kernels around it)
-// with every product on Hopper's warpgroup MMA. One warpgroup per block of 64
-// keys; per step of 64 queries of one query head, with Q, dO, lse and delta
-// streamed into swizzled double buffers by cp.async:
-//   S^T  = K Q^T,  dP^T = V dO^T        wgmma m64n64k16, operands in shared memory
-//   P^T  = 2^(S^T scale log2 e - lse log2 e),  dS^T = P^T (dP^T - delta)
-//   dV  += P^T dO,  dK += dS^T Q        wgmma m64n{d}k16, P^T and dS^T from the
-//                                       accumulators (as P in the forward), Q and
-//                                       dO read transposed
-//   dQ   = dS K                         dS^T stored transposed (stmatrix) as a
-//                                       K-major tile; 64 columns of d at a time;
-//                                       added to the float32 accumulator with
-//                                       8-byte reductions.
+// The sm90 backward's key-block kernel: FlashAttention 2's walk (the sm80
+// kernel's; common/backward_passes.cuh runs the kernels around it) with
+// every product on Hopper's warpgroup MMA and the loads on the tensor memory
+// accelerator. A block owns 128 keys and is three warpgroups:
+//   producer (warpgroup 0): one thread loads K and V once, then per step
+//     (64 queries of one query head) Q, dO, lse and delta into a two-stage
+//     ring ("full" mbarrier: the bytes landed; "empty": every consumer warp is
+//     done); it gives its registers to the consumers (setmaxnreg).
+//   consumers (warpgroups 1, 2): 64 keys each, and per step
+//     S^T  = K Q^T,  dP^T = V dO^T        wgmma m64n64k16, operands in shared memory
+//     P^T  = 2^(S^T scale log2 e - lse log2 e),  dS^T = P^T (dP^T - delta)
+//     dV  += P^T dO,  dK += dS^T Q        wgmma m64n{d}k16, P^T and dS^T from the
+//                                         accumulators, Q and dO read transposed
+//     dQ   = dS K                         dS^T stored transposed (stmatrix) as its
+//                                         half of a K-major [query][128 keys] tile;
+//                                         at d=128 each consumer takes 64 columns
+//                                         of d over both halves, at d=64 its own
+//                                         keys; added to the float32 accumulator
+//                                         with 8-byte reductions.
 // dK and dV stay in registers across the walk (GQA's sum costs nothing).
-// Not yet: TMA, warp specialisation, overlap between the steps' products,
+// Not yet: overlap between the products of one step and the next,
 // attn_mask and the deterministic mode (the dispatcher sends those to sm80).
 #pragma once
 
@@ -24,101 +29,114 @@
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/online_softmax.cuh"
-#include "../sm80/backward_sm80.h"
 #include "backward_sm90.h"
-#include "swizzled_loads.cuh"
+#include "backward_traits.h"
+#include "tma.cuh"
+#include "warpgroup.cuh"
 #include "wgmma.cuh"
 
 namespace fusedattn::cuda {
 
-template <int HeadDim>
-struct Sm90BackwardTraits {
-  static constexpr int kThreads = 128;  // one warpgroup
-  static constexpr int kBlockN = 64;    // keys: the M of the products that make dK, dV
-  static constexpr int kBlockM = 64;    // queries per step
-  static constexpr int kTileBytes = 64 * HeadDim * 2;  // K, V, Q, dO tiles alike
-  static constexpr int kDsBytes = kBlockM * kBlockN * 2;
-  // K, V, Q x 2, dO x 2, dS, each 1024-byte aligned (the swizzle's period);
-  // lse and delta x 2 (float); room to align the base.
-  static constexpr int kFloatsOffset = 6 * kTileBytes + kDsBytes;
-  static constexpr int kSmemBytes = kFloatsOffset + 4 * kBlockM * 4 + 1024;
-  static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of 64-column slabs");
-  static_assert(kBlockN == kBackwardBlockN, "backward_head_splits counts blocks of kBackwardBlockN keys");
-};
-
 template <int HeadDim, typename T, bool IsCausal>
-__global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads)
-    sm90_backward_kernel(const __grid_constant__ BackwardParams p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and stmatrix exist only in sm_90a code
+__global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
+    sm90_backward_kernel(const __grid_constant__ Sm90BackwardArgs args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma, stmatrix and setmaxnreg exist only in sm_90a code
   using Tr = Sm90BackwardTraits<HeadDim>;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages;
   constexpr int kMTiles = kBlockM / 8;  // n-tiles of S^T (queries)
   constexpr int kDTiles = HeadDim / 8;
 
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  unsigned char* sK = smem;
-  unsigned char* sV = sK + Tr::kTileBytes;
-  unsigned char* sQ = sV + Tr::kTileBytes;         // buffer b at b * kTileBytes
-  unsigned char* sdO = sQ + 2 * Tr::kTileBytes;    // buffer b at b * kTileBytes
-  unsigned char* sdS = sdO + 2 * Tr::kTileBytes;   // dS [query][key], K-major for dQ = dS K
-  float* sLse = reinterpret_cast<float*>(smem + Tr::kFloatsOffset);  // [2][kBlockM], natural log
-  float* sDelta = sLse + 2 * kBlockM;                                 // [2][kBlockM]
+  unsigned char* sK = smem;                           // [128 keys][d], 64-column slabs of 128 rows
+  unsigned char* sV = sK + Tr::kKVTileBytes;
+  unsigned char* sQ = sV + Tr::kKVTileBytes;          // stage i at i * kQTileBytes, [64 queries][d]
+  unsigned char* sdO = sQ + kStages * Tr::kQTileBytes;
+  unsigned char* sdS = sdO + kStages * Tr::kQTileBytes;  // buffer b at b * kDsBytes: [64 queries][128 keys]
+  float* sLse = reinterpret_cast<float*>(smem + Tr::kFloatsOffset);  // stage i at i * kBlockM, natural log
+  float* sDelta = sLse + kStages * kBlockM;
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(sDelta + kStages * kBlockM);
+  uint64_t* step_full = kv_full + 1;
+  uint64_t* step_empty = step_full + kStages;
 
+  const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
   const KeyBlockWalk<kBlockN, kBlockM, IsCausal> walk(p);
+  auto stage_of = [](int s) { return s % kStages; };
+  auto phase_of = [](int s) { return static_cast<uint32_t>((s / kStages) & 1); };
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(kv_full, 1);
+    for (int i = 0; i < kStages; ++i) {
+      mbarrier_init(&step_full[i], 1);
+      mbarrier_init(&step_empty[i], 4 * Tr::kConsumers);  // every consumer warp
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ---------------- producer ----------------
+    warpgroup_release_registers<Tr::kProducerRegisters>();
+    if (threadIdx.x != 0 || walk.steps == 0) return;
+    for (const CUtensorMap* map : {&args.q_map, &args.k_map, &args.v_map, &args.do_map, &args.lse_map, &args.delta_map})
+      prefetch_tensor_map(map);
+    const int key0 = static_cast<int>(walk.key0), batch = static_cast<int>(walk.batch);
+    mbarrier_arrive_expect_bytes(kv_full, 2 * Tr::kKVTileBytes);
+    for (int slab = 0; slab < Tr::kSlabs; ++slab) {
+      tma_load_box(sK + slab * kBlockN * 128, &args.k_map, 64 * slab, key0, static_cast<int>(walk.head_kv), batch, kv_full);
+      tma_load_box(sV + slab * kBlockN * 128, &args.v_map, 64 * slab, key0, static_cast<int>(walk.head_kv), batch, kv_full);
+    }
+    for (int s = 0; s < walk.steps; ++s) {
+      const int stage = stage_of(s);
+      mbarrier_wait(&step_empty[stage], phase_of(s) ^ 1);  // the first round finds it free
+      mbarrier_arrive_expect_bytes(&step_full[stage], 2 * Tr::kQTileBytes + 2 * kBlockM * 4);
+      const int head = static_cast<int>(walk.head(s)), m0 = static_cast<int>(walk.m0(s));
+      for (int slab = 0; slab < Tr::kSlabs; ++slab) {
+        tma_load_box(sQ + stage * Tr::kQTileBytes + slab * kBlockM * 128, &args.q_map, 64 * slab, m0, head, batch,
+                     &step_full[stage]);
+        tma_load_box(sdO + stage * Tr::kQTileBytes + slab * kBlockM * 128, &args.do_map, 64 * slab, m0, head, batch,
+                     &step_full[stage]);
+      }
+      // lse and delta are flat [B x Hq x Nq]: the step's rows, then (past
+      // the queries) the next head's or zeros, which the consumers mask.
+      const int row = static_cast<int>((int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + m0);
+      tma_load_row(sLse + stage * kBlockM, &args.lse_map, row, &step_full[stage]);
+      tma_load_row(sDelta + stage * kBlockM, &args.delta_map, row, &step_full[stage]);
+    }
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  warpgroup_claim_registers<Tr::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int warp_row = warp * 16;  // this warp's accumulator rows: keys of S^T, queries of dQ
+  const int64_t my_key0 = walk.key0 + 64 * consumer;  // this warpgroup's 64 keys
   const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;  // query i sees key j iff j <= i + offset
-
-  const T* k = static_cast<const T*>(f.k) + walk.batch * f.k_strides.batch + walk.head_kv * f.k_strides.head;
-  const T* v = static_cast<const T*>(f.v) + walk.batch * f.v_strides.batch + walk.head_kv * f.v_strides.head;
-  load_swizzled_async<64, HeadDim, Tr::kThreads>(sK, k, f.k_strides.row, walk.key0, walk.keys);
-  load_swizzled_async<64, HeadDim, Tr::kThreads>(sV, v, f.v_strides.row, walk.key0, walk.keys);
-
-  // Queues step s's Q, dO, lse and delta into buffer `buf` (zeros past the queries).
-  auto load_step = [&](int64_t s, int buf) {
-    const int64_t head = walk.head(s), m0 = walk.m0(s);
-    const int64_t rows = sh.seqlen_q - m0;
-    load_swizzled_async<64, HeadDim, Tr::kThreads>(
-        sQ + buf * Tr::kTileBytes,
-        static_cast<const T*>(f.q) + walk.batch * f.q_strides.batch + head * f.q_strides.head, f.q_strides.row, m0,
-        rows);
-    load_swizzled_async<64, HeadDim, Tr::kThreads>(
-        sdO + buf * Tr::kTileBytes,
-        static_cast<const T*>(p.grad_out) + walk.batch * p.grad_out_strides.batch + head * p.grad_out_strides.head,
-        p.grad_out_strides.row, m0, rows);
-    load_lse_delta_async<kBlockM, Tr::kThreads>(sLse + buf * kBlockM, sDelta + buf * kBlockM, p,
-                                                (int64_t(walk.batch) * sh.heads_q + head) * sh.seqlen_q + m0, rows);
-  };
-  if (walk.steps > 0) load_step(0, 0);
-  cp_async_commit();
+  const float scale_log2 = f.scale * kLog2e;
+  const unsigned char* k_mine = sK + consumer * 64 * 128;  // rows 64c.. of every slab
+  const unsigned char* v_mine = sV + consumer * 64 * 128;
 
   float dk[kDTiles][4] = {}, dv[kDTiles][4] = {};
   float (&dk_flat)[kDTiles * 4] = reinterpret_cast<float (&)[kDTiles * 4]>(dk);
   float (&dv_flat)[kDTiles * 4] = reinterpret_cast<float (&)[kDTiles * 4]>(dv);
-  const float scale_log2 = f.scale * kLog2e;
-  const int warp_row = warp * 16;  // this warp's accumulator rows: keys of S^T, queries of dQ
+  if (walk.steps > 0) mbarrier_wait(kv_full, 0);
 
-  for (int64_t s = 0; s < walk.steps; ++s) {
-    const int buf = s % 2;
-    cp_async_wait<0>();  // step s's Q, dO, lse, delta (and K, V) landed
-    // cp.async writes are generic-proxy stores, wgmma reads through the async
-    // proxy: each writer fences, then the block syncs. Every wgmma of step
-    // s - 1 completed before its end, so its buffers are free.
-    fence_proxy_async_shared();
-    __syncthreads();
-    if (s + 1 < walk.steps) load_step(s + 1, 1 - buf);
-    cp_async_commit();
-
+  for (int s = 0; s < walk.steps; ++s) {
+    const int stage = stage_of(s);
+    mbarrier_wait(&step_full[stage], phase_of(s));
     const int64_t head = walk.head(s), m0 = walk.m0(s);
-    const unsigned char* q_tile = sQ + buf * Tr::kTileBytes;
-    const unsigned char* do_tile = sdO + buf * Tr::kTileBytes;
-    const float* lse = sLse + buf * kBlockM;
-    const float* delta = sDelta + buf * kBlockM;
+    const unsigned char* q_tile = sQ + stage * Tr::kQTileBytes;
+    const unsigned char* do_tile = sdO + stage * Tr::kQTileBytes;
+    const float* lse = sLse + stage * kBlockM;
+    const float* delta = sDelta + stage * kBlockM;
+    unsigned char* ds_tile = sdS + (s % 2) * Tr::kDsBytes;
 
-    // S^T = K Q^T and dP^T = V dO^T: rows = this block's keys, columns = the step's queries.
+    // S^T = K Q^T and dP^T = V dO^T: rows = this warpgroup's keys, columns = the step's queries.
     float st[kMTiles][4], dpt[kMTiles][4];
     float (&st_flat)[kMTiles * 4] = reinterpret_cast<float (&)[kMTiles * 4]>(st);
     float (&dpt_flat)[kMTiles * 4] = reinterpret_cast<float (&)[kMTiles * 4]>(dpt);
@@ -127,18 +145,20 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HeadDim / 16; ++kk)
-      wgmma_ss<T, 64>(st_flat, k_major_descriptor(sK, 64, kk), k_major_descriptor(q_tile, 64, kk), kk > 0);
+      wgmma_ss<T, 64>(st_flat, k_major_descriptor(k_mine, kBlockN, kk), k_major_descriptor(q_tile, kBlockM, kk),
+                      kk > 0);
 #pragma unroll
     for (int kk = 0; kk < HeadDim / 16; ++kk)
-      wgmma_ss<T, 64>(dpt_flat, k_major_descriptor(sV, 64, kk), k_major_descriptor(do_tile, 64, kk), kk > 0);
+      wgmma_ss<T, 64>(dpt_flat, k_major_descriptor(v_mine, kBlockN, kk), k_major_descriptor(do_tile, kBlockM, kk),
+                      kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(st_flat);
     fence_registers(dpt_flat);
 
     // P^T and dS^T, element (key row g + 8h, query column 2t + e) of each n-tile.
-    const bool needs_masking = walk.key0 + kBlockN > sh.seqlen_k || m0 + kBlockM > sh.seqlen_q ||
-                               (IsCausal && walk.key0 + kBlockN - 1 > m0 + causal_offset);
+    const bool needs_masking = my_key0 + 64 > sh.seqlen_k || m0 + kBlockM > sh.seqlen_q ||
+                               (IsCausal && my_key0 + 63 > m0 + causal_offset);
 #pragma unroll
     for (int nt = 0; nt < kMTiles; ++nt) {
 #pragma unroll
@@ -146,7 +166,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads)
         const int r = warp_row + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
         float x = st[nt][e] * scale_log2;
         if (needs_masking) {
-          const int64_t key = walk.key0 + r, query = m0 + c;
+          const int64_t key = my_key0 + r, query = m0 + c;
           if (key >= sh.seqlen_k || query >= sh.seqlen_q || (IsCausal && key > query + causal_offset))
             x = -INFINITY;
         }
@@ -162,14 +182,14 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads)
       probabilities_as_a<T>(ds_a[kq], dpt, kq);
     }
 
-    // dS = (dS^T)^T, [query][key] in a 128-byte-swizzled tile for dQ = dS K.
-    // The A fragment of k-step kq holds the four 8x8 matrices (queries
-    // (2 kq + i / 2) * 8.., this warp's keys (i % 2) * 8..) that a transposing
-    // stmatrix writes as 16-byte rows of dS.
+    // dS = (dS^T)^T, [query][key]: this warpgroup's 64 keys are slab
+    // `consumer` of the tile. The A fragment of k-step kq holds the four 8x8
+    // matrices (queries (2 kq + i / 2) * 8.., this warp's keys (i % 2) * 8..)
+    // that a transposing stmatrix writes as 16-byte rows of dS.
 #pragma unroll
     for (int kq = 0; kq < kBlockM / 16; ++kq) {
       const int i = lane / 8, query = (2 * kq + i / 2) * 8 + lane % 8, key_chunk = 2 * warp + i % 2;
-      stmatrix_x4_trans(ds_a[kq], sdS + swizzled_chunk_offset(query, key_chunk, 64));
+      stmatrix_x4_trans(ds_a[kq], ds_tile + consumer * kBlockM * 128 + swizzled_chunk_offset(query, key_chunk, kBlockM));
     }
     fence_proxy_async_shared();  // dS: written through the generic proxy, read by wgmma
 
@@ -185,74 +205,76 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads)
     wgmma_fence();
 #pragma unroll
     for (int kq = 0; kq < kBlockM / 16; ++kq)
-      wgmma_rs<T, HeadDim>(dv_flat, p_a[kq], mn_major_descriptor(do_tile, 64, kq), true);
+      wgmma_rs<T, HeadDim>(dv_flat, p_a[kq], mn_major_descriptor(do_tile, kBlockM, kq), true);
 #pragma unroll
     for (int kq = 0; kq < kBlockM / 16; ++kq)
-      wgmma_rs<T, HeadDim>(dk_flat, ds_a[kq], mn_major_descriptor(q_tile, 64, kq), true);
+      wgmma_rs<T, HeadDim>(dk_flat, ds_a[kq], mn_major_descriptor(q_tile, kBlockM, kq), true);
     wgmma_commit();
-    // Waiting here frees P^T's and dS^T's registers for dQ's (at d=128 the
-    // overlap with dQ's products spilled).
+    // Waiting here frees P^T's and dS^T's registers for dQ's, and the stage.
     wgmma_wait<0>();
     fence_registers(dv_flat);
     fence_registers(dk_flat);
-    __syncthreads();  // all of dS written (and fenced) by every warp
+    if (lane == 0) mbarrier_arrive(&step_empty[stage]);
+    // Both warpgroups' dS written (and fenced). It also orders this buffer's
+    // next use, two steps on, after both warpgroups' dQ of this step.
+    named_barrier_sync(Tr::kDsWrittenBarrier, 128 * Tr::kConsumers);
 
-    // dQ = dS K, 64 columns of d at a time: rows = the step's queries (this
-    // warp's 16), K read transposed from its swizzled slabs.
-    float* accum = p.grad_q_accum + ((int64_t(walk.batch) * sh.heads_q + head) * sh.seqlen_q + m0) * HeadDim;
+    // dQ = dS K: rows = the step's queries (this warp's 16). At d=128 this
+    // warpgroup's 64 columns of d over all 128 keys; at d=64 all of d over
+    // its own 64 keys (both warpgroups then add to the same dQ).
+    constexpr int kDqKeys = HeadDim == 128 ? kBlockN : 64;
+    const int column0 = HeadDim == 128 ? 64 * consumer : 0;
+    const unsigned char* ds_a_tile = ds_tile + (HeadDim == 128 ? 0 : consumer * kBlockM * 128);
+    const unsigned char* k_b_tile = sK + (HeadDim == 128 ? consumer * kBlockN * 128 : consumer * 64 * 128);
+    float dq[8][4];
+    float (&dq_flat)[32] = reinterpret_cast<float (&)[32]>(dq);
+    fence_registers(dq_flat);
+    wgmma_fence();
 #pragma unroll
-    for (int half = 0; half < HeadDim / 64; ++half) {
-      float dq[8][4];
-      float (&dq_flat)[32] = reinterpret_cast<float (&)[32]>(dq);
-      fence_registers(dq_flat);
-      wgmma_fence();
+    for (int kk = 0; kk < kDqKeys / 16; ++kk)
+      wgmma_ss<T, 64, true>(dq_flat, k_major_descriptor(ds_a_tile, kBlockM, kk), mn_major_descriptor(k_b_tile, kBlockN, kk),
+                            kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(dq_flat);
+    float* accum = p.grad_q_accum + ((int64_t(walk.batch) * sh.heads_q + head) * sh.seqlen_q + m0) * HeadDim + column0;
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        wgmma_ss<T, 64, true>(dq_flat, k_major_descriptor(sdS, 64, kk),
-                              mn_major_descriptor(sK + half * 64 * 128, 64, kk), kk > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_registers(dq_flat);
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp_row + g + 8 * h;  // the query, within the step
+      if (m0 + r >= sh.seqlen_q) continue;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = warp_row + g + 8 * h;  // the query, within the step
-        if (m0 + r >= sh.seqlen_q) continue;
-#pragma unroll
-        for (int dt = 0; dt < 8; ++dt)
-          red_add_float2(accum + r * HeadDim + half * 64 + dt * 8 + 2 * t, dq[dt][2 * h], dq[dt][2 * h + 1]);
-      }
+      for (int dt = 0; dt < 8; ++dt)
+        red_add_float2(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h], dq[dt][2 * h + 1]);
     }
   }
-  cp_async_wait<0>();
-  fence_registers(dk_flat);
-  fence_registers(dv_flat);
-  store_key_gradients<HeadDim, T>(p, walk.batch, walk.head_kv, walk.key0 + warp_row, dk, dv);
+  store_key_gradients<HeadDim, T>(p, walk.batch, walk.head_kv, my_key0 + warp_row, dk, dv);
 #else
   __trap();  // built for another target: sm90_available() keeps callers away
 #endif
 }
 
 template <int HeadDim, typename T, bool IsCausal>
-void launch_sm90_backward_kernel(const BackwardParams& p, cudaStream_t stream) {
+void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90BackwardTraits<HeadDim>;
   auto kernel = sm90_backward_kernel<HeadDim, T, IsCausal>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-  const AttentionShape& sh = p.fwd.shape;
-  const int64_t blocks = (sh.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN * p.head_splits * sh.heads_kv * sh.batch;
+  const AttentionShape& sh = args.p.fwd.shape;
+  const int64_t blocks = (sh.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN * args.p.head_splits * sh.heads_kv * sh.batch;
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hkv x head splits x key blocks exceeds one launch (2^31 - 1)");
-  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
+  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
 template <int HeadDim, typename Element>
-void launch_backward_sm90(const BackwardParams& p, cudaStream_t stream) {
+void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
+  const BackwardParams& p = args.p;
   run_backward_passes<Element>(p, stream, [&] {
     if (p.fwd.shape.batch * p.fwd.shape.heads_kv * p.fwd.shape.seqlen_k == 0) return;
     if (p.fwd.is_causal)
-      launch_sm90_backward_kernel<HeadDim, Element, true>(p, stream);
+      launch_sm90_backward_kernel<HeadDim, Element, true>(args, stream);
     else
-      launch_sm90_backward_kernel<HeadDim, Element, false>(p, stream);
+      launch_sm90_backward_kernel<HeadDim, Element, false>(args, stream);
   });
 }
 

@@ -8,6 +8,7 @@
 #include "../common/instantiation_dispatch.h"
 #include "../common/launch_check.h"
 #include "backward_sm90.h"
+#include "backward_traits.h"
 #include "forward_sm90.h"
 #include "forward_traits.h"
 #include "tensor_maps.h"
@@ -83,12 +84,36 @@ bool forward_sm90(const ForwardParams& p, cudaStream_t stream) {
   return launched;
 }
 
-void backward_sm90(const BackwardParams& p, cudaStream_t stream) {
+bool backward_sm90(const BackwardParams& p, cudaStream_t stream) {
   if (p.fwd.mask.kind != MaskKind::None || p.deterministic)
     throw std::invalid_argument("fusedattn: the sm90 backward takes no attn_mask and no deterministic mode yet");
-  dispatch_instantiation<64, 128>("sm90 backward", p.fwd.dtype, p.fwd.shape.head_dim, [&](auto head_dim, auto element) {
-    launch_backward_sm90<decltype(head_dim)::value, decltype(element)>(p, stream);
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
+  // The kernel's TMA coordinates are int: rows of lse and delta included.
+  if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31)) return false;
+  Sm90BackwardArgs args{};
+  args.p = p;
+  constexpr int kBlockM = Sm90BackwardTraits<128>::kBlockM, kBlockN = Sm90BackwardTraits<128>::kBlockN;
+  static_assert(Sm90BackwardTraits<64>::kBlockM == kBlockM && Sm90BackwardTraits<64>::kBlockN == kBlockN &&
+                kBlockN == kSm90BackwardBlockN);
+  const bool encoded =
+      (rows == 0 ||
+       (encode_head_tensor_map(&args.q_map, p.fwd.dtype, p.fwd.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim,
+                               p.fwd.q_strides, kBlockM) &&
+        encode_head_tensor_map(&args.do_map, p.fwd.dtype, p.grad_out, sh.batch, sh.heads_q, sh.seqlen_q,
+                               sh.head_dim, p.grad_out_strides, kBlockM) &&
+        encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, kBlockM) &&
+        encode_rows_tensor_map(&args.delta_map, p.delta, rows, kBlockM))) &&
+      (sh.seqlen_k == 0 ||
+       (encode_head_tensor_map(&args.k_map, p.fwd.dtype, p.fwd.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
+                               p.fwd.k_strides, kBlockN) &&
+        encode_head_tensor_map(&args.v_map, p.fwd.dtype, p.fwd.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
+                               p.fwd.v_strides, kBlockN)));
+  if (!encoded) return false;
+  dispatch_instantiation<64, 128>("sm90 backward", p.fwd.dtype, sh.head_dim, [&](auto head_dim, auto element) {
+    launch_backward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);
   });
+  return true;
 }
 
 }  // namespace fusedattn::cuda
