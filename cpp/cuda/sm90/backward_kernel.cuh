@@ -164,15 +164,16 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = warp_row + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
-        float x = st[nt][e] * scale_log2;
+        // A hidden entry is 0 in P^T and dS^T outright: past the queries, lse
+        // and delta are the next head's, and a NaN there must not reach dK.
+        bool hidden = false;
         if (needs_masking) {
           const int64_t key = my_key0 + r, query = m0 + c;
-          if (key >= sh.seqlen_k || query >= sh.seqlen_q || (IsCausal && key > query + causal_offset))
-            x = -INFINITY;
+          hidden = key >= sh.seqlen_k || query >= sh.seqlen_q || (IsCausal && key > query + causal_offset);
         }
-        const float prob = exp2f(x - lse_in_log2(lse[c]));
+        const float prob = hidden ? 0.0f : exp2f(st[nt][e] * scale_log2 - lse_in_log2(lse[c]));
         st[nt][e] = prob;
-        dpt[nt][e] = prob * (dpt[nt][e] - delta[c]);
+        dpt[nt][e] = hidden ? 0.0f : prob * (dpt[nt][e] - delta[c]);
       }
     }
     uint32_t p_a[kBlockM / 16][4], ds_a[kBlockM / 16][4];

@@ -530,6 +530,8 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
                     r = warp_row + g + (e >> 1) * 8
                     cc = nt * 8 + 2 * t + (e & 1)
                     x = (st[:, nt, e] * scale_log2).astype(np.float32)
+                    # kernel: a hidden entry is 0 in P^T and dS^T outright
+                    kill = np.zeros(x.shape, bool)
                     if needs_masking:
                         key, query = my_key0 + r, m0 + cc
                         kill = key >= nk
@@ -537,13 +539,14 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
                             kill = kill | (query >= nq)
                         if G["causal"]:
                             kill = kill | (key > query + causal_offset)
-                        x = np.where(kill, np.float32(-np.inf), x).astype(np.float32)
+                        kill = np.broadcast_to(kill, x.shape)
                     lse_c = lse_all[cc]
                     lse_log2 = np.where(lse_c == -np.inf, np.float32(np.inf), lse_c * be.KLOG2E).astype(np.float32)
                     with np.errstate(all="ignore"):
-                        prob = np.exp2(x - lse_log2).astype(np.float32)
+                        prob = np.where(kill, np.float32(0), np.exp2(x - lse_log2)).astype(np.float32)
                         st[:, nt, e] = prob
-                        dpt[:, nt, e] = (prob * (dpt[:, nt, e] - delta_all[cc])).astype(np.float32)
+                        dpt[:, nt, e] = np.where(kill, np.float32(0),
+                                                 prob * (dpt[:, nt, e] - delta_all[cc])).astype(np.float32)
             full_st = np.zeros((128, kMTiles, 4), np.float32); full_st[mine] = st
             full_dpt = np.zeros((128, kMTiles, 4), np.float32); full_dpt[mine] = dpt
             for kq in range(kBlockM // 16):
