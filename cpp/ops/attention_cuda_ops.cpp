@@ -98,7 +98,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
   const bool on_sm90 = use_sm90_forward(in.params) && cuda::forward_sm90(in.params, stream);
   if (!on_sm90) {
     TORCH_CHECK(!forced_family_is("sm90"), "fusedattn: FUSEDATTN_KERNEL_FAMILY=sm90, but the tensor memory "
-                "accelerator cannot describe these q, k, v layouts (strides of 0 or not multiples of 16 bytes)");
+                "accelerator cannot describe these q, k, v layouts (strides of 0 or not multiples of 16 bytes), or a "
+                "sequence is longer than 2^30");
     cuda::forward_sm80(in.params, stream);
   }
   return outputs;
@@ -138,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     // Declined: its tensor maps cannot describe the operands. sm80 takes them.
     TORCH_CHECK(!forced_family_is("sm90"), "fusedattn: FUSEDATTN_KERNEL_FAMILY=sm90, but the tensor memory "
                 "accelerator cannot describe these q, k, v, grad_out layouts (strides of 0 or not multiples of 16 "
-                "bytes)");
+                "bytes), or the call is past its int coordinates (B x Hq x Nq or Nk of 2^31)");
   }
   split_heads_for(cuda::kBackwardBlockN, cuda::kBackwardBlocksPerSm);
   cuda::backward_sm80(b.params, stream);
