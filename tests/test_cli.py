@@ -47,25 +47,33 @@ def test_bench_backward_on_the_cpu(tmp_path):
     assert row["results"]["fusedattn"]["status"] == "ok" and row["fusedattn_speedup"]["sdpa"] > 0
 
 
-def test_bench_applies_a_methods_environment_to_forward_and_backward(monkeypatch):
-    """A kernel-family column holds FUSEDATTN_KERNEL_FAMILY through the
+def test_bench_holds_a_methods_setting_through_forward_and_backward(monkeypatch):
+    """A kernel-family or deterministic column holds its setting through the
     backward too (it runs after the method returns), then restores it."""
     from fusedattn import bench
 
     monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "auto")
     seen = []
 
-    class Recording(bench._KernelFamily):
-        def __call__(self, q, k, v, causal):
-            seen.append(os.environ["FUSEDATTN_KERNEL_FAMILY"])
-            return _RecordingBackward.apply(super().__call__(q, k, v, causal), seen)
+    def recording(method):
+        def call(q, k, v, causal):
+            seen.append((os.environ["FUSEDATTN_KERNEL_FAMILY"], torch.are_deterministic_algorithms_enabled()))
+            return _RecordingBackward.apply(method(q, k, v, causal), seen)
+        call.setting = method.setting
+        return call
 
     cfg = bench.Config(torch.device("cpu"), batch=1, heads=2, head_dim=16, seqlens=[32], dtypes=["float32"],
                        causal=[False], repeats=1, warmup=0, backward=True)
-    cell = bench.measure(cfg, "float32", False, 32, "fusedattn-sm80", Recording("sm80"))
+    cell = bench.measure(cfg, "float32", False, 32, "fusedattn-sm80", recording(bench._kernel_family("sm80")))
     assert cell["status"] == "ok"
-    assert seen and set(seen) == {"sm80", "sm80 (backward)"}
+    assert seen and set(seen) == {("sm80", False), ("sm80 (backward)", False)}
     assert os.environ["FUSEDATTN_KERNEL_FAMILY"] == "auto"
+    seen.clear()
+    cell = bench.measure(cfg, "float32", False, 32, "fusedattn-deterministic",
+                         recording(bench._Fusedattn(bench._deterministic_algorithms)))
+    assert cell["status"] == "ok"
+    assert set(seen) == {("auto", True), ("auto (backward)", True)}
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 class _RecordingBackward(torch.autograd.Function):
@@ -76,7 +84,8 @@ class _RecordingBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.seen.append(os.environ["FUSEDATTN_KERNEL_FAMILY"] + " (backward)")
+        ctx.seen.append((os.environ["FUSEDATTN_KERNEL_FAMILY"] + " (backward)",
+                         torch.are_deterministic_algorithms_enabled()))
         return grad, None
 
 

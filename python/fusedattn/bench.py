@@ -78,12 +78,12 @@ def _sdpa_backend(name: str):
     return run
 
 
-class _KernelFamily:
-    """fusedattn with FUSEDATTN_KERNEL_FAMILY=family while it is measured
-    (measure() applies `env` around the forward and the backward alike)."""
+class _Fusedattn:
+    """fusedattn's forward under a setting that measure() holds around the
+    forward and the backward alike (`setting()` is a context manager)."""
 
-    def __init__(self, family: str):
-        self.env = {"FUSEDATTN_KERNEL_FAMILY": family}
+    def __init__(self, setting: Callable):
+        self.setting = setting
 
     def __call__(self, q, k, v, causal):
         return torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
@@ -103,7 +103,21 @@ def _environment(variables: dict[str, str]):
                 os.environ[name] = value
 
 
-def methods(device: torch.device) -> dict[str, Callable]:
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def _kernel_family(family: str) -> _Fusedattn:
+    return _Fusedattn(lambda: _environment({"FUSEDATTN_KERNEL_FAMILY": family}))
+
+
+def methods(device: torch.device, backward: bool = False) -> dict[str, Callable]:
     """Name -> f(q, k, v, causal). The first one is the baseline of the table."""
     table = {
         "naive": lambda q, k, v, causal: reference.attention(q, k, v, is_causal=causal),
@@ -115,7 +129,10 @@ def methods(device: torch.device) -> dict[str, Callable]:
             table[f"sdpa-{name}"] = _sdpa_backend(name)
     if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
         # The default there is the sm90 family where it takes the call; the sm80 family alongside.
-        table["fusedattn-sm80"] = _KernelFamily("sm80")
+        table["fusedattn-sm80"] = _kernel_family("sm80")
+    if device.type == "cuda" and backward:
+        # torch.use_deterministic_algorithms(True): dQ in a pass of its own (its cost).
+        table["fusedattn-deterministic"] = _Fusedattn(_deterministic_algorithms)
     table["fusedattn"] = lambda q, k, v, causal: torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
     return table
 
@@ -181,7 +198,7 @@ def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dic
     else:
         call = lambda: fn(q, k, v, causal)  # noqa: E731
     try:
-        with _environment(getattr(fn, "env", {})):
+        with getattr(fn, "setting", contextlib.nullcontext)():
             memory = peak_bytes(call, cfg.device)
             seconds = median_seconds(call, cfg)
     except torch.OutOfMemoryError:
@@ -198,7 +215,7 @@ def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dic
 def run(cfg: Config, progress: bool = True) -> dict:
     from tqdm import tqdm
 
-    table = methods(cfg.device)
+    table = methods(cfg.device, cfg.backward)
     ceilings = {dt: matmul_ceiling(cfg, dt) for dt in cfg.dtypes}
     cells = [(dt, c, n, m) for dt in cfg.dtypes for c in cfg.causal for n in cfg.seqlens for m in table]
     rows: dict[tuple, dict] = {}
