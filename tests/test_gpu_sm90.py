@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fusedattn
-from attention_cases import Case, check_forward, make_inputs
+from attention_cases import MASK_KINDS, Case, check_forward, make_inputs
 from test_forward import cases
 from test_gpu import GPU_DTYPES, check_cuda
 
@@ -64,12 +64,25 @@ def test_sm90_agrees_with_sm80(monkeypatch):
     check_forward(case, device="cuda", out=out90, lse=lse90)
 
 
+@pytest.mark.parametrize("mask", [m for m in MASK_KINDS if m != "none"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_sm90_every_mask_kind(mask, is_causal, dtype):
+    """attn_mask on the sm90 path (head dim 128): Nk = 800 spans several key tiles."""
+    check_cuda(Case(seqlen_q=113, seqlen_k=800, head_dim=128, dtype=dtype, mask=mask, is_causal=is_causal))
+
+
+@given(cases(max_len=700), st.sampled_from(GPU_DTYPES))
+def test_sm90_random_masked_cases(case, dtype):
+    check_cuda(dataclasses.replace(case, dtype=dtype, head_dim=128))
+
+
 def test_sm90_refuses_what_it_cannot_take():
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=32), "cuda")
-    with pytest.raises(RuntimeError, match="head dims 64 and 128 only; got head dim 32"):
+    with pytest.raises(RuntimeError, match="head dims 64 and 128, and attn_mask at head dim 128 only; got head dim 32"):
         torch.ops.fusedattn.forward(q, k, v)
     q, k, v, mask = make_inputs(Case(dtype=torch.float16, head_dim=64, mask="bool"), "cuda")
-    with pytest.raises(RuntimeError, match="takes no attn_mask"):
+    with pytest.raises(RuntimeError, match="got head dim 64 with a mask"):
         torch.ops.fusedattn.forward(q, k, v, mask)
 
 

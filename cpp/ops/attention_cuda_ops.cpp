@@ -67,10 +67,13 @@ bool one_of(int64_t head_dim, const int (&dims)[N]) {
 }
 
 bool use_sm90_forward(const ForwardParams& p) {
-  const bool takes = p.mask.kind == MaskKind::None && one_of(p.shape.head_dim, cuda::kSm90HeadDims);
+  const bool masked = p.mask.kind != MaskKind::None;
+  const bool takes = one_of(p.shape.head_dim, cuda::kSm90HeadDims) &&
+                     (!masked || p.shape.head_dim == cuda::kSm90MaskedHeadDim);
   return use_sm90(takes, [&] {
-    return "the sm90 forward takes no attn_mask and head dims 64 and 128 only; got head dim " +
-           std::to_string(p.shape.head_dim) + (p.mask.kind != MaskKind::None ? " with a mask" : "");
+    return "the sm90 forward takes head dims 64 and 128, and attn_mask at head dim " +
+           std::to_string(cuda::kSm90MaskedHeadDim) + " only; got head dim " + std::to_string(p.shape.head_dim) +
+           (masked ? " with a mask" : "");
   });
 }
 

@@ -12,8 +12,9 @@
 //   the consumers take turns issuing their GEMMs (named barriers), so one
 //   warpgroup's softmax overlaps the others' tensor-core work.
 // The accumulators of each warp have mma.sync's C layout, so the softmax and P
-// packing helpers of the sm80 kernel apply unchanged. Not yet: attn_mask (the
-// dispatcher sends masked calls to the sm80 kernel).
+// packing helpers of the sm80 kernel apply unchanged. attn_mask is read where
+// the scores are, by a separate instantiation (no tile is skipped for it: the
+// producer loads every tile).
 #pragma once
 
 #include <cmath>
@@ -21,6 +22,7 @@
 #include "../common/bulk_copy.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
+#include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
 #include "forward_sm90.h"
 #include "forward_traits.h"
@@ -30,7 +32,7 @@
 
 namespace fusedattn::cuda {
 
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool IsCausal, bool HasMask>
 __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
     sm90_forward_kernel(const __grid_constant__ Sm90ForwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and setmaxnreg exist only in sm_90a code
@@ -114,6 +116,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
   const int wg_row0 = row0 + 64 * consumer;  // this warpgroup's first query
   const int warp_row = warp * 16;                 // this warp's rows within the warpgroup's 64
   const float scale_log2 = p.scale * kLog2e;
+  const int64_t mask_base = HasMask ? batch * p.mask.batch_stride + head * p.mask.head_stride : 0;
 
   float acc[kDTiles][4] = {};
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {};
@@ -157,6 +160,37 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
   // Scale S_j to base 2, hide keys past the end and (causal) above the
   // diagonal, and take the online-softmax step; returns the factor by which
   // O must be rescaled.
+  // attn_mask (base-2 units) added to the visible scores of the tile at
+  // col0: a hidden entry stays -inf whatever the mask holds there, and rows
+  // past the queries read none of it. One loop per mask kind, each reading
+  // its element type straight from the row's offset.
+  auto add_mask = [&](int col0) {
+    int64_t row_offset[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      row_offset[h] = mask_base + int64_t(wg_row0 + warp_row + g + 8 * h) * p.mask.row_stride +
+                      int64_t(col0 + 2 * t) * p.mask.col_stride;
+    const bool row_valid[2] = {wg_row0 + warp_row + g < seqlen_q, wg_row0 + warp_row + g + 8 < seqlen_q};
+    auto add = [&](auto value_at) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (row_valid[e >> 1] && s[nt][e] != -INFINITY)
+            s[nt][e] += value_at(row_offset[e >> 1] + (nt * 8 + (e & 1)) * p.mask.col_stride);
+    };
+    switch (p.mask.kind) {
+      case MaskKind::Bool:
+        add([&](int64_t i) { return static_cast<const uint8_t*>(p.mask.ptr)[i] ? 0.0f : -INFINITY; });
+        break;
+      case MaskKind::AdditiveFloat32:
+        add([&](int64_t i) { return static_cast<const float*>(p.mask.ptr)[i] * kLog2e; });
+        break;
+      default:  // AdditiveInput
+        add([&](int64_t i) { return to_float(static_cast<const T*>(p.mask.ptr)[i]) * kLog2e; });
+        break;
+    }
+  };
   auto softmax = [&](int j, float (&rescale)[2]) {
     const int col0 = j * kBlockN;
     const bool needs_masking = col0 + kBlockN > key_end || (IsCausal && col0 + kBlockN - 1 > wg_row0 + causal_offset);
@@ -182,6 +216,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
         for (int e = 0; e < 4; ++e)
           if (nt * 8 + (e & 1) >= visible[e >> 1]) s[nt][e] = -INFINITY;
     }
+    if constexpr (HasMask) add_mask(col0);
     online_softmax_scores(s, m_i, l_i, rescale);
   };
   auto pack_probabilities = [&] {
@@ -258,10 +293,10 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
 #endif
 }
 
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool IsCausal, bool HasMask>
 void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90ForwardTraits<HeadDim>;
-  auto kernel = sm90_forward_kernel<HeadDim, T, IsCausal>;
+  auto kernel = sm90_forward_kernel<HeadDim, T, IsCausal, HasMask>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   const AttentionShape& sh = args.p.shape;
   const int64_t blocks = (sh.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * sh.batch * sh.heads_q;
@@ -273,10 +308,22 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
 
 template <int HeadDim, typename Element>
 void launch_forward_sm90(const Sm90ForwardArgs& args, cudaStream_t stream) {
+  const bool masked = args.p.mask.kind != MaskKind::None;
+  if constexpr (kSm90MaskedHeadDim == HeadDim) {
+    if (masked) {
+      if (args.p.is_causal)
+        launch_sm90_forward_kernel<HeadDim, Element, true, true>(args, stream);
+      else
+        launch_sm90_forward_kernel<HeadDim, Element, false, true>(args, stream);
+      return;
+    }
+  } else if (masked) {
+    throw std::invalid_argument("fusedattn: the sm90 forward takes attn_mask at head dim 128 only");
+  }
   if (args.p.is_causal)
-    launch_sm90_forward_kernel<HeadDim, Element, true>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, Element, true, false>(args, stream);
   else
-    launch_sm90_forward_kernel<HeadDim, Element, false>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, Element, false, false>(args, stream);
 }
 
 }  // namespace fusedattn::cuda
