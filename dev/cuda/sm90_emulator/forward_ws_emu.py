@@ -10,7 +10,8 @@ executed by ptx_model (descriptors, absolute 128B swizzle, CLayout/ALayout fragm
 model with bar.arrive (counts, generations, arrivals left at exit), a stage oracle (a ring stage overwritten before
 all 4 kConsumers warps released it), per-element write accounting of out and lse.
 
-Line numbers (":NN") refer to forward_kernel.cuh @ 1c251b0.
+Line numbers (":NN") refer to forward_kernel.cuh @ 1c251b0; those marked 2f5de7d (attn_mask: add_mask, HasMask
+dispatch) to that commit.
 """
 import random
 
@@ -60,6 +61,8 @@ class Knobs:
         self.release_k_early = kw.get("release_k_early", False)    # :223 moved above :221 wait<1>
         self.wait1 = kw.get("wait1", 1)                            # :221 wgmma_wait<1>
         self.tma_late = kw.get("tma_late", 0.0)
+        # attn_mask (2f5de7d :163-193, :219): "kernel", or a broken variant for negative controls
+        self.mask_variant = kw.get("mask_variant", "kernel")
         self.tags = kw.get("tags", False)
         self.stats = kw.get("stats", None)
 
@@ -289,6 +292,35 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         x = (x + x[ln ^ 1]).astype(np.float32)
         return (x + x[ln ^ 2]).astype(np.float32)
 
+    # ---------------------------------------------------------------- attn_mask (2f5de7d)
+    M_ = G.get("mask")
+    mask_base = (batch * M_["strides"][0] + head * M_["strides"][1]) if M_ is not None else 0   # :119
+
+    def mask_value(M, idx):
+        """The value_at lambdas of :183-191 (base-2 units, float32)."""
+        if ((idx < 0) | (idx >= M["buf"].size)).any():
+            M["oob"] += int(((idx < 0) | (idx >= M["buf"].size)).sum())
+            idx = np.clip(idx, 0, M["buf"].size - 1)
+        v = M["buf"][idx]
+        if M["kind"] == "bool":
+            return np.where(v != 0, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+        if M["kind"] == "f32":
+            return (v.astype(np.float32) * be.KLOG2E).astype(np.float32)
+        return (fmt.dec(v).astype(np.float32) * be.KLOG2E).astype(np.float32)   # to_float(T) * kLog2e
+
+    def record_mask_reads(M, idx, r, cc):
+        """Each read: its buffer index must be one some in-range position maps to (M["allowed"]), and the logical
+        (row, col) of the register must be in range and visible (row < Nq, col < Nk, causal col <= row + Nk - Nq);
+        counts[b, h, row, col] += 1 for the exactly-once check."""
+        inb = (idx >= 0) & (idx < M["buf"].size)
+        M["outside"] += int((~inb).sum()) + int((~M["allowed"][idx[inb]]).sum())
+        bad = (r >= nq) | (cc >= nk) | (r < 0) | (cc < 0)
+        if G["causal"]:
+            bad |= cc > r + (nk - nq)
+        M["hidden_reads"] += int(bad.sum())
+        ok = ~bad
+        np.add.at(M["counts"], (batch, head, r[ok], cc[ok]), 1)
+
     # ---------------------------------------------------------------- consumer warps (:109-255)
     def consumer_warp(c, w):
         agent = 1 + 4 * c + w
@@ -343,6 +375,31 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
             wg_issue(c, w, ("PV", j), f, "PV_%d" % j)
             commit(c, w, ("PV", j))
 
+        def add_mask(col0, s, force=False):                               # 2f5de7d :167-193
+            M = G["mask"]
+            rs_, cs_ = M["strides"][2], M["strides"][3]
+            var = kn.mask_variant
+            row_offset = np.zeros((32, 2), np.int64)
+            for h in range(2):                                            # :170-172
+                row_offset[:, h] = (mask_base + (wg_row0 + warp_row + g + 8 * h).astype(np.int64) * rs_
+                                    + (col0 + (t if var == "col_t" else 2 * t)).astype(np.int64) * cs_)
+            row_valid = np.stack([wg_row0 + warp_row + g < nq, wg_row0 + warp_row + g + 8 < nq], 1)   # :173
+            if var == "no_row_valid":
+                row_valid[:] = True
+            for nt in range(kNTiles):                                     # :174-181
+                for e in range(4):
+                    sel = row_valid[:, e >> 1] & (s[:, nt, e] != -np.inf)
+                    if var in ("no_hidden_test", "before_hide") or force:
+                        sel = row_valid[:, e >> 1].copy()
+                    if not sel.any():
+                        continue
+                    idx = row_offset[sel, e >> 1] + (nt * 8 + (e & 1)) * cs_
+                    # independent bookkeeping: the logical (row, col) this register holds
+                    r = (wg_row0 + warp_row + g + 8 * (e >> 1))[sel]
+                    cc = (col0 + nt * 8 + 2 * t + (e & 1))[sel]
+                    record_mask_reads(M, idx, r, cc)
+                    s[sel, nt, e] = (s[sel, nt, e] + mask_value(M, idx)).astype(np.float32)
+
         def softmax(j, s):                                                # :160-186
             col0 = j * kBlockN
             if kn.needs_masking is None:
@@ -350,6 +407,8 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
             else:
                 needs = kn.needs_masking(col0, key_end, wg_row0, causal_offset)
             s *= scale_log2
+            if G.get("mask") is not None and kn.mask_variant == "before_hide":   # control: mask added, then hidden
+                add_mask(col0, s, force=True)
             if needs:
                 if kn.mask_mode == "visible":
                     vis = np.zeros((32, 2), np.int64)
@@ -371,6 +430,9 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                             cc = nt * 8 + 2 * t + (e & 1)
                             hide = (cc >= cols) | ((cc - r > diagonal) if G["causal"] else False)
                             s[hide, nt, e] = -np.inf
+            if G.get("mask") is not None:                                 # 2f5de7d :219 if constexpr (HasMask)
+                if kn.mask_variant != "before_hide":
+                    add_mask(col0, s)
             rescale = np.zeros((32, 2), np.float32)                       # online_softmax.cuh:21-44
             for h in range(2):
                 row_max = np.full(32, -np.inf, np.float32)
@@ -519,6 +581,27 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
     return smem_
 
 
+# ============================================================ dispatch (2f5de7d)
+SM90_HEAD_DIMS = (64, 128)              # forward_sm90.h kSm90HeadDims
+SM90_MASKED_HEAD_DIM = 128              # forward_sm90.h kSm90MaskedHeadDim
+
+
+def use_sm90_forward(d, mask_kind):     # attention_cuda_ops.cpp:69-78 (`takes`)
+    masked = mask_kind != "none"
+    return d in SM90_HEAD_DIMS and (not masked or d == SM90_MASKED_HEAD_DIM)
+
+
+def launch_instantiation(d, mask_kind, causal):
+    """launch_forward_sm90<HeadDim>: (IsCausal, HasMask) of the kernel it launches, or the exception it throws."""
+    masked = mask_kind != "none"
+    if d == SM90_MASKED_HEAD_DIM:                                        # if constexpr (kSm90MaskedHeadDim == HeadDim)
+        if masked:
+            return (causal, True)
+    elif masked:
+        return "invalid_argument"
+    return (causal, False)
+
+
 # ============================================================ problem + driver
 def make_problem(rng, B, hq, hkv, nq, nk, d, causal, fmt):
     Qb = fmt.enc(rng.standard_normal((B, hq, nq, d)).astype(np.float32))
@@ -545,7 +628,26 @@ def reference(G):
     B, hq, nq, d = Q.shape
     if G["nk"] == 0:
         return np.zeros(Q.shape), np.full((B, hq, nq), -np.inf)
-    O, lse, _, _ = be.forward_reference(Q, K, V, G["scale"], G["causal"])
+    if G.get("mask") is None:
+        O, lse, _, _ = be.forward_reference(Q, K, V, G["scale"], G["causal"])
+        return O, lse
+    # float64 softmax(Q K^T scale + mask) V over the visible keys; hidden entries -inf whatever the mask holds
+    g_ = hq // G["hkv"]
+    Kr, Vr = np.repeat(K, g_, axis=1), np.repeat(V, g_, axis=1)
+    s = np.einsum("bhqd,bhkd->bhqk", Q, Kr) * G["scale"]
+    nq, nk = G["nq"], G["nk"]
+    vis = np.ones((nq, nk), bool)
+    if G["causal"]:
+        vis = np.arange(nk)[None, :] <= np.arange(nq)[:, None] + (nk - nq)
+    with np.errstate(invalid="ignore"):
+        s = np.where(vis, s + G["mask"]["logical"], -np.inf)
+    mx = s.max(-1, keepdims=True)
+    mx = np.where(np.isfinite(mx), mx, 0)
+    p = np.exp(s - mx)
+    l = p.sum(-1, keepdims=True)
+    P = np.where(l > 0, p / np.where(l > 0, l, 1), 0)
+    O = np.einsum("bhqk,bhkd->bhqd", P, Vr)
+    lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1)) + mx[..., 0], -np.inf)
     return O, lse
 
 
@@ -555,6 +657,8 @@ def run_forward(G, fmt, seed=0, kn=None, oracle=None, tag_log=None, protos=None,
     kC = Traits(G["d"], (kn or Knobs()).consumers).kConsumers
     kBlockM = 64 * kC
     assert max(G["nq"], G["nk"]) <= 2 ** 30                              # sm90_dispatch.cu:74
+    if G.get("mask") is not None and G["d"] != SM90_MASKED_HEAD_DIM:    # 2f5de7d forward_kernel.cuh:320-321
+        raise ValueError("fusedattn: the sm90 forward takes attn_mask at head dim 128 only")
     if G["B"] * G["hq"] == 0 or G["nq"] == 0:                             # sm90_dispatch.cu:72
         return []
     blocks = (G["nq"] + kBlockM - 1) // kBlockM * G["B"] * G["hq"]
