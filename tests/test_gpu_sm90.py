@@ -73,7 +73,8 @@ def test_sm90_every_mask_kind(mask, is_causal, dtype):
 
 
 @given(cases(max_len=700), st.sampled_from(GPU_DTYPES))
-def test_sm90_random_masked_cases(case, dtype):
+def test_sm90_random_cases_at_head_dim_128(case, dtype):
+    """The random cases, every mask kind among them, at the head dim that takes masks."""
     check_cuda(dataclasses.replace(case, dtype=dtype, head_dim=128))
 
 
