@@ -15,12 +15,6 @@
 
 namespace fusedattn::cuda {
 
-// Byte offset of the 16-byte chunk `chunk` (8 elements) of row r in a
-// 128-byte-swizzled tile of `rows` rows.
-__device__ __forceinline__ uint32_t swizzled_chunk_offset(int r, int chunk, int rows) {
-  return (chunk / 8) * rows * 128 + r * 128 + (((chunk % 8) ^ (r % 8)) << 4);
-}
-
 // The 64-bit matrix descriptor: start address, leading and stride byte
 // offsets (all in 16-byte units), layout type 1 = 128-byte swizzle.
 __device__ __forceinline__ uint64_t smem_descriptor(uint32_t smem_byte_addr, uint32_t leading_bytes,
