@@ -149,6 +149,40 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   const bool has_mask = f.mask.kind != MaskKind::None;
   const int key_row = warp * 16;  // this warp's first key in the block
 
+  // The step's two products of each kind, on mma.sync fragments:
+  // acc = this warp's 16 key rows of `keys` times the step's query rows of
+  // `queries`, transposed (S^T = K Q^T, dP^T = V dO^T) ...
+  auto keys_times_queries = [&](float (&acc)[kMTiles][4], const T* keys, const T* queries) {
+#pragma unroll
+    for (int kk = 0; kk < HeadDim / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, keys + (key_row + lane % 16) * kStride + kk * 16 + lane / 16 * 8);
+#pragma unroll
+      for (int np = 0; np < kMTiles / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, queries + (np * 16 + (lane & 7) + (lane >> 4 << 3)) * kStride + kk * 16 + ((lane >> 3) & 1) * 8);
+        mma_16x8x16<T>(acc[2 * np], a, b[0], b[1]);
+        mma_16x8x16<T>(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+  };
+  // ... and acc += (the accumulators `by`, as A fragments) times the step's
+  // rows of `queries` (dV += P^T dO, dK += dS^T Q).
+  auto add_times_queries = [&](float (&acc)[kDTiles][4], const float (&by)[kMTiles][4], const T* queries) {
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq) {
+      uint32_t a[4];
+      probabilities_as_a<T>(a, by, kq);
+#pragma unroll
+      for (int dp = 0; dp < HeadDim / 16; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, queries + (kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride + dp * 16 + (lane >> 4 << 3));
+        mma_16x8x16<T>(acc[2 * dp], a, b[0], b[1]);
+        mma_16x8x16<T>(acc[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+  };
+
   for (int64_t s = 0; s < steps; ++s) {
     const int buf = s % 2;
     cp_async_wait<0>();  // step s's Q, dO (and K, V) landed
@@ -165,18 +199,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
 
     // S^T = K Q^T for this warp's 16 keys and the step's queries.
     float st[kMTiles][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < HeadDim / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, sK + (key_row + lane % 16) * kStride + kk * 16 + lane / 16 * 8);
-#pragma unroll
-      for (int np = 0; np < kMTiles / 2; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4(b, q_tile + (np * 16 + (lane & 7) + (lane >> 4 << 3)) * kStride + kk * 16 + ((lane >> 3) & 1) * 8);
-        mma_16x8x16<T>(st[2 * np], a, b[0], b[1]);
-        mma_16x8x16<T>(st[2 * np + 1], a, b[2], b[3]);
-      }
-    }
+    keys_times_queries(st, sK, q_tile);
 
     // P^T. Element (key row g + 8h, query column 2t + e) of each n-tile.
     const bool needs_masking = has_mask || key0 + kBlockN > sh.seqlen_k ||
@@ -201,34 +224,12 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     }
 
     // dV += P^T dO
-#pragma unroll
-    for (int kq = 0; kq < kBlockM / 16; ++kq) {
-      uint32_t a[4];
-      probabilities_as_a<T>(a, st, kq);
-#pragma unroll
-      for (int dp = 0; dp < HeadDim / 16; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, do_tile + (kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride + dp * 16 + (lane >> 4 << 3));
-        mma_16x8x16<T>(dv[2 * dp], a, b[0], b[1]);
-        mma_16x8x16<T>(dv[2 * dp + 1], a, b[2], b[3]);
-      }
-    }
+    add_times_queries(dv, st, do_tile);
 
     // dP^T = V dO^T, then dS^T = P^T (dP^T - delta) in place of P^T.
     {
       float dpt[kMTiles][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < HeadDim / 16; ++kk) {
-        uint32_t a[4];
-        ldmatrix_x4(a, sV + (key_row + lane % 16) * kStride + kk * 16 + lane / 16 * 8);
-#pragma unroll
-        for (int np = 0; np < kMTiles / 2; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4(b, do_tile + (np * 16 + (lane & 7) + (lane >> 4 << 3)) * kStride + kk * 16 + ((lane >> 3) & 1) * 8);
-          mma_16x8x16<T>(dpt[2 * np], a, b[0], b[1]);
-          mma_16x8x16<T>(dpt[2 * np + 1], a, b[2], b[3]);
-        }
-      }
+      keys_times_queries(dpt, sV, do_tile);
 #pragma unroll
       for (int nt = 0; nt < kMTiles; ++nt)
 #pragma unroll
@@ -236,18 +237,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     }
 
     // dK += dS^T Q; dS^T also goes to shared memory for dQ (atomic mode).
-#pragma unroll
-    for (int kq = 0; kq < kBlockM / 16; ++kq) {
-      uint32_t a[4];
-      probabilities_as_a<T>(a, st, kq);
-#pragma unroll
-      for (int dp = 0; dp < HeadDim / 16; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, q_tile + (kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride + dp * 16 + (lane >> 4 << 3));
-        mma_16x8x16<T>(dk[2 * dp], a, b[0], b[1]);
-        mma_16x8x16<T>(dk[2 * dp + 1], a, b[2], b[3]);
-      }
-    }
+    add_times_queries(dk, st, q_tile);
     if constexpr (AtomicDq) {
 #pragma unroll
       for (int nt = 0; nt < kMTiles; ++nt)
