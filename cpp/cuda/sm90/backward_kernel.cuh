@@ -53,9 +53,9 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   unsigned char* sQ = sV + Tr::kKVTileBytes;          // stage i at i * kQTileBytes, [64 queries][d]
   unsigned char* sdO = sQ + kStages * Tr::kQTileBytes;
   unsigned char* sdS = sdO + kStages * Tr::kQTileBytes;  // buffer b at b * kDsBytes: [64 queries][128 keys]
-  float* sLse = reinterpret_cast<float*>(smem + Tr::kFloatsOffset);  // stage i at i * kBlockM, natural log
-  float* sDelta = sLse + kStages * kBlockM;
-  uint64_t* kv_full = reinterpret_cast<uint64_t*>(sDelta + kStages * kBlockM);
+  float* sLse = reinterpret_cast<float*>(smem + Tr::kFloatsOffset);  // stage i at i * kRowsSlot, natural log
+  float* sDelta = sLse + kStages * Tr::kRowsSlot;
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(sDelta + kStages * Tr::kRowsSlot);
   uint64_t* step_full = kv_full + 1;
   uint64_t* step_empty = step_full + kStages;
 
@@ -65,6 +65,10 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const KeyBlockWalk<kBlockN, kBlockM, IsCausal> walk(p);
   auto stage_of = [](int s) { return s % kStages; };
   auto phase_of = [](int s) { return static_cast<uint32_t>((s / kStages) & 1); };
+  // A step's first row in the flat [B x Hq x Nq] lse and delta.
+  auto flat_row = [&](int64_t head, int64_t m0) {
+    return static_cast<int>((walk.batch * sh.heads_q + head) * sh.seqlen_q + m0);
+  };
 
   if (threadIdx.x == 0) {
     mbarrier_init(kv_full, 1);
@@ -92,7 +96,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     for (int s = 0; s < walk.steps; ++s) {
       const int stage = stage_of(s);
       mbarrier_wait(&step_empty[stage], phase_of(s) ^ 1);  // the first round finds it free
-      mbarrier_arrive_expect_bytes(&step_full[stage], 2 * Tr::kQTileBytes + 2 * kBlockM * 4);
+      mbarrier_arrive_expect_bytes(&step_full[stage], 2 * Tr::kQTileBytes + 2 * Tr::kRowsBox * 4);
       const int head = static_cast<int>(walk.head(s)), m0 = static_cast<int>(walk.m0(s));
       for (int slab = 0; slab < Tr::kSlabs; ++slab) {
         tma_load_box(sQ + stage * Tr::kQTileBytes + slab * kBlockM * 128, &args.q_map, 64 * slab, m0, head, batch,
@@ -100,11 +104,12 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
         tma_load_box(sdO + stage * Tr::kQTileBytes + slab * kBlockM * 128, &args.do_map, 64 * slab, m0, head, batch,
                      &step_full[stage]);
       }
-      // lse and delta are flat [B x Hq x Nq]: the step's rows, then (past
-      // the queries) the next head's or zeros, which the consumers mask.
-      const int row = static_cast<int>((int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + m0);
-      tma_load_row(sLse + stage * kBlockM, &args.lse_map, row, &step_full[stage]);
-      tma_load_row(sDelta + stage * kBlockM, &args.delta_map, row, &step_full[stage]);
+      // lse and delta are flat: from the 16-byte boundary at or below the
+      // step's first row (traits' kRowsBox), then (past the queries) the next
+      // head's rows or zeros, which the consumers mask.
+      const int row = flat_row(head, m0) & ~3;
+      tma_load_row(sLse + stage * Tr::kRowsSlot, &args.lse_map, row, &step_full[stage]);
+      tma_load_row(sDelta + stage * Tr::kRowsSlot, &args.delta_map, row, &step_full[stage]);
     }
     return;
   }
@@ -132,8 +137,9 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     const int64_t head = walk.head(s), m0 = walk.m0(s);
     const unsigned char* q_tile = sQ + stage * Tr::kQTileBytes;
     const unsigned char* do_tile = sdO + stage * Tr::kQTileBytes;
-    const float* lse = sLse + stage * kBlockM;
-    const float* delta = sDelta + stage * kBlockM;
+    const int row_skew = flat_row(head, m0) & 3;  // where the step's rows start in the boxes
+    const float* lse = sLse + stage * Tr::kRowsSlot + row_skew;
+    const float* delta = sDelta + stage * Tr::kRowsSlot + row_skew;
     unsigned char* ds_tile = sdS + (s % 2) * Tr::kDsBytes;
 
     // S^T = K Q^T and dP^T = V dO^T: rows = this warpgroup's keys, columns = the step's queries.

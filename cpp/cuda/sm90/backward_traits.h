@@ -19,11 +19,18 @@ struct Sm90BackwardTraits {
   static constexpr int kKVTileBytes = kBlockN * HeadDim * 2;
   static constexpr int kQTileBytes = kBlockM * HeadDim * 2;
   static constexpr int kDsBytes = kBlockM * kBlockN * 2;
+  // lse and delta come as 1-D boxes, whose start must sit on 16 bytes (a
+  // start at float 33 stopped the H200 with an illegal instruction): each box
+  // starts at the multiple of 4 floats at or below the step's first row, so
+  // holds 4 more; a ring slot is 128 floats to keep every box 128-byte aligned.
+  static constexpr int kRowsBox = kBlockM + 4;
+  static constexpr int kRowsSlot = 128;
+  static_assert(kRowsBox <= kRowsSlot);
   // K, V, the Q and dO rings, dS double-buffered, each slab 1024-byte aligned
   // (the swizzle pattern's period); the lse and delta rings; the mbarriers
   // (K and V; a full and an empty one per stage); room to align the base.
   static constexpr int kFloatsOffset = 2 * kKVTileBytes + 2 * kStages * kQTileBytes + 2 * kDsBytes;
-  static constexpr int kSmemBytes = kFloatsOffset + 2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8 + 1024;
+  static constexpr int kSmemBytes = kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + 1024;
   // The forward's split (FA3's): 128 x 24 + 256 x 240 = 384 x 168.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;

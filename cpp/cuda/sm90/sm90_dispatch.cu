@@ -92,17 +92,18 @@ bool backward_sm90(const BackwardParams& p, cudaStream_t stream) {
   if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31)) return false;
   Sm90BackwardArgs args{};
   args.p = p;
-  constexpr int kBlockM = Sm90BackwardTraits<128>::kBlockM, kBlockN = Sm90BackwardTraits<128>::kBlockN;
+  constexpr int kBlockM = Sm90BackwardTraits<128>::kBlockM, kBlockN = Sm90BackwardTraits<128>::kBlockN,
+                kRowsBox = Sm90BackwardTraits<128>::kRowsBox;
   static_assert(Sm90BackwardTraits<64>::kBlockM == kBlockM && Sm90BackwardTraits<64>::kBlockN == kBlockN &&
-                kBlockN == kSm90BackwardBlockN);
+                kBlockN == kSm90BackwardBlockN && Sm90BackwardTraits<64>::kRowsBox == kRowsBox);
   const bool encoded =
       (rows == 0 ||
        (encode_head_tensor_map(&args.q_map, p.fwd.dtype, p.fwd.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim,
                                p.fwd.q_strides, kBlockM) &&
         encode_head_tensor_map(&args.do_map, p.fwd.dtype, p.grad_out, sh.batch, sh.heads_q, sh.seqlen_q,
                                sh.head_dim, p.grad_out_strides, kBlockM) &&
-        encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, kBlockM) &&
-        encode_rows_tensor_map(&args.delta_map, p.delta, rows, kBlockM))) &&
+        encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, kRowsBox) &&
+        encode_rows_tensor_map(&args.delta_map, p.delta, rows, kRowsBox))) &&
       (sh.seqlen_k == 0 ||
        (encode_head_tensor_map(&args.k_map, p.fwd.dtype, p.fwd.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
                                p.fwd.k_strides, kBlockN) &&
