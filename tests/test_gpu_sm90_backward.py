@@ -86,20 +86,23 @@ def test_sm90_backward_agrees_with_sm80(monkeypatch):
 
 
 def test_sm90_backward_declines_what_tensor_maps_cannot_describe(monkeypatch):
-    """out.sum()'s gradient is one value broadcast (strides 0): the sm80 kernel
-    takes it unless sm90 is forced, which is an error that says why."""
+    """A grad_out broadcast from one row has strides of 0 (autograd hands the
+    operator a contiguous copy; a direct call need not): the sm80 kernel takes
+    it unless sm90 is forced, which is an error that says why."""
     case = Case(dtype=torch.float16, head_dim=128, seqlen_q=100, seqlen_k=150, is_causal=True)
-    q, k, v, _ = make_inputs(case, "cuda", requires_grad=True)
+    q, k, v, _ = make_inputs(case, "cuda")
+    out, lse = torch.ops.fusedattn.forward(q, k, v, None, True, None)
+    grad_out = torch.randn(1, 1, 1, case.head_dim, device="cuda", dtype=case.dtype).expand_as(q)
+    args = (grad_out, q, k, v, out, lse, None, True, None)
     with pytest.raises(RuntimeError, match="tensor memory accelerator cannot describe"):
-        fusedattn.attention(q, k, v, None, True).sum().backward()
+        torch.ops.fusedattn.backward(*args)
     monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "auto")
-    grads = torch.autograd.grad(fusedattn.attention(q, k, v, None, True).sum(), (q, k, v))
-    check_backward(case, device="cuda", grads=grads, grad_out=torch.ones_like(q))
+    check_backward(case, device="cuda", grads=torch.ops.fusedattn.backward(*args), grad_out=grad_out)
 
 
 def test_sm90_backward_refuses_what_it_cannot_take():
-    q, k, v, mask = make_inputs(Case(dtype=torch.float16, head_dim=64, mask="bool"), "cuda", requires_grad=True)
-    # (the forward refuses the mask first: that is the same rule)
+    # (the sm90 forward takes a mask at d=128; its backward does not yet)
+    q, k, v, mask = make_inputs(Case(dtype=torch.float16, head_dim=128, mask="bool"), "cuda", requires_grad=True)
     with pytest.raises(RuntimeError, match="takes no attn_mask"):
         fusedattn.attention(q, k, v, mask).sum().backward()
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=64), "cuda", requires_grad=True)
