@@ -10,7 +10,8 @@
 # tests" take about 4 minutes, the sanitizer up to 10 (each tool stops at
 # FUSEDATTN_SANITIZER_TIMEOUT, 300 s) and the benchmark up to
 # FUSEDATTN_BENCH_TIMEOUT (300 s; --backward over the whole grid needs more:
-# pass --seqlens), so give each its own call when a call is limited to 10.
+# pass --methods sdpa-flash,sdpa-cudnn or fewer --seqlens), so give each its
+# own call when a call is limited to 10.
 # TORCH_CUDA_ARCH_LIST defaults to 9.0a (Hopper); set it for other GPUs.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [bench args]}

@@ -36,6 +36,24 @@ def test_bench_rejects_unknown_dtype():
         cli.main(["bench", "--device", "cpu", "--dtype", "float8", "--no-progress"])
 
 
+def test_bench_methods_picks_columns(tmp_path):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--device", "cpu", "--methods", "sdpa", "--seqlens", "64", "--dtype", "float32",
+                     "--causal", "no", "--repeats", "1", "--warmup", "0", "--no-progress",
+                     "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["methods"] == ["sdpa", "fusedattn"]
+    (row,) = result["rows"]
+    assert set(row["results"]) == {"sdpa", "fusedattn"} and row["fusedattn_speedup"]["sdpa"] > 0
+
+
+def test_bench_methods_rejects_unknown_names():
+    with pytest.raises(SystemExit, match=r"--methods: unknown method\(s\) \['sdpa-flash'\]; this device has"):
+        cli.main(["bench", "--device", "cpu", "--methods", "sdpa,sdpa-flash", "--no-progress"])
+    with pytest.raises(SystemExit, match="--methods does not apply to --decode"):
+        cli.main(["bench", "--decode", "--methods", "sdpa", "--no-progress"])
+
+
 def test_bench_backward_on_the_cpu(tmp_path):
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "--device", "cpu", "--backward", "--seqlens", "64", "--dtype", "float32",

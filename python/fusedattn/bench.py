@@ -39,6 +39,7 @@ class Config:
     repeats: int
     warmup: int
     backward: bool = False  # time forward + backward
+    methods: list[str] | None = None  # columns to time (fusedattn always); None: every one
 
 
 def default_config(device: torch.device) -> Config:
@@ -212,10 +213,20 @@ def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dic
             "tflops": timed_flops(cfg, n, causal) / seconds / 1e12, "peak_bytes": memory}
 
 
+def select_methods(table: dict[str, Callable], names: list[str] | None) -> dict[str, Callable]:
+    """The named columns of `table`, in its order, and fusedattn (the ratios are to it)."""
+    if names is None:
+        return table
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; this device has {list(table)}")
+    return {m: fn for m, fn in table.items() if m in names or m == "fusedattn"}
+
+
 def run(cfg: Config, progress: bool = True) -> dict:
     from tqdm import tqdm
 
-    table = methods(cfg.device, cfg.backward)
+    table = select_methods(methods(cfg.device, cfg.backward), cfg.methods)
     ceilings = {dt: matmul_ceiling(cfg, dt) for dt in cfg.dtypes}
     cells = [(dt, c, n, m) for dt in cfg.dtypes for c in cfg.causal for n in cfg.seqlens for m in table]
     rows: dict[tuple, dict] = {}
