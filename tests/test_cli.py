@@ -1,6 +1,7 @@
 """The command line: `fusedattn bench` writes a table, JSON and a plot."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -35,6 +36,24 @@ def test_bench_rejects_unknown_dtype():
         cli.main(["bench", "--device", "cpu", "--dtype", "float8", "--no-progress"])
 
 
+def test_bench_methods_picks_columns(tmp_path):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--device", "cpu", "--methods", "sdpa", "--seqlens", "64", "--dtype", "float32",
+                     "--causal", "no", "--repeats", "1", "--warmup", "0", "--no-progress",
+                     "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["methods"] == ["sdpa", "fusedattn"]
+    (row,) = result["rows"]
+    assert set(row["results"]) == {"sdpa", "fusedattn"} and row["fusedattn_speedup"]["sdpa"] > 0
+
+
+def test_bench_methods_rejects_unknown_names():
+    with pytest.raises(SystemExit, match=r"--methods: unknown method\(s\) \['sdpa-flash'\]; this device has"):
+        cli.main(["bench", "--device", "cpu", "--methods", "sdpa,sdpa-flash", "--no-progress"])
+    with pytest.raises(SystemExit, match="--methods does not apply to --decode"):
+        cli.main(["bench", "--decode", "--methods", "sdpa", "--no-progress"])
+
+
 def test_bench_backward_on_the_cpu(tmp_path):
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "--device", "cpu", "--backward", "--seqlens", "64", "--dtype", "float32",
@@ -44,6 +63,48 @@ def test_bench_backward_on_the_cpu(tmp_path):
     assert result["config"]["backward"] is True
     (row,) = result["rows"]
     assert row["results"]["fusedattn"]["status"] == "ok" and row["fusedattn_speedup"]["sdpa"] > 0
+
+
+def test_bench_holds_a_methods_setting_through_forward_and_backward(monkeypatch):
+    """A kernel-family or deterministic column holds its setting through the
+    backward too (it runs after the method returns), then restores it."""
+    from fusedattn import bench
+
+    monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "auto")
+    seen = []
+
+    def recording(method):
+        def call(q, k, v, causal):
+            seen.append((os.environ["FUSEDATTN_KERNEL_FAMILY"], torch.are_deterministic_algorithms_enabled()))
+            return _RecordingBackward.apply(method(q, k, v, causal), seen)
+        call.setting = method.setting
+        return call
+
+    cfg = bench.Config(torch.device("cpu"), batch=1, heads=2, head_dim=16, seqlens=[32], dtypes=["float32"],
+                       causal=[False], repeats=1, warmup=0, backward=True)
+    cell = bench.measure(cfg, "float32", False, 32, "fusedattn-sm80", recording(bench._kernel_family("sm80")))
+    assert cell["status"] == "ok"
+    assert seen and set(seen) == {("sm80", False), ("sm80 (backward)", False)}
+    assert os.environ["FUSEDATTN_KERNEL_FAMILY"] == "auto"
+    seen.clear()
+    cell = bench.measure(cfg, "float32", False, 32, "fusedattn-deterministic",
+                         recording(bench._Fusedattn(bench._deterministic_algorithms)))
+    assert cell["status"] == "ok"
+    assert set(seen) == {("auto", True), ("auto (backward)", True)}
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+class _RecordingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seen):
+        ctx.seen = seen
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.seen.append((os.environ["FUSEDATTN_KERNEL_FAMILY"] + " (backward)",
+                         torch.are_deterministic_algorithms_enabled()))
+        return grad, None
 
 
 def test_bench_decode_options_are_checked():

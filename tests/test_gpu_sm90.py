@@ -1,5 +1,5 @@
 """The sm90 (wgmma) forward against the float64 reference, forced with
-FUSEDATTN_FORWARD_FAMILY=sm90 (marker `gpu`; skipped where the build or the
+FUSEDATTN_KERNEL_FAMILY=sm90 (marker `gpu`; skipped where the build or the
 device has no sm90 kernels)."""
 
 import dataclasses
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fusedattn
-from attention_cases import Case, check_forward, make_inputs
+from attention_cases import MASK_KINDS, Case, check_forward, make_inputs
 from test_forward import cases
 from test_gpu import GPU_DTYPES, check_cuda
 
@@ -20,7 +20,7 @@ SM90_HEAD_DIMS = [64, 128]
 
 @pytest.fixture(autouse=True)
 def sm90(monkeypatch):
-    monkeypatch.setenv("FUSEDATTN_FORWARD_FAMILY", "sm90")
+    monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "sm90")
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=64), "cuda")
     try:
         torch.ops.fusedattn.forward(q, k, v)
@@ -57,19 +57,33 @@ def test_sm90_agrees_with_sm80(monkeypatch):
                 dtype=torch.float16, is_causal=True)
     q, k, v, _ = make_inputs(case, "cuda")
     out90, lse90 = torch.ops.fusedattn.forward(q, k, v, None, True, None)
-    monkeypatch.setenv("FUSEDATTN_FORWARD_FAMILY", "sm80")
+    monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "sm80")
     out80, lse80 = torch.ops.fusedattn.forward(q, k, v, None, True, None)
     torch.testing.assert_close(out90, out80, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(lse90, lse80, atol=1e-4, rtol=1e-5)
     check_forward(case, device="cuda", out=out90, lse=lse90)
 
 
+@pytest.mark.parametrize("mask", [m for m in MASK_KINDS if m != "none"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_sm90_every_mask_kind(mask, is_causal, dtype):
+    """attn_mask on the sm90 path (head dim 128): Nk = 800 spans several key tiles."""
+    check_cuda(Case(seqlen_q=113, seqlen_k=800, head_dim=128, dtype=dtype, mask=mask, is_causal=is_causal))
+
+
+@given(cases(max_len=700), st.sampled_from(GPU_DTYPES))
+def test_sm90_random_cases_at_head_dim_128(case, dtype):
+    """The random cases, every mask kind among them, at the head dim that takes masks."""
+    check_cuda(dataclasses.replace(case, dtype=dtype, head_dim=128))
+
+
 def test_sm90_refuses_what_it_cannot_take():
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=32), "cuda")
-    with pytest.raises(RuntimeError, match="head dims 64 and 128 only; got head dim 32"):
+    with pytest.raises(RuntimeError, match="head dims 64 and 128, and attn_mask at head dim 128 only; got head dim 32"):
         torch.ops.fusedattn.forward(q, k, v)
     q, k, v, mask = make_inputs(Case(dtype=torch.float16, head_dim=64, mask="bool"), "cuda")
-    with pytest.raises(RuntimeError, match="takes no attn_mask"):
+    with pytest.raises(RuntimeError, match="got head dim 64 with a mask"):
         torch.ops.fusedattn.forward(q, k, v, mask)
 
 
@@ -92,7 +106,7 @@ def test_sm90_declines_what_tensor_maps_cannot_describe(monkeypatch):
     v = torch.randn(2, 1, 150, 128, device="cuda", dtype=torch.float16).expand(2, 4, 150, 128)
     with pytest.raises(RuntimeError, match="tensor memory accelerator cannot describe"):
         torch.ops.fusedattn.forward(q, k, v, None, False, None)
-    monkeypatch.setenv("FUSEDATTN_FORWARD_FAMILY", "auto")
+    monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "auto")
     out, _ = torch.ops.fusedattn.forward(q, k, v, None, False, None)
     ref = fusedattn.reference.attention(q.double(), k.double(), v.double())
     torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)

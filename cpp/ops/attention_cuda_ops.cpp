@@ -16,6 +16,7 @@
 #include "../cuda/naive/softmax_rows.h"
 #include "../cuda/sm80/backward_sm80.h"
 #include "../cuda/sm80/forward_sm80.h"
+#include "../cuda/sm90/backward_sm90.h"
 #include "../cuda/sm90/forward_sm90.h"
 #include "checks.h"
 
@@ -31,35 +32,59 @@ const DeviceSupport& cuda_support() {
   return support;
 }
 
-// The kernel family for a forward call: sm90 (wgmma) where this build and the
-// device have it and it takes the call (no attn_mask, head dim 64 or 128),
-// else sm80. FUSEDATTN_FORWARD_FAMILY=sm80 or sm90 forces one (for tests and
-// benchmarks); forcing sm90 where it cannot run is an error.
-std::string forward_family() {
-  const char* forced = std::getenv("FUSEDATTN_FORWARD_FAMILY");
+// The kernel family for a call: sm90 (TMA, wgmma) where this build and the
+// device have it and it takes the call, else sm80. FUSEDATTN_KERNEL_FAMILY=
+// sm80 or sm90 forces one for forward and backward (for tests and benchmarks);
+// forcing sm90 where it cannot run is an error.
+std::string kernel_family() {
+  const char* forced = std::getenv("FUSEDATTN_KERNEL_FAMILY");
   const std::string family = forced ? forced : "auto";
   TORCH_CHECK(family == "auto" || family == "sm80" || family == "sm90",
-              "fusedattn: FUSEDATTN_FORWARD_FAMILY must be auto, sm80 or sm90, got '", family, "'");
+              "fusedattn: FUSEDATTN_KERNEL_FAMILY must be auto, sm80 or sm90, got '", family, "'");
   return family;
 }
 
-bool forced_family_is(const char* family) { return forward_family() == family; }
+bool forced_family_is(const char* family) { return kernel_family() == family; }
 
-bool use_sm90(const ForwardParams& p) {
-  const std::string family = forward_family();
+// `takes`: whether the sm90 kernel serves this call; `refusal()` says what it
+// serves, for the error when sm90 is forced on a call it does not take.
+template <typename Refusal>
+bool use_sm90(bool takes, Refusal refusal) {
+  const std::string family = kernel_family();
   if (family == "sm80") return false;
-  const bool takes = p.mask.kind == MaskKind::None &&
-                     std::find(std::begin(cuda::kSm90HeadDims), std::end(cuda::kSm90HeadDims),
-                               p.shape.head_dim) != std::end(cuda::kSm90HeadDims);
-  const bool available = cuda::sm90_forward_available();
+  const bool available = cuda::sm90_available();
   if (family == "sm90") {
-    TORCH_CHECK(available, "fusedattn: FUSEDATTN_FORWARD_FAMILY=sm90, but this build or device has no sm90 "
+    TORCH_CHECK(available, "fusedattn: FUSEDATTN_KERNEL_FAMILY=sm90, but this build or device has no sm90 "
                 "kernels (they need compute capability 9.0 and a build for 9.0a)");
-    TORCH_CHECK(takes, "fusedattn: FUSEDATTN_FORWARD_FAMILY=sm90, but the sm90 forward takes no attn_mask and "
-                "head dims 64 and 128 only; got head dim ", p.shape.head_dim,
-                p.mask.kind != MaskKind::None ? " with a mask" : "");
+    TORCH_CHECK(takes, "fusedattn: FUSEDATTN_KERNEL_FAMILY=sm90, but ", refusal());
   }
   return available && takes;
+}
+
+template <size_t N>
+bool one_of(int64_t head_dim, const int (&dims)[N]) {
+  return std::find(std::begin(dims), std::end(dims), head_dim) != std::end(dims);
+}
+
+bool use_sm90_forward(const ForwardParams& p) {
+  const bool masked = p.mask.kind != MaskKind::None;
+  const bool takes = one_of(p.shape.head_dim, cuda::kSm90HeadDims) &&
+                     (!masked || p.shape.head_dim == cuda::kSm90MaskedHeadDim);
+  return use_sm90(takes, [&] {
+    return "the sm90 forward takes head dims 64 and 128, and attn_mask at head dim " +
+           std::to_string(cuda::kSm90MaskedHeadDim) + " only; got head dim " + std::to_string(p.shape.head_dim) +
+           (masked ? " with a mask" : "");
+  });
+}
+
+bool use_sm90_backward(const BackwardParams& p) {
+  const bool takes = p.fwd.mask.kind == MaskKind::None && !p.deterministic &&
+                     one_of(p.fwd.shape.head_dim, cuda::kSm90BackwardHeadDims);
+  return use_sm90(takes, [&] {
+    return "the sm90 backward takes no attn_mask, no deterministic mode and head dims 64 and 128 only; got head dim " +
+           std::to_string(p.fwd.shape.head_dim) + (p.fwd.mask.kind != MaskKind::None ? " with a mask" : "") +
+           (p.deterministic ? " in deterministic mode" : "");
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k,
@@ -73,10 +98,11 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   // The sm90 kernel declines operands its tensor maps cannot describe (a
   // stride of 0, say); the sm80 kernel takes those.
-  const bool on_sm90 = use_sm90(in.params) && cuda::forward_sm90(in.params, stream);
+  const bool on_sm90 = use_sm90_forward(in.params) && cuda::forward_sm90(in.params, stream);
   if (!on_sm90) {
-    TORCH_CHECK(!forced_family_is("sm90"), "fusedattn: FUSEDATTN_FORWARD_FAMILY=sm90, but the tensor memory "
-                "accelerator cannot describe these q, k, v layouts (strides of 0 or not multiples of 16 bytes)");
+    TORCH_CHECK(!forced_family_is("sm90"), "fusedattn: FUSEDATTN_KERNEL_FAMILY=sm90, but the tensor memory "
+                "accelerator cannot describe these q, k, v layouts (strides of 0 or not multiples of 16 bytes), or a "
+                "sequence is longer than 2^30");
     cuda::forward_sm80(in.params, stream);
   }
   return outputs;
@@ -99,13 +125,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     b.params.grad_q_accum = grad_q_accum.data_ptr<float>();
   }
   b.params.delta = delta.data_ptr<float>();
-  b.params.head_splits = cuda::backward_head_splits(b.params);
+  // The group's query heads split over blocks when a family's key blocks
+  // alone would leave SMs idle; their float32 dK/dV sums need a workspace.
   at::Tensor grad_kv_accum;
-  if (b.params.head_splits > 1) {
-    grad_kv_accum = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, q.options().dtype(at::kFloat));
-    b.params.grad_kv_accum = grad_kv_accum.data_ptr<float>();
+  auto split_heads_for = [&](int keys_per_block, int blocks_per_sm) {
+    b.params.head_splits = cuda::backward_head_splits(b.params, keys_per_block, blocks_per_sm);
+    if (b.params.head_splits > 1 && !grad_kv_accum.defined()) {
+      grad_kv_accum = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, q.options().dtype(at::kFloat));
+      b.params.grad_kv_accum = grad_kv_accum.data_ptr<float>();
+    }
+  };
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  if (use_sm90_backward(b.params)) {
+    split_heads_for(cuda::kSm90BackwardBlockN, cuda::kSm90BackwardBlocksPerSm);
+    if (cuda::backward_sm90(b.params, stream)) return {b.grad_q, b.grad_k, b.grad_v};
+    // Declined: its tensor maps cannot describe the operands. sm80 takes them.
+    TORCH_CHECK(!forced_family_is("sm90"), "fusedattn: FUSEDATTN_KERNEL_FAMILY=sm90, but the tensor memory "
+                "accelerator cannot describe these q, k, v, grad_out layouts (strides of 0 or not multiples of 16 "
+                "bytes), or the call is past its int coordinates (B x Hq x Nq or Nk of 2^31)");
   }
-  cuda::backward_sm80(b.params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  split_heads_for(cuda::kBackwardBlockN, cuda::kBackwardBlocksPerSm);
+  cuda::backward_sm80(b.params, stream);
   return {b.grad_q, b.grad_k, b.grad_v};
 }
 

@@ -7,6 +7,7 @@ faster) and the peak memory beyond the inputs (the output included).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -38,6 +39,7 @@ class Config:
     repeats: int
     warmup: int
     backward: bool = False  # time forward + backward
+    methods: list[str] | None = None  # columns to time (fusedattn always); None: every one
 
 
 def default_config(device: torch.device) -> Config:
@@ -77,24 +79,46 @@ def _sdpa_backend(name: str):
     return run
 
 
-def _forward_family(family: str) -> Callable:
-    """fusedattn's forward with FUSEDATTN_FORWARD_FAMILY set to `family` for the call."""
+class _Fusedattn:
+    """fusedattn's forward under a setting that measure() holds around the
+    forward and the backward alike (`setting()` is a context manager)."""
 
-    def run(q, k, v, causal):
-        before = os.environ.get("FUSEDATTN_FORWARD_FAMILY")
-        os.environ["FUSEDATTN_FORWARD_FAMILY"] = family
-        try:
-            return torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
-        finally:
-            if before is None:
-                del os.environ["FUSEDATTN_FORWARD_FAMILY"]
+    def __init__(self, setting: Callable):
+        self.setting = setting
+
+    def __call__(self, q, k, v, causal):
+        return torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]):
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
             else:
-                os.environ["FUSEDATTN_FORWARD_FAMILY"] = before
-
-    return run
+                os.environ[name] = value
 
 
-def methods(device: torch.device) -> dict[str, Callable]:
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def _kernel_family(family: str) -> _Fusedattn:
+    return _Fusedattn(lambda: _environment({"FUSEDATTN_KERNEL_FAMILY": family}))
+
+
+def methods(device: torch.device, backward: bool = False) -> dict[str, Callable]:
     """Name -> f(q, k, v, causal). The first one is the baseline of the table."""
     table = {
         "naive": lambda q, k, v, causal: reference.attention(q, k, v, is_causal=causal),
@@ -106,7 +130,10 @@ def methods(device: torch.device) -> dict[str, Callable]:
             table[f"sdpa-{name}"] = _sdpa_backend(name)
     if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
         # The default there is the sm90 family where it takes the call; the sm80 family alongside.
-        table["fusedattn-sm80"] = _forward_family("sm80")
+        table["fusedattn-sm80"] = _kernel_family("sm80")
+    if device.type == "cuda" and backward:
+        # torch.use_deterministic_algorithms(True): dQ in a pass of its own (its cost).
+        table["fusedattn-deterministic"] = _Fusedattn(_deterministic_algorithms)
     table["fusedattn"] = lambda q, k, v, causal: torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
     return table
 
@@ -172,8 +199,9 @@ def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dic
     else:
         call = lambda: fn(q, k, v, causal)  # noqa: E731
     try:
-        memory = peak_bytes(call, cfg.device)
-        seconds = median_seconds(call, cfg)
+        with getattr(fn, "setting", contextlib.nullcontext)():
+            memory = peak_bytes(call, cfg.device)
+            seconds = median_seconds(call, cfg)
     except torch.OutOfMemoryError:
         return {"status": "OOM"}
     except (RuntimeError, NotImplementedError) as e:  # a backend that cannot take this input
@@ -185,10 +213,20 @@ def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dic
             "tflops": timed_flops(cfg, n, causal) / seconds / 1e12, "peak_bytes": memory}
 
 
+def select_methods(table: dict[str, Callable], names: list[str] | None) -> dict[str, Callable]:
+    """The named columns of `table`, in its order, and fusedattn (the ratios are to it)."""
+    if names is None:
+        return table
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; this device has {list(table)}")
+    return {m: fn for m, fn in table.items() if m in names or m == "fusedattn"}
+
+
 def run(cfg: Config, progress: bool = True) -> dict:
     from tqdm import tqdm
 
-    table = methods(cfg.device)
+    table = select_methods(methods(cfg.device, cfg.backward), cfg.methods)
     ceilings = {dt: matmul_ceiling(cfg, dt) for dt in cfg.dtypes}
     cells = [(dt, c, n, m) for dt in cfg.dtypes for c in cfg.causal for n in cfg.seqlens for m in table]
     rows: dict[tuple, dict] = {}

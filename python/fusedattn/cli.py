@@ -15,7 +15,7 @@ def _ints(text: str) -> list[int]:
 def _bench_decode(args) -> int:
     from . import bench, bench_decode
 
-    for option in ("causal", "plot"):
+    for option in ("causal", "plot", "methods"):
         if getattr(args, option) is not None:
             raise SystemExit(f"fusedattn bench: --{option} does not apply to --decode")
     if args.backward:
@@ -62,6 +62,12 @@ def _bench(args) -> int:
     if args.causal is not None:
         cfg.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     cfg.backward = args.backward
+    if args.methods:
+        cfg.methods = args.methods.split(",")
+        try:
+            bench.select_methods(bench.methods(device, cfg.backward), cfg.methods)
+        except ValueError as e:
+            raise SystemExit(f"fusedattn bench: --methods: {e}") from None
 
     result = bench.run(cfg, progress=not args.no_progress)
     print(bench.format_table(result))
@@ -115,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dtype", help="comma-separated: float32,float16,bfloat16")
     b.add_argument("--causal", choices=["yes", "no", "both"])
     b.add_argument("--repeats", type=int, help="timed runs per cell (the median is reported)")
+    b.add_argument("--methods", help="comma-separated columns to time, e.g. sdpa-flash,sdpa-cudnn "
+                                     "(fusedattn always runs; default: all this device has)")
     b.add_argument("--warmup", type=int)
     b.add_argument("--json", metavar="PATH", help="write the results as JSON")
     b.add_argument("--plot", metavar="PATH.png", help="plot time and memory against N (needs matplotlib)")

@@ -94,12 +94,29 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   }
 }
 
+// 4-byte global -> shared copy (one float); writes zero when !valid.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(valid ? 4 : 0));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most `pending` committed groups are still in flight.
 template <int pending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
+}
+
+// addr[0] += x, addr[1] += y in global memory (addr 8-byte aligned), with no
+// result: one 8-byte reduction from sm_90 on, two float atomics before.
+__device__ __forceinline__ void red_add_float2(float* addr, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(x), "f"(y) : "memory");
+#else
+  atomicAdd(addr, x);
+  atomicAdd(addr + 1, y);
+#endif
 }
 
 // Reduction over the 4 lanes (t = 0..3) that share a row of a fragment.

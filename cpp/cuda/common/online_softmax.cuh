@@ -82,4 +82,8 @@ __device__ __forceinline__ float lse_from_log2(float m, float l) {
   return l > 0.0f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
 
+// A row's LSE in base 2, for P = 2^(S scale log2 e - lse log2 e) in the
+// backward; +inf for a row that saw no key (lse = -inf), so that P = 0.
+__device__ __forceinline__ float lse_in_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
+
 }  // namespace fusedattn::cuda

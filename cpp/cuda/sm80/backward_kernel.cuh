@@ -18,10 +18,12 @@
 //      over the group's query heads costs nothing extra. The next query
 //      block's Q and dO stream in with cp.async while one is computed on;
 //   3. convert: grad_q = scale * accumulator, in the input dtype.
+// Kernels 1 and 3 are shared with the sm90 family (common/backward_passes.cuh).
 #pragma once
 
 #include <cmath>
 
+#include "../common/backward_passes.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/mask.cuh"
@@ -56,43 +58,21 @@ struct BackwardTraits {
   static_assert(HeadDim % 16 == 0 && kBlockM % 16 == 0 && kDqWarpsM * kDqWarpsD == kWarps);
 };
 
-// delta[row] = sum_d dO[row, d] O[row, d]; grad_q_accum[row, :] = 0 (when
-// there is one). One warp per row.
-template <typename T>
-__global__ void __launch_bounds__(128) backward_preprocess_kernel(const __grid_constant__ BackwardParams p) {
-  const AttentionShape& sh = p.fwd.shape;
-  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= sh.batch * sh.heads_q * sh.seqlen_q) return;
-  const int64_t batch = row / (sh.heads_q * sh.seqlen_q), head = row / sh.seqlen_q % sh.heads_q,
-                query = row % sh.seqlen_q;
-  const T* o = static_cast<const T*>(p.fwd.out) + batch * p.fwd.out_strides.batch +
-               head * p.fwd.out_strides.head + query * p.fwd.out_strides.row;
-  const T* d_o = static_cast<const T*>(p.grad_out) + batch * p.grad_out_strides.batch +
-                 head * p.grad_out_strides.head + query * p.grad_out_strides.row;
-  float sum = 0.0f;
-  for (int c = lane; c < sh.head_dim; c += 32) sum += to_float(o[c]) * to_float(d_o[c]);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
-  if (lane == 0) p.delta[row] = sum;
-  if (p.grad_q_accum == nullptr) return;
-  float* accum = p.grad_q_accum + row * sh.head_dim;
-  for (int c = lane; c < sh.head_dim; c += 32) accum[c] = 0.0f;
-}
-
-// grad_q = scale * grad_q_accum, in T. One thread per element pair.
-template <typename T>
-__global__ void __launch_bounds__(256) backward_convert_dq_kernel(const __grid_constant__ BackwardParams p) {
-  const AttentionShape& sh = p.fwd.shape;
-  const int64_t pair = int64_t(blockIdx.x) * 256 + threadIdx.x;
-  if (pair * 2 >= sh.batch * sh.heads_q * sh.seqlen_q * sh.head_dim) return;
-  const int64_t row = pair * 2 / sh.head_dim, col = pair * 2 % sh.head_dim;
-  const int64_t batch = row / (sh.heads_q * sh.seqlen_q), head = row / sh.seqlen_q % sh.heads_q,
-                query = row % sh.seqlen_q;
-  const float* accum = p.grad_q_accum + row * sh.head_dim + col;
-  T* dq = static_cast<T*>(p.grad_q) + batch * p.grad_q_strides.batch + head * p.grad_q_strides.head +
-          query * p.grad_q_strides.row + col;
-  *reinterpret_cast<uint32_t*>(dq) = pack2<T>(accum[0] * p.fwd.scale, accum[1] * p.fwd.scale);
+// Queues rows [row0, row0 + Rows) of lse and delta (one query head's, from
+// `first` = its row 0) into shared memory with cp.async; rows at or past
+// `rows` read as 0 (callers mask those queries). Every one of the Threads
+// threads calls it.
+template <int Rows, int Threads>
+__device__ __forceinline__ void load_lse_delta_async(float* s_lse, float* s_delta, const BackwardParams& p,
+                                                     int64_t first, int64_t rows) {
+  for (int i = threadIdx.x; i < 2 * Rows; i += Threads) {
+    const int r = i % Rows;
+    const bool valid = r < rows;
+    if (i < Rows)
+      cp_async_4(s_lse + r, valid ? p.fwd.lse + first + r : p.fwd.lse, valid);
+    else
+      cp_async_4(s_delta + r, valid ? p.delta + first + r : p.delta, valid);
+  }
 }
 
 template <int HeadDim, typename T, bool IsCausal, bool AtomicDq>
@@ -109,7 +89,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   T* sQ = sV + kBlockN * kStride;        // [2][kBlockM][kStride]
   T* sdO = sQ + 2 * kBlockM * kStride;   // [2][kBlockM][kStride]
   T* sdS = sdO + 2 * kBlockM * kStride;  // [kBlockN][kDsStride], dS^T
-  float* sLse = reinterpret_cast<float*>(sdS + kBlockN * Tr::kDsStride);  // [2][kBlockM], base 2
+  float* sLse = reinterpret_cast<float*>(sdS + kBlockN * Tr::kDsStride);  // [2][kBlockM], natural log
   float* sDelta = sLse + 2 * kBlockM;                                      // [2][kBlockM]
 
   const ForwardParams& f = p.fwd;
@@ -144,9 +124,9 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   const int64_t steps_per_head = first_query < sh.seqlen_q ? (sh.seqlen_q - m_begin + kBlockM - 1) / kBlockM : 0;
   const int64_t steps = steps_per_head * split_heads;
 
-  // Queues step s's Q and dO (cp.async) and writes its lse (base 2; +inf for
-  // rows past the queries and rows that saw no key, so that P = 0 there) and
-  // delta into buffer `buf`.
+  // Queues step s's Q, dO, lse and delta into buffer `buf` (cp.async; zeros
+  // past the queries: their P V and dS Q terms are 0 as their dO and Q rows
+  // are, and their dQ is not written).
   auto load_step = [&](int64_t s, int buf) {
     const int64_t head = first_head + s / steps_per_head;
     const int64_t m0 = m_begin + s % steps_per_head * kBlockM;
@@ -158,12 +138,8 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
                                  static_cast<const T*>(p.grad_out) + batch * p.grad_out_strides.batch +
                                      head * p.grad_out_strides.head,
                                  p.grad_out_strides.row, m0, rows);
-    const int64_t row_base = (int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + m0;
-    for (int r = threadIdx.x; r < kBlockM; r += Tr::kThreads) {
-      const float lse = r < rows ? f.lse[row_base + r] : -INFINITY;
-      sLse[buf * kBlockM + r] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-      sDelta[buf * kBlockM + r] = r < rows ? p.delta[row_base + r] : 0.0f;
-    }
+    load_lse_delta_async<kBlockM, Tr::kThreads>(sLse + buf * kBlockM, sDelta + buf * kBlockM, p,
+                                                (int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + m0, rows);
   };
   if (steps > 0) load_step(0, 0);
   cp_async_commit();
@@ -243,7 +219,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
             x += mask_log2<T>(f.mask, mask_base, query, key);
           }
         }
-        st[nt][e] = exp2f(x - lse[c]);
+        st[nt][e] = exp2f(x - lse_in_log2(lse[c]));
       }
     }
 
@@ -296,62 +272,15 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
           const int r = mt * 16 + g + 8 * h;
           if (m0 + r >= sh.seqlen_q) continue;
 #pragma unroll
-          for (int dt = 0; dt < Tr::kDqTiles; ++dt) {
-            atomicAdd(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h]);
-            atomicAdd(accum + r * HeadDim + dt * 8 + 2 * t + 1, dq[dt][2 * h + 1]);
-          }
+          for (int dt = 0; dt < Tr::kDqTiles; ++dt)
+            red_add_float2(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h], dq[dt][2 * h + 1]);
         }
       }
     }
   }
   cp_async_wait<0>();
 
-  // dK (scaled: S was scale Q K^T) and dV of this warp's keys: written, or
-  // added to the float32 sums when the group is split over blocks.
-  const int64_t kv_row = (int64_t(batch) * sh.heads_kv + head_kv) * sh.seqlen_k;
-  const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * HeadDim;
-  T* grad_k = static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + head_kv * p.grad_k_strides.head;
-  T* grad_v = static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + head_kv * p.grad_v_strides.head;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t key = key0 + key_row + g + 8 * h;
-    if (key >= sh.seqlen_k) continue;
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) {
-      const int col = dt * 8 + 2 * t;
-      if (p.head_splits > 1) {
-        float* dk_sum = p.grad_kv_accum + (kv_row + key) * HeadDim + col;
-        atomicAdd(dk_sum, dk[dt][2 * h] * f.scale);
-        atomicAdd(dk_sum + 1, dk[dt][2 * h + 1] * f.scale);
-        atomicAdd(dk_sum + kv_size, dv[dt][2 * h]);
-        atomicAdd(dk_sum + kv_size + 1, dv[dt][2 * h + 1]);
-      } else {
-        *reinterpret_cast<uint32_t*>(grad_k + key * p.grad_k_strides.row + col) =
-            pack2<T>(dk[dt][2 * h] * f.scale, dk[dt][2 * h + 1] * f.scale);
-        *reinterpret_cast<uint32_t*>(grad_v + key * p.grad_v_strides.row + col) =
-            pack2<T>(dv[dt][2 * h], dv[dt][2 * h + 1]);
-      }
-    }
-  }
-}
-
-// grad_k, grad_v = the float32 sums of the head splits, in T. One thread per element pair.
-template <typename T>
-__global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_constant__ BackwardParams p) {
-  const AttentionShape& sh = p.fwd.shape;
-  const int64_t size = sh.batch * sh.heads_kv * sh.seqlen_k * sh.head_dim;
-  const int64_t pair = int64_t(blockIdx.x) * 256 + threadIdx.x;
-  if (pair * 2 >= size) return;
-  const int64_t row = pair * 2 / sh.head_dim, col = pair * 2 % sh.head_dim;
-  const int64_t batch = row / (sh.heads_kv * sh.seqlen_k), head = row / sh.seqlen_k % sh.heads_kv,
-                key = row % sh.seqlen_k;
-  const float* dk = p.grad_kv_accum + pair * 2;
-  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch +
-                               head * p.grad_k_strides.head + key * p.grad_k_strides.row + col) =
-      pack2<T>(dk[0], dk[1]);
-  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch +
-                               head * p.grad_v_strides.head + key * p.grad_v_strides.row + col) =
-      pack2<T>(dk[size], dk[size + 1]);
+  store_key_gradients<HeadDim, T>(p, batch, head_kv, key0 + key_row, dk, dv);
 }
 
 template <int HeadDim, typename T, bool IsCausal, bool AtomicDq>
@@ -382,51 +311,29 @@ void launch_backward_dq_kernel(const BackwardParams& p, cudaStream_t stream) {
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
+// The key-block kernel and, deterministic, the dQ pass; run_backward_passes
+// does the rest.
 template <int HeadDim, typename T, bool IsCausal>
-void launch_backward_passes(const BackwardParams& p, cudaStream_t stream) {
+void launch_backward_main(const BackwardParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.fwd.shape;
-  const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
-  if (p.deterministic) {
-    if (p.head_splits != 1) throw std::invalid_argument("fusedattn: a deterministic backward takes head_splits = 1");
-    if (sh.batch * sh.heads_kv * sh.seqlen_k > 0) launch_backward_kernel<HeadDim, T, IsCausal, false>(p, stream);
-    if (rows > 0) launch_backward_dq_kernel<HeadDim, T, IsCausal>(p, stream);
+  const bool any_keys = sh.batch * sh.heads_kv * sh.seqlen_k > 0;
+  if (!p.deterministic) {
+    if (any_keys) launch_backward_kernel<HeadDim, T, IsCausal, true>(p, stream);
     return;
   }
-  const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * HeadDim;
-  if (kv_size > 0) {
-    if (p.head_splits > 1)
-      FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(p.grad_kv_accum, 0, 2 * kv_size * sizeof(float), stream));
-    launch_backward_kernel<HeadDim, T, IsCausal, true>(p, stream);
-    if (p.head_splits > 1) {
-      if ((kv_size / 2 + 255) / 256 > 2147483647)
-        throw std::runtime_error("fusedattn: B x Hkv x Nk x d exceeds one launch of the dK/dV conversion");
-      backward_convert_dkv_kernel<T><<<static_cast<unsigned>((kv_size / 2 + 255) / 256), 256, 0, stream>>>(p);
-      FUSEDATTN_CUDA_CHECK(cudaGetLastError());
-    }
-  }
-  if (rows > 0) {
-    const int64_t pairs = rows * HeadDim / 2;
-    if ((pairs + 255) / 256 > 2147483647)
-      throw std::runtime_error("fusedattn: B x Hq x Nq x d exceeds one launch of the grad_q conversion");
-    backward_convert_dq_kernel<T><<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(p);
-    FUSEDATTN_CUDA_CHECK(cudaGetLastError());
-  }
+  if (p.head_splits != 1) throw std::invalid_argument("fusedattn: a deterministic backward takes head_splits = 1");
+  if (any_keys) launch_backward_kernel<HeadDim, T, IsCausal, false>(p, stream);
+  if (sh.batch * sh.heads_q * sh.seqlen_q > 0) launch_backward_dq_kernel<HeadDim, T, IsCausal>(p, stream);
 }
 
 template <int HeadDim, typename Element>
 void launch_backward_sm80(const BackwardParams& p, cudaStream_t stream) {
-  const AttentionShape& sh = p.fwd.shape;
-  const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
-  if ((rows + 3) / 4 > 2147483647)
-    throw std::runtime_error("fusedattn: B x Hq x Nq exceeds one launch of the backward's preprocess");
-  if (rows > 0) {
-    backward_preprocess_kernel<Element><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
-    FUSEDATTN_CUDA_CHECK(cudaGetLastError());
-  }
-  if (p.fwd.is_causal)
-    launch_backward_passes<HeadDim, Element, true>(p, stream);
-  else
-    launch_backward_passes<HeadDim, Element, false>(p, stream);
+  run_backward_passes<Element>(p, stream, [&] {
+    if (p.fwd.is_causal)
+      launch_backward_main<HeadDim, Element, true>(p, stream);
+    else
+      launch_backward_main<HeadDim, Element, false>(p, stream);
+  });
 }
 
 }  // namespace fusedattn::cuda

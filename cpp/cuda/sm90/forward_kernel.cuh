@@ -1,19 +1,20 @@
-// The sm90 forward: FlashAttention with Hopper's machinery. A block owns 128
-// queries of one head and is three warpgroups:
+// The sm90 forward: FlashAttention with Hopper's machinery. A block owns 64
+// queries per consumer warpgroup (2 at d=128, 3 at d=64) of one head:
 //   producer (warpgroup 0): one thread issues tensor-memory-accelerator loads,
 //     Q once, then K and V tiles of 128 keys into two-stage rings guarded by
-//     mbarriers ("full" when the bytes landed, "empty" when both consumers are
-//     done reading); it gives its registers to the consumers (setmaxnreg).
-//   consumers (warpgroups 1, 2): 64 queries each, and per key tile j
+//     mbarriers ("full" when the bytes landed, "empty" when every consumer
+//     warp is done reading); it gives its registers to the consumers (setmaxnreg).
+//   consumers (warpgroups 1, 2[, 3]): 64 queries each, and per key tile j
 //     S_j = Q K_j^T     wgmma m64n128k16, both operands from shared memory
 //     O += P_{j-1} V    wgmma m64n{d}k16, P from registers, V read transposed,
 //                       issued right behind S_j, so the online softmax of S_j
 //                       runs while this GEMM is in flight;
-//   the two consumers take turns issuing their GEMMs (named barriers), so one
-//   warpgroup's softmax overlaps the other's tensor-core work.
+//   the consumers take turns issuing their GEMMs (named barriers), so one
+//   warpgroup's softmax overlaps the others' tensor-core work.
 // The accumulators of each warp have mma.sync's C layout, so the softmax and P
-// packing helpers of the sm80 kernel apply unchanged. Not yet: attn_mask (the
-// dispatcher sends masked calls to the sm80 kernel).
+// packing helpers of the sm80 kernel apply unchanged. attn_mask is read where
+// the scores are, by a separate instantiation (no tile is skipped for it: the
+// producer loads every tile).
 #pragma once
 
 #include <cmath>
@@ -21,6 +22,7 @@
 #include "../common/bulk_copy.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
+#include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
 #include "forward_sm90.h"
 #include "forward_traits.h"
@@ -30,7 +32,7 @@
 
 namespace fusedattn::cuda {
 
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool IsCausal, bool HasMask>
 __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
     sm90_forward_kernel(const __grid_constant__ Sm90ForwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and setmaxnreg exist only in sm_90a code
@@ -57,11 +59,13 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
   const int head_kv = head / static_cast<int>(sh.heads_q / sh.heads_kv);
   const unsigned m_index = blockIdx.x % m_blocks;
   // Causal: the longest rows (last query block) are launched first.
-  const int64_t row0 = int64_t(IsCausal ? m_blocks - 1 - m_index : m_index) * kBlockM;
-  const int64_t rows = min(int64_t(kBlockM), sh.seqlen_q - row0);
-  const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;
-  int64_t key_end = sh.seqlen_k;
-  if (IsCausal) key_end = max(int64_t(0), min(sh.seqlen_k, row0 + rows + causal_offset));
+  // Lengths fit in int here (forward_sm90 checks): 32-bit row arithmetic
+  // leaves the consumers more of their registers.
+  const int seqlen_q = static_cast<int>(sh.seqlen_q), seqlen_k = static_cast<int>(sh.seqlen_k);
+  const int row0 = static_cast<int>(IsCausal ? m_blocks - 1 - m_index : m_index) * kBlockM;
+  const int rows = min(kBlockM, seqlen_q - row0);
+  const int causal_offset = seqlen_k - seqlen_q;
+  const int key_end = IsCausal ? max(0, min(seqlen_k, row0 + rows + causal_offset)) : seqlen_k;
   const int n_tiles = static_cast<int>((key_end + kBlockN - 1) / kBlockN);
 
   if (threadIdx.x == 0) {
@@ -86,7 +90,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
     prefetch_tensor_map(&args.v_map);
     mbarrier_arrive_expect_bytes(q_full, Tr::kQBytes);
     for (int slab = 0; slab < Tr::kSlabs; ++slab)
-      tma_load_box(sQ + slab * kBlockM * 128, &args.q_map, 64 * slab, static_cast<int>(row0), head, batch, q_full);
+      tma_load_box(sQ + slab * kBlockM * 128, &args.q_map, 64 * slab, row0, head, batch, q_full);
     // K runs one tile ahead of V, the order in which the consumers use them.
     auto load_tile = [&](const CUtensorMap* map, unsigned char* ring, uint64_t* full, uint64_t* empty, int j) {
       const int stage = j % kStages;
@@ -109,9 +113,10 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
   const int consumer = warpgroup - 1;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int64_t wg_row0 = row0 + 64 * consumer;  // this warpgroup's first query
+  const int wg_row0 = row0 + 64 * consumer;  // this warpgroup's first query
   const int warp_row = warp * 16;                 // this warp's rows within the warpgroup's 64
   const float scale_log2 = p.scale * kLog2e;
+  const int64_t mask_base = HasMask ? batch * p.mask.batch_stride + head * p.mask.head_stride : 0;
 
   float acc[kDTiles][4] = {};
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {};
@@ -120,12 +125,14 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
   float (&s_flat)[kNTiles * 4] = reinterpret_cast<float (&)[kNTiles * 4]>(s);
   uint32_t p_a[kBlockN / 16][4];  // P of the previous tile, the A operand of O += P V
 
-  // The turn-taking: consumer c issues GEMMs after a sync on barrier 1 + c,
-  // then lets the other go by arriving on its barrier; consumer 1 first lets
-  // consumer 0 go, and skips its last arrival, which nobody would wait for.
-  const int my_turn = 1 + consumer, their_turn = 2 - consumer;
+  // The turn-taking, round robin: consumer c issues GEMMs after a sync on
+  // barrier 1 + c, then lets the next go by arriving on its barrier; the last
+  // consumer first lets consumer 0 go, and skips its last arrival, which
+  // nobody would wait for.
+  const bool last_consumer = consumer == Tr::kConsumers - 1;
+  const int my_turn = 1 + consumer, next_turn = 1 + (consumer + 1) % Tr::kConsumers;
   auto take_turn = [&] { named_barrier_sync(my_turn, 256); };
-  auto pass_turn = [&] { named_barrier_arrive(their_turn, 256); };
+  auto pass_turn = [&] { named_barrier_arrive(next_turn, 256); };
 
   // S_j = Q K_j^T, issued (not waited for).
   auto issue_scores = [&](int j) {
@@ -153,24 +160,63 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
   // Scale S_j to base 2, hide keys past the end and (causal) above the
   // diagonal, and take the online-softmax step; returns the factor by which
   // O must be rescaled.
-  auto softmax = [&](int j, float (&rescale)[2]) {
-    const int64_t col0 = int64_t(j) * kBlockN;
-    const bool needs_masking = col0 + kBlockN > key_end || (IsCausal && col0 + kBlockN - 1 > wg_row0 + causal_offset);
-    const int cols = static_cast<int>(min(int64_t(kBlockN), key_end - col0));
-    const int diagonal = static_cast<int>(
-        max(int64_t(-64 - kBlockN), min(int64_t(64 + kBlockN), wg_row0 + causal_offset - col0)));
+  // attn_mask (base-2 units) added to the visible scores of the tile at
+  // col0: a hidden entry stays -inf whatever the mask holds there, and rows
+  // past the queries read none of it. One loop per mask kind, each reading
+  // its element type straight from the row's offset.
+  auto add_mask = [&](int col0) {
+    int64_t row_offset[2];
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
+    for (int h = 0; h < 2; ++h)
+      row_offset[h] = mask_base + int64_t(wg_row0 + warp_row + g + 8 * h) * p.mask.row_stride +
+                      int64_t(col0 + 2 * t) * p.mask.col_stride;
+    const bool row_valid[2] = {wg_row0 + warp_row + g < seqlen_q, wg_row0 + warp_row + g + 8 < seqlen_q};
+    auto add = [&](auto value_at) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[nt][e] * scale_log2;
-        if (needs_masking) {
-          const int r = warp_row + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
-          if (c >= cols || (IsCausal && c - r > diagonal)) x = -INFINITY;
-        }
-        s[nt][e] = x;
-      }
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (row_valid[e >> 1] && s[nt][e] != -INFINITY)
+            s[nt][e] += value_at(row_offset[e >> 1] + (nt * 8 + (e & 1)) * p.mask.col_stride);
+    };
+    switch (p.mask.kind) {
+      case MaskKind::Bool:
+        add([&](int64_t i) { return static_cast<const uint8_t*>(p.mask.ptr)[i] ? 0.0f : -INFINITY; });
+        break;
+      case MaskKind::AdditiveFloat32:
+        add([&](int64_t i) { return static_cast<const float*>(p.mask.ptr)[i] * kLog2e; });
+        break;
+      default:  // AdditiveInput
+        add([&](int64_t i) { return to_float(static_cast<const T*>(p.mask.ptr)[i]) * kLog2e; });
+        break;
     }
+  };
+  auto softmax = [&](int j, float (&rescale)[2]) {
+    const int col0 = j * kBlockN;
+    const bool needs_masking = col0 + kBlockN > key_end || (IsCausal && col0 + kBlockN - 1 > wg_row0 + causal_offset);
+    // Scaled first: a scale of 0 must not meet -inf.
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+    if (needs_masking) {
+      // Row h of this thread sees tile columns [0, visible[h]): the keys
+      // before the end and (causal) on or below the diagonal. Subtracting the
+      // thread's column 2t once leaves compile-time offsets in the loop.
+      int visible[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        visible[h] = key_end - col0;
+        if (IsCausal) visible[h] = min(visible[h], wg_row0 + warp_row + g + 8 * h + causal_offset - col0 + 1);
+        visible[h] -= 2 * t;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (nt * 8 + (e & 1) >= visible[e >> 1]) s[nt][e] = -INFINITY;
+    }
+    if constexpr (HasMask) add_mask(col0);
     online_softmax_scores(s, m_i, l_i, rescale);
   };
   auto pack_probabilities = [&] {
@@ -187,7 +233,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
 
   if (n_tiles > 0) {
     mbarrier_wait(q_full, 0);
-    if (consumer == 1) pass_turn();
+    if (last_consumer) pass_turn();
     float rescale[2];
 
     mbarrier_wait(&k_full[0], 0);
@@ -221,7 +267,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
     mbarrier_wait(&v_full[(n_tiles - 1) % kStages], phase(n_tiles - 1));
     take_turn();
     issue_pv(n_tiles - 1);
-    if (consumer == 0) pass_turn();
+    if (!last_consumer) pass_turn();
     wgmma_wait<0>();
     fence_registers(acc_flat);
     release(v_empty, n_tiles - 1);
@@ -234,23 +280,23 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
   for (int h = 0; h < 2; ++h) {
     const float l = quad_sum(l_i[h]);
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int64_t r = wg_row0 + warp_row + g + h * 8;
+    const int r = wg_row0 + warp_row + g + h * 8;
     if (r >= row0 + rows) continue;
     if (t == 0) lse[r] = lse_from_log2(m_i[h], l);
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
-      *reinterpret_cast<uint32_t*>(out + r * p.out_strides.row + dt * 8 + 2 * t) =
+      *reinterpret_cast<uint32_t*>(out + int64_t(r) * p.out_strides.row + dt * 8 + 2 * t) =
           pack2<T>(acc[dt][2 * h] * inv, acc[dt][2 * h + 1] * inv);
   }
 #else
-  __trap();  // built for another target: sm90_forward_available() keeps callers away
+  __trap();  // built for another target: sm90_available() keeps callers away
 #endif
 }
 
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool IsCausal, bool HasMask>
 void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90ForwardTraits<HeadDim>;
-  auto kernel = sm90_forward_kernel<HeadDim, T, IsCausal>;
+  auto kernel = sm90_forward_kernel<HeadDim, T, IsCausal, HasMask>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   const AttentionShape& sh = args.p.shape;
   const int64_t blocks = (sh.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * sh.batch * sh.heads_q;
@@ -262,10 +308,22 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
 
 template <int HeadDim, typename Element>
 void launch_forward_sm90(const Sm90ForwardArgs& args, cudaStream_t stream) {
+  const bool masked = args.p.mask.kind != MaskKind::None;
+  if constexpr (kSm90MaskedHeadDim == HeadDim) {
+    if (masked) {
+      if (args.p.is_causal)
+        launch_sm90_forward_kernel<HeadDim, Element, true, true>(args, stream);
+      else
+        launch_sm90_forward_kernel<HeadDim, Element, false, true>(args, stream);
+      return;
+    }
+  } else if (masked) {
+    throw std::invalid_argument("fusedattn: the sm90 forward takes attn_mask at head dim 128 only");
+  }
   if (args.p.is_causal)
-    launch_sm90_forward_kernel<HeadDim, Element, true>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, Element, true, false>(args, stream);
   else
-    launch_sm90_forward_kernel<HeadDim, Element, false>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, Element, false, false>(args, stream);
 }
 
 }  // namespace fusedattn::cuda

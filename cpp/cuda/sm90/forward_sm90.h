@@ -1,5 +1,5 @@
 // The sm90 family's forward: wgmma on Hopper (compute capability 9.0, built
-// for sm_90a only). Takes no attn_mask yet.
+// for sm_90a only).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,15 +10,18 @@ namespace fusedattn::cuda {
 
 // Head dims this family is instantiated for.
 inline constexpr int kSm90HeadDims[] = {64, 128};
+// The head dim it takes attn_mask at: d=64's three consumer warpgroups have
+// no registers left for the mask reads (ptxas spilled ~650 bytes).
+inline constexpr int kSm90MaskedHeadDim = 128;
 
 // Whether this build has the sm90 kernels (compiled for sm_90a) and the
 // current device can run them.
-bool sm90_forward_available();
+bool sm90_available();
 
 // Writes p.out and p.lse on `stream` and returns true; or returns false,
 // launching nothing, when the tensor memory accelerator cannot describe q, k
 // or v (see tensor_maps.h). p.dtype must be Float16 or BFloat16,
-// p.shape.head_dim one of kSm90HeadDims, p.mask.kind None.
+// p.shape.head_dim one of kSm90HeadDims; a mask only at kSm90MaskedHeadDim.
 bool forward_sm90(const ForwardParams& p, cudaStream_t stream);
 
 struct Sm90ForwardArgs;  // forward_kernel.cuh

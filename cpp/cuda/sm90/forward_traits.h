@@ -10,7 +10,9 @@ namespace fusedattn::cuda {
 
 template <int HeadDim>
 struct Sm90ForwardTraits {
-  static constexpr int kConsumers = 2;                      // warpgroups of 64 queries
+  // Consumer warpgroups of 64 queries each: FA3's counts, 3 at d=64 (whose
+  // S, P and O fit in 160 registers), 2 at d=128.
+  static constexpr int kConsumers = HeadDim == 64 ? 3 : 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = 128;
@@ -18,10 +20,13 @@ struct Sm90ForwardTraits {
   static constexpr int kSlabs = HeadDim / 64;               // 64-column swizzled slabs per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
   static constexpr int kTileBytes = kBlockN * HeadDim * 2;  // one K or V tile
-  // Producer and consumers split the 65536 registers of the SM (FA3's 24/240;
-  // 128 x 24 + 256 x 240 = 384 x 168, the count ptxas gives at entry).
+  // Producer and consumers split the SM's 65536 registers; ptxas gives every
+  // thread 65536 / kThreads at entry (168 or 128), setmaxnreg moves them:
+  // 128 x 24 + 256 x 240 = 384 x 168 and 128 x 24 + 384 x 160 <= 512 x 128.
   static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
+  static constexpr int kConsumerRegisters = kConsumers == 3 ? 160 : 240;
+  static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536,
+                "setmaxnreg would wait forever for registers the SM does not have");
   // Q, the K ring and the V ring, each slab 1024-byte aligned (the swizzle
   // pattern's period); then the mbarriers; plus room to align the base.
   static constexpr int kBarriersOffset = kQBytes + 2 * kStages * kTileBytes;

@@ -1,11 +1,14 @@
 // Runtime (dtype, head dim) -> the compile-time instantiation, and whether
 // this build and device can run the family at all.
+#include <algorithm>
 #include <mutex>
 #include <stdexcept>
 #include <vector>
 
 #include "../common/instantiation_dispatch.h"
 #include "../common/launch_check.h"
+#include "backward_sm90.h"
+#include "backward_traits.h"
 #include "forward_sm90.h"
 #include "forward_traits.h"
 #include "tensor_maps.h"
@@ -36,9 +39,23 @@ bool probe_device(int device) {
   return launched == cudaSuccess && built == 1;
 }
 
+// Q, K and V as tensor maps with the kernel's box heights; false where the
+// tensor memory accelerator cannot describe one of them.
+bool encode_operand_maps(Sm90ForwardArgs& args, int block_m, int block_n) {
+  const ForwardParams& p = args.p;
+  const AttentionShape& sh = p.shape;
+  return encode_head_tensor_map(&args.q_map, p.dtype, p.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim,
+                                p.q_strides, block_m) &&
+         (sh.seqlen_k == 0 ||  // no key tile is ever loaded
+          (encode_head_tensor_map(&args.k_map, p.dtype, p.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
+                                  p.k_strides, block_n) &&
+           encode_head_tensor_map(&args.v_map, p.dtype, p.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
+                                  p.v_strides, block_n)));
+}
+
 }  // namespace
 
-bool sm90_forward_available() {
+bool sm90_available() {
   static std::mutex lock;
   static std::vector<int> known;  // per device: -1 unknown, 0 no, 1 yes
   int device = 0;
@@ -50,25 +67,51 @@ bool sm90_forward_available() {
 }
 
 bool forward_sm90(const ForwardParams& p, cudaStream_t stream) {
-  if (p.mask.kind != MaskKind::None) throw std::invalid_argument("fusedattn: the sm90 forward takes no attn_mask yet");
   const AttentionShape& sh = p.shape;
   if (sh.batch * sh.heads_q == 0 || sh.seqlen_q == 0) return true;
-  Sm90ForwardArgs args{};
-  args.p = p;
-  // Every head dim shares the tile shapes: 128 query rows, 128 key rows.
-  constexpr int kBlockM = Sm90ForwardTraits<128>::kBlockM, kBlockN = Sm90ForwardTraits<128>::kBlockN;
-  static_assert(Sm90ForwardTraits<64>::kBlockM == kBlockM && Sm90ForwardTraits<64>::kBlockN == kBlockN);
-  const bool encoded =
-      encode_head_tensor_map(&args.q_map, p.dtype, p.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim, p.q_strides,
-                             kBlockM) &&
-      (sh.seqlen_k == 0 ||
-       (encode_head_tensor_map(&args.k_map, p.dtype, p.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
-                               p.k_strides, kBlockN) &&
-        encode_head_tensor_map(&args.v_map, p.dtype, p.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
-                               p.v_strides, kBlockN)));
-  if (!encoded) return false;
+  // The kernel does row arithmetic in int (and TMA coordinates are int).
+  if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30)) return false;
+  bool launched = false;
   dispatch_instantiation<64, 128>("sm90 forward", p.dtype, sh.head_dim, [&](auto head_dim, auto element) {
+    using Tr = Sm90ForwardTraits<decltype(head_dim)::value>;
+    Sm90ForwardArgs args{};
+    args.p = p;
+    if (!encode_operand_maps(args, Tr::kBlockM, Tr::kBlockN)) return;
     launch_forward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);
+    launched = true;
+  });
+  return launched;
+}
+
+bool backward_sm90(const BackwardParams& p, cudaStream_t stream) {
+  if (p.fwd.mask.kind != MaskKind::None || p.deterministic)
+    throw std::invalid_argument("fusedattn: the sm90 backward takes no attn_mask and no deterministic mode yet");
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
+  // The kernel's TMA coordinates are int: rows of lse and delta included.
+  if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31)) return false;
+  Sm90BackwardArgs args{};
+  args.p = p;
+  constexpr int kBlockM = Sm90BackwardTraits<128>::kBlockM, kBlockN = Sm90BackwardTraits<128>::kBlockN,
+                kRowsBox = Sm90BackwardTraits<128>::kRowsBox;
+  static_assert(Sm90BackwardTraits<64>::kBlockM == kBlockM && Sm90BackwardTraits<64>::kBlockN == kBlockN &&
+                kBlockN == kSm90BackwardBlockN && Sm90BackwardTraits<64>::kRowsBox == kRowsBox);
+  const bool encoded =
+      (rows == 0 ||
+       (encode_head_tensor_map(&args.q_map, p.fwd.dtype, p.fwd.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim,
+                               p.fwd.q_strides, kBlockM) &&
+        encode_head_tensor_map(&args.do_map, p.fwd.dtype, p.grad_out, sh.batch, sh.heads_q, sh.seqlen_q,
+                               sh.head_dim, p.grad_out_strides, kBlockM) &&
+        encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, kRowsBox) &&
+        encode_rows_tensor_map(&args.delta_map, p.delta, rows, kRowsBox))) &&
+      (sh.seqlen_k == 0 ||
+       (encode_head_tensor_map(&args.k_map, p.fwd.dtype, p.fwd.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
+                               p.fwd.k_strides, kBlockN) &&
+        encode_head_tensor_map(&args.v_map, p.fwd.dtype, p.fwd.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
+                               p.fwd.v_strides, kBlockN)));
+  if (!encoded) return false;
+  dispatch_instantiation<64, 128>("sm90 backward", p.fwd.dtype, sh.head_dim, [&](auto head_dim, auto element) {
+    launch_backward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);
   });
   return true;
 }

@@ -54,4 +54,17 @@ bool encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* base, int
   return r == CUDA_SUCCESS;
 }
 
+bool encode_rows_tensor_map(CUtensorMap* map, const float* base, int64_t count, int box) {
+  const auto encode = encode_tiled();
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || count < 1) return false;
+  const cuuint64_t dims[1] = {cuuint64_t(count)};
+  const cuuint32_t boxes[1] = {cuuint32_t(box)};
+  const cuuint32_t element_strides[1] = {1};
+  // A rank-1 map has no strides, but the array must not be null.
+  const cuuint64_t no_strides[1] = {0};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, const_cast<float*>(base), dims, no_strides, boxes,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 }  // namespace fusedattn::cuda

@@ -19,4 +19,9 @@ namespace fusedattn::cuda {
 bool encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* base, int64_t batch, int64_t heads,
                             int64_t rows, int64_t head_dim, const TensorStrides& strides, int box_rows);
 
+// Describes `count` consecutive floats as a 1-D map loaded in boxes of `box`
+// floats (no swizzle); elements past the end read as zeros. false where the
+// driver refuses (a base not 16-byte aligned, say).
+bool encode_rows_tensor_map(CUtensorMap* map, const float* base, int64_t count, int box);
+
 }  // namespace fusedattn::cuda

@@ -1,8 +1,8 @@
-// Tensor-memory-accelerator loads of a tile of one head (sm_90a): the tensor
-// map (built on the host, tensor_maps.h) describes a [B, H, N, d] operand as
-// the 4-D box grid (d, N, H, B); one load brings a box of 64 columns x `rows`
+// Tensor-memory-accelerator loads (sm_90a). A head's tile: the tensor map
+// (built on the host, tensor_maps.h) describes a [B, H, N, d] operand as the
+// 4-D box grid (d, N, H, B); one load brings a box of 64 columns x `rows`
 // rows into a 128-byte-swizzled slab and completes its bytes on an mbarrier.
-// Rows past N are written as zeros.
+// Rows past N are written as zeros. And a run of a flat float array.
 #pragma once
 
 #include <cuda.h>
@@ -25,6 +25,15 @@ __device__ __forceinline__ void tma_load_box(void* smem_slab, const CUtensorMap*
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
       "[%6];\n" ::"r"(smem_addr(smem_slab)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(head), "r"(batch), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// Box at element `index` of a 1-D map (tensor_maps.h's encode_rows_tensor_map).
+__device__ __forceinline__ void tma_load_row(void* smem, const CUtensorMap* map, int index, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];\n" ::"r"(
+          smem_addr(smem)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(index), "r"(smem_addr(bar))
       : "memory");
 }
 

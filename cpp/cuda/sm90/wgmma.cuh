@@ -15,6 +15,12 @@
 
 namespace fusedattn::cuda {
 
+// Byte offset of the 16-byte chunk `chunk` (8 elements) of row r in a
+// 128-byte-swizzled tile of `rows` rows.
+__device__ __forceinline__ uint32_t swizzled_chunk_offset(int r, int chunk, int rows) {
+  return (chunk / 8) * rows * 128 + r * 128 + (((chunk % 8) ^ (r % 8)) << 4);
+}
+
 // The 64-bit matrix descriptor: start address, leading and stride byte
 // offsets (all in 16-byte units), layout type 1 = 128-byte swizzle.
 __device__ __forceinline__ uint64_t smem_descriptor(uint32_t smem_byte_addr, uint32_t leading_bytes,
@@ -61,6 +67,17 @@ __device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
+// d (64 x 64, f32) (+)= A (64 x 16, smem, K-major) B (16 x 64, smem; K-major, or
+// MN-major (stored [k][n]) with TransB), f16.
+template <bool TransB>
+__device__ __forceinline__ void wgmma_ss_m64n64k16_f16(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(int(TransB)));
+}
+
 // d (64 x 128, f32) (+)= A (64 x 16, smem, K-major) B (16 x 128, smem, K-major), f16.
 __device__ __forceinline__ void wgmma_ss_m64n128k16_f16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   asm volatile(
@@ -88,6 +105,17 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16_f16(float (&d)[64], const ui
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));
+}
+
+// d (64 x 64, f32) (+)= A (64 x 16, smem, K-major) B (16 x 64, smem; K-major, or
+// MN-major (stored [k][n]) with TransB), bf16.
+template <bool TransB>
+__device__ __forceinline__ void wgmma_ss_m64n64k16_bf16(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(int(TransB)));
 }
 
 // d (64 x 128, f32) (+)= A (64 x 16, smem, K-major) B (16 x 128, smem, K-major), bf16.
@@ -120,13 +148,16 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16_bf16(float (&d)[64], const u
 }
 
 // The instantiation for an element type and N.
-template <typename T, int N>
+template <typename T, int N, bool TransB = false>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
-  static_assert(N == 128, "QK^T uses 128-key tiles");
-  if constexpr (std::is_same_v<T, __half>)
-    wgmma_ss_m64n128k16_f16(d, desc_a, desc_b, accumulate);
-  else
-    wgmma_ss_m64n128k16_bf16(d, desc_a, desc_b, accumulate);
+  static_assert(N == 64 || (N == 128 && !TransB), "QK^T uses 128-key tiles; the backward 64-wide ones");
+  if constexpr (std::is_same_v<T, __half>) {
+    if constexpr (N == 64) wgmma_ss_m64n64k16_f16<TransB>(d, desc_a, desc_b, accumulate);
+    else wgmma_ss_m64n128k16_f16(d, desc_a, desc_b, accumulate);
+  } else {
+    if constexpr (N == 64) wgmma_ss_m64n64k16_bf16<TransB>(d, desc_a, desc_b, accumulate);
+    else wgmma_ss_m64n128k16_bf16(d, desc_a, desc_b, accumulate);
+  }
 }
 
 template <typename T, int N>
@@ -139,6 +170,15 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
     if constexpr (N == 64) wgmma_rs_m64n64k16_bf16(d, a, desc_b, accumulate);
     else wgmma_rs_m64n128k16_bf16(d, a, desc_b, accumulate);
   }
+}
+
+// Four 8x8 matrices of 16-bit elements from registers (each lane's pair as
+// ldmatrix would have delivered it) to shared memory, transposed: lanes
+// 8i..8i+7 give the addresses of matrix i's rows after the transpose.
+__device__ __forceinline__ void stmatrix_x4_trans(const uint32_t (&r)[4], void* row_addr) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr(row_addr)),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
 }
 
 }  // namespace fusedattn::cuda

@@ -2,7 +2,7 @@
 and any non-HGMMA instruction in the window that writes an HGMMA accumulator or A-operand register."""
 import re, sys
 for path in sys.argv[1:]:
-    lines = [l for l in open(path) if re.search(r"/\*[0-9a-f]{4}\*/", l)]
+    lines = [l for l in open(path) if re.search(r"/\*[0-9a-f]{4,6}\*/", l)]
     ins = [re.sub(r"\s*/\*.*?\*/\s*", " ", l.split(";")[0]).strip() for l in lines]
     kernels = 0
     i = 0

@@ -1,0 +1,181 @@
+// What the backward's kernel families share: the kernels around the
+// key-block kernel (delta and the zeroed dQ accumulator before it; the
+// conversions of the float32 sums after it), the store of a warp's dK and dV,
+// and the order in which they run.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+
+#include "device_math.cuh"
+#include "launch_check.h"
+#include "fusedattn/params.h"
+
+namespace fusedattn::cuda {
+
+// delta[row] = sum_d dO[row, d] O[row, d]; grad_q_accum[row, :] = 0 (when
+// there is one). One warp per row.
+template <typename T>
+__global__ void __launch_bounds__(128) backward_preprocess_kernel(const __grid_constant__ BackwardParams p) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= sh.batch * sh.heads_q * sh.seqlen_q) return;
+  const int64_t batch = row / (sh.heads_q * sh.seqlen_q), head = row / sh.seqlen_q % sh.heads_q,
+                query = row % sh.seqlen_q;
+  const T* o = static_cast<const T*>(p.fwd.out) + batch * p.fwd.out_strides.batch +
+               head * p.fwd.out_strides.head + query * p.fwd.out_strides.row;
+  const T* d_o = static_cast<const T*>(p.grad_out) + batch * p.grad_out_strides.batch +
+                 head * p.grad_out_strides.head + query * p.grad_out_strides.row;
+  float sum = 0.0f;
+  for (int c = lane; c < sh.head_dim; c += 32) sum += to_float(o[c]) * to_float(d_o[c]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (lane == 0) p.delta[row] = sum;
+  if (p.grad_q_accum == nullptr) return;
+  float* accum = p.grad_q_accum + row * sh.head_dim;
+  for (int c = lane; c < sh.head_dim; c += 32) accum[c] = 0.0f;
+}
+
+// grad_q = scale * grad_q_accum, in T. One thread per element pair.
+template <typename T>
+__global__ void __launch_bounds__(256) backward_convert_dq_kernel(const __grid_constant__ BackwardParams p) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t pair = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  if (pair * 2 >= sh.batch * sh.heads_q * sh.seqlen_q * sh.head_dim) return;
+  const int64_t row = pair * 2 / sh.head_dim, col = pair * 2 % sh.head_dim;
+  const int64_t batch = row / (sh.heads_q * sh.seqlen_q), head = row / sh.seqlen_q % sh.heads_q,
+                query = row % sh.seqlen_q;
+  const float* accum = p.grad_q_accum + row * sh.head_dim + col;
+  T* dq = static_cast<T*>(p.grad_q) + batch * p.grad_q_strides.batch + head * p.grad_q_strides.head +
+          query * p.grad_q_strides.row + col;
+  *reinterpret_cast<uint32_t*>(dq) = pack2<T>(accum[0] * p.fwd.scale, accum[1] * p.fwd.scale);
+}
+
+// grad_k, grad_v = the float32 sums of the head splits, in T. One thread per element pair.
+template <typename T>
+__global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_constant__ BackwardParams p) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t size = sh.batch * sh.heads_kv * sh.seqlen_k * sh.head_dim;
+  const int64_t pair = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  if (pair * 2 >= size) return;
+  const int64_t row = pair * 2 / sh.head_dim, col = pair * 2 % sh.head_dim;
+  const int64_t batch = row / (sh.heads_kv * sh.seqlen_k), head = row / sh.seqlen_k % sh.heads_kv,
+                key = row % sh.seqlen_k;
+  const float* dk = p.grad_kv_accum + pair * 2;
+  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch +
+                               head * p.grad_k_strides.head + key * p.grad_k_strides.row + col) =
+      pack2<T>(dk[0], dk[1]);
+  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch +
+                               head * p.grad_v_strides.head + key * p.grad_v_strides.row + col) =
+      pack2<T>(dk[size], dk[size + 1]);
+}
+
+// What a block of a key-block kernel owns and walks (the sm90 kernel's; the
+// sm80 kernel computes the same inline, where this struct cost it a spill at
+// d=64 on sm_90a). The grid is flat: key
+// blocks fastest, then head splits, kv heads, sequences (32-bit division: the
+// launches check the grid fits 2^31). A block walks every query block of
+// every query head of its share of the group that can see one of its keys;
+// causal: query i sees key0 once i >= key0 - (Nk - Nq).
+template <int BlockN, int BlockM, bool IsCausal>
+struct KeyBlockWalk {
+  unsigned batch, head_kv;
+  int64_t key0, keys;              // the block's keys: [key0, key0 + keys)
+  int64_t first_head, m_begin;     // the walk starts at this query head and query
+  int steps_per_head, steps;       // query blocks per head, and in all (< 2^31: Nq / BlockM x group)
+
+  __device__ explicit KeyBlockWalk(const BackwardParams& p) {
+    const AttentionShape& sh = p.fwd.shape;
+    const unsigned n_blocks = static_cast<unsigned>((sh.seqlen_k + BlockN - 1) / BlockN);
+    const unsigned n_block = blockIdx.x % n_blocks;
+    const unsigned head_split = blockIdx.x / n_blocks % static_cast<unsigned>(p.head_splits);
+    const unsigned bh = blockIdx.x / n_blocks / static_cast<unsigned>(p.head_splits);
+    batch = bh / static_cast<unsigned>(sh.heads_kv);
+    head_kv = bh % static_cast<unsigned>(sh.heads_kv);
+    const int64_t group = sh.heads_q / sh.heads_kv;
+    const int64_t split_heads = group / p.head_splits;
+    first_head = head_kv * group + head_split * split_heads;
+    key0 = int64_t(n_block) * BlockN;
+    keys = min(int64_t(BlockN), sh.seqlen_k - key0);
+    const int64_t first_query = IsCausal ? max(int64_t(0), key0 - (sh.seqlen_k - sh.seqlen_q)) : 0;
+    m_begin = first_query / BlockM * BlockM;
+    steps_per_head = static_cast<int>(first_query < sh.seqlen_q ? (sh.seqlen_q - m_begin + BlockM - 1) / BlockM : 0);
+    steps = steps_per_head * static_cast<int>(split_heads);
+  }
+  // The query head and first query of step s.
+  __device__ int64_t head(int s) const { return first_head + s / steps_per_head; }
+  __device__ int64_t m0(int s) const { return m_begin + int64_t(s % steps_per_head) * BlockM; }
+};
+
+// dK (scaled: S was scale Q K^T) and dV of one warp's 16 keys, rows
+// first_key + g and first_key + g + 8 of m16n8 accumulators (mma.sync's C
+// layout, which wgmma's accumulators share per warp): written, or added to
+// the float32 sums when the group's query heads are split over blocks.
+template <int HeadDim, typename T>
+__device__ __forceinline__ void store_key_gradients(const BackwardParams& p, unsigned batch, unsigned head_kv,
+                                                    int64_t first_key, const float (&dk)[HeadDim / 8][4],
+                                                    const float (&dv)[HeadDim / 8][4]) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t kv_row = (int64_t(batch) * sh.heads_kv + head_kv) * sh.seqlen_k;
+  const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * HeadDim;
+  const float scale = p.fwd.scale;
+  T* grad_k = static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + head_kv * p.grad_k_strides.head;
+  T* grad_v = static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + head_kv * p.grad_v_strides.head;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t key = first_key + g + 8 * h;
+    if (key >= sh.seqlen_k) continue;
+#pragma unroll
+    for (int dt = 0; dt < HeadDim / 8; ++dt) {
+      const int col = dt * 8 + 2 * t;
+      if (p.head_splits > 1) {
+        float* dk_sum = p.grad_kv_accum + (kv_row + key) * HeadDim + col;
+        red_add_float2(dk_sum, dk[dt][2 * h] * scale, dk[dt][2 * h + 1] * scale);
+        red_add_float2(dk_sum + kv_size, dv[dt][2 * h], dv[dt][2 * h + 1]);
+      } else {
+        *reinterpret_cast<uint32_t*>(grad_k + key * p.grad_k_strides.row + col) =
+            pack2<T>(dk[dt][2 * h] * scale, dk[dt][2 * h + 1] * scale);
+        *reinterpret_cast<uint32_t*>(grad_v + key * p.grad_v_strides.row + col) =
+            pack2<T>(dv[dt][2 * h], dv[dt][2 * h + 1]);
+      }
+    }
+  }
+}
+
+// The whole backward around a family's key-block work, `launch_main()`: it
+// must write grad_k and grad_v (or, with head splits, add to grad_kv_accum)
+// and, unless p.deterministic, add dQ into grad_q_accum (else write grad_q);
+// it launches nothing for an empty side (no keys, or no queries).
+template <typename T, typename LaunchMain>
+void run_backward_passes(const BackwardParams& p, cudaStream_t stream, LaunchMain launch_main) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
+  const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * sh.head_dim;
+  if ((rows + 3) / 4 > 2147483647)
+    throw std::runtime_error("fusedattn: B x Hq x Nq exceeds one launch of the backward's preprocess");
+  if (rows > 0) {
+    backward_preprocess_kernel<T><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
+    FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+  }
+  if (kv_size > 0 && p.head_splits > 1)
+    FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(p.grad_kv_accum, 0, 2 * kv_size * sizeof(float), stream));
+  if (kv_size > 0 || rows > 0) launch_main();
+  if (kv_size > 0 && p.head_splits > 1) {
+    if ((kv_size / 2 + 255) / 256 > 2147483647)
+      throw std::runtime_error("fusedattn: B x Hkv x Nk x d exceeds one launch of the dK/dV conversion");
+    backward_convert_dkv_kernel<T><<<static_cast<unsigned>((kv_size / 2 + 255) / 256), 256, 0, stream>>>(p);
+    FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+  }
+  if (rows > 0 && !p.deterministic) {
+    const int64_t pairs = rows * sh.head_dim / 2;
+    if ((pairs + 255) / 256 > 2147483647)
+      throw std::runtime_error("fusedattn: B x Hq x Nq x d exceeds one launch of the grad_q conversion");
+    backward_convert_dq_kernel<T><<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(p);
+    FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace fusedattn::cuda

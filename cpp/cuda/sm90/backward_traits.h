@@ -1,0 +1,48 @@
+// The sm90 backward's tile shapes and shared-memory plan, and its kernel
+// argument, for the kernel and the host code that launches it.
+#pragma once
+
+#include <cuda.h>
+
+#include "fusedattn/params.h"
+
+namespace fusedattn::cuda {
+
+template <int HeadDim>
+struct Sm90BackwardTraits {
+  static constexpr int kConsumers = 2;                      // warpgroups of 64 keys
+  static constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer
+  static constexpr int kBlockN = 64 * kConsumers;          // keys per block
+  static constexpr int kBlockM = 64;                        // queries per step
+  static constexpr int kStages = 2;                         // of Q, dO, lse, delta
+  static constexpr int kSlabs = HeadDim / 64;               // 64-column swizzled slabs per row
+  static constexpr int kKVTileBytes = kBlockN * HeadDim * 2;
+  static constexpr int kQTileBytes = kBlockM * HeadDim * 2;
+  static constexpr int kDsBytes = kBlockM * kBlockN * 2;
+  // lse and delta come as 1-D boxes, whose start must sit on 16 bytes (a
+  // start at float 33 stopped the H200 with an illegal instruction): each box
+  // starts at the multiple of 4 floats at or below the step's first row, so
+  // holds 4 more; a ring slot is 128 floats to keep every box 128-byte aligned.
+  static constexpr int kRowsBox = kBlockM + 4;
+  static constexpr int kRowsSlot = 128;
+  static_assert(kRowsBox <= kRowsSlot);
+  // K, V, the Q and dO rings, dS double-buffered, each slab 1024-byte aligned
+  // (the swizzle pattern's period); the lse and delta rings; the mbarriers
+  // (K and V; a full and an empty one per stage); room to align the base.
+  static constexpr int kFloatsOffset = 2 * kKVTileBytes + 2 * kStages * kQTileBytes + 2 * kDsBytes;
+  static constexpr int kSmemBytes = kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + 1024;
+  // The forward's split (FA3's): 128 x 24 + 256 x 240 = 384 x 168.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static constexpr int kDsWrittenBarrier = 1;  // named barrier of the consumers
+  static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of 64-column slabs");
+};
+
+// The kernel's argument: the call's parameters and tensor maps of q, k, v,
+// grad_out (4-D, see tensor_maps.h) and of lse and delta (flat rows).
+struct Sm90BackwardArgs {
+  CUtensorMap q_map, k_map, v_map, do_map, lse_map, delta_map;
+  BackwardParams p;
+};
+
+}  // namespace fusedattn::cuda
