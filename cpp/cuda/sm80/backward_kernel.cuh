@@ -303,11 +303,8 @@ void launch_backward_dq_kernel(const BackwardParams& p, cudaStream_t stream) {
   auto kernel = backward_dq_kernel<HeadDim, T, IsCausal>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  const AttentionShape& sh = p.fwd.shape;
-  const int64_t blocks = (sh.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * sh.heads_q * sh.batch;
-  if (blocks > 2147483647)
-    throw std::runtime_error("fusedattn: B x Hq x query blocks exceeds one launch (2^31 - 1)");
-  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
+  const QueryBlockOrder order = make_query_block_order(p.fwd.shape, Tr::kBlockM, sizeof(T), IsCausal);
+  kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
