@@ -14,7 +14,7 @@
 #include "../common/device_math.cuh"
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
-#include "../common/query_block_order.h"
+#include "../common/block_order.h"
 #include "../common/tile_loads.cuh"
 #include "fusedattn/params.h"
 
@@ -34,7 +34,7 @@ struct DqTraits {
 
 template <int HeadDim, typename T, bool IsCausal>
 __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
-    backward_dq_kernel(const __grid_constant__ BackwardParams p, const QueryBlockOrder order) {
+    backward_dq_kernel(const __grid_constant__ BackwardParams p, const BlockOrder order) {
   using Tr = DqTraits<HeadDim>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
   constexpr int kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
@@ -50,10 +50,11 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
-  const QueryBlock block = order.at<IsCausal>(blockIdx.x);  // common/query_block_order.h
-  const unsigned batch = block.batch, head = block.head;
+  const GridBlock block = order.at<IsCausal>(blockIdx.x);  // common/block_order.h
+  const unsigned heads_q = static_cast<unsigned>(sh.heads_q);
+  const unsigned batch = block.pair / heads_q, head = block.pair % heads_q;
   const unsigned head_kv = head / static_cast<unsigned>(sh.heads_q / sh.heads_kv);
-  const int64_t row0 = int64_t(block.m_block) * kBlockM;
+  const int64_t row0 = int64_t(block.block) * kBlockM;
   const int64_t rows = min(int64_t(kBlockM), sh.seqlen_q - row0);
   const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;
   int64_t key_end = sh.seqlen_k;

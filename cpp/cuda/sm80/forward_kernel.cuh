@@ -20,7 +20,7 @@
 #include "../common/launch_check.h"
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
-#include "../common/query_block_order.h"
+#include "../common/block_order.h"
 #include "../common/tile_loads.cuh"
 #include "forward_sm80.h"
 
@@ -71,7 +71,7 @@ __device__ bool mask_tile_visible(const MaskParams& m, int64_t base, int64_t row
 
 template <int HeadDim, typename T, bool IsCausal>
 __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTraits<HeadDim>::kMinBlocksPerSM)
-    forward_kernel(const __grid_constant__ ForwardParams p, const QueryBlockOrder order) {
+    forward_kernel(const __grid_constant__ ForwardParams p, const BlockOrder order) {
   using Tr = ForwardTraits<HeadDim>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
   constexpr int kMTiles = Tr::kMTiles, kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
@@ -84,10 +84,11 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   const AttentionShape& sh = p.shape;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // fragment row group and column pair
-  const QueryBlock block = order.at<IsCausal>(blockIdx.x);  // common/query_block_order.h
-  const unsigned batch = block.batch, head = block.head;
+  const GridBlock block = order.at<IsCausal>(blockIdx.x);  // common/block_order.h
+  const unsigned heads_q = static_cast<unsigned>(sh.heads_q);
+  const unsigned batch = block.pair / heads_q, head = block.pair % heads_q;
   const unsigned head_kv = head / static_cast<unsigned>(sh.heads_q / sh.heads_kv);
-  const int64_t row0 = int64_t(block.m_block) * kBlockM;
+  const int64_t row0 = int64_t(block.block) * kBlockM;
   const int64_t rows = min(int64_t(kBlockM), sh.seqlen_q - row0);
   const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;
 
@@ -246,7 +247,7 @@ void launch_forward_kernel(const ForwardParams& p, cudaStream_t stream) {
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
   FUSEDATTN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  const QueryBlockOrder order = make_query_block_order(p.shape, Tr::kBlockM, sizeof(T), IsCausal);
+  const BlockOrder order = make_query_block_order(p.shape, Tr::kBlockM, sizeof(T), IsCausal);
   kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }

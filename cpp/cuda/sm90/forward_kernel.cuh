@@ -53,13 +53,14 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
 
   const ForwardParams& p = args.p;
   const AttentionShape& sh = p.shape;
-  const QueryBlock block = args.order.at<IsCausal>(blockIdx.x);  // common/query_block_order.h
-  const int batch = static_cast<int>(block.batch), head = static_cast<int>(block.head);
+  const GridBlock block = args.order.at<IsCausal>(blockIdx.x);  // common/block_order.h
+  const unsigned heads_q = static_cast<unsigned>(sh.heads_q);
+  const int batch = static_cast<int>(block.pair / heads_q), head = static_cast<int>(block.pair % heads_q);
   const int head_kv = head / static_cast<int>(sh.heads_q / sh.heads_kv);
   // Lengths fit in int here (forward_sm90 checks): 32-bit row arithmetic
   // leaves the consumers more of their registers.
   const int seqlen_q = static_cast<int>(sh.seqlen_q), seqlen_k = static_cast<int>(sh.seqlen_k);
-  const int row0 = static_cast<int>(block.m_block) * kBlockM;
+  const int row0 = static_cast<int>(block.block) * kBlockM;
   const int rows = min(kBlockM, seqlen_q - row0);
   const int causal_offset = seqlen_k - seqlen_q;
   const int key_end = IsCausal ? max(0, min(seqlen_k, row0 + rows + causal_offset)) : seqlen_k;

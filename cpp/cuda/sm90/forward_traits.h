@@ -4,7 +4,7 @@
 
 #include <cuda.h>
 
-#include "../common/query_block_order.h"
+#include "../common/block_order.h"
 #include "fusedattn/params.h"
 
 namespace fusedattn::cuda {
@@ -40,7 +40,7 @@ struct Sm90ForwardTraits {
 struct Sm90ForwardArgs {
   CUtensorMap q_map, k_map, v_map;
   ForwardParams p;
-  QueryBlockOrder order;
+  BlockOrder order;
 };
 
 }  // namespace fusedattn::cuda
