@@ -31,6 +31,9 @@ done
 nvcc -std=c++17 -O3 --use_fast_math -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
   dev/cuda/decode_splits.cu cpp/cuda/decode/combine_kernel.cu -o "$out/decode_splits"
 echo "  dev/cuda/decode_splits.cu: built"
+nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
+  dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o "$out/stream_roofline"
+echo "  dev/cuda/stream_roofline.cu: built"
 
 # tests/native: host-side checks of kernel helpers (no GPU needed), built and run.
 for test in tests/native/*.cu; do

@@ -6,7 +6,8 @@
 # costs one stage, not the whole device call.
 #   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
 # GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench";
-# "profile" runs Nsight Compute on the main kernels). On the H200 "build
+# "profile" runs Nsight Compute on the main kernels, "roofline" the KV-cache
+# streaming ceilings). On the H200 "build
 # tests" take about 4 minutes, the sanitizer up to 10 (each tool stops at
 # FUSEDATTN_SANITIZER_TIMEOUT, 300 s) and the benchmark up to
 # FUSEDATTN_BENCH_TIMEOUT (300 s; --backward over the whole grid needs more:
@@ -93,6 +94,16 @@ stage_profile() {
     python3 scripts/profile_cases.py > "$out/profile.txt" 2>&1 || status=1
   grep -E "^  [a-z_0-9]+.*\(|Duration|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|Stall|Tensor" \
     "$out/profile.txt" | head -60
+}
+
+# Not in the default stages: how fast each load path (cp.async, bulk copies
+# per row or per tile, TMA boxes) streams a KV cache with no attention maths,
+# the ceiling for the decode kernel (dev/cuda/stream_roofline.cu, ~1 minute).
+stage_roofline() {
+  nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
+    dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o /tmp/stream_roofline || { status=1; return; }
+  timeout 300 /tmp/stream_roofline > "$out/roofline.md" 2>&1 || status=1
+  cat "$out/roofline.md"
 }
 
 for stage in ${GPU_CHECK_STAGES:-build tests sanitizer bench}; do
