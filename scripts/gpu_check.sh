@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On a CUDA machine with PyTorch installed and no network: build fusedattn
 # against that torch, run the whole test suite (the GPU group included) and the
-# benchmark, and write logs and JSON into OUTDIR (7 files at most: the lent
-# machine sends back only a few). Each stage has a time limit, so that a hang
-# costs one stage, not the whole device call.
+# benchmark, and write logs and JSON into OUTDIR. The lent machine sends back
+# 8 files at most: build.log always, tests.log, sanitizer.log, bench.{json,
+# png,txt}, profile.txt, roofline.md, and five JSON from "tables"; pick stages
+# per call so that their files fit. Each stage has a time limit, so that a
+# hang costs one stage, not the whole device call.
 #   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
 # GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench";
 # "profile" runs Nsight Compute on the main kernels, "roofline" the KV-cache

@@ -16,6 +16,8 @@
 //   tma-tile    cp.async.bulk.tensor boxes of 64 columns, 128-byte swizzle (the
 //               sm90 forward's loads; what ldmatrix could read without padding)
 // B=8, H=32, d=128, float16, N = 4K, 32K, 128K; splits 1 and 8 per head.
+// "stages" counts ring buffers, as the decode kernel's kStages does: stages - 1
+// tiles are in flight while one is read (2 stages: no overlap at all).
 //
 //   nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
 //     dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o /tmp/stream_roofline
@@ -168,7 +170,7 @@ void run(const StreamArgs& base, int64_t seqlen, int splits, int sms) {
   const cudaError_t err = cudaGetLastError();
   const double bytes = 2.0 * kBatch * kHeads * double(seqlen) * kRowBytes;
   std::printf("| %-9s | %6lld | %d | %d | %2d | %4d | %s |\n", path_name(kPath), static_cast<long long>(seqlen),
-              kStages, per_sm, splits, blocks / (per_sm * sms) + 1,
+              kStages, per_sm, splits, (blocks + per_sm * sms - 1) / (per_sm * sms),
               err == cudaSuccess ? std::to_string(bytes * kRepeats / (ms * 1e-3) / 1e12).substr(0, 4).c_str()
                                  : cudaGetErrorString(err));
   cudaEventDestroy(start);

@@ -4,6 +4,8 @@
 // rank within a group (so causal work never lengthens there). Built and run by
 // scripts/check_cuda_compiles.sh; exits 1 on a failure.
 #include <cstdio>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "../../cpp/cuda/common/block_order.h"
@@ -66,6 +68,17 @@ int main() {
   const BlockOrder all{3, 4, 4};
   for (unsigned i = 0; i < all.blocks(); ++i)
     expect(all.at<true>(i).pair == i % 4 && all.at<true>(i).block == 2 - i / 4, "one group", all, i);
+  // make_block_order without L2 grouping (no CUDA call): one pair per group;
+  // a grid past 2^31 - 1 blocks is an error that names it.
+  const BlockOrder made = fusedattn::cuda::make_block_order(6, 5, 1 << 20, false, "test grid");
+  expect(made.pairs == 6 && made.blocks_per_pair == 5 && made.pairs_per_group == 1, "make_block_order", made, 0);
+  std::string error;
+  try {
+    fusedattn::cuda::make_block_order(int64_t(1) << 16, int64_t(1) << 15, 1, false, "test grid");
+  } catch (const std::runtime_error& e) {
+    error = e.what();
+  }
+  expect(error.find("test grid exceeds one launch") != std::string::npos, "a grid past 2^31 throws", made, 0);
   std::printf("block_order_test: %d orders, %d failures\n", orders, failures);
   return failures == 0 ? 0 : 1;
 }

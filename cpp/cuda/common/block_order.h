@@ -21,6 +21,7 @@
 #include <string>
 
 #include "fusedattn/params.h"
+#include "launch_check.h"
 
 namespace fusedattn::cuda {
 
@@ -61,9 +62,9 @@ inline BlockOrder make_block_order(int64_t pairs, int64_t blocks_per_pair, int64
   int64_t pairs_per_group = 1;
   if (group_for_l2 && pairs > 1) {
     int device = 0, l2_bytes = 0;
-    if (bytes_per_pair > 0 && cudaGetDevice(&device) == cudaSuccess &&
-        cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) == cudaSuccess)
-      pairs_per_group = int64_t(l2_bytes) / 2 / bytes_per_pair;
+    FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+    FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+    if (bytes_per_pair > 0) pairs_per_group = int64_t(l2_bytes) / 2 / bytes_per_pair;
     pairs_per_group = std::clamp<int64_t>(pairs_per_group, 1, pairs);
   }
   return {static_cast<unsigned>(blocks_per_pair), static_cast<unsigned>(pairs),

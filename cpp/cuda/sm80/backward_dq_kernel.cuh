@@ -11,10 +11,10 @@
 
 #include <cmath>
 
+#include "../common/block_order.h"
 #include "../common/device_math.cuh"
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
-#include "../common/block_order.h"
 #include "../common/tile_loads.cuh"
 #include "fusedattn/params.h"
 

@@ -16,11 +16,11 @@
 
 #include <cmath>
 
+#include "../common/block_order.h"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
-#include "../common/block_order.h"
 #include "../common/tile_loads.cuh"
 #include "forward_sm80.h"
 
