@@ -14,21 +14,9 @@ from attention_cases import Case, check_backward, make_inputs
 from test_forward import cases
 from test_gpu import GPU_DTYPES
 from test_gpu_backward import check_cuda_backward
+from test_gpu_sm90 import SM90_HEAD_DIMS, sm90  # noqa: F401  (sm90: autouse, forces the family, skips without it)
 
 pytestmark = pytest.mark.gpu
-SM90_HEAD_DIMS = [64, 128]
-
-
-@pytest.fixture(autouse=True)
-def sm90(monkeypatch):
-    monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "sm90")
-    q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=64), "cuda", requires_grad=True)
-    try:
-        (fusedattn.attention(q, k, v) * torch.randn_like(q)).sum().backward()
-    except RuntimeError as e:
-        if "has no sm90 kernels" in str(e):
-            pytest.skip(str(e).splitlines()[0])
-        raise
 
 
 @given(cases(max_len=400), st.sampled_from(GPU_DTYPES), st.sampled_from(SM90_HEAD_DIMS))

@@ -79,6 +79,25 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_addr(row_addr)));
 }
 
+// acc (16 x Cols, m16n8 accumulators) += a (an m16n8k16 A fragment: 16 rows
+// by 16 of the contraction) times rows first_row.. first_row + 15 of `tile`
+// (row-major in shared memory, Stride elements per row), Cols columns, read
+// transposed: the P V-shaped product of the sm80 backward (dV += P^T dO,
+// dK += dS^T Q, dQ += dS K). The sm80 forward's P V keeps its own loop (one B
+// fragment serves all its query tiles), and so does decode's (through this
+// helper its d=32/64 SASS changed; not re-measured).
+template <typename T, int Cols, int Stride>
+__device__ __forceinline__ void mma_a_times_rows(float (&acc)[Cols / 8][4], const uint32_t (&a)[4], const T* tile,
+                                                 int first_row, int lane) {
+#pragma unroll
+  for (int dp = 0; dp < Cols / 16; ++dp) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, tile + (first_row + (lane & 7) + (((lane >> 3) & 1) << 3)) * Stride + dp * 16 + (lane >> 4 << 3));
+    mma_16x8x16<T>(acc[2 * dp], a, b[0], b[1]);
+    mma_16x8x16<T>(acc[2 * dp + 1], a, b[2], b[3]);
+  }
+}
+
 // 16-byte global -> shared copy that bypasses registers; writes zeros when
 // !valid. L2Prefetch = 128 asks L2 to fetch the surrounding 128 bytes from
 // memory in one request.

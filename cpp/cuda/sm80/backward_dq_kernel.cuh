@@ -151,14 +151,7 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       uint32_t a[4];
       probabilities_as_a<T>(a, s, kk);
-#pragma unroll
-      for (int dp_tile = 0; dp_tile < HeadDim / 16; ++dp_tile) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, k_tile + (kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride +
-                                 dp_tile * 16 + (lane >> 4 << 3));
-        mma_16x8x16<T>(dq[2 * dp_tile], a, b[0], b[1]);
-        mma_16x8x16<T>(dq[2 * dp_tile + 1], a, b[2], b[3]);
-      }
+      mma_a_times_rows<T, HeadDim, kStride>(dq, a, k_tile, kk * 16, lane);
     }
   }
   cp_async_wait<0>();

@@ -173,13 +173,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     for (int kq = 0; kq < kBlockM / 16; ++kq) {
       uint32_t a[4];
       probabilities_as_a<T>(a, by, kq);
-#pragma unroll
-      for (int dp = 0; dp < HeadDim / 16; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, queries + (kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * kStride + dp * 16 + (lane >> 4 << 3));
-        mma_16x8x16<T>(acc[2 * dp], a, b[0], b[1]);
-        mma_16x8x16<T>(acc[2 * dp + 1], a, b[2], b[3]);
-      }
+      mma_a_times_rows<T, HeadDim, kStride>(acc, a, queries, kq * 16, lane);
     }
   };
 
