@@ -2,7 +2,8 @@
 # Compiles every CUDA kernel source with nvcc for sm_80 and sm_90a, so a CUDA
 # build break fails CI even on a machine without a GPU or a CUDA build of
 # PyTorch. Kernels include no ATen header (DESIGN.md section 2), which is what
-# makes this possible. Usage: scripts/check_cuda_compiles.sh [build-dir]
+# makes this possible. Also builds and runs tests/native (host-side checks of
+# kernel helpers). Usage: scripts/check_cuda_compiles.sh [build-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +31,15 @@ done
 nvcc -std=c++17 -O3 --use_fast_math -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
   dev/cuda/decode_splits.cu cpp/cuda/decode/combine_kernel.cu -o "$out/decode_splits"
 echo "  dev/cuda/decode_splits.cu: built"
+nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
+  dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o "$out/stream_roofline"
+echo "  dev/cuda/stream_roofline.cu: built"
+
+# tests/native: host-side checks of kernel helpers (no GPU needed), built and run.
+for test in tests/native/*.cu; do
+  nvcc -std=c++17 -O1 -Icpp/include "$test" -o "$out/$(basename "$test" .cu)"
+  "$out/$(basename "$test" .cu)"
+done
 
 # The CUDA operator layer (cpp/ops/*_cuda*.cpp) is C++ against PyTorch's CUDA
 # headers; it is built only with a CUDA torch. With any torch installed,

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # On a CUDA machine with PyTorch installed and no network: build fusedattn
 # against that torch, run the whole test suite (the GPU group included) and the
-# benchmark, and write logs and JSON into OUTDIR (7 files at most: the lent
-# machine sends back only a few). Each stage has a time limit, so that a hang
-# costs one stage, not the whole device call.
+# benchmark, and write logs and JSON into OUTDIR. The lent machine sends back
+# 8 files at most: build.log always, tests.log, sanitizer.log, bench.{json,
+# png,txt}, profile.txt, roofline.md, and five JSON from "tables"; pick stages
+# per call so that their files fit. Each stage has a time limit, so that a
+# hang costs one stage, not the whole device call.
 #   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
 # GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench";
-# "profile" runs Nsight Compute on the main kernels). On the H200 "build
+# "profile" runs Nsight Compute on the main kernels, "roofline" the KV-cache
+# streaming ceilings, "tables" every benchmark table of the README). On the H200 "build
 # tests" take about 4 minutes, the sanitizer up to 10 (each tool stops at
 # FUSEDATTN_SANITIZER_TIMEOUT, 300 s) and the benchmark up to
 # FUSEDATTN_BENCH_TIMEOUT (300 s; --backward over the whole grid needs more:
@@ -80,6 +83,32 @@ stage_bench() {
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
+# Not in the default stages: every table the README reports, each against
+# the backends that matter (FlashAttention 2, cuDNN, the sm80 family) so the
+# whole set fits one device call (~8 minutes on the H200): forward and
+# forward + backward at d=128 and d=64, fp16 and bf16, causal and not, N=1K-32K
+# (backward 1K-16K), and decoding. One JSON per table, no plots.
+stage_tables() {
+  local methods=sdpa-flash,sdpa-cudnn,fusedattn-sm80 d
+  for d in 128 64; do
+    timeout 240 fusedattn bench --no-progress --methods "$methods" --head-dim "$d" --dtype float16,bfloat16 \
+      --json "$out/forward-d$d.json" > /dev/null 2>&1 || { echo "forward d=$d failed"; status=1; }
+    timeout 300 fusedattn bench --no-progress --backward --methods "$methods,fusedattn-deterministic" \
+      --head-dim "$d" --dtype float16,bfloat16 --seqlens 1024,2048,4096,8192,16384 \
+      --json "$out/backward-d$d.json" > /dev/null 2>&1 || { echo "backward d=$d failed"; status=1; }
+  done
+  timeout 120 fusedattn bench --no-progress --decode --json "$out/decode.json" 2>&1 | tail -12
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  python3 - "$out" <<'PY'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*ward-d*.json")):
+    rows = json.loads(path.read_text())["rows"]
+    flash = [r["fusedattn_speedup"].get("sdpa-flash") for r in rows if "sdpa-flash" in r["fusedattn_speedup"]]
+    cudnn = [r["fusedattn_speedup"].get("sdpa-cudnn") for r in rows if "sdpa-cudnn" in r["fusedattn_speedup"]]
+    print(f"{path.name}: x flash {min(flash):.2f}-{max(flash):.2f}, x cuDNN {min(cudnn):.2f}-{max(cudnn):.2f}")
+PY
+}
+
 # Not in the default stages: Nsight Compute on the forward's and the
 # backward's main kernels (B=4 H=32 d=128 N=4K fp16), the counters that say
 # what limits them.
@@ -93,6 +122,16 @@ stage_profile() {
     python3 scripts/profile_cases.py > "$out/profile.txt" 2>&1 || status=1
   grep -E "^  [a-z_0-9]+.*\(|Duration|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|Stall|Tensor" \
     "$out/profile.txt" | head -60
+}
+
+# Not in the default stages: how fast each load path (cp.async, bulk copies
+# per row or per tile, TMA boxes) streams a KV cache with no attention maths,
+# the ceiling for the decode kernel (dev/cuda/stream_roofline.cu, ~1 minute).
+stage_roofline() {
+  nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
+    dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o /tmp/stream_roofline || { status=1; return; }
+  timeout 300 /tmp/stream_roofline > "$out/roofline.md" 2>&1 || status=1
+  cat "$out/roofline.md"
 }
 
 for stage in ${GPU_CHECK_STAGES:-build tests sanitizer bench}; do

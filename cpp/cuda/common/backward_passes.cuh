@@ -8,6 +8,7 @@
 
 #include <stdexcept>
 
+#include "block_order.h"
 #include "device_math.cuh"
 #include "launch_check.h"
 #include "fusedattn/params.h"
@@ -74,11 +75,11 @@ __global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_
 
 // What a block of a key-block kernel owns and walks (the sm90 kernel's; the
 // sm80 kernel computes the same inline, where this struct cost it a spill at
-// d=64 on sm_90a). The grid is flat: key
-// blocks fastest, then head splits, kv heads, sequences (32-bit division: the
-// launches check the grid fits 2^31). A block walks every query block of
-// every query head of its share of the group that can see one of its keys;
-// causal: query i sees key0 once i >= key0 - (Nk - Nq).
+// d=64 on sm_90a). The grid's order is make_key_block_order's: pairs of
+// (sequence, kv head, head split), key block 0 (the most queries see it)
+// first under causal. A block walks every query block of every query head
+// of its share of the group that can see one of its keys; causal: query i
+// sees key0 once i >= key0 - (Nk - Nq).
 template <int BlockN, int BlockM, bool IsCausal>
 struct KeyBlockWalk {
   unsigned batch, head_kv;
@@ -86,12 +87,12 @@ struct KeyBlockWalk {
   int64_t first_head, m_begin;     // the walk starts at this query head and query
   int steps_per_head, steps;       // query blocks per head, and in all (< 2^31: Nq / BlockM x group)
 
-  __device__ explicit KeyBlockWalk(const BackwardParams& p) {
+  __device__ KeyBlockWalk(const BackwardParams& p, const BlockOrder& order) {
     const AttentionShape& sh = p.fwd.shape;
-    const unsigned n_blocks = static_cast<unsigned>((sh.seqlen_k + BlockN - 1) / BlockN);
-    const unsigned n_block = blockIdx.x % n_blocks;
-    const unsigned head_split = blockIdx.x / n_blocks % static_cast<unsigned>(p.head_splits);
-    const unsigned bh = blockIdx.x / n_blocks / static_cast<unsigned>(p.head_splits);
+    const GridBlock block = order.at<false>(blockIdx.x);
+    const unsigned n_block = block.block;
+    const unsigned head_split = block.pair % static_cast<unsigned>(p.head_splits);
+    const unsigned bh = block.pair / static_cast<unsigned>(p.head_splits);
     batch = bh / static_cast<unsigned>(sh.heads_kv);
     head_kv = bh % static_cast<unsigned>(sh.heads_kv);
     const int64_t group = sh.heads_q / sh.heads_kv;

@@ -11,6 +11,7 @@
 
 #include <cmath>
 
+#include "../common/block_order.h"
 #include "../common/device_math.cuh"
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
@@ -33,7 +34,7 @@ struct DqTraits {
 
 template <int HeadDim, typename T, bool IsCausal>
 __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
-    backward_dq_kernel(const __grid_constant__ BackwardParams p) {
+    backward_dq_kernel(const __grid_constant__ BackwardParams p, const BlockOrder order) {
   using Tr = DqTraits<HeadDim>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
   constexpr int kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
@@ -49,13 +50,11 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
-  // Flat grid, query blocks fastest; causal blocks with the most keys first.
-  const unsigned m_blocks = static_cast<unsigned>((sh.seqlen_q + kBlockM - 1) / kBlockM);
-  const unsigned bh = blockIdx.x / m_blocks, heads_q = static_cast<unsigned>(sh.heads_q);
-  const unsigned batch = bh / heads_q, head = bh % heads_q;
+  const GridBlock block = order.at<IsCausal>(blockIdx.x);  // common/block_order.h
+  const unsigned heads_q = static_cast<unsigned>(sh.heads_q);
+  const unsigned batch = block.pair / heads_q, head = block.pair % heads_q;
   const unsigned head_kv = head / static_cast<unsigned>(sh.heads_q / sh.heads_kv);
-  const unsigned m_index = blockIdx.x % m_blocks;
-  const int64_t row0 = int64_t(IsCausal ? m_blocks - 1 - m_index : m_index) * kBlockM;
+  const int64_t row0 = int64_t(block.block) * kBlockM;
   const int64_t rows = min(int64_t(kBlockM), sh.seqlen_q - row0);
   const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;
   int64_t key_end = sh.seqlen_k;

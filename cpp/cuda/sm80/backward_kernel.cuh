@@ -77,7 +77,7 @@ __device__ __forceinline__ void load_lse_delta_async(float* s_lse, float* s_delt
 
 template <int HeadDim, typename T, bool IsCausal, bool AtomicDq>
 __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
-    backward_kernel(const __grid_constant__ BackwardParams p) {
+    backward_kernel(const __grid_constant__ BackwardParams p, const BlockOrder order) {
   using Tr = BackwardTraits<HeadDim>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
   constexpr int kMTiles = kBlockM / 8;  // n-tiles of S^T (queries)
@@ -97,12 +97,12 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
-  // Flat grid: key blocks fastest, then head splits, kv heads, sequences.
-  // 32-bit division: the launch checks the grid fits 2^31.
-  const unsigned n_blocks = static_cast<unsigned>((sh.seqlen_k + kBlockN - 1) / kBlockN);
-  const unsigned n_block = blockIdx.x % n_blocks;
-  const unsigned head_split = blockIdx.x / n_blocks % static_cast<unsigned>(p.head_splits);
-  const unsigned bh = blockIdx.x / n_blocks / static_cast<unsigned>(p.head_splits);
+  // Pairs are (sequence, kv head, head split); causal: key block 0, which
+  // the most queries see, first (common/block_order.h).
+  const GridBlock block = order.at<false>(blockIdx.x);
+  const unsigned n_block = block.block;
+  const unsigned head_split = block.pair % static_cast<unsigned>(p.head_splits);
+  const unsigned bh = block.pair / static_cast<unsigned>(p.head_splits);
   const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
   const unsigned batch = bh / heads_kv, head_kv = bh % heads_kv;
   const int64_t group = sh.heads_q / sh.heads_kv;
@@ -283,11 +283,8 @@ void launch_backward_kernel(const BackwardParams& p, cudaStream_t stream) {
   auto kernel = backward_kernel<HeadDim, T, IsCausal, AtomicDq>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T) + Tr::kSmemFloats * sizeof(float);
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  const AttentionShape& sh = p.fwd.shape;
-  const int64_t blocks = (sh.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN * p.head_splits * sh.heads_kv * sh.batch;
-  if (blocks > 2147483647)
-    throw std::runtime_error("fusedattn: B x Hkv x head splits x key blocks exceeds one launch (2^31 - 1)");
-  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
+  const BlockOrder order = make_key_block_order(p.fwd.shape, Tr::kBlockN, p.head_splits, sizeof(T), IsCausal);
+  kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -297,11 +294,8 @@ void launch_backward_dq_kernel(const BackwardParams& p, cudaStream_t stream) {
   auto kernel = backward_dq_kernel<HeadDim, T, IsCausal>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  const AttentionShape& sh = p.fwd.shape;
-  const int64_t blocks = (sh.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * sh.heads_q * sh.batch;
-  if (blocks > 2147483647)
-    throw std::runtime_error("fusedattn: B x Hq x query blocks exceeds one launch (2^31 - 1)");
-  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
+  const BlockOrder order = make_query_block_order(p.fwd.shape, Tr::kBlockM, sizeof(T), IsCausal);
+  kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -16,6 +16,7 @@
 
 #include <cmath>
 
+#include "../common/block_order.h"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/mask.cuh"
@@ -70,7 +71,7 @@ __device__ bool mask_tile_visible(const MaskParams& m, int64_t base, int64_t row
 
 template <int HeadDim, typename T, bool IsCausal>
 __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTraits<HeadDim>::kMinBlocksPerSM)
-    forward_kernel(const __grid_constant__ ForwardParams p) {
+    forward_kernel(const __grid_constant__ ForwardParams p, const BlockOrder order) {
   using Tr = ForwardTraits<HeadDim>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
   constexpr int kMTiles = Tr::kMTiles, kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
@@ -83,17 +84,11 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   const AttentionShape& sh = p.shape;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // fragment row group and column pair
-  // One flat grid, query blocks fastest: the blocks resident at one time
-  // belong to few heads and share their K/V tiles in L2.
-  // (32-bit division: the launch checks that the grid fits in 2^31 blocks.)
-  const unsigned m_blocks = static_cast<unsigned>((sh.seqlen_q + kBlockM - 1) / kBlockM);
-  const unsigned bh = blockIdx.x / m_blocks, heads_q = static_cast<unsigned>(sh.heads_q);
-  const unsigned batch = bh / heads_q, head = bh % heads_q;
+  const GridBlock block = order.at<IsCausal>(blockIdx.x);  // common/block_order.h
+  const unsigned heads_q = static_cast<unsigned>(sh.heads_q);
+  const unsigned batch = block.pair / heads_q, head = block.pair % heads_q;
   const unsigned head_kv = head / static_cast<unsigned>(sh.heads_q / sh.heads_kv);
-  // Causal blocks near the end have the most keys: launch those first.
-  const unsigned m_index = blockIdx.x % m_blocks;
-  const int64_t m_block = IsCausal ? m_blocks - 1 - m_index : m_index;
-  const int64_t row0 = m_block * kBlockM;
+  const int64_t row0 = int64_t(block.block) * kBlockM;
   const int64_t rows = min(int64_t(kBlockM), sh.seqlen_q - row0);
   const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;
 
@@ -252,11 +247,8 @@ void launch_forward_kernel(const ForwardParams& p, cudaStream_t stream) {
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
   FUSEDATTN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  const int64_t m_blocks = (p.shape.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  const int64_t blocks = m_blocks * p.shape.batch * p.shape.heads_q;
-  if (blocks > 2147483647)
-    throw std::runtime_error("fusedattn: B x Hq x query blocks exceeds one launch (2^31 - 1)");
-  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
+  const BlockOrder order = make_query_block_order(p.shape, Tr::kBlockM, sizeof(T), IsCausal);
+  kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 

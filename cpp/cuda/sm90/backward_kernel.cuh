@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
-  const KeyBlockWalk<kBlockN, kBlockM, IsCausal> walk(p);
+  const KeyBlockWalk<kBlockN, kBlockM, IsCausal> walk(p, args.order);
   auto stage_of = [](int s) { return s % kStages; };
   auto phase_of = [](int s) { return static_cast<uint32_t>((s / kStages) & 1); };
   // A step's first row in the flat [B x Hq x Nq] lse and delta.
@@ -265,11 +265,9 @@ void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stre
   using Tr = Sm90BackwardTraits<HeadDim>;
   auto kernel = sm90_backward_kernel<HeadDim, T, IsCausal>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-  const AttentionShape& sh = args.p.fwd.shape;
-  const int64_t blocks = (sh.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN * args.p.head_splits * sh.heads_kv * sh.batch;
-  if (blocks > 2147483647)
-    throw std::runtime_error("fusedattn: B x Hkv x head splits x key blocks exceeds one launch (2^31 - 1)");
-  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
+  Sm90BackwardArgs launch_args = args;
+  launch_args.order = make_key_block_order(args.p.fwd.shape, Tr::kBlockN, args.p.head_splits, sizeof(T), IsCausal);
+  kernel<<<static_cast<unsigned>(launch_args.order.blocks()), Tr::kThreads, Tr::kSmemBytes, stream>>>(launch_args);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 

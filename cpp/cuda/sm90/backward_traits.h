@@ -4,6 +4,7 @@
 
 #include <cuda.h>
 
+#include "../common/block_order.h"
 #include "fusedattn/params.h"
 
 namespace fusedattn::cuda {
@@ -43,6 +44,7 @@ struct Sm90BackwardTraits {
 struct Sm90BackwardArgs {
   CUtensorMap q_map, k_map, v_map, do_map, lse_map, delta_map;
   BackwardParams p;
+  BlockOrder order;  // filled at launch
 };
 
 }  // namespace fusedattn::cuda

@@ -53,16 +53,14 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
 
   const ForwardParams& p = args.p;
   const AttentionShape& sh = p.shape;
-  const unsigned m_blocks = static_cast<unsigned>((sh.seqlen_q + kBlockM - 1) / kBlockM);
-  const unsigned bh = blockIdx.x / m_blocks, heads_q = static_cast<unsigned>(sh.heads_q);
-  const int batch = static_cast<int>(bh / heads_q), head = static_cast<int>(bh % heads_q);
+  const GridBlock block = args.order.at<IsCausal>(blockIdx.x);  // common/block_order.h
+  const unsigned heads_q = static_cast<unsigned>(sh.heads_q);
+  const int batch = static_cast<int>(block.pair / heads_q), head = static_cast<int>(block.pair % heads_q);
   const int head_kv = head / static_cast<int>(sh.heads_q / sh.heads_kv);
-  const unsigned m_index = blockIdx.x % m_blocks;
-  // Causal: the longest rows (last query block) are launched first.
   // Lengths fit in int here (forward_sm90 checks): 32-bit row arithmetic
   // leaves the consumers more of their registers.
   const int seqlen_q = static_cast<int>(sh.seqlen_q), seqlen_k = static_cast<int>(sh.seqlen_k);
-  const int row0 = static_cast<int>(IsCausal ? m_blocks - 1 - m_index : m_index) * kBlockM;
+  const int row0 = static_cast<int>(block.block) * kBlockM;
   const int rows = min(kBlockM, seqlen_q - row0);
   const int causal_offset = seqlen_k - seqlen_q;
   const int key_end = IsCausal ? max(0, min(seqlen_k, row0 + rows + causal_offset)) : seqlen_k;
@@ -298,11 +296,9 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
   using Tr = Sm90ForwardTraits<HeadDim>;
   auto kernel = sm90_forward_kernel<HeadDim, T, IsCausal, HasMask>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-  const AttentionShape& sh = args.p.shape;
-  const int64_t blocks = (sh.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * sh.batch * sh.heads_q;
-  if (blocks > 2147483647)
-    throw std::runtime_error("fusedattn: B x Hq x query blocks exceeds one launch (2^31 - 1)");
-  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
+  Sm90ForwardArgs launch_args = args;
+  launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), IsCausal);
+  kernel<<<static_cast<unsigned>(launch_args.order.blocks()), Tr::kThreads, Tr::kSmemBytes, stream>>>(launch_args);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 

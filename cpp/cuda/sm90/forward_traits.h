@@ -4,6 +4,7 @@
 
 #include <cuda.h>
 
+#include "../common/block_order.h"
 #include "fusedattn/params.h"
 
 namespace fusedattn::cuda {
@@ -34,10 +35,12 @@ struct Sm90ForwardTraits {
   static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of 64-column slabs");
 };
 
-// The kernel's argument: the call's parameters and a tensor map per input.
+// The kernel's argument: the call's parameters, a tensor map per input and
+// the order of the query blocks (filled at launch).
 struct Sm90ForwardArgs {
   CUtensorMap q_map, k_map, v_map;
   ForwardParams p;
+  BlockOrder order;
 };
 
 }  // namespace fusedattn::cuda
