@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const int consumer = warpgroup - 1;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int warp_row = warp * 16;  // this warp's accumulator rows: keys of S^T, queries of dQ
+  const int warp_row = warp * 16;  // this warp's accumulator rows: keys of S^T, queries of dQ (after query0)
   const int64_t my_key0 = walk.key0 + 64 * consumer;  // this warpgroup's 64 keys
   const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;  // query i sees key j iff j <= i + offset
   const float scale_log2 = f.scale * kLog2e;
