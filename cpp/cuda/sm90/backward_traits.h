@@ -14,7 +14,12 @@ struct Sm90BackwardTraits {
   static constexpr int kConsumers = 2;                      // warpgroups of 64 keys
   static constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer
   static constexpr int kBlockN = 64 * kConsumers;          // keys per block
-  static constexpr int kBlockM = 64;                        // queries per step
+  // Queries per step. At d=64 a step of 64 queries was too little work for
+  // its fixed costs (barriers, the mbarrier round trip, dQ's reductions):
+  // 0.83-0.95x FlashAttention 2 forward + backward on the H200 (2026-11-30),
+  // against 1.17-1.31x at d=128. 128 queries halve those costs per FLOP and
+  // still fit 240 registers (S^T and dP^T are 64 + 64 of them).
+  static constexpr int kBlockM = HeadDim == 64 ? 128 : 64;
   static constexpr int kStages = 2;                         // of Q, dO, lse, delta
   static constexpr int kSlabs = HeadDim / 64;               // 64-column swizzled slabs per row
   static constexpr int kKVTileBytes = kBlockN * HeadDim * 2;
@@ -23,9 +28,10 @@ struct Sm90BackwardTraits {
   // lse and delta come as 1-D boxes, whose start must sit on 16 bytes (a
   // start at float 33 stopped the H200 with an illegal instruction): each box
   // starts at the multiple of 4 floats at or below the step's first row, so
-  // holds 4 more; a ring slot is 128 floats to keep every box 128-byte aligned.
+  // holds 4 more; a ring slot is 2 kBlockM floats, which holds the box and
+  // keeps every box 128-byte aligned.
   static constexpr int kRowsBox = kBlockM + 4;
-  static constexpr int kRowsSlot = 128;
+  static constexpr int kRowsSlot = 2 * kBlockM;
   static_assert(kRowsBox <= kRowsSlot);
   // K, V, the Q and dO rings, dS double-buffered, each slab 1024-byte aligned
   // (the swizzle pattern's period); the lse and delta rings; the mbarriers
@@ -37,6 +43,12 @@ struct Sm90BackwardTraits {
   static constexpr int kConsumerRegisters = 240;
   static constexpr int kDsWrittenBarrier = 1;  // named barrier of the consumers
   static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of 64-column slabs");
+  // dQ = dS K, [kBlockM queries][d] per step, is two 64 x 64 quarters, one
+  // per consumer: at d=128 64 columns each, at d=64 64 queries each.
+  static_assert(kConsumers == 2 && kBlockM * HeadDim == 2 * 64 * 64);
+  // Consumer c's quarter starts at query c kDqQueryOffset, column c kDqColumnOffset.
+  static constexpr int kDqQueryOffset = kBlockM == 128 ? 64 : 0;
+  static constexpr int kDqColumnOffset = HeadDim == 128 ? 64 : 0;
 };
 
 // The kernel's argument: the call's parameters and tensor maps of q, k, v,

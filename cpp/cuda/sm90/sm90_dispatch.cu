@@ -90,30 +90,31 @@ bool backward_sm90(const BackwardParams& p, cudaStream_t stream) {
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   // The kernel's TMA coordinates are int: rows of lse and delta included.
   if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31)) return false;
-  Sm90BackwardArgs args{};
-  args.p = p;
-  constexpr int kBlockM = Sm90BackwardTraits<128>::kBlockM, kBlockN = Sm90BackwardTraits<128>::kBlockN,
-                kRowsBox = Sm90BackwardTraits<128>::kRowsBox;
-  static_assert(Sm90BackwardTraits<64>::kBlockM == kBlockM && Sm90BackwardTraits<64>::kBlockN == kBlockN &&
-                kBlockN == kSm90BackwardBlockN && Sm90BackwardTraits<64>::kRowsBox == kRowsBox);
-  const bool encoded =
-      (rows == 0 ||
-       (encode_head_tensor_map(&args.q_map, p.fwd.dtype, p.fwd.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim,
-                               p.fwd.q_strides, kBlockM) &&
-        encode_head_tensor_map(&args.do_map, p.fwd.dtype, p.grad_out, sh.batch, sh.heads_q, sh.seqlen_q,
-                               sh.head_dim, p.grad_out_strides, kBlockM) &&
-        encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, kRowsBox) &&
-        encode_rows_tensor_map(&args.delta_map, p.delta, rows, kRowsBox))) &&
-      (sh.seqlen_k == 0 ||
-       (encode_head_tensor_map(&args.k_map, p.fwd.dtype, p.fwd.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
-                               p.fwd.k_strides, kBlockN) &&
-        encode_head_tensor_map(&args.v_map, p.fwd.dtype, p.fwd.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
-                               p.fwd.v_strides, kBlockN)));
-  if (!encoded) return false;
+  static_assert(Sm90BackwardTraits<64>::kBlockN == kSm90BackwardBlockN &&
+                Sm90BackwardTraits<128>::kBlockN == kSm90BackwardBlockN);
+  bool launched = false;
   dispatch_instantiation<64, 128>("sm90 backward", p.fwd.dtype, sh.head_dim, [&](auto head_dim, auto element) {
+    using Tr = Sm90BackwardTraits<decltype(head_dim)::value>;
+    Sm90BackwardArgs args{};
+    args.p = p;
+    const bool encoded =
+        (rows == 0 ||
+         (encode_head_tensor_map(&args.q_map, p.fwd.dtype, p.fwd.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim,
+                                 p.fwd.q_strides, Tr::kBlockM) &&
+          encode_head_tensor_map(&args.do_map, p.fwd.dtype, p.grad_out, sh.batch, sh.heads_q, sh.seqlen_q,
+                                 sh.head_dim, p.grad_out_strides, Tr::kBlockM) &&
+          encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, Tr::kRowsBox) &&
+          encode_rows_tensor_map(&args.delta_map, p.delta, rows, Tr::kRowsBox))) &&
+        (sh.seqlen_k == 0 ||
+         (encode_head_tensor_map(&args.k_map, p.fwd.dtype, p.fwd.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
+                                 p.fwd.k_strides, Tr::kBlockN) &&
+          encode_head_tensor_map(&args.v_map, p.fwd.dtype, p.fwd.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
+                                 p.fwd.v_strides, Tr::kBlockN)));
+    if (!encoded) return;
     launch_backward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);
+    launched = true;
   });
-  return true;
+  return launched;
 }
 
 }  // namespace fusedattn::cuda

@@ -1,6 +1,9 @@
-"""Emulation of rung 2 of the sm90 backward (cpp/cuda/sm90/backward_kernel.cuh @ 57c163f, branch
-wip/sm90-backward-ws): a producer thread issuing TMA loads into a two-stage ring guarded by full/empty
-mbarriers, two consumer warpgroups of 4 warps each, a named barrier, dS double-buffered, dQ = dS K.
+"""Emulation of the sm90 backward (cpp/cuda/sm90/backward_kernel.cuh @ 92ea09c, branch wip/sm90-bwd-d64: kBlockM =
+128 queries per step at d=64, 64 at d=128; each consumer's dQ a 64 x 64 quarter over all 128 keys): a producer
+thread issuing TMA loads into a two-stage ring guarded by full/empty mbarriers, two consumer warpgroups of 4 warps
+each, a named barrier, dS double-buffered, dQ = dS K. Tile constants come from Traits (backward_traits.h), the
+tensor maps' boxes from encode_maps (sm90_dispatch.cu), the grid order from make_key_block_order (block_order.h).
+Line references "# :NNN" are backward_kernel.cuh's.
 
 Every warp (and the producer thread, and every TMA copy in flight) is a separate agent run as a coroutine by a
 seeded random scheduler, so each run is one random interleaving. Shared memory is a byte array with a
@@ -11,9 +14,9 @@ buffer rewritten while a dQ product may still read it) and deadlock detection (n
 Hardware pieces (not the kernel's helpers): ptx_model.py (descriptors, 128B swizzle on absolute addresses,
 wgmma fragments), backward_emu.STSM_T (stmatrix .trans, CUTLASS SM90_U16x8_STSM_T), and below: TMA tiled
 loads (box written row r at +128 r, 16-byte chunk c at the address-swizzled position, rows outside the
-tensor's dims zero; 1-D box: elements past the end zero; complete_tx counts the full box), mbarrier
-(pending count, tx-count, phase; try_wait.parity(P) succeeds iff the current phase's parity != P, so a fresh
-barrier passes parity 1), bar.sync (id, threads counted in warps).
+tensor's dims zero; 1-D box: start on 16 bytes, elements past the end zero; complete_tx counts the full box),
+mbarrier (pending count, tx-count, phase; try_wait.parity(P) succeeds iff the current phase's parity != P, so a
+fresh barrier passes parity 1), bar.sync (id, threads counted in warps).
 """
 import random
 
@@ -226,21 +229,98 @@ class Gen:
 # ============================================================ knobs (defaults = the kernel)
 class Knobs:
     def __init__(self, **kw):
-        self.ds_slab = kw.get("ds_slab", None)            # :185 consumer * kBlockM * 128
-        self.dq_col_per_consumer = kw.get("dq_col_per_consumer", True)   # :215 64 * consumer
-        self.kb_slab = kw.get("kb_slab", None)            # :217 consumer * kBlockN * 128 (d=128)
-        self.named_barrier = kw.get("named_barrier", True)  # :205
-        self.empty_xor = kw.get("empty_xor", 1)            # :89 phase ^ 1
-        self.ds_double = kw.get("ds_double", True)         # :115 (s % 2)
-        self.expect_delta = kw.get("expect_delta", 0)      # :90 + delta bytes
-        self.empty_count = kw.get("empty_count", 8)        # :72 4 * kConsumers
-        self.release_before_wait = kw.get("release_before_wait", False)  # :201 arrive moved above :198
-        self.ds_fence = kw.get("ds_fence", True)           # :187
-        self.mask_query = kw.get("mask_query", True)       # :157
-        self.setmaxnreg_before_return = kw.get("setmaxnreg_before_return", True)  # :80-81 order
+        self.ds_slab = kw.get("ds_slab", None)            # :199 consumer * kBlockM * 128
+        self.dq_query_offset = kw.get("dq_query_offset", None)    # :232 Tr::kDqQueryOffset (None: the traits')
+        self.dq_column_offset = kw.get("dq_column_offset", None)  # :232 Tr::kDqColumnOffset (None: the traits')
+        self.dq_a_offset = kw.get("dq_a_offset", None)    # :233 query0 * 128 (a function of query0)
+        self.kb_slab = kw.get("kb_slab", None)            # :234 column0 / 64 * kBlockN * 128 (a function of c)
+        self.dq_row_query0 = kw.get("dq_row_query0", True)  # :249 query0 + warp_row + g + 8 h
+        self.named_barrier = kw.get("named_barrier", True)  # :227
+        self.empty_xor = kw.get("empty_xor", 1)            # :98 phase ^ 1
+        self.ds_double = kw.get("ds_double", True)         # :143 (s % 2)
+        self.expect_delta = kw.get("expect_delta", 0)      # :99 + delta bytes
+        self.empty_count = kw.get("empty_count", 8)        # :77 4 * kConsumers
+        self.release_before_wait = kw.get("release_before_wait", False)  # :224 arrive moved above :221
+        self.ds_fence = kw.get("ds_fence", True)           # :201
+        self.mask_query = kw.get("mask_query", True)       # :178
+        self.setmaxnreg_before_return = kw.get("setmaxnreg_before_return", True)  # :86-87 order
+        self.rows_slot = kw.get("rows_slot", None)         # backward_traits.h:34 kRowsSlot (None: the traits')
+        self.rows_align = kw.get("rows_align", True)       # :110 & ~3 and :140 & 3 (False: the box at the row)
+        self.host_box_m = kw.get("host_box_m", None)       # sm90_dispatch.cu Q/dO box rows (None: Tr::kBlockM)
         self.tma_late = kw.get("tma_late", 0.0)            # scheduler bias: probability TMA copies are deferred
         self.tags = kw.get("tags", False)
         self.stats = kw.get("stats", None)                 # coverage counters (dict) or None
+
+
+# ============================================================ backward_traits.h, block_order.h, sm90_dispatch.cu
+class Traits:                                                           # backward_traits.h:12-52
+    def __init__(self, D):
+        self.kConsumers = 2
+        self.kThreads = 128 * (1 + self.kConsumers)
+        self.kBlockN = 64 * self.kConsumers
+        self.kBlockM = 128 if D == 64 else 64
+        self.kStages = 2
+        self.kSlabs = D // 64
+        self.kKVTileBytes = self.kBlockN * D * 2
+        self.kQTileBytes = self.kBlockM * D * 2
+        self.kDsBytes = self.kBlockM * self.kBlockN * 2
+        self.kRowsBox = self.kBlockM + 4
+        self.kRowsSlot = 2 * self.kBlockM
+        assert self.kRowsBox <= self.kRowsSlot
+        self.kFloatsOffset = 2 * self.kKVTileBytes + 2 * self.kStages * self.kQTileBytes + 2 * self.kDsBytes
+        self.kSmemBytes = self.kFloatsOffset + 2 * self.kStages * self.kRowsSlot * 4 + (1 + 2 * self.kStages) * 8 + 1024
+        self.kProducerRegisters, self.kConsumerRegisters = 24, 240
+        self.kDsWrittenBarrier = 1
+        assert D in (64, 128)
+        assert self.kConsumers == 2 and self.kBlockM * D == 2 * 64 * 64
+        self.kDqQueryOffset = 64 if self.kBlockM == 128 else 0
+        self.kDqColumnOffset = 64 if D == 128 else 0
+
+
+def make_key_block_order(G, block_n, l2_bytes=None):                   # block_order.h:58-72, 86-92
+    """(blocks_per_pair, pairs, pairs_per_group). Causal: as many pairs per group as fit half the L2
+    (G["l2_bytes"], default 50 MiB, the H200's), else one."""
+    d, group = G["d"], G["hq"] // G["hkv"]
+    pairs = G["B"] * G["hkv"] * G["head_splits"]
+    blocks_per_pair = (G["nk"] + block_n - 1) // block_n
+    bytes_per_pair = group // G["head_splits"] * G["nq"] * (2 * d * 2 + 8)
+    assert pairs * blocks_per_pair <= 2147483647
+    ppg = 1
+    if G["causal"] and pairs > 1:
+        l2 = G.get("l2_bytes", 50 * 2 ** 20) if l2_bytes is None else l2_bytes
+        if bytes_per_pair > 0:
+            ppg = l2 // 2 // bytes_per_pair
+        ppg = min(max(ppg, 1), pairs)
+    return blocks_per_pair, pairs, ppg
+
+
+def block_order_at(order, index):                                      # block_order.h:40-48, Reverse = false
+    blocks_per_pair, pairs, ppg = order
+    group_blocks = ppg * blocks_per_pair
+    group, within = index // group_blocks, index % group_blocks
+    first_pair = group * ppg
+    group_pairs = min(pairs - first_pair, ppg)
+    rank = within // group_pairs
+    return first_pair + within % group_pairs, rank
+
+
+def block_walk(bx, G, Tr, order):
+    """KeyBlockWalk(p, order) of blockIdx.x = bx (backward_passes.cuh:90-110): backward_emu.KeyBlockWalk decodes
+    its flat index as pair * blocks_per_pair + block, which is what order.at<false>(bx) gives here."""
+    pair, block = block_order_at(order, bx)
+    return be.KeyBlockWalk(pair * order[0] + block, G, BlockN=Tr.kBlockN, BlockM=Tr.kBlockM)
+
+
+def encode_maps(G, Tr, kn):
+    """backward_sm90's tensor maps (sm90_dispatch.cu:96-113): box rows of q, do (Tr::kBlockM), k, v (kBlockN) and
+    the 1-D lse, delta boxes (kRowsBox floats), checked as cuTensorMapEncodeTiled checks them."""
+    box = dict(q=Tr.kBlockM if kn.host_box_m is None else kn.host_box_m, k=Tr.kBlockN, v=Tr.kBlockN)
+    box["do"] = box["q"]
+    box["rows"] = Tr.kRowsBox
+    for k_, v_ in box.items():
+        assert 0 < v_ <= 256, "boxDim[%s] = %d outside 1..256" % (k_, v_)
+    assert Tr.kRowsBox * 4 % 16 == 0, "1-D box of %d floats not a multiple of 16 bytes" % Tr.kRowsBox
+    return box
 
 
 # ============================================================ hardware: TMA
@@ -276,34 +356,34 @@ def swizzled_box_bytes(dst, box):
 
 
 # ============================================================ the kernel
-def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_log=None):
-    """One CTA of sm90_backward_kernel<HeadDim, T, IsCausal> (backward_kernel.cuh:39-239)."""
+def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_log=None, order=None):
+    """One CTA (blockIdx.x = bx) of sm90_backward_kernel<HeadDim, T, IsCausal> (backward_kernel.cuh:40-260)."""
     kn = kn or Knobs()
     D = G["d"]
-    kConsumers, kBlockN, kBlockM, kStages = 2, 128, 64, 2              # backward_traits.h:13-19
-    kSlabs = D // 64
-    kKVTileBytes = kBlockN * D * 2
-    kQTileBytes = kBlockM * D * 2
-    kDsBytes = kBlockM * kBlockN * 2
-    kFloatsOffset = 2 * kKVTileBytes + 2 * kStages * kQTileBytes + 2 * kDsBytes
-    kSmemBytes = kFloatsOffset + 2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8 + 1024
-    kMTiles, kDTiles = kBlockM // 8, D // 8
+    Tr = Traits(D)                                                     # :44-45
+    kConsumers, kBlockN, kBlockM, kStages = Tr.kConsumers, Tr.kBlockN, Tr.kBlockM, Tr.kStages
+    kSlabs, kKVTileBytes, kQTileBytes, kDsBytes = Tr.kSlabs, Tr.kKVTileBytes, Tr.kQTileBytes, Tr.kDsBytes
+    kFloatsOffset, kSmemBytes, kRowsBox = Tr.kFloatsOffset, Tr.kSmemBytes, Tr.kRowsBox
+    kRowsSlot = Tr.kRowsSlot if kn.rows_slot is None else kn.rows_slot
+    kMTiles, kDTiles = kBlockM // 8, D // 8                            # :46-47
     assert dyn_base + kSmemBytes <= SMEM
+    box = encode_maps(G, Tr, kn)                                       # the host's tensor maps
+    order = order or make_key_block_order(G, kBlockN)                  # :268
 
     smem_ = RaceSmem()
-    base = ((be.WINDOW + dyn_base + 1023) & ~1023) - be.WINDOW        # :49
-    sK = base
+    base = ((be.WINDOW + dyn_base + 1023) & ~1023) - be.WINDOW        # :50
+    sK = base                                                          # :51-58
     sV = sK + kKVTileBytes
     sQ = sV + kKVTileBytes
     sdO = sQ + kStages * kQTileBytes
     sdS = sdO + kStages * kQTileBytes
     sLse = base + kFloatsOffset
-    sDelta = sLse + kStages * kBlockM * 4
-    bars_at = sDelta + kStages * kBlockM * 4
+    sDelta = sLse + kStages * kRowsSlot * 4
+    bars_at = sDelta + kStages * kRowsSlot * 4
     assert bars_at + (1 + 2 * kStages) * 8 <= dyn_base + kSmemBytes, "overruns kSmemBytes"
     assert sdS + 2 * kDsBytes <= sLse and bars_at % 8 == 0
 
-    walk = be.KeyBlockWalk(bx, G, BlockN=kBlockN, BlockM=kBlockM)     # :64
+    walk = block_walk(bx, G, Tr, order)                                # :65
     nq, nk = G["nq"], G["nk"]
     steps = walk.steps
     n_tma = 2 * 2 * kSlabs + steps * (2 * kSlabs + 2) + 4
@@ -350,56 +430,64 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
             bar.complete_tx(nbytes, vc)
         agents["tma%d" % k] = Gen(body())
 
-    def box_load(dst, name, col0, row0, head, batch, rows, bar, step):
+    def box_load(dst, name, col0, row0, head, batch, bar, step):     # tma.cuh:22-29, the map's box
+        rows = box[name]
         assert dst % 1024 == 0, "128B-swizzled TMA destination not 1024-aligned"
         tma(lambda: swizzled_box_bytes(dst, tma_box_4d(G, name, col0, row0, head, batch, rows)), bar,
             rows * 128, "%s box" % name, step)
 
-    def row_load(dst, arr, index, bar, step):
+    def row_load(dst, arr, index, bar, step):                          # tma.cuh:32-38, kRowsBox floats
+        n = box["rows"]
         assert dst % 128 == 0, "TMA shared destination not 128-aligned"
+        if index % 4 != 0:                                             # bc8b924: illegal instruction on the H200
+            smem_.hz("TMA 1-D box starts at float %d, not on 16 bytes" % index)
 
         def fn():
-            idx = index + np.arange(kBlockM)
-            vals = np.zeros(kBlockM, np.float32)
+            idx = index + np.arange(n)
+            vals = np.zeros(n, np.float32)
             ok = (idx >= 0) & (idx < len(arr))
             vals[ok] = arr[idx[ok]]
-            return dst + np.arange(kBlockM * 4), vals.astype("<f4").view(np.uint8)
-        tma(fn, bar, kBlockM * 4, "1-D row", step)
+            return dst + np.arange(n * 4), vals.astype("<f4").view(np.uint8)
+        tma(fn, bar, n * 4, "1-D row", step)
+
+    def flat_row(head, m0):                                            # :69-71
+        r = (walk.batch * G["hq"] + head) * nq + m0
+        assert r < 2 ** 31
+        return r
 
     # ---------------------------------------------------------------- producer (warpgroup 0)
     def producer():
         vc = clocks.vc[0]
         if kn.setmaxnreg_before_return:
             for w in range(4):
-                regs_log[(0, w)] = 24                                   # :80 whole warpgroup
+                regs_log[(0, w)] = 24                                   # :86 whole warpgroup
         else:
             regs_log[(0, 0)] = 24                                       # only warp 0 reaches it
-        if steps == 0:
+        if steps == 0:                                                 # :87
             return
         yield None
         key0, batch = walk.key0, walk.batch
-        kv_full.arrive(vc, 2 * kKVTileBytes); vc[0] += 1               # :85
-        for slab in range(kSlabs):                                     # :86-89
-            box_load(sK + slab * kBlockN * 128, "k", 64 * slab, key0, walk.head_kv, batch, kBlockN, kv_full, -1)
-            box_load(sV + slab * kBlockN * 128, "v", 64 * slab, key0, walk.head_kv, batch, kBlockN, kv_full, -1)
-        for s in range(steps):                                         # :90
+        kv_full.arrive(vc, 2 * kKVTileBytes); vc[0] += 1               # :91
+        for slab in range(kSlabs):                                     # :92-95
+            box_load(sK + slab * kBlockN * 128, "k", 64 * slab, key0, walk.head_kv, batch, kv_full, -1)
+            box_load(sV + slab * kBlockN * 128, "v", 64 * slab, key0, walk.head_kv, batch, kv_full, -1)
+        for s in range(steps):                                         # :96
             stage = s % kStages
             phase = (s // kStages) & 1
             par = phase ^ kn.empty_xor
-            yield Wait(lambda st=stage, p=par: step_empty[st].test_parity(p),
+            yield Wait(lambda st=stage, p=par: step_empty[st].test_parity(p),      # :98
                        lambda st=stage, p=par: step_empty[st].acquire(vc, p), "empty[%d] parity %d" % (stage, par))
-            exp = 2 * kQTileBytes + 2 * kBlockM * 4 + kn.expect_delta
-            step_full[stage].arrive(vc, exp); vc[0] += 1               # :94
-            head, m0 = walk.head(s), walk.m0(s)
-            for slab in range(kSlabs):
-                box_load(sQ + stage * kQTileBytes + slab * kBlockM * 128, "q", 64 * slab, m0, head, batch, kBlockM,
+            exp = 2 * kQTileBytes + 2 * kRowsBox * 4 + kn.expect_delta
+            step_full[stage].arrive(vc, exp); vc[0] += 1               # :99
+            head, m0 = walk.head(s), walk.m0(s)                        # :100
+            for slab in range(kSlabs):                                 # :101-106
+                box_load(sQ + stage * kQTileBytes + slab * kBlockM * 128, "q", 64 * slab, m0, head, batch,
                          step_full[stage], s)
                 box_load(sdO + stage * kQTileBytes + slab * kBlockM * 128, "do", 64 * slab, m0, head, batch,
-                         kBlockM, step_full[stage], s)
-            row = (batch * G["hq"] + head) * nq + m0                    # :105
-            assert row < 2 ** 31
-            row_load(sLse + stage * kBlockM * 4, G["lse"], row, step_full[stage], s)
-            row_load(sDelta + stage * kBlockM * 4, G["delta"], row, step_full[stage], s)
+                         step_full[stage], s)
+            row = flat_row(head, m0) & (~3 if kn.rows_align else ~0)   # :110
+            row_load(sLse + stage * kRowsSlot * 4, G["lse"], row, step_full[stage], s)      # :111
+            row_load(sDelta + stage * kRowsSlot * 4, G["delta"], row, step_full[stage], s)  # :112
             yield None
 
     # ---------------------------------------------------------------- consumers: warp programs
@@ -474,57 +562,59 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
     def consumer_warp(c, w):
         agent = 1 + 4 * c + w
         vc = clocks.vc[agent]
-        regs_log[(1 + c, w)] = 240                                     # :111
-        lane = np.arange(32)
-        tid = 32 * w + lane                                            # thread within the warpgroup
+        regs_log[(1 + c, w)] = 240                                     # :118
+        lane = np.arange(32)                                           # :119-127
         g, t = lane // 4, lane % 4
         warp_row = w * 16
         my_key0 = walk.key0 + 64 * c
         k_mine = sK + c * 64 * 128
         v_mine = sV + c * 64 * 128
         mine = slice(32 * w, 32 * w + 32)
-        RF[c].setdefault("dk", np.zeros((128, kDTiles * 4), np.float32))
+        RF[c].setdefault("dk", np.zeros((128, kDTiles * 4), np.float32))   # :129-131
         RF[c].setdefault("dv", np.zeros((128, kDTiles * 4), np.float32))
         RF[c].setdefault("p_a", {}); RF[c].setdefault("ds_a", {})
         yield None
-        if steps > 0:
+        if steps > 0:                                                  # :132
             yield Wait(lambda: kv_full.test_parity(0), lambda: kv_full.acquire(vc, 0), "kv_full")
-        for s in range(steps):
+        for s in range(steps):                                         # :134
             stage = s % kStages
             phase = (s // kStages) & 1
-            yield Wait(lambda st=stage, p=phase: step_full[st].test_parity(p),
+            yield Wait(lambda st=stage, p=phase: step_full[st].test_parity(p),      # :136
                        lambda st=stage, p=phase: step_full[st].acquire(vc, p), "full[%d] parity %d" % (stage, phase))
             if oracle is not None and stage_landed.get(s, 0) != 2 * kSlabs + 2:
                 oracle.append("consumer %d warp %d reads step %d with %d of its copies landed"
                               % (c, w, s, stage_landed.get(s, 0)))
-            head, m0 = walk.head(s), walk.m0(s)
+            head, m0 = walk.head(s), walk.m0(s)                        # :137
             q_tile = sQ + stage * kQTileBytes
             do_tile = sdO + stage * kQTileBytes
-            lse_at = sLse + stage * kBlockM * 4
-            delta_at = sDelta + stage * kBlockM * 4
-            ds_tile = sdS + ((s % 2) if kn.ds_double else 0) * kDsBytes
+            row_skew = flat_row(head, m0) & 3 if kn.rows_align else 0   # :140
+            lse_at = sLse + (stage * kRowsSlot + row_skew) * 4         # :141
+            delta_at = sDelta + (stage * kRowsSlot + row_skew) * 4     # :142
+            ds_tile = sdS + ((s % 2) if kn.ds_double else 0) * kDsBytes   # :143
+            if row_skew + kBlockM > kRowsBox:
+                smem_.hz("lse/delta rows %d..%d past the step's %d-float box" % (row_skew, row_skew + kBlockM, kRowsBox))
 
-            # :127-143 S^T and dP^T
+            # :145-163 S^T = K Q^T and dP^T = V dO^T, m64n{kBlockM}k16
             def f_sdp(s=s, q_tile=q_tile, do_tile=do_tile):
                 RF[c]["st"] = np.full((128, kMTiles * 4), np.nan, np.float32)
                 RF[c]["dpt"] = np.full((128, kMTiles * 4), np.nan, np.float32)
                 for kk in range(D // 16):
                     do_ss(c, "st", be.k_major_descriptor(k_mine, kBlockN, kk), be.k_major_descriptor(q_tile, kBlockM, kk),
-                          64, kk > 0, 0, s, "S", kk)
+                          kBlockM, kk > 0, 0, s, "S", kk)
                 for kk in range(D // 16):
                     do_ss(c, "dpt", be.k_major_descriptor(v_mine, kBlockN, kk), be.k_major_descriptor(do_tile, kBlockM, kk),
-                          64, kk > 0, 0, s, "dP", kk)
+                          kBlockM, kk > 0, 0, s, "dP", kk)
             wg_issue(c, w, (s, "sdp"), f_sdp, "S^T/dP^T")
             yield wg_wait(c, w, (s, "sdp"), "S^T/dP^T")
             st = RF[c]["st"][mine].reshape(32, kMTiles, 4).copy()
             dpt = RF[c]["dpt"][mine].reshape(32, kMTiles, 4).copy()
             yield None
 
-            # :146-165 P^T and dS^T
+            # :165-184 P^T and dS^T
             needs_masking = (my_key0 + 64 > nk or m0 + kBlockM > nq
                              or (G["causal"] and my_key0 + 63 > m0 + causal_offset))
-            lse_all = smem_.read_generic(lse_at + np.arange(256), vc, agent, "ld.shared lse").view("<f4")
-            delta_all = smem_.read_generic(delta_at + np.arange(256), vc, agent, "ld.shared delta").view("<f4")
+            lse_all = smem_.read_generic(lse_at + np.arange(4 * kBlockM), vc, agent, "ld.shared lse").view("<f4")
+            delta_all = smem_.read_generic(delta_at + np.arange(4 * kBlockM), vc, agent, "ld.shared delta").view("<f4")
             for nt in range(kMTiles):
                 for e in range(4):
                     r = warp_row + g + (e >> 1) * 8
@@ -549,7 +639,7 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
                                                  prob * (dpt[:, nt, e] - delta_all[cc])).astype(np.float32)
             full_st = np.zeros((128, kMTiles, 4), np.float32); full_st[mine] = st
             full_dpt = np.zeros((128, kMTiles, 4), np.float32); full_dpt[mine] = dpt
-            for kq in range(kBlockM // 16):
+            for kq in range(kBlockM // 16):                            # :185-190
                 RF[c]["p_a"].setdefault(kq, np.zeros((128, 4), np.uint32))[mine] = be.probabilities_as_a(full_st, kq, fmt)[mine]
                 dsa = be.probabilities_as_a(full_dpt, kq, fmt)[mine]
                 if kn.tags:
@@ -559,7 +649,7 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
             RF[c].setdefault("pt_check", np.zeros((128, kMTiles, 4), np.float32))[mine] = st
             yield None
 
-            # :176-181 stmatrix .trans of dS^T into slab `consumer` of the [query][128 keys] tile
+            # :192-200 stmatrix .trans of dS^T into slab `consumer` of the [kBlockM queries][128 keys] tile
             if oracle is not None and s >= 2 and dq_done.get(s - 2, set()) != set(range(1, 1 + NWARPS)):
                 oracle.append("step %d: consumer %d warp %d rewrites dS buffer %d before every warp's dQ of step %d"
                               % (s, c, w, s % 2, s - 2))
@@ -585,9 +675,9 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
                 smem_.write(b, rows.astype("<u2").view(np.uint8).ravel(), vc, agent, False, "stmatrix dS")
                 yield None
             if kn.ds_fence:
-                smem_.fence_proxy_async(vc, agent)                     # :182
+                smem_.fence_proxy_async(vc, agent)                     # :201
 
-            # :186-197 dV += P^T dO, dK += dS^T Q
+            # :203-218 dV += P^T dO, dK += dS^T Q
             def f_kv(s=s, q_tile=q_tile, do_tile=do_tile):
                 for kq in range(kBlockM // 16):
                     do_rs(c, "dv", RF[c]["p_a"][kq], be.mn_major_descriptor(do_tile, kBlockM, kq), D, s, "dV", kq)
@@ -596,46 +686,43 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
             wg_issue(c, w, (s, "kv"), f_kv, "dV/dK")
 
             def release():
-                step_empty[stage].arrive(vc)                            # :201 lane 0 of the warp
+                step_empty[stage].arrive(vc)                            # :224 lane 0 of the warp
                 vc[agent] += 1
                 released.setdefault(s, set()).add(agent)
             if kn.release_before_wait:
                 release()
-            yield wg_wait(c, w, (s, "kv"), "dV/dK")
+            yield wg_wait(c, w, (s, "kv"), "dV/dK")                    # :221
             if not kn.release_before_wait:
                 release()
             yield None
-            # :204 named barrier 1, 256 threads
+            # :227 named barrier 1, 256 threads
             if kn.named_barrier:
-                gen_ = nb.arrive(1, 32, 128 * kConsumers, vc)
+                gen_ = nb.arrive(Tr.kDsWrittenBarrier, 32, 128 * kConsumers, vc)
                 vc[agent] += 1
 
                 def nb_acq(gg=gen_):
-                    np.maximum(vc, nb.released[(1, gg)], out=vc)
+                    np.maximum(vc, nb.released[(Tr.kDsWrittenBarrier, gg)], out=vc)
                     vc[agent] += 1
-                yield Wait(lambda gg=gen_: (1, gg) in nb.released, nb_acq, "bar.sync 1")
+                yield Wait(lambda gg=gen_: (Tr.kDsWrittenBarrier, gg) in nb.released, nb_acq, "bar.sync 1")
 
-            # :209-223 dQ = dS K
-            kDqKeys = kBlockN if D == 128 else 64
-            column0 = (64 * c if kn.dq_col_per_consumer else 0) if D == 128 else 0
-            ds_a_tile = ds_tile + (0 if D == 128 else c * kBlockM * 128)
-            if kn.kb_slab is not None:
-                k_b_tile = sK + kn.kb_slab(c)
-            else:
-                k_b_tile = sK + (c * kBlockN * 128 if D == 128 else c * 64 * 128)
+            # :229-245 dQ = dS K over all 128 keys for this warpgroup's 64 x 64 quarter
+            query0 = (Tr.kDqQueryOffset if kn.dq_query_offset is None else kn.dq_query_offset) * c   # :232
+            column0 = (Tr.kDqColumnOffset if kn.dq_column_offset is None else kn.dq_column_offset) * c
+            ds_a_tile = ds_tile + (query0 * 128 if kn.dq_a_offset is None else kn.dq_a_offset(query0))  # :233
+            k_b_tile = sK + (column0 // 64 * kBlockN * 128 if kn.kb_slab is None else kn.kb_slab(c))   # :234
 
             def f_dq(s=s, ds_a_tile=ds_a_tile, k_b_tile=k_b_tile):
                 RF[c]["dq"] = np.full((128, 32), np.nan, np.float32)
-                for kk in range(kDqKeys // 16):
+                for kk in range(kBlockN // 16):                        # :240-242
                     do_ss(c, "dq", be.k_major_descriptor(ds_a_tile, kBlockM, kk),
                           be.mn_major_descriptor(k_b_tile, kBlockN, kk), 64, kk > 0, 1, s, "dQ", kk)
             wg_issue(c, w, (s, "dq"), f_dq, "dQ")
-            yield wg_wait(c, w, (s, "dq"), "dQ")
+            yield wg_wait(c, w, (s, "dq"), "dQ")                       # :244
             dq_done.setdefault(s, set()).add(agent)
             dq = RF[c]["dq"][mine]
-            accum_base = ((walk.batch * G["hq"] + head) * nq + m0) * D + column0
-            for h in range(2):
-                r = warp_row + g + 8 * h
+            accum_base = ((walk.batch * G["hq"] + head) * nq + m0) * D + column0   # :246
+            for h in range(2):                                         # :248-254
+                r = (query0 if kn.dq_row_query0 else 0) + warp_row + g + 8 * h
                 ok = m0 + r < nq
                 for dt in range(8):
                     idx = accum_base + r * D + dt * 8 + 2 * t
@@ -646,7 +733,7 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
             if log is not None:
                 log.append((c, w, s))
             yield None
-        # :225 store_key_gradients
+        # :256 store_key_gradients
         dk = RF[c]["dk"][mine].reshape(32, kDTiles, 4)
         dv = RF[c]["dv"][mine].reshape(32, kDTiles, 4)
         be.store_key_gradients(G, fmt, walk, my_key0 + warp_row, dk, dv, g, t)
@@ -670,10 +757,17 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
     return smem_
 
 
+def ds_tag(key, query):
+    """Byte tag of dS element (query, key), key and query < 128: bit 6 set (no tensor tag at d=64 has it, its
+    columns being < 64), query's low 6 bits in bits 0-5 and bit 6 in bit 7, key in bits 8-14."""
+    key, query = np.asarray(key), np.asarray(query)
+    return (key << 8) | ((query >> 6) << 7) | 0x40 | (query & 63)
+
+
 def ds_tag_regs(kq, key_base):
-    """dS^T A fragment whose element (m, k) = tag of (key key_base + m, query 16 kq + k): 0xE000 | key << 6 | q."""
+    """dS^T A fragment whose element (m, k) = ds_tag(key key_base + m, query 16 kq + k)."""
     ma, ka = ptx_model.alayout_64x16()
-    tags = 0xE000 | ((key_base + ma) << 6) | (16 * kq + ka)
+    tags = ds_tag(key_base + ma, 16 * kq + ka)
     a = np.zeros((128, 4), np.uint32)
     for j in range(4):
         a[:, j] = tags[:, 2 * j].astype(np.uint32) | (tags[:, 2 * j + 1].astype(np.uint32) << 16)
@@ -687,12 +781,17 @@ def run_backward(G, fmt, seed=0, dyn_base=0, kn=None, oracle=None, tag_log=None)
     kv_size = G["B"] * G["hkv"] * G["nk"] * G["d"]
     if G["head_splits"] > 1:
         G["grad_kv_accum"] = np.zeros(2 * kv_size, np.float32)
-    blocks = (G["nk"] + 127) // 128 * G["head_splits"] * G["hkv"] * G["B"]
-    order = list(range(blocks))
-    rng.shuffle(order)
+    Tr = Traits(G["d"])
+    order = make_key_block_order(G, Tr.kBlockN)                        # backward_kernel.cuh:268
+    blocks = order[0] * order[1]                                       # :269 order.blocks()
     hazards = []
-    for bx in order:
-        sm = run_block(bx, G, fmt, rng, dyn_base, kn, oracle=oracle, tag_log=tag_log)
+    tiles = sorted(block_order_at(order, bx) for bx in range(blocks))
+    if tiles != [(p_, b_) for p_ in range(order[1]) for b_ in range(order[0])]:
+        hazards.append("grid order %s does not visit every (pair, key block) once" % (order,))
+    grid = list(range(blocks))
+    rng.shuffle(grid)
+    for bx in grid:
+        sm = run_block(bx, G, fmt, rng, dyn_base, kn, oracle=oracle, tag_log=tag_log, order=order)
         hazards += sm.hazards
     d = G["d"]
     if G["head_splits"] > 1:

@@ -25,21 +25,43 @@ def expect(cond, msg):
 
 
 # ----------------------------------------------------------------- 0. static plan
-print("== 0. shared-memory plan, TMA alignment, registers")
+print("== 0. shared-memory plan, TMA alignment, registers, dQ quarters")
 for D in (64, 128):
-    kKV, kQ, kDs = 128 * D * 2, 64 * D * 2, 64 * 128 * 2
+    Tr = ws.Traits(D)
+    M = 128 if D == 64 else 64                          # queries per step: 128 at d=64, 64 at d=128
+    kKV, kQ, kDs = 128 * D * 2, M * D * 2, M * 128 * 2
+    expect((Tr.kBlockM, Tr.kKVTileBytes, Tr.kQTileBytes, Tr.kDsBytes, Tr.kRowsBox, Tr.kRowsSlot)
+           == (M, kKV, kQ, kDs, M + 4, 2 * M), "d=%d: kBlockM %d, tiles %d/%d/%d bytes, lse box %d in slot %d floats"
+           % (D, M, kKV, kQ, kDs, M + 4, 2 * M))
     fo = 2 * kKV + 4 * kQ + 2 * kDs
-    smem = fo + 2 * 2 * 64 * 4 + 5 * 8 + 1024
-    offs = [0, kKV, 2 * kKV, 2 * kKV + kQ, 2 * kKV + 2 * kQ, 2 * kKV + 3 * kQ, 2 * kKV + 4 * kQ, 2 * kKV + 4 * kQ + kDs]
-    expect(all(o % 1024 == 0 for o in offs) and fo % 128 == 0 and (fo + 512) % 128 == 0 and smem <= 227 * 1024,
-           "d=%d: every swizzled slab 1024-aligned, lse/delta stages 128-aligned, %d bytes <= 227 KiB" % (D, smem))
-    expect(2 * 64 * D * 2 + 2 * 64 * 4 == sum([64 * 128] * (2 * D // 64) + [256, 256]),
-           "d=%d: expect_tx %d = the step's boxes (Q, dO: %d x 64x64x2; lse, delta: 64 x 4)" % (D, 2 * kQ + 512, D // 64))
+    smem = fo + 2 * 2 * Tr.kRowsSlot * 4 + 5 * 8 + 1024
+    slabs = [0, 2 * kKV + 4 * kQ, 2 * kKV + 4 * kQ + kDs]                  # K, the dS buffers
+    slabs += [s_ * 128 * 128 for s_ in range(D // 64)] + [kKV + s_ * 128 * 128 for s_ in range(D // 64)]
+    slabs += [2 * kKV + st_ * kQ + s_ * M * 128 for st_ in range(4) for s_ in range(D // 64)]   # Q, dO stages
+    slabs += [2 * kKV + 4 * kQ + b_ * kDs + k_ * M * 128 + c_ * Tr.kDqQueryOffset * 128
+              for b_ in range(2) for k_ in range(2) for c_ in range(2)]    # dQ's A operands (query0 rows in)
+    rows_at = [fo + i * Tr.kRowsSlot * 4 for i in range(4)]
+    expect(all(o % 1024 == 0 for o in slabs) and all(o % 128 == 0 for o in rows_at) and smem == Tr.kSmemBytes
+           and smem <= 227 * 1024,
+           "d=%d: every swizzled slab and dQ A start 1024-aligned, lse/delta stages 128-aligned, %d bytes <= 227 KiB"
+           % (D, smem))
+    expect(Tr.kRowsBox * 4 % 16 == 0 and Tr.kRowsBox <= 256 and M <= 256 and 3 + M <= Tr.kRowsBox <= Tr.kRowsSlot,
+           "d=%d: 1-D box %d floats (16-byte multiple, <= 256), holds a step's rows from any skew 0..3, fits its slot"
+           % (D, Tr.kRowsBox))
+    exp = 2 * Tr.kQTileBytes + 2 * Tr.kRowsBox * 4
+    expect(exp == sum([M * 128] * (2 * D // 64) + [4 * (M + 4)] * 2),
+           "d=%d: expect_tx %d = the step's boxes (Q, dO: %d x %dx64x2; lse, delta: %d x 4)" % (D, exp, D // 64, M, M + 4))
+    cover = np.zeros((M, D), int)
+    for c_ in range(2):
+        q0, c0 = Tr.kDqQueryOffset * c_, Tr.kDqColumnOffset * c_
+        cover[q0:q0 + 64, c0:c0 + 64] += 1
+    expect((cover == 1).all(), "d=%d: the two consumers' 64 x 64 dQ quarters (query %d c, column %d c) tile [%d x %d] once"
+           % (D, Tr.kDqQueryOffset, Tr.kDqColumnOffset, M, D))
 expect(128 * 24 + 256 * 240 <= 65536 and 384 * 168 <= 65536,
        "setmaxnreg 128x24 + 256x240 = %d <= 65536 (entry 168 x 384 = %d, ptxas reports 168)" % (128 * 24 + 256 * 240, 384 * 168))
 
 # ----------------------------------------------------------------- 1. byte tags
-print("\n== 1. operand identity of every wgmma (tags: tensor<<14 | row%128<<7 | col; dS: 0xE000 | key<<6 | query)")
+print("\n== 1. operand identity of every wgmma (tags: tensor<<14 | row%128<<7 | col; dS: ws.ds_tag(key, query))")
 
 
 def tag_problem(B, hq, hkv, nq, nk, d, causal, hs):
@@ -73,14 +95,17 @@ def tag_case(B, hq, hkv, nq, nk, d, causal, hs, dyn_base, seed):
     by = {}
     for (bx, c, s, prod, idx, kind, A, Bm) in log:
         by.setdefault((bx, c, s), []).append((prod, idx, A, Bm))
+    Tr = ws.Traits(d)
+    M = Tr.kBlockM
+    order = ws.make_key_block_order(G, 128)
     nblocks = (nk + 127) // 128 * hs * hkv * B
-    count_ok = True
+    count_ok = order[0] * order[1] == nblocks
     for bx in range(nblocks):
-        walk = be.KeyBlockWalk(bx, G, BlockN=128, BlockM=64)
+        walk = ws.block_walk(bx, G, Tr, order)
         for c in range(2):
             for s in range(walk.steps):
                 calls = by.get((bx, c, s), [])
-                want = {"S": d // 16, "dP": d // 16, "dV": 4, "dK": 4, "dQ": 8 if d == 128 else 4}
+                want = {"S": d // 16, "dP": d // 16, "dV": M // 16, "dK": M // 16, "dQ": 8}
                 got = {}
                 for prod, idx, A, Bm in calls:
                     got[prod] = got.get(prod, 0) + 1
@@ -88,8 +113,10 @@ def tag_case(B, hq, hkv, nq, nk, d, causal, hs, dyn_base, seed):
                 m0 = walk.m0(s)
                 k0 = walk.key0 + 64 * c
                 Kt, Vt = tile(1, k0, 64, nk, d), tile(2, k0, 64, nk, d)
-                Qt, dOt = tile(0, m0, 64, nq, d), tile(3, m0, 64, nq, d)
+                Qt, dOt = tile(0, m0, M, nq, d), tile(3, m0, M, nq, d)
                 Kall = tile(1, walk.key0, 128, nk, d)
+                q0 = 64 * c if d == 64 else 0          # this consumer's dQ quarter: queries at d=64,
+                col0 = 64 * c if d == 128 else 0       # columns of d at d=128
                 for prod, idx, A, Bm in calls:
                     sl = slice(16 * idx, 16 * idx + 16)
                     if prod == "S":
@@ -102,33 +129,33 @@ def tag_case(B, hq, hkv, nq, nk, d, causal, hs, dyn_base, seed):
                         good["dK B=Q"] &= (Bm == Qt[sl, :]).all()
                         good["dK A=dS regs"] &= (A == ws.ds_tag_regs(idx, 64 * c)).all()
                     else:
-                        keys = (16 * idx if d == 128 else 64 * c + 16 * idx) + np.arange(16)
-                        q_ = np.arange(64)[:, None]
-                        good["dQ A=dS tile"] &= (A == (0xE000 | (keys[None, :] << 6) | q_)).all()
-                        col0 = 64 * c if d == 128 else 0
+                        keys = 16 * idx + np.arange(16)
+                        queries = q0 + np.arange(64)
+                        good["dQ A=dS tile"] &= (A == ws.ds_tag(keys[None, :], queries[:, None])).all()
                         good["dQ B=K"] &= (Bm == Kall[keys][:, col0:col0 + 64]).all()
     return good, len(log), count_ok, hz
 
 
 tag_cases = [(1, 1, 1, 90, 120, 64, False, 1), (1, 1, 1, 90, 250, 128, True, 1), (1, 2, 1, 70, 64, 128, False, 2),
-             (1, 1, 1, 7, 300, 64, True, 1), (1, 2, 2, 130, 200, 128, False, 1), (1, 4, 1, 100, 130, 64, True, 2)]
+             (1, 1, 1, 7, 300, 64, True, 1), (1, 2, 2, 130, 200, 128, False, 1), (1, 4, 1, 100, 130, 64, True, 2),
+             (1, 2, 1, 40, 130, 64, False, 1), (1, 1, 1, 257, 200, 64, True, 1), (2, 4, 2, 129, 140, 64, False, 2)]
 for i, (B, hq, hkv, nq, nk, d, causal, hs) in enumerate(tag_cases if not QUICK else tag_cases[:2]):
     for dyn_base in ((0, 528) if not QUICK else (0,)):
         good, n, cnt, hz = tag_case(B, hq, hkv, nq, nk, d, causal, hs, dyn_base, seed=11 + i)
         expect(all(good.values()) and cnt and not hz,
-               "d=%d hq=%d hkv=%d nq=%d nk=%d causal=%d hs=%d base=%d: %d wgmmas (count per step %s), hazards %d: %s"
-               % (d, hq, hkv, nq, nk, causal, hs, dyn_base, n, "ok" if cnt else "WRONG", len(hz),
+               "d=%d B=%d hq=%d hkv=%d nq=%d nk=%d causal=%d hs=%d base=%d: %d wgmmas (count per step %s), hazards %d: %s"
+               % (d, B, hq, hkv, nq, nk, causal, hs, dyn_base, n, "ok" if cnt else "WRONG", len(hz),
                   ", ".join(k + ("" if v else " WRONG") for k, v in good.items())))
 
 # ----------------------------------------------------------------- 2. end to end
 print("\n== 2. end to end vs float64 (one random skewed interleaving per case; hazards, oracles, deadlock)")
 TOL = {"f16": (3e-3, 1e-2), "bf16": (2e-2, 6e-2)}
 cases = [
-    # B, hq, hkv, nq, nk, causal, head_splits
+    # B, hq, hkv, nq, nk, causal, head_splits[, pairs per L2 group of the causal grid order]
     (1, 1, 1, 64, 64, False, 1),
-    (1, 1, 1, 97, 113, False, 1),
+    (1, 1, 1, 97, 113, False, 1),    # 64 < Nq < 128: one step at d=64 whose second quarter is part-empty
     (1, 1, 1, 97, 113, True, 1),
-    (1, 1, 1, 7, 300, False, 1),
+    (1, 1, 1, 7, 300, False, 1),     # Nq < 64: consumer 1's dQ quarter at d=64 is all past Nq
     (1, 1, 1, 7, 300, True, 1),
     (1, 1, 1, 300, 7, False, 1),
     (1, 1, 1, 300, 7, True, 1),      # rows that see no key (lse = -inf)
@@ -137,10 +164,16 @@ cases = [
     (1, 1, 1, 1, 1, False, 1),
     (1, 1, 1, 1, 1, True, 1),
     (1, 2, 1, 256, 256, True, 1),    # causal: consumer 1 of each block sees no key in the block's first step
-    (2, 4, 2, 70, 130, True, 2),     # GQA, head splits 2, B = 2
+    (2, 4, 2, 70, 130, True, 2, 3),  # GQA, head splits 2, B = 2; 8 pairs in groups of 3 (the last of 2)
     (1, 4, 1, 65, 64, False, 4),     # head splits 4
-    (1, 4, 1, 130, 65, True, 1),     # one block walks 4 heads x 3 steps
+    (1, 4, 1, 130, 65, True, 1),     # one block walks 4 heads x 3 (d=64: 2) steps
     (1, 4, 2, 100, 200, False, 1),
+    (1, 1, 1, 50, 200, True, 1),     # Nq < 64, causal with Nk > Nq
+    (1, 1, 1, 129, 129, False, 1),   # Nq one past a multiple of 128: a 1-query step at d=64
+    (1, 1, 1, 257, 300, True, 1),
+    (1, 2, 1, 385, 190, True, 1),    # 3 x 128 + 1, causal, GQA
+    (2, 4, 2, 129, 250, False, 2),   # GQA, head splits, B = 2, 129 queries
+    (1, 6, 2, 131, 140, True, 1, 2),  # GQA 3, rows of a head start off 16 bytes (131 h), grouped causal order
 ]
 if QUICK:
     cases = cases[:3]
@@ -160,9 +193,13 @@ def run_case(G, fmt, seed, dyn_base=0, kn=None):
 for dtype in ("f16", "bf16"):
     fmt = Fmt(dtype)
     for D in (64, 128):
-        for ci, (B, hq, hkv, nq, nk, causal, hs) in enumerate(cases):
+        for ci, case in enumerate(cases):
+            B, hq, hkv, nq, nk, causal, hs = case[:7]
             dyn_base = (0, 528)[ci % 2]
             G = be.make_problem(np.random.default_rng(100 + ci), B, hq, hkv, nq, nk, D, causal, fmt, hs)
+            if len(case) > 7:                    # the L2 that groups case[7] pairs in the causal grid order
+                G["l2_bytes"] = 2 * case[7] * (hq // hkv // hs) * nq * (2 * D * 2 + 8)
+                assert ws.make_key_block_order(G, 128)[2] == case[7]
             hz, orc, dead = run_case(G, fmt, seed=1000 + ci + 17 * D, dyn_base=dyn_base)
             if dead:
                 expect(False, "%s d=%d case %d: DEADLOCK %s" % (dtype, D, ci, dead[:200]))
@@ -192,8 +229,9 @@ fmt = Fmt("f16")
 
 
 def poisoned(mask_query, D=64):
-    """hq = hkv = 2, Nq = 70: head 0's second step reads head 1's lse rows 0..57. Head 1's lse set to -300
-    (2^(0 + 300 log2 e) = inf in float32): head 0's gradients must stay exact."""
+    """hq = hkv = 2, Nq = 70: head 0's last step (d=64: its only one, queries 0..127; d=128: queries 64..127) reads
+    head 1's lse rows 0..61 (flat rows 70..131). Head 1's lse set to -300 (2^(0 + 300 log2 e) = inf in float32):
+    head 0's gradients must stay exact."""
     G = be.make_problem(np.random.default_rng(3), 1, 2, 2, 70, 100, D, False, fmt, 1)
     ex = be.backward_reference(G["Q"], G["K"], G["V"], G["dO"], G["scale"], False, 2)
     G["lse"] = G["lse"].copy()
@@ -204,12 +242,14 @@ def poisoned(mask_query, D=64):
     return [x if np.isfinite(x) else np.inf for x in e], hz, dead
 
 
-e, hz, dead = poisoned(True)
-expect(max(e) < 1e-2 and not hz and not dead,
-       "kernel (query mask): head 0 exact though rows 70..127 of its box hold head 1's lse = -300: %s" % ["%.1e" % x for x in e])
-e, hz, dead = poisoned(False)
-expect(max(e) > 1e-2, "control, query mask removed: head 0's gradients break (%s): the mask is load-bearing"
-       % ["%.1e" % x for x in e])
+for D in (64, 128):
+    e, hz, dead = poisoned(True, D)
+    expect(max(e) < 1e-2 and not hz and not dead,
+           "d=%d kernel (query mask): head 0 exact though its box's rows past 70 hold head 1's lse = -300: %s"
+           % (D, ["%.1e" % x for x in e]))
+    e, hz, dead = poisoned(False, D)
+    expect(max(e) > 1e-2, "d=%d control, query mask removed: head 0's gradients break (%s): the mask is load-bearing"
+           % (D, ["%.1e" % x for x in e]))
 
 # A NaN (or inf) in the next head's delta (its grad_out or out) still reaches this head's dS: P = 0 there, but
 # 0 * (dP - NaN) = NaN, and dK += dS^T Q carries it (0 * NaN) into dK of a different kv head. Reported, not failed.
@@ -237,15 +277,20 @@ n_seeds = 12 if QUICK else 60
 bad = []
 stats = {}
 t1 = time.time()
-stress = [(1, 4, 1, 300, 130, False, 1, 64), (1, 2, 1, 256, 256, True, 1, 128), (1, 2, 1, 97, 200, True, 2, 128)]
+stress = [(1, 4, 1, 300, 130, False, 1, 64), (1, 2, 1, 256, 256, True, 1, 128), (1, 2, 1, 97, 200, True, 2, 128),
+          (1, 3, 1, 385, 260, True, 1, 64)]
+max_steps = 0
 for i in range(n_seeds):
     B, hq, hkv, nq, nk, causal, hs, D = stress[i % len(stress)]
     G = be.make_problem(np.random.default_rng(i), B, hq, hkv, nq, nk, D, causal, fmt, hs)
+    Tr = ws.Traits(D)
+    order = ws.make_key_block_order(G, Tr.kBlockN)
+    max_steps = max([max_steps] + [ws.block_walk(bx, G, Tr, order).steps for bx in range(order[0] * order[1])])
     hz, orc, dead = run_case(G, fmt, seed=50000 + i, kn=ws.Knobs(stats=stats))
     if hz or orc or dead:
         bad.append((i, hz[:2], orc[:2], dead))
-expect(not bad, "%d interleavings (3 shapes, up to 20 steps per block): no deadlock, no race, no early overwrite%s (%.0fs)"
-       % (n_seeds, "" if not bad else ": " + str(bad[:2]), time.time() - t1))
+expect(not bad, "%d interleavings (%d shapes, up to %d steps per block): no deadlock, no race, no early overwrite%s (%.0fs)"
+       % (n_seeds, len(stress), max_steps, "" if not bad else ": " + str(bad[:2]), time.time() - t1))
 expect(all(v > 0 for v in stats.values()) and len(stats) == 2,
        "the interleavings reach the overlaps the protocol must order: %s" % stats)
 
@@ -273,20 +318,36 @@ def neg(name, kn, D=128, nq=200, nk=250, causal=True, hq=1, hkv=1, hs=1, seeds=(
     expect(bool(why), "caught: %-52s by %s" % (name, "; ".join(sorted(why))[:200]))
 
 
-neg("dS slab of consumer 1 at +64*64 B (not +64*128)", ws.Knobs(ds_slab=lambda c: c * 64 * 64))
+neg("dS slab of consumer 1 at +64*64 B (not +kBlockM*128)", ws.Knobs(ds_slab=lambda c: c * 64 * 64))
 neg("dS slab of consumer 1 at +64*64 B, d=64", ws.Knobs(ds_slab=lambda c: c * 64 * 64), D=64)
-neg("dQ column offset 0 for both consumers (d=128)", ws.Knobs(dq_col_per_consumer=False))
-neg("dQ B = K rows 64c (d=64's offset) at d=128", ws.Knobs(kb_slab=lambda c: c * 64 * 128))
+neg("dS slab of consumer 1 at +64*128 B (d=128's), d=64", ws.Knobs(ds_slab=lambda c: c * 64 * 128), D=64)
+neg("dQ column offset 0 for both consumers (d=128)", ws.Knobs(dq_column_offset=0))
+neg("dQ B = K rows 64c (the old d=64 offset) at d=128", ws.Knobs(kb_slab=lambda c: c * 64 * 128))
+neg("dQ query offset 0 for both consumers, d=64", ws.Knobs(dq_query_offset=0), D=64)
+neg("dQ query offset 64 at d=128 (kBlockM == 64 there)", ws.Knobs(dq_query_offset=64))
+neg("dQ A from query 0 (query0 left out of :233), d=64", ws.Knobs(dq_a_offset=lambda q0: 0), D=64)
+neg("dQ A query0 * 64 bytes in, d=64", ws.Knobs(dq_a_offset=lambda q0: q0 * 64), D=64)
+neg("dQ reduction rows without query0 (:249), d=64", ws.Knobs(dq_row_query0=False), D=64)
+neg("dQ B = K rows 64c at d=64", ws.Knobs(kb_slab=lambda c: c * 64 * 128), D=64)
+neg("lse/delta ring slot 128 floats at d=64 (the old kRowsSlot)", ws.Knobs(rows_slot=128), D=64)
+neg("lse/delta box at the step's row, not on 16 bytes, d=64", ws.Knobs(rows_align=False), D=64, nq=201, hq=2)
+neg("lse/delta box at the step's row, not on 16 bytes", ws.Knobs(rows_align=False), nq=201, hq=2)
+neg("host Q/dO maps with 64-row boxes at d=64 (Traits<128>'s)", ws.Knobs(host_box_m=64), D=64)
 neg("no named barrier before dQ", ws.Knobs(named_barrier=False))
 neg("no named barrier before dQ, d=64", ws.Knobs(named_barrier=False), D=64)
 neg("producer empty-wait parity without ^1", ws.Knobs(empty_xor=0))
+neg("producer empty-wait parity without ^1, d=64", ws.Knobs(empty_xor=0), D=64)
 neg("dS single-buffered", ws.Knobs(ds_double=False))
 neg("dS single-buffered, d=64", ws.Knobs(ds_double=False), D=64)
 neg("expect_tx 256 bytes short (delta's box forgotten)", ws.Knobs(expect_delta=-256))
+neg("expect_tx 16 bytes short (a box of kBlockM floats), d=64", ws.Knobs(expect_delta=-16), D=64)
 neg("expect_tx 16 bytes over", ws.Knobs(expect_delta=16))
 neg("empty barrier counts 4 arrivals (one warpgroup)", ws.Knobs(empty_count=4))
+neg("empty barrier counts 4 arrivals, d=64", ws.Knobs(empty_count=4), D=64, nq=300, hq=2)
 neg("empty arrive before the dV/dK wgmma wait", ws.Knobs(release_before_wait=True))
+neg("empty arrive before the dV/dK wgmma wait, d=64", ws.Knobs(release_before_wait=True), D=64, nq=300, hq=2)
 neg("no fence.proxy.async after stmatrix", ws.Knobs(ds_fence=False))
+neg("no fence.proxy.async after stmatrix, d=64", ws.Knobs(ds_fence=False), D=64)
 neg("producer threads return before setmaxnreg", ws.Knobs(setmaxnreg_before_return=False))
 
 print("\nFAILURES: %d   (%.0fs)" % (len(failures), time.time() - T0))
