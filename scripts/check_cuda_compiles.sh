@@ -25,6 +25,15 @@ for src in "${sources[@]}"; do
   if grep -qE "[1-9][0-9]* bytes spill stores" "$obj.ptxas.log"; then
     echo "check_cuda_compiles: WARNING: $src spills registers (see $obj.ptxas.log)"
   fi
+  # ptxas C7514: wgmma serialised (a non-wgmma instruction touches an
+  # accumulator inside a pipeline stage). It compiles and runs right, 22-27%
+  # slower: the idle-warpgroup branch in the sm90 forward did this unnoticed
+  # until the H200 measured it (2026-11-30). So it fails the check.
+  if grep -q "C7514" "$obj.ptxas.log"; then
+    grep "C7514" "$obj.ptxas.log"
+    echo "check_cuda_compiles: $src: wgmma serialised (ptxas C7514)"
+    exit 1
+  fi
 done
 
 # dev/cuda: standalone kernel drivers (no PyTorch), built and linked so they keep up with the kernels.
