@@ -19,6 +19,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 parser.add_argument("--batch", type=int, default=64)
 parser.add_argument("--repeats", type=int, default=20, help="timed batches; the median is printed")
+parser.add_argument("--profile", action="store_true",
+                    help="also print each implementation's top operators by time (torch.profiler, one batch)")
 args = parser.parse_args()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 fusedattn.hf.register()
@@ -48,6 +50,16 @@ for impl in ("sdpa", "fusedattn"):
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         elapsed = statistics.median(times)
+        if args.profile:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if args.device == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
+                model(**batch)
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+            sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+            print(f"{impl}: top operators of one batch\n{prof.key_averages().table(sort_by=sort, row_limit=12)}")
     keep = batch["attention_mask"].unsqueeze(-1).float()
     embeddings[impl] = torch.nn.functional.normalize((hidden * keep).sum(1) / keep.sum(1), dim=-1)
     print(f"{impl:10} {elapsed * 1e3:7.2f} ms for {len(sentences)} sentences on {args.device} (median of {args.repeats})")
