@@ -62,8 +62,9 @@ def test_sm90_backward_long_sequences(n, head_dim):
                              dtype=torch.bfloat16, is_causal=True))
 
 
-def test_sm90_backward_agrees_with_sm80(monkeypatch):
-    case = Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=300, seqlen_k=517, head_dim=128,
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
+def test_sm90_backward_agrees_with_sm80(monkeypatch, head_dim):
+    case = Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=300, seqlen_k=517, head_dim=head_dim,
                 dtype=torch.float16, is_causal=True)
     q, k, v, _ = make_inputs(case, "cuda", requires_grad=True)
     grad_out = torch.randn_like(q)
