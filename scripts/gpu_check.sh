@@ -91,7 +91,7 @@ stage_tables() {
   done
   timeout 120 fusedattn bench --no-progress --decode --json "$out/decode.json" 2>&1 | tail -12
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  python3 - "$out" <<'PY'
+  python3 - "$out" <<'PY' || status=1
 import json, pathlib, sys
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*ward-d*.json")):
     rows = json.loads(path.read_text())["rows"]
