@@ -39,6 +39,17 @@ bool probe_device(int device) {
   return launched == cudaSuccess && built == 1;
 }
 
+// K and V as tensor maps with boxes of block_n rows (both kernels' K/V
+// tiles); false where the tensor memory accelerator cannot describe one.
+bool encode_key_value_maps(const ForwardParams& p, CUtensorMap* k_map, CUtensorMap* v_map, int block_n) {
+  const AttentionShape& sh = p.shape;
+  return sh.seqlen_k == 0 ||  // no key tile is ever loaded
+         (encode_head_tensor_map(k_map, p.dtype, p.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim, p.k_strides,
+                                 block_n) &&
+          encode_head_tensor_map(v_map, p.dtype, p.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim, p.v_strides,
+                                 block_n));
+}
+
 // Q, K and V as tensor maps with the kernel's box heights; false where the
 // tensor memory accelerator cannot describe one of them.
 bool encode_operand_maps(Sm90ForwardArgs& args, int block_m, int block_n) {
@@ -46,11 +57,7 @@ bool encode_operand_maps(Sm90ForwardArgs& args, int block_m, int block_n) {
   const AttentionShape& sh = p.shape;
   return encode_head_tensor_map(&args.q_map, p.dtype, p.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim,
                                 p.q_strides, block_m) &&
-         (sh.seqlen_k == 0 ||  // no key tile is ever loaded
-          (encode_head_tensor_map(&args.k_map, p.dtype, p.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
-                                  p.k_strides, block_n) &&
-           encode_head_tensor_map(&args.v_map, p.dtype, p.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
-                                  p.v_strides, block_n)));
+         encode_key_value_maps(p, &args.k_map, &args.v_map, block_n);
 }
 
 }  // namespace
@@ -105,11 +112,7 @@ bool backward_sm90(const BackwardParams& p, cudaStream_t stream) {
                                  sh.head_dim, p.grad_out_strides, Tr::kBlockM) &&
           encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, Tr::kRowsBox) &&
           encode_rows_tensor_map(&args.delta_map, p.delta, rows, Tr::kRowsBox))) &&
-        (sh.seqlen_k == 0 ||
-         (encode_head_tensor_map(&args.k_map, p.fwd.dtype, p.fwd.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
-                                 p.fwd.k_strides, Tr::kBlockN) &&
-          encode_head_tensor_map(&args.v_map, p.fwd.dtype, p.fwd.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim,
-                                 p.fwd.v_strides, Tr::kBlockN)));
+        encode_key_value_maps(p.fwd, &args.k_map, &args.v_map, Tr::kBlockN);
     if (!encoded) return;
     launch_backward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);
     launched = true;
