@@ -6,14 +6,16 @@
 # writes each git ref's tree into .ab/NN-<ref> (NN: the order given; the
 # first is the baseline; git-ignored, about 2 MB each: name .ab in the device
 # call's carry). There, on the CUDA machine:
-#   scripts/ab_bench.sh run OUTDIR [fusedattn bench arguments]
-# builds every tree under .ab in turn against that machine's torch, times
-# `fusedattn bench --no-progress ARGS` with each (fusedattn's column only is
-# compared: pass --methods to keep the other columns short), and writes
-# OUTDIR/<name>.json and OUTDIR/ab.md, fusedattn's TFLOP/s (TB/s with
-# --decode) per version and row, with the ratio to the first version. The
-# last version stays installed. The lent machine sends back 8 files: 7
-# versions at most. A build takes about 40 s on the H200.
+#   scripts/ab_bench.sh run OUTDIR [bench arguments] [--and bench arguments]...
+# builds every tree under .ab in turn against that machine's torch and, with
+# each build, times `fusedattn bench --no-progress ARGS` once per argument set
+# (`--and` separates the sets, e.g. `--head-dim 128 --and --head-dim 64`, so
+# one build serves every table). It writes OUTDIR/<name>-<set>.json and
+# OUTDIR/ab.md: fusedattn's TFLOP/s (TB/s with --decode) per version and row,
+# the ratio to the first version, and the first version's other columns (pass
+# --methods to keep them short; e.g. sdpa-cudnn gives the bar). The last
+# version stays installed. The lent machine sends back 8 files: with N
+# versions and S sets keep N*S <= 7. A build takes about 40 s on the H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: scripts/ab_bench.sh export REF... | run OUTDIR [bench args]}
@@ -38,8 +40,13 @@ if [ "$mode" = export ]; then
 fi
 [ "$mode" = run ] || { echo "ab_bench: unknown mode '$mode' (export or run)"; exit 2; }
 
-out=${1:?usage: scripts/ab_bench.sh run OUTDIR [bench args]}
+out=${1:?usage: scripts/ab_bench.sh run OUTDIR [bench args] [--and bench args]...}
 shift
+# The argument sets, one string each (bench arguments have no spaces).
+sets=("")
+for arg in "$@"; do
+  if [ "$arg" = --and ]; then sets+=(""); else sets[-1]+="${sets[-1]:+ }$arg"; fi
+done
 mkdir -p "$out"
 . scripts/device_env.sh
 [ -d .ab ] || { echo "ab_bench: no .ab folder (scripts/ab_bench.sh export REF... here, then carry .ab)"; exit 2; }
@@ -55,38 +62,56 @@ for dir in .ab/*/; do
     continue
   fi
   echo "ab_bench: $name built in $((SECONDS - t0)) s"
-  rm -f "$out/$name.json"
-  if timeout "${FUSEDATTN_BENCH_TIMEOUT:-300}" fusedattn bench --no-progress --json "$out/$name.json" "$@" > /dev/null; then
-    names+=("$name")
-  else
-    echo "ab_bench: $name: bench failed"
-    status=1
-  fi
+  ok=1
+  for i in "${!sets[@]}"; do
+    json="$out/$name-$((i + 1)).json"
+    rm -f "$json"
+    # shellcheck disable=SC2086  # one set's arguments, split on purpose
+    if ! timeout "${FUSEDATTN_BENCH_TIMEOUT:-300}" fusedattn bench --no-progress --json "$json" ${sets[$i]} > /dev/null; then
+      echo "ab_bench: $name: bench failed (set $((i + 1)): ${sets[$i]})"
+      ok=0
+      status=1
+    fi
+  done
+  [ $ok = 1 ] && names+=("$name")
 done
 [ ${#names[@]} -gt 0 ] || { echo "ab_bench: no version ran"; exit 1; }
-python3 - "$out" "${names[@]}" <<'PY' > "$out/ab.md" || status=1
+python3 - "$out" "${#sets[@]}" "${names[@]}" <<'PY' > "$out/ab.md" || status=1
 import json, pathlib, sys
-out, names = pathlib.Path(sys.argv[1]), sys.argv[2:]
-runs = {n: json.loads((out / f"{n}.json").read_text()) for n in names}
-first = runs[names[0]]
+out, n_sets, names = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+def load(name, i):
+    return json.loads((out / f"{name}-{i}.json").read_text())
+first = load(names[0], 1)
 print(f"{first['device']}, torch {first['torch']}, {first['date']}; fusedattn TFLOP/s (TB/s with "
-      f"--decode), 'x' = over {names[0]}\n")
-print("| dtype | causal or lengths | N | " + " | ".join(names) + " | " + " | ".join(f"x {n}" for n in names[1:]) + " |")
-print("|" + "---|" * (3 + 2 * len(names) - 1))
+      f"--decode), 'x' = over {names[0]}; other columns: {names[0]}'s run\n")
 def key(r):
     if "varlen" in r:  # --decode rows
         return r["dtype"], "1..N" if r["varlen"] else "all N", r["seqlen"]
     return r["dtype"], "yes" if r["causal"] else "no", r["seqlen"]
-def rate(r):
-    result = r["results"]["fusedattn"]
-    return result.get("tflops", result.get("tb_per_s"))
-tflops = {n: {key(r): rate(r) for r in run["rows"]} for n, run in runs.items()}
-for k in tflops[names[0]]:
-    values = [tflops[n].get(k) for n in names]
-    base = values[0]
-    cells = [(f"{v:.1f}" if v >= 10 else f"{v:.2f}") if v else "-" for v in values]
-    ratios = [f"{v / base:.3f}" if v and base else "-" for v in values[1:]]
-    print(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells + ratios) + " |")
+def rate(result):
+    return result.get("tflops", result.get("tb_per_s")) if result.get("status", "ok") == "ok" else None
+def cell(v):
+    return (f"{v:.1f}" if v >= 10 else f"{v:.2f}") if v else "-"
+for i in range(1, n_sets + 1):
+    runs = {n: load(n, i) for n in names}
+    base_run = runs[names[0]]
+    others = [m for m in base_run["methods"] if m != "fusedattn"]
+    config = " ".join(f"{k}={v}" for k, v in base_run["config"].items() if k not in ("seqlens", "dtypes"))
+    print(f"### set {i}: {config}\n")
+    print("| dtype | causal or lengths | N | " + " | ".join(names + others)
+          + " | " + " | ".join(f"x {n}" for n in names[1:])
+          + "".join(f" | best x {m}" for m in others) + " |")
+    print("|" + "---|" * (3 + 2 * len(names) - 1 + 2 * len(others)))
+    rates = {n: {key(r): rate(r["results"]["fusedattn"]) for r in run["rows"]} for n, run in runs.items()}
+    for r in base_run["rows"]:
+        k = key(r)
+        values = [rates[n].get(k) for n in names]
+        other_values = [rate(r["results"].get(m, {"status": "missing"})) for m in others]
+        base, best = values[0], max((v for v in values if v), default=None)
+        ratios = [f"{v / base:.3f}" if v and base else "-" for v in values[1:]]
+        bars = [f"{best / o:.3f}" if best and o else "-" for o in other_values]
+        print(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join([cell(v) for v in values + other_values] + ratios + bars) + " |")
+    print()
 PY
 cat "$out/ab.md"
 exit $status
