@@ -33,10 +33,10 @@
 namespace fusedattn::cuda {
 
 template <int HeadDim, typename T, bool IsCausal, bool HasMask>
-__global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
+__global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, IsCausal, HasMask>::kThreads, 1)
     sm90_forward_kernel(const __grid_constant__ Sm90ForwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and setmaxnreg exist only in sm_90a code
-  using Tr = Sm90ForwardTraits<HeadDim>;
+  using Tr = Sm90ForwardTraits<HeadDim, IsCausal, HasMask>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages;
   constexpr int kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
 
@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
 
 template <int HeadDim, typename T, bool IsCausal, bool HasMask>
 void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream) {
-  using Tr = Sm90ForwardTraits<HeadDim>;
+  using Tr = Sm90ForwardTraits<HeadDim, IsCausal, HasMask>;
   auto kernel = sm90_forward_kernel<HeadDim, T, IsCausal, HasMask>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90ForwardArgs launch_args = args;
