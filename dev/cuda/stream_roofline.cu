@@ -16,6 +16,10 @@
 //   tma-tile    cp.async.bulk.tensor boxes of 64 columns, 128-byte swizzle (the
 //               sm90 forward's loads; what ldmatrix could read without padding)
 // B=8, H=32, d=128, float16, N = 4K, 32K, 128K; splits 1 and 8 per head.
+// A second table puts a busy wait of D clock cycles after each refill, where
+// the decode kernel runs its MMAs and softmax on the tile (wait, refill,
+// compute): how long may that work take before it, not the loads, sets the
+// rate?
 // "stages" counts ring buffers, as the decode kernel's kStages does: stages - 1
 // tiles are in flight while one is read (2 stages: no overlap at all).
 //
@@ -61,6 +65,7 @@ struct StreamArgs {
   int64_t seqlen;
   int splits;
   float* sink;  // one float per block: the touched bytes, so loads stay live
+  int64_t delay_cycles;  // busy wait per tile after its refill (0: none)
 };
 
 template <Path kPath, int kStages>
@@ -140,12 +145,17 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
     __syncthreads();
     if (kPath != Path::CpAsync) fence_proxy_async_shared();
     if (t + kStages - 1 < last) load(t + kStages - 1);
+    if (a.delay_cycles > 0) {
+      const long long until = clock64() + a.delay_cycles;
+      while (clock64() < until) {
+      }
+    }
   }
   if (sum == 12345.678f) a.sink[blockIdx.x] = sum;  // never true for these data; keeps the reads
 }
 
 template <Path kPath, int kStages>
-void run(const StreamArgs& base, int64_t seqlen, int splits, int sms) {
+void run(const StreamArgs& base, int64_t seqlen, int splits, int sms, int64_t delay_cycles = 0) {
   auto kernel = stream_kernel<kPath, kStages>;
   const int smem = kStages * 2 * kTileBytes + 1024;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return;
@@ -155,6 +165,7 @@ void run(const StreamArgs& base, int64_t seqlen, int splits, int sms) {
   StreamArgs a = base;
   a.seqlen = seqlen;
   a.splits = splits;
+  a.delay_cycles = delay_cycles;
   const int blocks = kBatch * kHeads * splits;
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
@@ -169,8 +180,9 @@ void run(const StreamArgs& base, int64_t seqlen, int splits, int sms) {
   cudaEventElapsedTime(&ms, start, stop);
   const cudaError_t err = cudaGetLastError();
   const double bytes = 2.0 * kBatch * kHeads * double(seqlen) * kRowBytes;
-  std::printf("| %-9s | %6lld | %d | %d | %2d | %4d | %s |\n", path_name(kPath), static_cast<long long>(seqlen),
-              kStages, per_sm, splits, (blocks + per_sm * sms - 1) / (per_sm * sms),
+  std::printf("| %-9s | %6lld | %d | %d | %2d | %4d | %5lld | %s |\n", path_name(kPath),
+              static_cast<long long>(seqlen), kStages, per_sm, splits, (blocks + per_sm * sms - 1) / (per_sm * sms),
+              static_cast<long long>(delay_cycles),
               err == cudaSuccess ? std::to_string(bytes * kRepeats / (ms * 1e-3) / 1e12).substr(0, 4).c_str()
                                  : cudaGetErrorString(err));
   cudaEventDestroy(start);
@@ -192,7 +204,7 @@ int main() {
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   std::printf("KV-cache streaming ceiling, B=%d H=%d d=%d float16, 64-key tiles, TB/s of K and V\n\n", kBatch,
               kHeads, kHeadDim);
-  std::printf("| path | N | stages | blocks/SM | splits | waves | TB/s |\n|---|---|---|---|---|---|---|\n");
+  std::printf("| path | N | stages | blocks/SM | splits | waves | delay | TB/s |\n|---|---|---|---|---|---|---|---|\n");
   for (int64_t n : {int64_t(4096), int64_t(32768), int64_t(131072)}) {
     const size_t bytes = size_t(kBatch) * kHeads * n * kRowBytes;
     unsigned char *k = nullptr, *v = nullptr;
@@ -219,6 +231,11 @@ int main() {
       run_stages<Path::BulkRows>(a, n, splits, sms);
       run_stages<Path::BulkTile>(a, n, splits, sms);
       run_stages<Path::TmaTile>(a, n, splits, sms);
+    }
+    // The decode kernel's configuration (3 stages, 2 blocks per SM) with work per tile.
+    for (int64_t delay : {250, 500, 1000, 2000, 4000}) {
+      run<Path::CpAsync, 3>(a, n, 1, sms, delay);
+      run<Path::BulkRows, 3>(a, n, 1, sms, delay);
     }
     cudaFree(k);
     cudaFree(v);
