@@ -15,21 +15,13 @@
 # FUSEDATTN_BENCH_TIMEOUT (300 s; --backward over the whole grid needs more:
 # pass --methods sdpa-flash,sdpa-cudnn or fewer --seqlens), so give each its
 # own call when a call is limited to 10.
-# TORCH_CUDA_ARCH_LIST defaults to 9.0a (Hopper); set it for other GPUs.
+# Target and compiler: scripts/device_env.sh.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [bench args]}
 shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
-export PYTHONUNBUFFERED=1
-# Build with the system compiler when there is one. The lent H200 image sets
-# CXX=/opt/gcc/bin/g++, a wrapper whose library came out with its own copy of
-# parts of libstdc++ (std::ostream among them): the first error message the
-# operators formatted crashed the process (seen 2026-11-30). Override with CXX=...
-if [ -x /usr/bin/g++ ] && [ -z "${FUSEDATTN_KEEP_CXX:-}" ]; then
-  export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
-fi
+. scripts/device_env.sh
 status=0
 
 {
