@@ -19,7 +19,12 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 parser.add_argument("--batch", type=int, default=64)
 parser.add_argument("--repeats", type=int, default=20, help="timed batches; the median is printed")
+parser.add_argument("--profile", action="store_true",
+                    help="also print each implementation's top operators by time (torch.profiler, one batch)")
 args = parser.parse_args()
+if args.repeats < 1:
+    parser.error(f"--repeats must be at least 1, got {args.repeats}")
+on_cuda = torch.device(args.device).type == "cuda"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 fusedattn.hf.register()
 
@@ -30,7 +35,7 @@ sentences = (sentences * (args.batch // len(sentences) + 1))[: args.batch]
 path = str(get_model_path())
 tokenizer = transformers.AutoTokenizer.from_pretrained(path)
 batch = tokenizer(sentences, padding=True, return_tensors="pt").to(args.device)
-dtype = torch.float16 if args.device == "cuda" else torch.float32
+dtype = torch.float16 if on_cuda else torch.float32
 
 embeddings = {}
 for impl in ("sdpa", "fusedattn"):
@@ -40,14 +45,24 @@ for impl in ("sdpa", "fusedattn"):
         model(**batch)  # warm-up
         times = []
         for _ in range(args.repeats):
-            if args.device == "cuda":
+            if on_cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
             hidden = model(**batch).last_hidden_state.float()
-            if args.device == "cuda":
+            if on_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         elapsed = statistics.median(times)
+        if args.profile:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if on_cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
+                model(**batch)
+                if on_cuda:
+                    torch.cuda.synchronize()
+            sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+            print(f"{impl}: top operators of one batch\n{prof.key_averages().table(sort_by=sort, row_limit=12)}")
     keep = batch["attention_mask"].unsqueeze(-1).float()
     embeddings[impl] = torch.nn.functional.normalize((hidden * keep).sum(1) / keep.sum(1), dim=-1)
     print(f"{impl:10} {elapsed * 1e3:7.2f} ms for {len(sentences)} sentences on {args.device} (median of {args.repeats})")

@@ -3,8 +3,9 @@
 # rung measured against the one before, same machine, same minutes).
 # Here, in a checkout:
 #   scripts/ab_bench.sh export REF [REF ...]
-# writes each git ref's tree into .ab/<ref, / as ->/ (git-ignored; about
-# 2 MB each: carry .ab). There, on the CUDA machine:
+# writes each git ref's tree into .ab/NN-<ref> (NN: the order given; the
+# first is the baseline; git-ignored, about 2 MB each: name .ab in the device
+# call's carry). There, on the CUDA machine:
 #   scripts/ab_bench.sh run OUTDIR [fusedattn bench arguments]
 # builds every tree under .ab in turn against that machine's torch, times
 # `fusedattn bench --no-progress ARGS` with each (fusedattn's column only is
@@ -20,12 +21,18 @@ shift
 
 if [ "$mode" = export ]; then
   exclude="$(git rev-parse --git-common-dir)/info/exclude"
+  mkdir -p "$(dirname "$exclude")"
   grep -qx '/.ab/' "$exclude" 2>/dev/null || echo '/.ab/' >> "$exclude"
+  rm -rf .ab  # only this export's versions travel
+  i=1
   for ref in "$@"; do
-    dir=".ab/${ref//\//-}"
-    rm -rf "$dir" && mkdir -p "$dir"
+    # Numbered in the order given (the first is the baseline), named in the
+    # characters the lent machine sends back.
+    dir=".ab/$(printf %02d "$i")-${ref//[^A-Za-z0-9._-]/-}"
+    mkdir -p "$dir"
     git archive "$ref" | tar -x -C "$dir" || exit 1
     echo "$dir: $(git log -1 --format='%h %s' "$ref" | cut -c1-100)"
+    i=$((i + 1))
   done
   exit 0
 fi
@@ -37,6 +44,7 @@ mkdir -p "$out"
 . scripts/device_env.sh
 [ -d .ab ] || { echo "ab_bench: no .ab folder (scripts/ab_bench.sh export REF... here, then carry .ab)"; exit 2; }
 status=0
+names=()
 for dir in .ab/*/; do
   name=$(basename "$dir")
   t0=$SECONDS
@@ -47,15 +55,19 @@ for dir in .ab/*/; do
     continue
   fi
   echo "ab_bench: $name built in $((SECONDS - t0)) s"
-  timeout "${FUSEDATTN_BENCH_TIMEOUT:-300}" fusedattn bench --no-progress --json "$out/$name.json" "$@" > /dev/null ||
-    { echo "ab_bench: $name: bench failed"; status=1; }
+  rm -f "$out/$name.json"
+  if timeout "${FUSEDATTN_BENCH_TIMEOUT:-300}" fusedattn bench --no-progress --json "$out/$name.json" "$@" > /dev/null; then
+    names+=("$name")
+  else
+    echo "ab_bench: $name: bench failed"
+    status=1
+  fi
 done
-python3 - "$out" <<'PY' | tee "$out/ab.md"
+[ ${#names[@]} -gt 0 ] || { echo "ab_bench: no version ran"; exit 1; }
+python3 - "$out" "${names[@]}" <<'PY' > "$out/ab.md" || status=1
 import json, pathlib, sys
-runs = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}
-if not runs:
-    sys.exit("ab_bench: no results")
-names = list(runs)
+out, names = pathlib.Path(sys.argv[1]), sys.argv[2:]
+runs = {n: json.loads((out / f"{n}.json").read_text()) for n in names}
 first = runs[names[0]]
 print(f"{first['device']}, torch {first['torch']}, {first['date']}; fusedattn TFLOP/s (TB/s with "
       f"--decode), 'x' = over {names[0]}\n")
@@ -76,4 +88,5 @@ for k in tflops[names[0]]:
     ratios = [f"{v / base:.3f}" if v and base else "-" for v in values[1:]]
     print(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells + ratios) + " |")
 PY
+cat "$out/ab.md"
 exit $status

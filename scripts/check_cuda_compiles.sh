@@ -25,13 +25,14 @@ for src in "${sources[@]}"; do
   if grep -qE "[1-9][0-9]* bytes spill stores" "$obj.ptxas.log"; then
     echo "check_cuda_compiles: WARNING: $src spills registers (see $obj.ptxas.log)"
   fi
-  # ptxas C7514: wgmma serialised (a non-wgmma instruction touches an
-  # accumulator inside a pipeline stage). It compiles and runs right, 22-27%
-  # slower: the idle-warpgroup branch in the sm90 forward did this unnoticed
-  # until the H200 measured it (2026-11-30). So it fails the check.
-  if grep -q "C7514" "$obj.ptxas.log"; then
-    grep "C7514" "$obj.ptxas.log"
-    echo "check_cuda_compiles: $src: wgmma serialised (ptxas C7514)"
+  # ptxas C7510-C7519: wgmma serialised (C7514: a non-wgmma instruction
+  # touches an accumulator inside a pipeline stage; others: a call, too few
+  # registers, an ill-formed stage). It compiles and runs right, slower: the
+  # idle-warpgroup branch in the sm90 forward got C7514 and ran 22-27% slower,
+  # unnoticed until the H200 measured it (2026-11-30). So it fails the check.
+  if grep -qE "C751[0-9]|wgmma.mma_async instructions are serialized" "$obj.ptxas.log"; then
+    grep -E "C751[0-9]|wgmma.mma_async instructions are serialized" "$obj.ptxas.log"
+    echo "check_cuda_compiles: $src: wgmma serialised (ptxas C751x)"
     exit 1
   fi
 done

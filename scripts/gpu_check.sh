@@ -29,7 +29,7 @@ status=0
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   nvcc --version | tail -1
-  echo "CXX=$CXX ($($CXX --version | head -1))"
+  echo "CXX=${CXX:-c++} ($(${CXX:-c++} --version | head -1))"
 } 2>&1 | tee "$out/build.log"
 
 stage_build() {

@@ -1,6 +1,6 @@
 """Small CUDA calls for compute-sanitizer (memcheck, racecheck): the forward
 and backward for every head dim, dtype, mask kind, causal, and sizes that end
-mid-tile;
+mid-tile, and backward walks of several steps per key block;
 forward_kvcache with and without appends, one and several splits, empty
 caches, float16 and bfloat16, and a sequence whose length does not fit.
 Run: compute-sanitizer --tool memcheck python3 scripts/sanitizer_cases.py"""
@@ -22,6 +22,16 @@ for head_dim in (32, 64, 128):
             q, k, v, m = make_inputs(case, "cuda")
             out, lse = torch.ops.fusedattn.forward(q, k, v, m, causal, None)
             torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, m, causal, None)
+        # One query head per key head (no head split) and 400 queries: every
+        # key block walks several steps, so the backward's Q/dO ring wraps and
+        # its double-buffered dS is reused (the case above has one step per
+        # block at d=64).
+        for causal in (False, True):
+            case = Case(batch=1, heads_q=2, heads_kv=2, seqlen_q=400, seqlen_k=390, head_dim=head_dim,
+                        dtype=dtype, mask="none", is_causal=causal)
+            q, k, v, _ = make_inputs(case, "cuda")
+            out, lse = torch.ops.fusedattn.forward(q, k, v, None, causal, None)
+            torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, causal, None)
 
 import os  # noqa: E402
 

@@ -16,9 +16,10 @@ struct Sm90BackwardTraits {
   static constexpr int kBlockN = 64 * kConsumers;          // keys per block
   // Queries per step. At d=64 a step of 64 queries was too little work for
   // its fixed costs (barriers, the mbarrier round trip, dQ's reductions):
-  // 0.83-0.95x FlashAttention 2 forward + backward on the H200 (2026-11-30),
-  // against 1.17-1.31x at d=128. 128 queries halve those costs per FLOP and
-  // still fit 240 registers (S^T and dP^T are 64 + 64 of them).
+  // 0.83-0.95x FlashAttention 2 forward + backward from N=2K on the H200
+  // (2026-11-30), against 1.17-1.31x at d=128. 128 queries halve those costs
+  // per FLOP and still fit 240 registers (S^T and dP^T are 64 + 64 of them):
+  // +19-23% from N=4K, 1.04-1.15x FlashAttention 2 there.
   static constexpr int kBlockM = HeadDim == 64 ? 128 : 64;
   static constexpr int kStages = 2;                         // of Q, dO, lse, delta
   static constexpr int kSlabs = HeadDim / 64;               // 64-column swizzled slabs per row
