@@ -1,11 +1,12 @@
 // The sm90 forward: FlashAttention with Hopper's machinery. A block owns 64
 // queries per consumer warpgroup (2 at d=128, 3 at d=64) of one head:
 //   producer (warpgroup 0): one thread issues tensor-memory-accelerator loads,
-//     Q once, then K and V tiles of 128 keys into two-stage rings guarded by
+//     Q once, then K and V tiles of kBlockN keys (176 at d=128 without causal
+//     or mask, else 128; forward_traits.h) into two-stage rings guarded by
 //     mbarriers ("full" when the bytes landed, "empty" when every consumer
 //     warp is done reading); it gives its registers to the consumers (setmaxnreg).
 //   consumers (warpgroups 1, 2[, 3]): 64 queries each, and per key tile j
-//     S_j = Q K_j^T     wgmma m64n128k16, both operands from shared memory
+//     S_j = Q K_j^T     wgmma m64n{kBlockN}k16, both operands from shared memory
 //     O += P_{j-1} V    wgmma m64n{d}k16, P from registers, V read transposed,
 //                       issued right behind S_j, so the online softmax of S_j
 //                       runs while this GEMM is in flight;
@@ -33,10 +34,10 @@
 namespace fusedattn::cuda {
 
 template <int HeadDim, typename T, bool IsCausal, bool HasMask>
-__global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
+__global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, IsCausal, HasMask>::kThreads, 1)
     sm90_forward_kernel(const __grid_constant__ Sm90ForwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and setmaxnreg exist only in sm_90a code
-  using Tr = Sm90ForwardTraits<HeadDim>;
+  using Tr = Sm90ForwardTraits<HeadDim, IsCausal, HasMask>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages;
   constexpr int kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
 
@@ -293,7 +294,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim>::kThreads, 1)
 
 template <int HeadDim, typename T, bool IsCausal, bool HasMask>
 void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream) {
-  using Tr = Sm90ForwardTraits<HeadDim>;
+  using Tr = Sm90ForwardTraits<HeadDim, IsCausal, HasMask>;
   auto kernel = sm90_forward_kernel<HeadDim, T, IsCausal, HasMask>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90ForwardArgs launch_args = args;

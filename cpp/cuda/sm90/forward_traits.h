@@ -9,14 +9,22 @@
 
 namespace fusedattn::cuda {
 
-template <int HeadDim>
+// Keys per K/V tile. 176 at d=128 without causal or attn_mask (FA3's tile
+// there: a third fewer softmax rounds, barriers and turns per key; S takes 88
+// registers); 128 elsewhere: with a mask the consumers spill (ptxas, 680
+// bytes), and under causal a wider tile masks more of the diagonal's work.
+constexpr int sm90_forward_block_n(int head_dim, bool is_causal, bool has_mask) {
+  return head_dim == 128 && !is_causal && !has_mask ? 176 : 128;
+}
+
+template <int HeadDim, bool IsCausal, bool HasMask>
 struct Sm90ForwardTraits {
   // Consumer warpgroups of 64 queries each: FA3's counts, 3 at d=64 (whose
   // S, P and O fit in 160 registers), 2 at d=128.
   static constexpr int kConsumers = HeadDim == 64 ? 3 : 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer
   static constexpr int kBlockM = 64 * kConsumers;
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = sm90_forward_block_n(HeadDim, IsCausal, HasMask);
   static constexpr int kStages = 2;                         // per ring (K and V)
   static constexpr int kSlabs = HeadDim / 64;               // 64-column swizzled slabs per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;

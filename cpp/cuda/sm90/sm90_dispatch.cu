@@ -80,11 +80,13 @@ bool forward_sm90(const ForwardParams& p, cudaStream_t stream) {
   if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30)) return false;
   bool launched = false;
   dispatch_instantiation<64, 128>("sm90 forward", p.dtype, sh.head_dim, [&](auto head_dim, auto element) {
-    using Tr = Sm90ForwardTraits<decltype(head_dim)::value>;
+    constexpr int kHeadDim = decltype(head_dim)::value;
     Sm90ForwardArgs args{};
     args.p = p;
-    if (!encode_operand_maps(args, Tr::kBlockM, Tr::kBlockN)) return;
-    launch_forward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);
+    if (!encode_operand_maps(args, Sm90ForwardTraits<kHeadDim, false, false>::kBlockM,
+                             sm90_forward_block_n(kHeadDim, p.is_causal, p.mask.kind != MaskKind::None)))
+      return;
+    launch_forward_sm90<kHeadDim, decltype(element)>(args, stream);
     launched = true;
   });
   return launched;

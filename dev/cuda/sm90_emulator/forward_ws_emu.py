@@ -1,17 +1,21 @@
-"""Emulation of the warp-specialised sm90 forward (cpp/cuda/sm90/forward_kernel.cuh on wip/sm90-backward-ws @
-1c251b0): a producer thread loading Q once and K, V tiles into two-stage rings (full/empty mbarriers), and
-kConsumers consumer warpgroups (3 at d=64, 2 at d=128) that take turns issuing their wgmmas over named barriers
-1..kConsumers (round robin; the last consumer gives the initial arrival and skips its final one).
+"""Emulation of the warp-specialised sm90 forward (cpp/cuda/sm90/forward_kernel.cuh @ c1dfc5c, branch
+wip/sm90-n176): a producer thread loading Q once and K, V tiles of kBlockN keys into two-stage rings (full/empty
+mbarriers), and kConsumers consumer warpgroups (3 at d=64, 2 at d=128) that take turns issuing their wgmmas over named
+barriers 1..kConsumers (round robin; the last consumer gives the initial arrival and skips its final one).
+kBlockN = sm90_forward_block_n(HeadDim, IsCausal, HasMask) (forward_traits.h:16-18): 176 at d=128 without causal or
+attn_mask (QK^T by wgmma m64n176k16, PV over 11 k-steps), 128 elsewhere; the host encodes K/V boxes of that height
+(sm90_dispatch.cu:79-81). Blocks map to (batch, head, query block) through BlockOrder::at<IsCausal>
+(common/block_order.h, made by make_query_block_order in launch_sm90_forward_kernel).
 
 Reuses the rung-2 backward's machinery (backward_ws_emu.py): every warp, the producer thread and every TMA copy is a
 coroutine under a seeded random scheduler with skewed speeds; shared memory carries the vector-clock race detector
 (mbarrier phases, bar.sync/bar.arrive, wgmma issue/wait); TMA 4-D boxes zero-filled outside (d, N, H, B); wgmma
-executed by ptx_model (descriptors, absolute 128B swizzle, CLayout/ALayout fragments). Added here: a named-barrier
-model with bar.arrive (counts, generations, arrivals left at exit), a stage oracle (a ring stage overwritten before
-all 4 kConsumers warps released it), per-element write accounting of out and lse.
+executed by ptx_model (descriptors, absolute 128B swizzle, CLayout/ALayout fragments, shape validity). Added here: a
+named-barrier model with bar.arrive (counts, generations, arrivals left at exit), a stage oracle (a ring stage
+overwritten before all 4 kConsumers warps released it), per-element write accounting of out and lse, per-phase
+expect-tx vs delivered-bytes accounting of every full barrier.
 
-Line numbers (":NN") refer to forward_kernel.cuh @ 1c251b0; those marked 2f5de7d (attn_mask: add_mask, HasMask
-dispatch) to that commit.
+Line numbers (":NN") refer to forward_kernel.cuh @ c1dfc5c unless another file is named.
 """
 import random
 
@@ -28,40 +32,96 @@ KLN2 = np.float32(0.6931471805599453)
 Hazard, Deadlock, Wait, Gen, MBarrier, Clocks = ws.Hazard, ws.Deadlock, ws.Wait, ws.Gen, ws.MBarrier, ws.Clocks
 
 
-class Traits:                                                            # forward_traits.h:13-34
-    def __init__(self, D, consumers=None):
+def sm90_forward_block_n(head_dim, is_causal, has_mask):                 # forward_traits.h:16-18
+    return 176 if head_dim == 128 and not is_causal and not has_mask else 128
+
+
+class Traits:                                                            # forward_traits.h:20-44
+    def __init__(self, D, is_causal=False, has_mask=False, consumers=None, block_n=None):
         self.kConsumers = consumers or (3 if D == 64 else 2)
         self.kThreads = 128 * (1 + self.kConsumers)
         self.kBlockM = 64 * self.kConsumers
-        self.kBlockN = 128
+        # block_n: a negative-control override only (Knobs.block_n); the kernel's value is the function's
+        self.kBlockN = block_n or sm90_forward_block_n(D, is_causal, has_mask)
         self.kStages = 2
         self.kSlabs = D // 64
         self.kQBytes = self.kBlockM * D * 2
         self.kTileBytes = self.kBlockN * D * 2
         self.kProducerRegisters = 24
         self.kConsumerRegisters = 160 if self.kConsumers == 3 else 240
+        assert 128 * self.kProducerRegisters + 128 * self.kConsumers * self.kConsumerRegisters <= 65536   # :37-38
         self.kBarriersOffset = self.kQBytes + 2 * self.kStages * self.kTileBytes
         self.kSmemBytes = self.kBarriersOffset + (1 + 4 * self.kStages) * 8 + 1024
+        assert D in (64, 128)                                            # :43
+
+
+# ============================================================ block order (common/block_order.h @ a91ea4f)
+class BlockOrder:                                                        # block_order.h:31-50
+    def __init__(self, blocks_per_pair, pairs, pairs_per_group=1):
+        u32 = lambda x: int(x) & 0xFFFFFFFF                              # the fields are unsigned
+        self.blocks_per_pair, self.pairs, self.pairs_per_group = u32(blocks_per_pair), u32(pairs), u32(pairs_per_group)
+
+    def at(self, reverse, index):                                        # :39-47 (unsigned arithmetic)
+        M = 0xFFFFFFFF
+        group_blocks = (self.pairs_per_group * self.blocks_per_pair) & M
+        group, within = index // group_blocks, index % group_blocks
+        first_pair = (group * self.pairs_per_group) & M
+        left = (self.pairs - first_pair) & M
+        group_pairs = left if left < self.pairs_per_group else self.pairs_per_group
+        rank = within // group_pairs
+        return ((first_pair + within % group_pairs) & M,
+                ((self.blocks_per_pair - 1 - rank) & M) if reverse else rank)
+
+    def blocks(self):                                                    # :49
+        return self.blocks_per_pair * self.pairs
+
+
+L2_BYTES_H200 = 50 * 1024 * 1024        # cudaDevAttrL2CacheSize of an H100/H200 (GH100: 50 MiB); G["l2_bytes"] overrides
+
+
+def make_block_order(pairs, blocks_per_pair, bytes_per_pair, group_for_l2, what, l2_bytes):   # block_order.h:57-71
+    if pairs * blocks_per_pair > 2147483647:
+        raise RuntimeError("fusedattn: " + what + " exceeds one launch (2^31 - 1 blocks)")
+    pairs_per_group = 1
+    if group_for_l2 and pairs > 1:
+        if bytes_per_pair > 0:
+            pairs_per_group = int(l2_bytes) // 2 // bytes_per_pair
+        pairs_per_group = min(max(pairs_per_group, 1), pairs)          # std::clamp(ppg, 1, pairs)
+    return BlockOrder(blocks_per_pair, pairs, pairs_per_group)
+
+
+def make_query_block_order(G, block_m, element_bytes, is_causal):        # block_order.h:75-80
+    group_size = G["hq"] // G["hkv"]
+    return make_block_order(G["B"] * G["hq"], (G["nq"] + block_m - 1) // block_m,
+                            2 * G["nk"] * G["d"] * element_bytes // group_size, is_causal, "B x Hq x query blocks",
+                            G.get("l2_bytes", L2_BYTES_H200))
 
 
 class Knobs:
     """Negative-control knobs; every default is the kernel's code."""
     def __init__(self, **kw):
         self.consumers = kw.get("consumers", None)                 # traits: 3 at d=64, 2 at d=128
-        self.initial_by = kw.get("initial_by", None)               # :201 last consumer (None) or this one
-        self.final_skip = kw.get("final_skip", True)               # :235 if (!last_consumer)
-        self.next_turn = kw.get("next_turn", None)                 # :130 1 + (c + 1) % kC
-        self.q_slab = kw.get("q_slab", None)                       # :141 consumer * 64 * 128
-        self.q_box_rows = kw.get("q_box_rows", None)               # sm90_dispatch.cu:80 box height = kBlockM
-        self.visible_plus = kw.get("visible_plus", 1)              # :176 ... - col0 + 1
-        self.needs_masking = kw.get("needs_masking", None)         # :162 (None: kernel) or a replacement fn
-        self.mask_mode = kw.get("mask_mode", "visible")            # "visible" (:172-183) or "old" (051b261)
+        self.initial_by = kw.get("initial_by", None)               # :234 last consumer (None) or this one
+        self.final_skip = kw.get("final_skip", True)               # :268 if (!last_consumer)
+        self.next_turn = kw.get("next_turn", None)                 # :131 1 + (c + 1) % kC
+        self.q_slab = kw.get("q_slab", None)                       # :142 consumer * 64 * 128
+        self.q_box_rows = kw.get("q_box_rows", None)               # sm90_dispatch.cu:79 box height = kBlockM
+        self.visible_plus = kw.get("visible_plus", 1)              # :208 ... - col0 + 1
+        self.needs_masking = kw.get("needs_masking", None)         # :194 (None: kernel) or a replacement fn
+        self.mask_mode = kw.get("mask_mode", "visible")            # "visible" (:200-216) or "old" (051b261)
         self.empty_xor = kw.get("empty_xor", 1)                    # :95
         self.empty_count = kw.get("empty_count", None)             # :74 4 * kConsumers
-        self.release_k_early = kw.get("release_k_early", False)    # :223 moved above :221 wait<1>
-        self.wait1 = kw.get("wait1", 1)                            # :221 wgmma_wait<1>
+        self.release_k_early = kw.get("release_k_early", False)    # :256 moved above :254 wait<1>
+        self.wait1 = kw.get("wait1", 1)                            # :254 wgmma_wait<1>
         self.tma_late = kw.get("tma_late", 0.0)
-        # attn_mask (2f5de7d :163-193, :219): "kernel", or a broken variant for negative controls
+        # the key tile (c1dfc5c): every default is the kernel's / host's code
+        self.block_n = kw.get("block_n", None)                     # :40 kBlockN (None: sm90_forward_block_n)
+        self.kv_box_rows = kw.get("kv_box_rows", None)             # sm90_dispatch.cu:80 K/V box height
+        self.k_desc_rows = kw.get("k_desc_rows", None)             # :143 k_major_descriptor(k_tile, kBlockN, kk)
+        self.v_desc_rows = kw.get("v_desc_rows", None)             # :155 mn_major_descriptor(v_tile, kBlockN, kk)
+        self.tile_expect = kw.get("tile_expect", None)             # :96 expect kTileBytes
+        self.pv_steps = kw.get("pv_steps", None)                   # :154 kBlockN / 16 k-steps of P V
+        # attn_mask (:161-191, :217): "kernel", or a broken variant for negative controls
         self.mask_variant = kw.get("mask_variant", "kernel")
         self.tags = kw.get("tags", False)
         self.stats = kw.get("stats", None)
@@ -94,16 +154,19 @@ class NamedBarriers:
         return {b: c for b, c in self.count.items() if c}
 
 
-def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, dyn_base=0):
-    """One CTA of sm90_forward_kernel<HeadDim, T, IsCausal> (forward_kernel.cuh:33-259)."""
+def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, dyn_base=0, launch=None):
+    """One CTA of sm90_forward_kernel<HeadDim, T, IsCausal, HasMask> (forward_kernel.cuh:35-292); `launch` is what
+    host_launch returns (the instantiation, its block order and the tensor maps' box heights)."""
     kn = kn or Knobs()
+    launch = launch or host_launch(G, kn)
     D = G["d"]
-    Tr = Traits(D, kn.consumers)
-    kC, kBlockM, kBlockN, kStages = Tr.kConsumers, Tr.kBlockM, Tr.kBlockN, Tr.kStages
-    kNTiles, kDTiles = kBlockN // 8, D // 8
+    IsCausal, HasMask = launch["inst"]
+    Tr = Traits(D, IsCausal, HasMask, kn.consumers, kn.block_n)                # :39
+    kC, kBlockM, kBlockN, kStages = Tr.kConsumers, Tr.kBlockM, Tr.kBlockN, Tr.kStages   # :40
+    kNTiles, kDTiles = kBlockN // 8, D // 8                               # :41
     NW = 4 * kC
     assert NW <= MAXWARPS
-    assert Tr.kSmemBytes <= 227 * 1024
+    assert Tr.kSmemBytes <= 227 * 1024     # cudaFuncSetAttribute(MaxDynamicSharedMemorySize) limit on sm_90 (:298)
     assert 128 * Tr.kProducerRegisters + 128 * kC * Tr.kConsumerRegisters <= 65536
 
     smem_ = ws.RaceSmem()
@@ -115,20 +178,20 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
     assert bars_at + (1 + 4 * kStages) * 8 <= dyn_base + Tr.kSmemBytes and bars_at % 8 == 0
 
     nq, nk, hq, hkv = G["nq"], G["nk"], G["hq"], G["hkv"]
-    m_blocks = (nq + kBlockM - 1) // kBlockM                              # :54
-    bh = bx // m_blocks
-    batch, head = bh // hq, bh % hq                                       # :56
-    head_kv = head // (hq // hkv)                                         # :57
-    m_index = bx % m_blocks
-    row0 = ((m_blocks - 1 - m_index) if G["causal"] else m_index) * kBlockM   # :63
-    rows = min(kBlockM, nq - row0)
-    causal_offset = nk - nq
-    key_end = max(0, min(nk, row0 + rows + causal_offset)) if G["causal"] else nk   # :66
-    n_tiles = (key_end + kBlockN - 1) // kBlockN
-    for v in (row0, rows, causal_offset, key_end, row0 + rows + causal_offset):
+    pair, qblock = launch["order"].at(IsCausal, bx)                      # :56 args.order.at<IsCausal>(blockIdx.x)
+    batch, head = pair // hq, pair % hq                                   # :57-58 (unsigned)
+    head_kv = head // (hq // hkv)                                         # :59
+    row0 = qblock * kBlockM                                               # :63
+    rows = min(kBlockM, nq - row0)                                        # :64
+    causal_offset = nk - nq                                               # :65
+    key_end = max(0, min(nk, row0 + rows + causal_offset)) if IsCausal else nk   # :66
+    n_tiles = (key_end + kBlockN - 1) // kBlockN                          # :67
+    for v in (row0, rows, causal_offset, key_end, row0 + rows + causal_offset, batch, head, qblock):
         assert -2 ** 31 <= v < 2 ** 31, "int overflow"
+    assert 0 <= batch < G["B"] and 0 <= row0 < nq and rows > 0, "block outside the problem"
     if proto is not None:
         proto["n_tiles"] = n_tiles
+        proto["block"] = (batch, head, row0)
 
     n_tma = Tr.kSlabs * (1 + 2 * n_tiles) + 4
     NC = 1 + MAXWARPS + n_tma
@@ -170,16 +233,27 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                 kn.stats[key_] = kn.stats.get(key_, 0) + (released.get((ring, j - 1), set()) != set(range(1, 1 + NW)))
             smem_.write(addr, data, vc, k, True, "TMA " + what)
             landed[(ring, j)] = landed.get((ring, j), 0) + 1
+            delivered[(ring, j)] = delivered.get((ring, j), 0) + nbytes
             bar.complete_tx(nbytes, vc)
         agents["tma%d" % k] = Gen(body())
 
-    def box_load(dst, name, col0, row, hd, b, box_rows, bar, ring, j):
+    def box_load(dst, name, col0, row, hd, b, box_rows, bar, ring, j):     # tma.cuh tma_load_box
+        # cp.async.bulk.tensor.4d ... mbarrier::complete_tx::bytes (PTX ISA 9.7.9.25.5.1): the box of the map,
+        # {64, box_rows, 1, 1} 16-bit elements, lands at dst with CU_TENSOR_MAP_SWIZZLE_128B and completes
+        # box_rows * 64 * 2 bytes on the mbarrier, the whole box even where it lies past the tensor (those
+        # elements are written as zeros: CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE). The 128B swizzle is a function of
+        # the absolute smem address bits [9:7] -> [6:4] (alt_swizzle_model.py), so a slab that the wgmma
+        # descriptors read with base_offset 0 must start on a 1024-byte boundary (PTX ISA 9.7.15.5.1.2.2,
+        # "base offset": 0 when the pattern starts 1024-aligned); 176 rows x 128 bytes = 22528 = 22 x 1024.
         assert dst % 1024 == 0, "128B-swizzled TMA destination not 1024-aligned"
-        assert box_rows <= 256, "TMA boxDim > 256"
+        # cuTensorMapEncodeTiled: 0 < boxDim[i] <= 256; inner box 64 x 2 = 128 bytes <= the 128B swizzle span
+        assert 0 < box_rows <= 256, "TMA boxDim > 256"
         tma(lambda: ws.swizzled_box_bytes(dst, ws.tma_box_4d(G, name, col0, row, hd, b, box_rows)), bar,
             box_rows * 128, "%s box" % name, ring, j)
 
-    q_box = kn.q_box_rows or kBlockM
+    q_box = kn.q_box_rows or launch["q_box"]                              # sm90_dispatch.cu:79 (Q map's box)
+    kv_box = kn.kv_box_rows or launch["kv_box"]                           # sm90_dispatch.cu:80 (K, V maps' box)
+    expected, delivered = {}, {}   # (ring, j) -> bytes the producer's expect-tx announced / the TMA boxes completed
 
     # ---------------------------------------------------------------- producer (:82-107)
     def producer():
@@ -190,6 +264,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
             return
         yield None
         q_full.arrive(vc, Tr.kQBytes); vc[0] += 1                         # :89
+        expected[("q", 0)] = Tr.kQBytes
         for slab in range(Tr.kSlabs):                                     # :90-91
             box_load(sQ + slab * kBlockM * 128, "q", 64 * slab, row0, head, batch, q_box, q_full, "q", 0)
 
@@ -198,10 +273,12 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
             par = ((j // kStages) & 1) ^ kn.empty_xor
             yield Wait(lambda: empty[stage].test_parity(par), lambda: empty[stage].acquire(vc, par),
                        "%s_empty[%d] parity %d" % (name, stage, par))
-            full[stage].arrive(vc, Tr.kTileBytes); vc[0] += 1
-            for slab in range(Tr.kSlabs):
+            tile_bytes = kn.tile_expect or Tr.kTileBytes
+            full[stage].arrive(vc, tile_bytes); vc[0] += 1                # :96
+            expected[(name, j)] = tile_bytes
+            for slab in range(Tr.kSlabs):                                 # :97-99 (box height: the host's map)
                 box_load(ring + stage * Tr.kTileBytes + slab * kBlockN * 128, name, 64 * slab, j * kBlockN, head_kv,
-                         batch, kBlockN, full[stage], name, j)
+                         batch, kv_box, full[stage], name, j)
             yield None
         for j in range(n_tiles):                                          # :101-104
             yield from load_tile("k", sK, k_full, k_empty, j)
@@ -269,13 +346,27 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         a = np.asarray(a)
         return smem_.mem[a].astype(np.int64) | (smem_.mem[a + 1].astype(np.int64) << 8)
 
-    def do_ss(c, desc_a, desc_b, kk, j):
+    def do_ss(c, desc_a, desc_b, kk, j):                                  # wgmma_ss<T, kBlockN> (wgmma.cuh:169-182)
+        assert kBlockN == 64 or kBlockN in (128, 176), "wgmma.cuh:171 static_assert"   # TransB = false here
+        # kBlockN 176: wgmma_ss_m64n176k16_{f16,bf16} (wgmma.cuh:90-97, 139-146): .m64n176k16.f32.{f16,bf16}
+        # with 88 f32 D registers, scale-d = accumulate, imm-scale-a/b 1, imm-trans-a/b 0 (both K-major).
+        # Valid because PTX ISA 9.7.15.5.1 allows .m64nNk16 for N = 8..256 in steps of 8 for .f16/.bf16 with f32
+        # D; ptx_model.Wgmma.ss checks that, reads B through the K-major canonical layout over N = 176 rows
+        # (22 core-matrix groups of 8 rows, SBO = 1024 apart, ptx_model.kmajor_addresses) and places D by
+        # CLayout_64xN with N = 176 (the PTX ISA's D fragment: row 16 warp + g + 8 (i%4 >= 2), column
+        # 8 (i / 4) + 2 t + i % 2 for register i < N/2 = 88, ptx_model.clayout_64xN).
         if tag_log is not None:
             tag_log.append(("S", bx, c, j, kk, tag_bits(kmajor_addresses(desc_a, 64)[0]),
                             tag_bits(kmajor_addresses(desc_b, kBlockN)[0]).T))
         RF[c]["s"] = wg_model.ss(RF[c]["s"], desc_a, desc_b, kBlockN, kk > 0, 1, 1, 0, 0)
 
-    def do_rs(c, a_regs, desc_b, kk, j):
+    def do_rs(c, a_regs, desc_b, kk, j):                                  # wgmma_rs<T, HeadDim> (wgmma.cuh:184-194)
+        assert D in (64, 128), "wgmma.cuh:186 static_assert"
+        # B = V read MN-major (imm-trans-b 1) from a [key][d] slab pair: canonical MN-major 128B layout
+        # ((T,8,m),(8,k)) : ((1,T,LBO),(8T,SBO)) (PTX ISA 9.7.15.5.1.2.1.3), k-step kk at +2048 kk (16 key rows of
+        # 128 bytes), SBO 1024 (8 key rows), LBO = kBlockN * 128 to the next 64 columns of d (the second slab):
+        # 22528 at kBlockN = 176, within the descriptor's 14-bit (x >> 4) field. kBlockN / 16 = 11 k-steps at 176;
+        # the last reads key rows 160-175, bytes [20480, 22528) of each slab, the slab's end.
         if tag_log is not None:
             tag_log.append(("PV", bx, c, j, kk, a_regs.copy(), tag_bits(mnmajor_addresses(desc_b, D)[0])))
         RF[c]["acc"], _, _ = wg_model.rs(RF[c]["acc"], a_regs, desc_b, D, True, 1, 1, 1)
@@ -292,12 +383,12 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         x = (x + x[ln ^ 1]).astype(np.float32)
         return (x + x[ln ^ 2]).astype(np.float32)
 
-    # ---------------------------------------------------------------- attn_mask (2f5de7d)
+    # ---------------------------------------------------------------- attn_mask (:117, :161-191, :217)
     M_ = G.get("mask")
-    mask_base = (batch * M_["strides"][0] + head * M_["strides"][1]) if M_ is not None else 0   # :119
+    mask_base = (batch * M_["strides"][0] + head * M_["strides"][1]) if HasMask else 0   # :117
 
     def mask_value(M, idx):
-        """The value_at lambdas of :183-191 (base-2 units, float32)."""
+        """The value_at lambdas of :180-190 (base-2 units, float32)."""
         if ((idx < 0) | (idx >= M["buf"].size)).any():
             M["oob"] += int(((idx < 0) | (idx >= M["buf"].size)).sum())
             idx = np.clip(idx, 0, M["buf"].size - 1)
@@ -321,7 +412,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         ok = ~bad
         np.add.at(M["counts"], (batch, head, r[ok], cc[ok]), 1)
 
-    # ---------------------------------------------------------------- consumer warps (:109-255)
+    # ---------------------------------------------------------------- consumer warps (:109-288)
     def consumer_warp(c, w):
         agent = 1 + 4 * c + w
         vc = clocks.vc[agent]
@@ -336,13 +427,13 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         RF[c].setdefault("p_a", {})
         m_i = np.full((32, 2), -np.inf, np.float32)
         l_i = np.zeros((32, 2), np.float32)
-        last = c == kC - 1                                                # :129
+        last = c == kC - 1                                                # :130
         my_turn = 1 + c
         next_turn = (1 + (c + 1) % kC) if kn.next_turn is None else kn.next_turn(c, kC)
         initial_by = (kC - 1) if kn.initial_by is None else kn.initial_by
         q_off = c * 64 * 128 if kn.q_slab is None else kn.q_slab(c)
 
-        def take_turn():                                                  # :131 bar.sync my_turn, 256
+        def take_turn():                                                  # :132 bar.sync my_turn, 256
             gen_ = nb.arrive(my_turn, 256, vc, (c, w), "sync")
             vc[agent] += 1
 
@@ -351,42 +442,42 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                 vc[agent] += 1
             return Wait(lambda: (my_turn, gen_) in nb.released, acq, "bar.sync %d" % my_turn)
 
-        def pass_turn():                                                  # :132 bar.arrive next_turn, 256
+        def pass_turn():                                                  # :133 bar.arrive next_turn, 256
             nb.arrive(next_turn, 256, vc, (c, w), "arrive")
             vc[agent] += 1
 
-        def issue_scores(j):                                              # :135-144
+        def issue_scores(j):                                              # :136-145
             k_tile = sK + (j % kStages) * Tr.kTileBytes
 
             def f():
                 RF[c]["s"] = np.full((128, kBlockN // 2), np.nan, np.float32)
-                for kk in range(D // 16):
+                for kk in range(D // 16):                                 # :141-143
                     do_ss(c, be.k_major_descriptor(sQ + q_off, kBlockM, kk),
-                          be.k_major_descriptor(k_tile, kBlockN, kk), kk, j)
+                          be.k_major_descriptor(k_tile, kn.k_desc_rows or kBlockN, kk), kk, j)
             wg_issue(c, w, ("S", j), f, "S_%d" % j)
             commit(c, w, ("S", j))
 
-        def issue_pv(j):                                                  # :146-156
+        def issue_pv(j):                                                  # :147-157
             v_tile = sV + (j % kStages) * Tr.kTileBytes
 
             def f():
-                for kk in range(kBlockN // 16):
-                    do_rs(c, RF[c]["p_a"][kk], be.mn_major_descriptor(v_tile, kBlockN, kk), kk, j)
+                for kk in range(kn.pv_steps or kBlockN // 16):            # :154-155
+                    do_rs(c, RF[c]["p_a"][kk], be.mn_major_descriptor(v_tile, kn.v_desc_rows or kBlockN, kk), kk, j)
             wg_issue(c, w, ("PV", j), f, "PV_%d" % j)
             commit(c, w, ("PV", j))
 
-        def add_mask(col0, s, force=False):                               # 2f5de7d :167-193
+        def add_mask(col0, s, force=False):                               # :165-191
             M = G["mask"]
             rs_, cs_ = M["strides"][2], M["strides"][3]
             var = kn.mask_variant
             row_offset = np.zeros((32, 2), np.int64)
-            for h in range(2):                                            # :170-172
+            for h in range(2):                                            # :166-170
                 row_offset[:, h] = (mask_base + (wg_row0 + warp_row + g + 8 * h).astype(np.int64) * rs_
                                     + (col0 + (t if var == "col_t" else 2 * t)).astype(np.int64) * cs_)
-            row_valid = np.stack([wg_row0 + warp_row + g < nq, wg_row0 + warp_row + g + 8 < nq], 1)   # :173
+            row_valid = np.stack([wg_row0 + warp_row + g < nq, wg_row0 + warp_row + g + 8 < nq], 1)   # :171
             if var == "no_row_valid":
                 row_valid[:] = True
-            for nt in range(kNTiles):                                     # :174-181
+            for nt in range(kNTiles):                                     # :172-179
                 for e in range(4):
                     sel = row_valid[:, e >> 1] & (s[:, nt, e] != -np.inf)
                     if var in ("no_hidden_test", "before_hide") or force:
@@ -400,21 +491,21 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                     record_mask_reads(M, idx, r, cc)
                     s[sel, nt, e] = (s[sel, nt, e] + mask_value(M, idx)).astype(np.float32)
 
-        def softmax(j, s):                                                # :160-186
+        def softmax(j, s):                                                # :192-219
             col0 = j * kBlockN
-            if kn.needs_masking is None:
-                needs = col0 + kBlockN > key_end or (G["causal"] and col0 + kBlockN - 1 > wg_row0 + causal_offset)
+            if kn.needs_masking is None:                                  # :194
+                needs = col0 + kBlockN > key_end or (IsCausal and col0 + kBlockN - 1 > wg_row0 + causal_offset)
             else:
                 needs = kn.needs_masking(col0, key_end, wg_row0, causal_offset)
-            s *= scale_log2
-            if G.get("mask") is not None and kn.mask_variant == "before_hide":   # control: mask added, then hidden
+            s *= scale_log2                                               # :196-199
+            if HasMask and kn.mask_variant == "before_hide":   # control: mask added, then hidden
                 add_mask(col0, s, force=True)
             if needs:
-                if kn.mask_mode == "visible":
+                if kn.mask_mode == "visible":                             # :204-215
                     vis = np.zeros((32, 2), np.int64)
                     for h in range(2):
                         v_ = np.full(32, key_end - col0, np.int64)
-                        if G["causal"]:
+                        if IsCausal:
                             v_ = np.minimum(v_, wg_row0 + warp_row + g + 8 * h + causal_offset - col0 + kn.visible_plus)
                         vis[:, h] = v_ - 2 * t
                     for nt in range(kNTiles):
@@ -428,12 +519,12 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                         for e in range(4):
                             r = warp_row + g + (e >> 1) * 8
                             cc = nt * 8 + 2 * t + (e & 1)
-                            hide = (cc >= cols) | ((cc - r > diagonal) if G["causal"] else False)
+                            hide = (cc >= cols) | ((cc - r > diagonal) if IsCausal else False)
                             s[hide, nt, e] = -np.inf
-            if G.get("mask") is not None:                                 # 2f5de7d :219 if constexpr (HasMask)
+            if HasMask:                                                   # :217 if constexpr (HasMask)
                 if kn.mask_variant != "before_hide":
                     add_mask(col0, s)
-            rescale = np.zeros((32, 2), np.float32)                       # online_softmax.cuh:21-44
+            rescale = np.zeros((32, 2), np.float32)                       # :218, online_softmax.cuh:22-45
             for h in range(2):
                 row_max = np.full(32, -np.inf, np.float32)
                 for nt in range(kNTiles):
@@ -450,7 +541,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                 m_i[:, h] = m_new
             return rescale
 
-        def pack(s):                                                      # :187-190
+        def pack(s):                                                      # :220-223, online_softmax.cuh:70-77
             for kk in range(kBlockN // 16):
                 a = np.zeros((32, 4), np.uint32)
                 a[:, 0] = be.pack2(s[:, 2 * kk, 0], s[:, 2 * kk, 1], fmt)
@@ -462,7 +553,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                     a = (a | (a << 16)).astype(np.uint32)
                 RF[c]["p_a"].setdefault(kk, np.zeros((128, 4), np.uint32))[mine] = a
 
-        def release(ring, empty, j):                                      # :194-196
+        def release(ring, empty, j):                                      # :227-229
             empty[j % kStages].arrive(vc)
             vc[agent] += 1
             released.setdefault((ring, j), set()).add(agent)
@@ -490,49 +581,51 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
             return (j // kStages) & 1
 
         yield None
-        if n_tiles > 0:                                                   # :199
-            yield full_wait(q_full, 0, "q_full", "q", 0)                  # :200
-            if c == initial_by:                                           # :201
+        if n_tiles > 0:                                                   # :232
+            yield full_wait(q_full, 0, "q_full", "q", 0)                  # :233
+            if c == initial_by:                                           # :234
                 pass_turn()
-            yield full_wait(k_full[0], 0, "k_full[0]", "k", 0)            # :204
-            yield take_turn()                                             # :205
-            issue_scores(0)                                               # :206
-            pass_turn()                                                   # :207
-            yield wg_wait_group(c, w, 0, "S_0")                           # :208
-            release("k", k_empty, 0)                                      # :210
+            yield full_wait(k_full[0], 0, "k_full[0]", "k", 0)            # :237
+            yield take_turn()                                             # :238
+            issue_scores(0)                                               # :239
+            pass_turn()                                                   # :240
+            yield wg_wait_group(c, w, 0, "S_0")                           # :241
+            release("k", k_empty, 0)                                      # :243
             s = read_s()
-            softmax(0, s)                                                 # :211
-            pack(s)                                                       # :212
+            softmax(0, s)                                                 # :244
+            pack(s)                                                       # :245
             yield None
-            for j in range(1, n_tiles):                                   # :214
-                yield full_wait(k_full[j % kStages], phase(j), "k_full[%d]" % (j % kStages), "k", j)
-                yield take_turn()
-                issue_scores(j)
-                yield full_wait(v_full[(j - 1) % kStages], phase(j - 1), "v_full[%d]" % ((j - 1) % kStages), "v", j - 1)
-                issue_pv(j - 1)
-                pass_turn()                                               # :220
+            for j in range(1, n_tiles):                                   # :247
+                yield full_wait(k_full[j % kStages], phase(j), "k_full[%d]" % (j % kStages), "k", j)   # :248
+                yield take_turn()                                         # :249
+                issue_scores(j)                                           # :250
+                yield full_wait(v_full[(j - 1) % kStages], phase(j - 1), "v_full[%d]" % ((j - 1) % kStages), "v",
+                                j - 1)                                    # :251
+                issue_pv(j - 1)                                           # :252
+                pass_turn()                                               # :253
                 if kn.release_k_early:
                     release("k", k_empty, j)
-                yield wg_wait_group(c, w, kn.wait1, "S_%d" % j)           # :221
+                yield wg_wait_group(c, w, kn.wait1, "S_%d" % j)           # :254
                 if not kn.release_k_early:
-                    release("k", k_empty, j)                              # :223
+                    release("k", k_empty, j)                              # :256
                 s = read_s()
-                rs = softmax(j, s)                                        # :224
+                rs = softmax(j, s)                                        # :257
                 yield None
-                yield wg_wait_group(c, w, 0, "PV_%d" % (j - 1))           # :225
-                release("v", v_empty, j - 1)                              # :227
-                rescale_rows(rs)                                          # :228
-                pack(s)                                                   # :229
+                yield wg_wait_group(c, w, 0, "PV_%d" % (j - 1))           # :258
+                release("v", v_empty, j - 1)                              # :260
+                rescale_rows(rs)                                          # :261
+                pack(s)                                                   # :262
                 yield None
             n = n_tiles
-            yield full_wait(v_full[(n - 1) % kStages], phase(n - 1), "v_full[%d]" % ((n - 1) % kStages), "v", n - 1)
-            yield take_turn()                                             # :233
-            issue_pv(n - 1)                                               # :234
-            if not last or not kn.final_skip:                             # :235
+            yield full_wait(v_full[(n - 1) % kStages], phase(n - 1), "v_full[%d]" % ((n - 1) % kStages), "v",
+                            n - 1)                                        # :265
+            yield take_turn()                                             # :266
+            issue_pv(n - 1)                                               # :267
+            if not last or not kn.final_skip:                             # :268
                 pass_turn()
-            yield wg_wait_group(c, w, 0, "PV_%d" % (n - 1))               # :236
-            release("v", v_empty, n - 1)                                  # :238
-        # epilogue (:242-255)
+            yield wg_wait_group(c, w, 0, "PV_%d" % (n - 1))               # :269
+            release("v", v_empty, n - 1)                                  # :271
+        # epilogue (:274-288)
         acc = RF[c]["acc"][mine].reshape(32, kDTiles, 4)
         lse_base = (batch * hq + head) * nq
         ob = batch * G["o_strides"][0] + head * G["o_strides"][1]
@@ -541,7 +634,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
             with np.errstate(divide="ignore"):
                 inv = np.where(l > 0, np.float32(1) / np.where(l > 0, l, 1), np.float32(0)).astype(np.float32)
             r = wg_row0 + warp_row + g + h * 8
-            ok = r < row0 + rows                                          # :249
+            ok = r < row0 + rows                                          # :282
             for ln in np.nonzero(ok)[0]:
                 if t[ln] == 0:
                     with np.errstate(divide="ignore"):
@@ -575,15 +668,20 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
     for bar in k_empty + v_empty:
         if bar.pending != bar.count:
             smem_.hz("mbarrier %s ends with %d of %d arrivals pending" % (bar.name, bar.pending, bar.count))
+    for key in sorted(set(expected) | set(delivered)):
+        if expected.get(key) != delivered.get(key):
+            smem_.hz("expect-tx of %s tile %d: %s bytes announced, %s delivered by its boxes"
+                     % (key[0], key[1], expected.get(key), delivered.get(key)))
     if proto is not None:
+        proto["tx"] = (dict(expected), dict(delivered))
         proto["nb_log"] = nb.log
         proto["nb_gen"] = dict(nb.gen)
     return smem_
 
 
-# ============================================================ dispatch (2f5de7d)
-SM90_HEAD_DIMS = (64, 128)              # forward_sm90.h kSm90HeadDims
-SM90_MASKED_HEAD_DIM = 128              # forward_sm90.h kSm90MaskedHeadDim
+# ============================================================ dispatch and launch (host side)
+SM90_HEAD_DIMS = (64, 128)              # forward_sm90.h:12 kSm90HeadDims
+SM90_MASKED_HEAD_DIM = 128              # forward_sm90.h:15 kSm90MaskedHeadDim
 
 
 def use_sm90_forward(d, mask_kind):     # attention_cuda_ops.cpp:69-78 (`takes`)
@@ -592,14 +690,43 @@ def use_sm90_forward(d, mask_kind):     # attention_cuda_ops.cpp:69-78 (`takes`)
 
 
 def launch_instantiation(d, mask_kind, causal):
-    """launch_forward_sm90<HeadDim>: (IsCausal, HasMask) of the kernel it launches, or the exception it throws."""
+    """launch_forward_sm90<HeadDim> (forward_kernel.cuh:305-323): (IsCausal, HasMask) of the kernel it launches, or
+    the exception it throws."""
     masked = mask_kind != "none"
-    if d == SM90_MASKED_HEAD_DIM:                                        # if constexpr (kSm90MaskedHeadDim == HeadDim)
+    if d == SM90_MASKED_HEAD_DIM:                                        # :308 if constexpr (kSm90MaskedHeadDim == HeadDim)
         if masked:
-            return (causal, True)
+            return (causal, True)                                        # :310-314
     elif masked:
-        return "invalid_argument"
-    return (causal, False)
+        return "invalid_argument"                                        # :316-317
+    return (causal, False)                                               # :319-322
+
+
+def host_box_heights(d, causal, mask_kind, consumers=None):
+    """forward_sm90 (sm90_dispatch.cu:79-81): the box heights encode_operand_maps gives the Q map
+    (Sm90ForwardTraits<kHeadDim, false, false>::kBlockM) and the K, V maps (sm90_forward_block_n(kHeadDim,
+    p.is_causal, masked)). `consumers`: the traits' kConsumers changed on both sides (Knobs.consumers)."""
+    masked = mask_kind != "none"
+    return Traits(d, False, False, consumers).kBlockM, sm90_forward_block_n(d, causal, masked)
+
+
+def host_launch(G, kn=None):
+    """forward_sm90 (sm90_dispatch.cu:69-86) -> launch_forward_sm90 -> launch_sm90_forward_kernel
+    (forward_kernel.cuh:294-303): None where nothing is launched (B Hq = 0 or Nq = 0); raises ValueError where
+    launch_forward_sm90 throws; else the instantiation (IsCausal, HasMask), the block order the launch makes with
+    that instantiation's kBlockM, the maps' box heights and the grid size."""
+    kn = kn or Knobs()
+    if G["B"] * G["hq"] == 0 or G["nq"] == 0:                             # sm90_dispatch.cu:71
+        return None
+    assert max(G["nq"], G["nk"]) <= 2 ** 30                              # sm90_dispatch.cu:73 (else sm80 takes it)
+    mask_kind = "none" if G.get("mask") is None else G["mask"]["kind"]
+    q_box, kv_box = host_box_heights(G["d"], G["causal"], mask_kind, kn.consumers)   # sm90_dispatch.cu:79-81
+    inst = launch_instantiation(G["d"], mask_kind, G["causal"])
+    if inst == "invalid_argument":
+        raise ValueError("fusedattn: the sm90 forward takes attn_mask at head dim 128 only")
+    Tr = Traits(G["d"], inst[0], inst[1], kn.consumers, kn.block_n)     # :296
+    assert Tr.kSmemBytes <= 227 * 1024                                   # :298 cudaFuncSetAttribute
+    order = make_query_block_order(G, Tr.kBlockM, 2, inst[0])            # :300 (sizeof(T) = 2)
+    return dict(inst=inst, order=order, q_box=q_box, kv_box=kv_box, blocks=order.blocks(), traits=Tr)
 
 
 # ============================================================ problem + driver
@@ -652,22 +779,18 @@ def reference(G):
 
 
 def run_forward(G, fmt, seed=0, kn=None, oracle=None, tag_log=None, protos=None, dyn_base=0):
-    """launch_sm90_forward_kernel: every block, in a random order; returns hazards (deadlock raises)."""
+    """forward_sm90 and the launch: every block of the grid, in a random order; returns hazards (deadlock raises)."""
     rng = random.Random(seed)
-    kC = Traits(G["d"], (kn or Knobs()).consumers).kConsumers
-    kBlockM = 64 * kC
-    assert max(G["nq"], G["nk"]) <= 2 ** 30                              # sm90_dispatch.cu:74
-    if G.get("mask") is not None and G["d"] != SM90_MASKED_HEAD_DIM:    # 2f5de7d forward_kernel.cuh:320-321
-        raise ValueError("fusedattn: the sm90 forward takes attn_mask at head dim 128 only")
-    if G["B"] * G["hq"] == 0 or G["nq"] == 0:                             # sm90_dispatch.cu:72
+    launch = host_launch(G, kn)
+    if launch is None:
         return []
-    blocks = (G["nq"] + kBlockM - 1) // kBlockM * G["B"] * G["hq"]
-    order = list(range(blocks))
+    order = list(range(launch["blocks"]))                                # :301 grid of order.blocks()
     rng.shuffle(order)
     hazards = []
     for bx in order:
         proto = {} if protos is not None else None
-        sm = run_block(bx, G, fmt, rng, kn, oracle=oracle, tag_log=tag_log, proto=proto, dyn_base=dyn_base)
+        sm = run_block(bx, G, fmt, rng, kn, oracle=oracle, tag_log=tag_log, proto=proto, dyn_base=dyn_base,
+                       launch=launch)
         if protos is not None:
             protos.append(proto)
         hazards += sm.hazards

@@ -143,6 +143,17 @@ class SmemHazard(Exception):
     pass
 
 
+def check_shape_f16(N, d_regs=None):
+    """PTX ISA 9.7.15.5.1 (wgmma.mma_async, "Matrix shape"): with .f16/.bf16 A and B (dense) the shape is
+    .m64nNk16, N = 8, 16, 24, ..., 256, and an f32 D takes N/2 registers per thread (N = 176: 88). Nothing else
+    in this model depends on N: clayout_64xN is CUTLASS's CLayout_64xN for any such N (PTX ISA figure "WGMMA
+    .m64nNk16 register fragment layout for accumulator matrix D": the 8-column pattern repeated N/8 times), and
+    kmajor_addresses / mnmajor_addresses walk N rows / columns through the canonical layouts."""
+    assert N % 8 == 0 and 8 <= N <= 256, "wgmma .m64nNk16 with N = %d does not exist" % N
+    if d_regs is not None:
+        assert np.size(d_regs) == 128 * (N // 2), "D of m64n%dk16 is %d f32 registers per thread" % (N, N // 2)
+
+
 class Wgmma:
     """Executes wgmma.mma_async on a byte-array shared memory and per-thread register files."""
 
@@ -190,6 +201,7 @@ class Wgmma:
 
     def ss(self, d_regs, desc_a, desc_b, N, scale_d, scale_a, scale_b, trans_a, trans_b):
         assert scale_a == 1 and scale_b == 1
+        check_shape_f16(N, d_regs)
         if trans_a == 0:
             aaddr, da = kmajor_addresses(desc_a, 64)          # (64, 16): [m][k]
             A = self._read_elems(aaddr)
@@ -207,6 +219,7 @@ class Wgmma:
 
     def rs(self, d_regs, a_regs, desc_b, N, scale_d, scale_a, scale_b, trans_b):
         assert scale_a == 1 and scale_b == 1
+        check_shape_f16(N, d_regs)
         A = self.a_regs_to_matrix(a_regs)
         if trans_b == 0:
             baddr, db = kmajor_addresses(desc_b, N)

@@ -1,4 +1,5 @@
-"""attn_mask on the warp-specialised sm90 forward (commit 2f5de7d: HasMask, add_mask, d=128 only), through
+"""attn_mask on the warp-specialised sm90 forward (commit 2f5de7d: HasMask, add_mask, d=128 only; since c1dfc5c
+the masked instantiations keep 128-key tiles while unmasked non-causal d=128 takes 176), through
 forward_ws_emu.py (same producer / consumer coroutines, race detector, TMA model as run_forward_ws_tests.py):
 (0) dispatch: use_sm90_forward / launch_forward_sm90 (masked d=64 refused, masked d=128 -> HasMask);
 (1) every mask kind of tests/attention_cases.py MASK_KINDS except "none" (plus float32-additive variants, rows whose
@@ -181,6 +182,15 @@ expect(fe.launch_instantiation(128, "bool", True) == (True, True)
        and fe.launch_instantiation(64, "none", False) == (False, False)
        and fe.launch_instantiation(64, "bool", False) == "invalid_argument",
        "launch_forward_sm90: masked d=128 -> <IsCausal, HasMask=true>; unmasked -> HasMask=false; masked d=64 throws")
+# c1dfc5c: masked calls keep 128-key tiles (176 would spill), kernel and host alike
+tiles = []
+for causal in (False, True):
+    G = fe.make_problem(np.random.default_rng(0), 1, 1, 1, 8, 8, 128, causal, Fmt("f16"))
+    G["mask"] = build_mask("bool", 1, 1, 8, 8, Fmt("f16"), "contig", np.random.default_rng(0), causal)
+    L = fe.host_launch(G)
+    tiles.append((L["inst"], L["traits"].kBlockN, L["kv_box"]))
+expect(tiles == [((False, True), 128, 128), ((True, True), 128, 128)],
+       "masked d=128 (causal and not): <IsCausal, HasMask=true>, kernel kBlockN 128 = host K/V box height: %s" % tiles)
 try:
     G = fe.make_problem(np.random.default_rng(0), 1, 1, 1, 8, 8, 64, False, Fmt("f16"))
     G["mask"] = build_mask("bool", 1, 1, 8, 8, Fmt("f16"), "contig", np.random.default_rng(0), False)

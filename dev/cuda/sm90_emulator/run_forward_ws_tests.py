@@ -1,10 +1,16 @@
-"""Drives forward_ws_emu.py (the warp-specialised sm90 forward: TMA producer, 3 consumer warpgroups at d=64, 2 at
-d=128, round-robin turn-taking on named barriers):
-(0) static plan; (1) byte tags of every wgmma operand; (2) end to end vs float64 (out, lse; every element written
-once); (3) the per-row "visible" mask vs the per-element test, in context (needs_masking, key_end, n_tiles);
-(4) protocol under randomized interleavings: named-barrier balance and round-robin order for n_tiles 0..12 with 2
-and 3 consumers, mbarrier ring (no early overwrite, no deadlock); (5) negative controls.
+"""Drives forward_ws_emu.py (the warp-specialised sm90 forward @ c1dfc5c: TMA producer, 3 consumer warpgroups at
+d=64, 2 at d=128, round-robin turn-taking on named barriers; 176-key K/V tiles at d=128 without causal or mask,
+128-key tiles elsewhere; blocks in BlockOrder's order):
+(0) static plan of every instantiation (smem <= 227 KiB, 1024-aligned slabs, host box heights = kernel kBlockN,
+expect-tx = bytes of the boxes, wgmma shapes and descriptor fields, the wgmma.cuh inline asm operand lists) and (0b)
+the block order (bijection, groups, the old order where it must be kept); (1) byte tags of every wgmma operand;
+(2) end to end vs float64 (out, lse; every element written once), incl. (2b) the 176-key tile and (2c) causal
+calls grouped for L2; (3) the per-row "visible" mask vs the per-element test, in context (needs_masking, key_end,
+n_tiles); (4) protocol under randomized interleavings: named-barrier balance and round-robin order for n_tiles
+0..12 with 2 and 3 consumers, mbarrier ring (no early overwrite, no deadlock); (5) negative controls.
 Usage: python3 run_forward_ws_tests.py [--quick]"""
+import os
+import re
 import sys
 import time
 
@@ -25,19 +31,152 @@ def expect(cond, msg):
 
 
 # ----------------------------------------------------------------- 0. static plan
-print("== 0. shared-memory plan, TMA boxes, registers")
+print("== 0. shared-memory plan, TMA boxes, expect-tx, wgmma shapes, registers (every instantiation)")
+SMEM_LIMIT = 232448          # 227 KiB: cudaFuncSetAttribute's maximum dynamic shared memory per block on sm_90
+INSTANTIATIONS = []          # (D, IsCausal, HasMask) that launch_forward_sm90 can launch
 for D in (64, 128):
-    Tr = fe.Traits(D)
-    offs = [0, Tr.kQBytes, Tr.kQBytes + Tr.kTileBytes, Tr.kQBytes + 2 * Tr.kTileBytes, Tr.kQBytes + 3 * Tr.kTileBytes]
-    slab_offs = [s * Tr.kBlockM * 128 for s in range(Tr.kSlabs)] + [c * 64 * 128 for c in range(Tr.kConsumers)]
-    expect(all(o % 1024 == 0 for o in offs + slab_offs) and Tr.kSmemBytes <= 227 * 1024 and Tr.kBlockM <= 256,
-           "d=%d: %d consumers, kBlockM %d (TMA box rows <= 256), Q/K/V slabs and consumer Q slabs 1024-aligned, "
-           "%d bytes <= 227 KiB" % (D, Tr.kConsumers, Tr.kBlockM, Tr.kSmemBytes))
+    for causal in (False, True):
+        for mask in ("none", "bool"):
+            inst = fe.launch_instantiation(D, mask, causal)
+            if inst == "invalid_argument":
+                expect(D == 64 and mask != "none", "d=%d causal=%d masked: launch_forward_sm90 throws" % (D, causal))
+                continue
+            expect(inst == (causal, mask != "none"), "d=%d causal=%d masked=%d -> <IsCausal=%d, HasMask=%d>"
+                   % (D, causal, mask != "none", inst[0], inst[1]))
+            INSTANTIATIONS.append((D, inst[0], inst[1]))
+            q_box, kv_box = fe.host_box_heights(D, causal, mask)
+            Tr = fe.Traits(D, inst[0], inst[1])
+            want_n = 176 if (D == 128 and not causal and mask == "none") else 128
+            expect(Tr.kBlockN == want_n and kv_box == Tr.kBlockN and q_box == Tr.kBlockM,
+                   "d=%d causal=%d masked=%d: kernel kBlockN %d (want %d) = host K/V box height %d; Q box %d = "
+                   "kBlockM %d" % (D, causal, mask != "none", Tr.kBlockN, want_n, kv_box, q_box, Tr.kBlockM))
+for (D, causal, masked) in INSTANTIATIONS:
+    Tr = fe.Traits(D, causal, masked)
+    name = "<d=%d, causal=%d, mask=%d> kBlockN %d" % (D, causal, masked, Tr.kBlockN)
+    sK = Tr.kQBytes
+    sV = sK + Tr.kStages * Tr.kTileBytes
+    offs = ([s_ * Tr.kBlockM * 128 for s_ in range(Tr.kSlabs)] + [c * 64 * 128 for c in range(Tr.kConsumers)]
+            + [ring + st * Tr.kTileBytes + sl * Tr.kBlockN * 128 for ring in (sK, sV) for st in range(Tr.kStages)
+               for sl in range(Tr.kSlabs)])
+    worst_end = 1023 + Tr.kBarriersOffset + (1 + 4 * Tr.kStages) * 8    # base rounded up by at most 1023 (:44)
+    expect(all(o % 1024 == 0 for o in offs) and Tr.kBarriersOffset % 8 == 0 and worst_end <= Tr.kSmemBytes
+           and Tr.kSmemBytes <= SMEM_LIMIT,
+           "%s: Q slabs, consumer Q slabs, every K/V stage slab 1024-aligned (K/V slab %d B = %d x 1024), "
+           "barriers inside the allocation, %d bytes <= %d" % (name, Tr.kBlockN * 128, Tr.kBlockN * 128 // 1024,
+                                                               Tr.kSmemBytes, SMEM_LIMIT))
+    q_box, kv_box = fe.host_box_heights(D, causal, "bool" if masked else "none")
+    expect(Tr.kTileBytes == Tr.kSlabs * kv_box * 64 * 2 and Tr.kQBytes == Tr.kSlabs * q_box * 64 * 2
+           and 0 < kv_box <= 256 and 0 < q_box <= 256 and Tr.kTileBytes < 2 ** 20,
+           "%s: expect-tx %d (K/V tile) = %d boxes x %d rows x 128 B; %d (Q) = %d x %d x 128 B; boxDim <= 256; "
+           "tx-count < 2^20" % (name, Tr.kTileBytes, Tr.kSlabs, kv_box, Tr.kQBytes, Tr.kSlabs, q_box))
+    # wgmma: QK^T m64n{kBlockN}k16 (N a multiple of 8, <= 256); PV in kBlockN/16 k-steps; descriptor fields are
+    # 14 bits of (bytes >> 4), start addresses below 2^18
+    lbo_v = Tr.kBlockN * 128
+    top = 1023 + Tr.kBarriersOffset
+    expect(Tr.kBlockN % 16 == 0 and 8 <= Tr.kBlockN <= 256 and lbo_v % 16 == 0
+           and (lbo_v >> 4) < 2 ** 14 and top < 2 ** 18 and (Tr.kBlockN // 8) * 1024 == Tr.kBlockN * 128,
+           "%s: QK^T wgmma m64n%dk16 exists, PV in %d k-steps, V descriptor LBO %d (field %d < 2^14), "
+           "K descriptor: %d 8-row groups at SBO 1024, smem addresses < 2^18" % (name, Tr.kBlockN, Tr.kBlockN // 16,
+                                                                             lbo_v, lbo_v >> 4, Tr.kBlockN // 8))
     pool = 128 * Tr.kProducerRegisters + 128 * Tr.kConsumers * Tr.kConsumerRegisters
     entry = 65536 // Tr.kThreads // 8 * 8
-    expect(pool <= 65536 and Tr.kConsumerRegisters % 8 == 0 and entry >= Tr.kProducerRegisters,
-           "d=%d: setmaxnreg 128x%d + %dx%d = %d <= 65536 (entry %d per thread x %d)"
-           % (D, Tr.kProducerRegisters, 128 * Tr.kConsumers, Tr.kConsumerRegisters, pool, entry, Tr.kThreads))
+    live = Tr.kBlockN // 2 + D // 2 + Tr.kBlockN // 16 * 4                # S, O, P fragments per thread
+    expect(pool <= 65536 and Tr.kConsumerRegisters % 8 == 0 and entry >= Tr.kProducerRegisters
+           and live < Tr.kConsumerRegisters,
+           "%s: setmaxnreg 128x%d + %dx%d = %d <= 65536 (entry %d x %d); S+O+P fragments %d < %d registers"
+           % (name, Tr.kProducerRegisters, 128 * Tr.kConsumers, Tr.kConsumerRegisters, pool, entry, Tr.kThreads,
+              live, Tr.kConsumerRegisters))
+
+# The inline asm of every wgmma wrapper in wgmma.cuh (the new m64n176k16 among them): operand lists numbered as
+# the constraint lists are, N/2 D registers, and the immediates the emulator assumes (scale-a/b 1; trans-a 0 and
+# trans-b 0 (or TransB) for SS, trans-b 1 for RS).
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "cpp", "cuda", "sm90")
+
+
+def check_wgmma_asm(text=None):
+    text = text if text is not None else open(os.path.join(SRC, "wgmma.cuh")).read()
+    found = {}
+    for m in re.finditer(r"void (wgmma_(ss|rs)_m64n(\d+)k16_(f16|bf16))\(float \(&d\)\[(\d+)\](.*?)\n}\n", text, re.S):
+        fn, kind, N, dt, nd, body = m.group(1), m.group(2), int(m.group(3)), m.group(4), int(m.group(5)), m.group(6)
+        h = N // 2
+        probs = []
+        if nd != h:
+            probs.append("d[%d]" % nd)
+        ins = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(\w+)\.(\w+) \{([^}]*)\}, (.*?);", body)
+        if not ins or int(ins.group(1)) != N or ins.group(2) != dt or ins.group(3) != dt:
+            probs.append("instruction")
+        else:
+            regs = [x.strip() for x in ins.group(4).split(",")]
+            if regs != ["%%%d" % i for i in range(h)]:
+                probs.append("D operand list")
+            rest = ins.group(5)
+            if kind == "ss":
+                ok_rest = rest in ("%%%d, %%%d, p, 1, 1, 0, 0" % (h, h + 1),
+                                   "%%%d, %%%d, p, 1, 1, 0, %%%d" % (h, h + 1, h + 3))
+                pred = h + 2
+            else:
+                ok_rest = rest == "{%%%d, %%%d, %%%d, %%%d}, %%%d, p, 1, 1, 1" % (h, h + 1, h + 2, h + 3, h + 4)
+                pred = h + 5
+            if not ok_rest:
+                probs.append("operands after D: " + rest)
+            if "setp.ne.b32 p, %%%d, 0;" % pred not in body:
+                probs.append("predicate operand")
+        outs = re.findall(r'"\+f"\(d\[(\d+)\]\)', body)
+        if [int(x) for x in outs] != list(range(h)):
+            probs.append("output constraints")
+        want_in = ('"l"(desc_a), "l"(desc_b), "r"(int(accumulate))' if kind == "ss" else
+                   '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate))')
+        if want_in not in body:
+            probs.append("input constraints")
+        found[fn] = probs
+    return found
+
+
+asm = check_wgmma_asm()
+need = ["wgmma_%s_m64n%dk16_%s" % (k, n, dt) for dt in ("f16", "bf16") for (k, n) in
+        (("ss", 64), ("ss", 128), ("ss", 176), ("rs", 64), ("rs", 128))]
+expect(all(f in asm for f in need) and not any(asm.values()),
+       "wgmma.cuh inline asm: %d wrappers (m64n176k16 f16/bf16: 88 D registers %%0-%%87, descriptors %%88 %%89, "
+       "predicate %%90, imm 1, 1, 0, 0) numbered as their constraints%s"
+       % (len(asm), "" if not any(asm.values()) else ": " + str({k: v for k, v in asm.items() if v})))
+
+# Block order (common/block_order.h): every (pair, block) exactly once; non-causal = the old order (pair slowest,
+# block fastest); causal groups of pairs_per_group pairs, blocks from the last, the last group ragged.
+print("\n== 0b. block order (BlockOrder::at<IsCausal>, make_query_block_order)")
+bad = []
+nchk = 0
+for pairs in (1, 2, 3, 5, 7, 12):
+    for bpp in (1, 2, 3, 6):
+        for ppg in sorted({1, 2, 3, 4, pairs}):
+            if ppg > pairs:
+                continue
+            o = fe.BlockOrder(bpp, pairs, ppg)
+            for rev in (False, True):
+                seen = [o.at(rev, i) for i in range(o.blocks())]
+                nchk += 1
+                if sorted(seen) != [(p_, b_) for p_ in range(pairs) for b_ in range(bpp)]:
+                    bad.append(("not a bijection", pairs, bpp, ppg, rev))
+                    continue
+                for i, (p_, b_) in enumerate(seen):     # independent statement of the documented order
+                    grp, within = i // (ppg * bpp), i % (ppg * bpp)
+                    gp = min(ppg, pairs - grp * ppg)
+                    want = (grp * ppg + within % gp, (bpp - 1 - within // gp) if rev else within // gp)
+                    if (p_, b_) != want:
+                        bad.append(("order", pairs, bpp, ppg, rev, i))
+                        break
+                old = [(i // bpp, (bpp - 1 - i % bpp) if rev else i % bpp) for i in range(pairs * bpp)]
+                if ppg == 1 and seen != old:
+                    bad.append(("one pair per group is not the old order", pairs, bpp, rev))
+expect(not bad, "%d (pairs, blocks, group, reverse) orders: bijection, groups as documented, one pair per group = "
+       "the pre-1a7099f order%s" % (nchk, "" if not bad else ": " + str(bad[:3])))
+fmt0 = Fmt("f16")
+Gs = [fe.make_problem(np.random.default_rng(0), B, hq, hkv, nq, nk, d, c, fmt0)
+      for (B, hq, hkv, nq, nk, d, c) in ((1, 4, 2, 300, 4096, 128, True), (1, 4, 2, 300, 4096, 128, False),
+                                         (1, 1, 1, 100, 100, 64, True), (1, 64, 1, 64, 300, 64, True))]
+ppgs = [fe.host_launch(G)["order"].pairs_per_group for G in Gs]
+want_ppg = [min(4, (50 << 20) // 2 // (2 * 4096 * 128 * 2 // 2)), 1, 1, 64]
+expect(ppgs == want_ppg, "make_query_block_order at a 50 MiB L2: causal H4/2 Nk=4096 d=128 -> %d pairs per group, "
+       "non-causal -> %d, one pair -> %d, 64 small pairs -> %d (want %s)" % (tuple(ppgs) + (want_ppg,)))
 
 # ----------------------------------------------------------------- 1. byte tags
 print("\n== 1. operand identity of every wgmma (scheme A: tensor<<14 | row%128<<7 | col; B: row%512<<7 | col)")
@@ -75,45 +214,55 @@ def tag_case(B, hq, hkv, nq, nk, d, causal, scheme, seed, kn=None, dyn_base=0):
     log = []
     kn = kn or fe.Knobs(tags=True)
     kn.tags = True
+    launch = fe.host_launch(G, kn)
     hz = fe.run_forward(G, fmt, seed=seed, kn=kn, tag_log=log, dyn_base=dyn_base)
-    Tr = fe.Traits(d, kn.consumers)
-    kC, kBlockM = Tr.kConsumers, Tr.kBlockM
-    good = {"S A=Q": True, "S B=K": True, "PV A=own P": True, "PV B=V": True, "counts": True}
+    # the tile this instantiation should use: not the emulator's (a knob may break it), the contract
+    kC = fe.Traits(d, consumers=kn.consumers).kConsumers
+    kBlockM = 64 * kC
+    kBlockN = 176 if (d == 128 and not causal) else 128
+    good = {"S A=Q": True, "S B=K": True, "PV A=own P": True, "PV B=V": True, "counts": True, "blocks": True}
     by = {}
     for (prod, bx, c, j, kk, A, Bm) in log:
         by.setdefault((bx, c), []).append((prod, j, kk, A, Bm))
     m_blocks = (nq + kBlockM - 1) // kBlockM
+    seen = set()
     for bx in range(m_blocks * B * hq):
-        bh, m_index = bx // m_blocks, bx % m_blocks
-        batch, head = bh // hq, bh % hq
-        row0 = ((m_blocks - 1 - m_index) if causal else m_index) * kBlockM
+        pair, qblock = launch["order"].at(causal, bx)        # validated on its own in 0b
+        batch, head = pair // hq, pair % hq
+        seen.add((batch, head, qblock))
+        row0 = qblock * kBlockM
         rows = min(kBlockM, nq - row0)
         key_end = max(0, min(nk, row0 + rows + nk - nq)) if causal else nk
-        n_tiles = (key_end + 127) // 128
+        n_tiles = (key_end + kBlockN - 1) // kBlockN
         for c in range(kC):
             calls = by.get((bx, c), [])
             good["counts"] &= (sum(1 for x in calls if x[0] == "S") == n_tiles * d // 16
-                               and sum(1 for x in calls if x[0] == "PV") == n_tiles * 8)
+                               and sum(1 for x in calls if x[0] == "PV") == n_tiles * kBlockN // 16)
             Qt = tile_tags(scheme, 1, row0 + 64 * c, 64, nq, d)
             for prod, j, kk, A, Bm in calls:
                 if prod == "S":
-                    Kt = tile_tags(scheme, 2, 128 * j, 128, nk, d)
+                    Kt = tile_tags(scheme, 2, kBlockN * j, kBlockN, nk, d)
                     good["S A=Q"] &= bool((A == Qt[:, 16 * kk:16 * kk + 16]).all())
-                    good["S B=K"] &= bool((Bm == Kt[:, 16 * kk:16 * kk + 16].T).all())
+                    good["S B=K"] &= Bm.shape == (16, kBlockN) and bool((Bm == Kt[:, 16 * kk:16 * kk + 16].T).all())
                 else:
-                    Vt = tile_tags(scheme, 3, 128 * j + 16 * kk, 16, nk, d)
+                    Vt = tile_tags(scheme, 3, kBlockN * j + 16 * kk, 16, nk, d)
                     good["PV B=V"] &= bool((Bm == Vt).all())
                     lane = np.arange(128) % 32
                     w = np.arange(128) // 32
                     want = (0x8000 | (c << 13) | (w[:, None] << 11) | (kk << 7) | (lane[:, None] << 2)
                             | np.arange(4)[None, :])
                     good["PV A=own P"] &= bool((A == (want | (want << 16))).all())
+    good["blocks"] = len(seen) == m_blocks * B * hq
     return good, len(log), hz
 
 
 tag_cases = [(1, 1, 1, 97, 113, 64, False), (1, 1, 1, 300, 260, 64, True), (1, 2, 1, 193, 300, 64, False),
-             (1, 1, 1, 200, 330, 128, True), (2, 2, 1, 129, 257, 128, False), (1, 1, 1, 7, 300, 64, True)]
-for i, (B, hq, hkv, nq, nk, d, causal) in enumerate(tag_cases if not QUICK else tag_cases[:3]):
+             (1, 1, 1, 200, 330, 128, True), (2, 2, 1, 129, 257, 128, False), (1, 1, 1, 7, 300, 64, True),
+             # 176-key tiles (d=128, not causal): Nk a multiple of 176, of neither 176 nor 128, below 176, 1; GQA; B>1
+             (1, 1, 1, 130, 352, 128, False), (1, 2, 1, 64, 400, 128, False), (2, 3, 1, 70, 100, 128, False),
+             (1, 1, 1, 5, 1, 128, False), (1, 1, 1, 129, 530, 128, False)]
+sel = tag_cases if not QUICK else tag_cases[:3] + tag_cases[6:8]
+for i, (B, hq, hkv, nq, nk, d, causal) in enumerate(sel):
     for scheme in ("A", "B"):
         good, n, hz = tag_case(B, hq, hkv, nq, nk, d, causal, scheme, seed=20 + i, dyn_base=(0, 528)[i % 2])
         expect(all(good.values()) and not hz,
@@ -155,28 +304,79 @@ def check_outputs(G, fmt):
     return err, lse_ok, zero_ok, bool((w == 1).all() and (lw == 1).all()), int(dead_rows.sum())
 
 
+def e2e(dtype, D, causal, shape, seed, l2_bytes=None, want_ppg=None, label=""):
+    fmt = Fmt(dtype)
+    B, hq, hkv, nq, nk = shape
+    G = fe.make_problem(np.random.default_rng(100 + seed), B, hq, hkv, nq, nk, D, causal, fmt)
+    if l2_bytes is not None:
+        G["l2_bytes"] = l2_bytes
+    launch = fe.host_launch(G)
+    kBlockN = launch["traits"].kBlockN if launch else fe.Traits(D, causal).kBlockN
+    ppg = launch["order"].pairs_per_group if launch else 1
+    protos = []
+    hz, orc, dead = run_case(G, fmt, seed=1000 + seed, dyn_base=(0, 528)[seed % 2], protos=protos)
+    head = "%s%s d=%d B=%d hq=%d hkv=%d nq=%d nk=%d causal=%d (kBlockN %d%s)" % (
+        label, dtype, D, B, hq, hkv, nq, nk, causal, kBlockN, ", %d pairs per group" % ppg if ppg > 1 else "")
+    if dead:
+        expect(False, "%s: DEADLOCK %s" % (head, dead[:200]))
+        return
+    err, lse_ok, zero_ok, once, n_dead = check_outputs(G, fmt)
+    worst[dtype] = max(worst.get(dtype, 0), err)
+    kBlockM = launch["traits"].kBlockM if launch else 0
+
+    def want_tiles(row0):                   # the key tiles block row0 must visit, stated from the contract
+        key_end = max(0, min(nk, row0 + min(kBlockM, nq - row0) + nk - nq)) if causal else nk
+        return (key_end + kBlockN - 1) // kBlockN
+    tiles_ok = all(p_["n_tiles"] == want_tiles(p_["block"][2]) for p_ in protos)
+    ppg_ok = want_ppg is None or ppg == want_ppg
+    expect(not hz and not orc and err < TOL[dtype] and lse_ok and zero_ok and once and tiles_ok and ppg_ok,
+           "%s: max|out-ref| %.1e, lse %s, fully masked rows %d (out 0, lse -inf: %s), each out/lse element written "
+           "once %s, n_tiles %s, hazards %d, oracle %d%s"
+           % (head, err, "ok" if lse_ok else "WRONG", n_dead, zero_ok, once, "ok" if tiles_ok else "WRONG", len(hz),
+              len(orc), "" if ppg_ok else ", pairs per group %d, want %d" % (ppg, want_ppg)))
+    if hz or orc:
+        print("       ", (hz + orc)[:3])
+
+
 ci = 0
 for dtype in ("f16", "bf16"):
-    fmt = Fmt(dtype)
     for D in (64, 128):
         for causal in (False, True):
-            for (B, hq, hkv, nq, nk) in shapes:
+            for shape in shapes:
                 ci += 1
-                G = fe.make_problem(np.random.default_rng(100 + ci), B, hq, hkv, nq, nk, D, causal, fmt)
-                hz, orc, dead = run_case(G, fmt, seed=1000 + ci, dyn_base=(0, 528)[ci % 2])
-                if dead:
-                    expect(False, "%s d=%d nq=%d nk=%d causal=%d: DEADLOCK %s" % (dtype, D, nq, nk, causal, dead[:200]))
-                    continue
-                err, lse_ok, zero_ok, once, n_dead = check_outputs(G, fmt)
-                worst[dtype] = max(worst.get(dtype, 0), err)
-                expect(not hz and not orc and err < TOL[dtype] and lse_ok and zero_ok and once,
-                       "%s d=%d B=%d hq=%d hkv=%d nq=%d nk=%d causal=%d: max|out-ref| %.1e, lse %s, fully masked "
-                       "rows %d (out 0, lse -inf: %s), each out/lse element written once %s, hazards %d, oracle %d"
-                       % (dtype, D, B, hq, hkv, nq, nk, causal, err, "ok" if lse_ok else "WRONG", n_dead,
-                          zero_ok, once, len(hz), len(orc)))
-                if hz or orc:
-                    print("       ", (hz + orc)[:3])
+                e2e(dtype, D, causal, shape, ci)
 print("  worst max abs error:", {k: "%.1e" % v for k, v in worst.items()}, "(%.0fs)" % (time.time() - T0))
+
+print("\n== 2b. the 176-key tile (d=128, not causal, no mask): Nk multiple of 176, of neither 176 nor 128, < 176, 1; "
+      "GQA, B>1")
+shapes176 = [  # B, hq, hkv, nq, nk
+    (1, 1, 1, 64, 176), (1, 1, 1, 130, 352), (1, 1, 1, 100, 528), (1, 1, 1, 193, 175), (1, 1, 1, 129, 177),
+    (1, 1, 1, 200, 400), (1, 1, 1, 77, 100), (1, 1, 1, 1, 1), (1, 1, 1, 3, 1), (1, 6, 2, 150, 300),
+    (2, 4, 2, 129, 530), (2, 2, 1, 256, 1000), (1, 1, 1, 64, 0), (1, 1, 1, 300, 704)]
+if QUICK:
+    shapes176 = [shapes176[i] for i in (1, 5, 6, 7, 9)]
+for dtype in ("f16", "bf16"):
+    for shape in shapes176:
+        ci += 1
+        e2e(dtype, 128, False, shape, ci, label="[176] ")
+# the same shapes causal (128-key tiles): the instantiation next to it
+for shape in shapes176[:6 if not QUICK else 2]:
+    ci += 1
+    e2e(("f16", "bf16")[ci % 2], 128, True, shape, ci, label="[causal] ")
+print("  worst max abs error:", {k: "%.1e" % v for k, v in worst.items()}, "(%.0fs)" % (time.time() - T0))
+
+print("\n== 2c. causal calls grouped for L2 (BlockOrder with several pairs per group, the last group ragged)")
+# bytes per pair = 2 Nk d 2 / group; l2 chosen so that l2 / 2 / bytes = the group wanted
+for (D, shape, want) in ((64, (2, 3, 1, 300, 300), 4), (128, (1, 5, 5, 260, 200), 2), (128, (2, 4, 2, 129, 530), 3),
+                         (64, (3, 2, 2, 200, 450), 5)):
+    B, hq, hkv, nq, nk = shape
+    bpp = 2 * nk * D * 2 // (hq // hkv)
+    for dtype in (("f16", "bf16") if not QUICK else ("f16",)):
+        ci += 1
+        e2e(dtype, D, True, shape, ci, l2_bytes=2 * bpp * want, want_ppg=want, label="[L2 groups] ")
+    if not QUICK:  # the same shape not causal: one pair per group whatever the L2
+        ci += 1
+        e2e("f16", D, False, shape, ci, l2_bytes=2 * bpp * want, want_ppg=1, label="[L2, not causal] ")
 
 # ----------------------------------------------------------------- 3. masking in context
 print("\n== 3. per-row 'visible' bound vs per-element truth, in the kernel's context (exhaustive integer check)")
@@ -186,32 +386,32 @@ def mask_check(nq, nk, D, causal, visible_plus=1):
     """For every block, consumer, warp, lane, tile j < n_tiles, element: the kernel's hide decision
     (needs_masking and visible) vs truth (key >= nk, or causal key > query + nk - nq) for rows < nq; and every
     key of a valid row that truth shows lies in a tile < n_tiles. Returns (#mismatches, #cases)."""
-    Tr = fe.Traits(D)
-    kBlockM = Tr.kBlockM
+    Tr = fe.Traits(D, causal)
+    kBlockM, kBN = Tr.kBlockM, Tr.kBlockN      # the tile of this instantiation: 176 at d=128 not causal
     m_blocks = (nq + kBlockM - 1) // kBlockM
     co = nk - nq
     bad = 0
     n = 0
     lane = np.arange(32)
     g, t = lane // 4, lane % 4
-    nt = np.arange(16)
+    nt = np.arange(kBN // 8)
     e = np.arange(4)
     for m_index in range(m_blocks):
         row0 = ((m_blocks - 1 - m_index) if causal else m_index) * kBlockM
         rows = min(kBlockM, nq - row0)
         key_end = max(0, min(nk, row0 + rows + co)) if causal else nk
-        n_tiles = (key_end + 127) // 128
-        # coverage: a valid row's last visible key must lie below n_tiles * 128
+        n_tiles = (key_end + kBN - 1) // kBN
+        # coverage: a valid row's last visible key must lie below n_tiles * kBlockN
         for q in range(row0, row0 + rows):
             last = min(nk, q + co + 1) if causal else nk
-            if last > n_tiles * 128:
+            if last > n_tiles * kBN:
                 bad += 1
         for c in range(Tr.kConsumers):
             wg_row0 = row0 + 64 * c
             for w in range(4):
                 for j in range(n_tiles):
-                    col0 = 128 * j
-                    needs = col0 + 128 > key_end or (causal and col0 + 127 > wg_row0 + co)
+                    col0 = kBN * j
+                    needs = col0 + kBN > key_end or (causal and col0 + kBN - 1 > wg_row0 + co)
                     r = wg_row0 + 16 * w + g[:, None, None] + 8 * (e[None, None, :] >> 1)     # (32, 1, 4)
                     key = col0 + nt[None, :, None] * 8 + 2 * t[:, None, None] + (e[None, None, :] & 1)
                     truth = key >= nk
@@ -231,6 +431,7 @@ def mask_check(nq, nk, D, causal, visible_plus=1):
 
 rng = np.random.default_rng(9)
 pairs = [(1, 1), (7, 300), (300, 7), (97, 113), (193, 64), (129, 1025), (192, 192), (191, 193), (384, 128),
+         (130, 352), (64, 176), (65, 175), (200, 177), (1, 528), (300, 529),
          (1, 129), (129, 1), (600, 1)] + [(int(a), int(b)) for a, b in rng.integers(1, 700, (40 if QUICK else 150, 2))]
 for D in (64, 128):
     for causal in (False, True):
@@ -250,16 +451,19 @@ fmt = Fmt("f16")
 
 
 def proto_case(D, n_tiles_want, seed, consumers=None, causal=False, nq=None):
-    nk = max(0, 128 * n_tiles_want - (seed % 3) * 37)
-    nk = nk if nk > 128 * (n_tiles_want - 1) else 128 * n_tiles_want
+    kBN = fe.Traits(D, causal).kBlockN         # 176 at d=128 not causal
+    nk = max(0, kBN * n_tiles_want - (seed % 3) * 37)
+    nk = nk if nk > kBN * (n_tiles_want - 1) else kBN * n_tiles_want
     G = fe.make_problem(np.random.default_rng(seed), 1, 1, 1, nq or 50, nk, D, causal, fmt)
     protos = []
     kn = fe.Knobs(stats=stats, consumers=consumers)
     hz, orc, dead = run_case(G, fmt, seed, kn=kn, protos=protos)
     problems = []
-    kC = fe.Traits(D, consumers).kConsumers
+    kC = fe.Traits(D, consumers=consumers).kConsumers
     for p in protos:
         n = p["n_tiles"]
+        if nq is None and n != n_tiles_want:
+            problems.append("n_tiles %d, want %d" % (n, n_tiles_want))
         if n == 0:
             if p.get("nb_log"):
                 problems.append("n_tiles 0 touched a named barrier")
@@ -301,7 +505,8 @@ for s in range(seeds):
     runs += 1
     if hz or orc or dead or problems:
         bad.append(("causal 700x128", s, hz[:2], orc[:2], dead, problems[:3]))
-expect(not bad, "%d runs (d=64 x3 / d=128 x2 consumers, plus 2<->3 swapped; n_tiles 0..6, 9, 12): no deadlock, no race, "
+expect(not bad, "%d runs (d=64 x3 / d=128 x2 consumers (176-key tiles), plus 2<->3 swapped; n_tiles 0..6, 9, 12): "
+       "no deadlock, no race, "
        "no early overwrite, each barrier n_tiles+1 generations of (4 syncs of c, 4 arrivals of c-1), none left at "
        "exit%s (%.0fs)" % (runs, "" if not bad else ": " + str(bad[:2]), time.time() - t1))
 expect(len(stats) == 2 and all(v > 0 for v in stats.values()),
@@ -356,6 +561,47 @@ neg("producer empty-wait parity without ^1", fe.Knobs(empty_xor=0))
 neg("empty barriers count 8 arrivals (2 consumers) at d=64", fe.Knobs(empty_count=8))
 neg("K released before wgmma wait<1>", fe.Knobs(release_k_early=True))
 neg("wait<2> instead of wait<1> (S_j not waited)", fe.Knobs(wait1=2))
+# the 176-key tile (c1dfc5c)
+N176 = dict(D=128, causal=False, nq=200, nk=330)
+neg("176-key kernel, host K/V boxes of 128 rows", fe.Knobs(kv_box_rows=128), **N176)
+neg("128-key causal kernel, host K/V boxes of 176 rows", fe.Knobs(kv_box_rows=176), D=128, causal=True, nq=200, nk=330)
+neg("176-key kernel, expect-tx of a 128-key tile", fe.Knobs(tile_expect=128 * 128 * 2), **N176)
+neg("kBlockN 128 in the kernel, 176-row boxes from the host", fe.Knobs(block_n=128), **N176)
+neg("kBlockN 176 in a causal kernel, 128-row boxes from the host", fe.Knobs(block_n=176), D=128, causal=True, nq=200,
+    nk=330)
+neg("K descriptor over 128 rows (second slab at +16384)", fe.Knobs(k_desc_rows=128), tags=True, **N176)
+neg("V descriptor LBO of 128 rows (16384)", fe.Knobs(v_desc_rows=128), tags=True, **N176)
+neg("V descriptor LBO of 128 rows, numbers", fe.Knobs(v_desc_rows=128), **N176)
+neg("P V over 8 k-steps (128 / 16)", fe.Knobs(pv_steps=8), **N176)
+neg("needs_masking with 128 (col0 + 128 > key_end) at 176", fe.Knobs(
+    needs_masking=lambda col0, key_end, wg_row0, co: col0 + 128 > key_end), **N176)
+# static checks must catch what they are for
+text = open(os.path.join(SRC, "wgmma.cuh")).read()
+broken = {"m64n176k16 f16 D list without %53": text.replace("%52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                                                            "%64", "%52, %54, %55, %56, %57, %58, %59, %60, %61, %62, "
+                                                            "%63, %64", 1),
+          "m64n176k16 predicate on %89": text.replace("setp.ne.b32 p, %90, 0", "setp.ne.b32 p, %89, 0", 1),
+          "m64n176k16 bf16 d[87] constraint dropped": text.replace(', "+f"(d[86]), "+f"(d[87])\n      : "l"(desc_a)',
+                                                                   ', "+f"(d[86])\n      : "l"(desc_a)', 2)}
+for what, t in broken.items():
+    r = check_wgmma_asm(t)
+    expect(t != text and any(r.values()), "caught: wgmma.cuh with %s by %s"
+           % (what, {k: v for k, v in r.items() if v}))
+
+
+class RaggedGroupBug(fe.BlockOrder):          # the last group taken as full
+    def at(self, reverse, index):
+        gb = self.pairs_per_group * self.blocks_per_pair
+        grp, within = index // gb, index % gb
+        rank = within // self.pairs_per_group
+        return grp * self.pairs_per_group + within % self.pairs_per_group, \
+            (self.blocks_per_pair - 1 - rank) if reverse else rank
+
+
+o = RaggedGroupBug(3, 5, 2)
+seen = [o.at(True, i) for i in range(o.blocks())]
+expect(sorted(seen) != [(p_, b_) for p_ in range(5) for b_ in range(3)],
+       "caught: block order without the ragged last group, by the bijection check")
 
 print("\nFAILURES: %d   (%.0fs)" % (len(failures), time.time() - T0))
 for f in failures:
