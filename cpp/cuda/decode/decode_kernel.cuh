@@ -47,7 +47,7 @@ struct DecodeTraits {
   // On sm_90, K and V rows arrive by bulk copies (one per row; each warp
   // issues those of its own 16 keys and arrives on the stage's mbarrier with
   // their bytes) instead of 16-byte cp.async by every thread. (Not measured yet.)
-  static constexpr bool kBulkCopies = true;
+  static constexpr bool kBulkCopies = false;
   static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
   static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
   static constexpr int kTileElements = kBlockN * kStride;
