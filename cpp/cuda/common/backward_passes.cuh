@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <stdexcept>
+#include <string>
 
 #include "block_order.h"
 #include "device_math.cuh"
@@ -15,62 +16,94 @@
 
 namespace fusedattn::cuda {
 
+// The passes around the key-block kernel move 8 elements per thread with
+// 16-byte loads and stores: out and grad_out rows start on 16 bytes on CUDA
+// (as_kernel_operand), and grad_q, grad_k, grad_v and the float32 sums are
+// fresh, contiguous tensors. Head dims are multiples of 8 (DESIGN.md).
+template <typename T>
+struct Octet {  // 8 elements of T in one 16-byte word
+  uint4 bits;
+  __device__ float operator[](int j) const { return to_float(reinterpret_cast<const T*>(&bits)[j]); }
+};
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
+  return make_uint4(pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3]), pack2<T>(x[4], x[5]), pack2<T>(x[6], x[7]));
+}
+
+// 8 floats from the 16-byte-aligned x, times scale.
+__device__ __forceinline__ void load8_scaled(const float* x, float scale, float (&out)[8]) {
+  const float4 lo = reinterpret_cast<const float4*>(x)[0], hi = reinterpret_cast<const float4*>(x)[1];
+  out[0] = lo.x * scale, out[1] = lo.y * scale, out[2] = lo.z * scale, out[3] = lo.w * scale;
+  out[4] = hi.x * scale, out[5] = hi.y * scale, out[6] = hi.z * scale, out[7] = hi.w * scale;
+}
+
 // delta[row] = sum_d dO[row, d] O[row, d]; grad_q_accum[row, :] = 0 (when
-// there is one). One warp per row.
+// there is one). A row takes d / 8 threads of one warp (d / 8 divides 32:
+// the host checks), so a block of 128 takes 128 / (d / 8) rows.
 template <typename T>
 __global__ void __launch_bounds__(128) backward_preprocess_kernel(const __grid_constant__ BackwardParams p) {
   const AttentionShape& sh = p.fwd.shape;
-  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= sh.batch * sh.heads_q * sh.seqlen_q) return;
-  const int64_t batch = row / (sh.heads_q * sh.seqlen_q), head = row / sh.seqlen_q % sh.heads_q,
-                query = row % sh.seqlen_q;
-  const T* o = static_cast<const T*>(p.fwd.out) + batch * p.fwd.out_strides.batch +
-               head * p.fwd.out_strides.head + query * p.fwd.out_strides.row;
-  const T* d_o = static_cast<const T*>(p.grad_out) + batch * p.grad_out_strides.batch +
-                 head * p.grad_out_strides.head + query * p.grad_out_strides.row;
+  const int lanes = static_cast<int>(sh.head_dim / 8);
+  const int64_t row = int64_t(blockIdx.x) * (128 / lanes) + threadIdx.x / lanes;
+  const int col = threadIdx.x % lanes * 8;
+  const bool valid = row < sh.batch * sh.heads_q * sh.seqlen_q;
   float sum = 0.0f;
-  for (int c = lane; c < sh.head_dim; c += 32) sum += to_float(o[c]) * to_float(d_o[c]);
+  if (valid) {
+    const int64_t batch = row / (sh.heads_q * sh.seqlen_q), head = row / sh.seqlen_q % sh.heads_q,
+                  query = row % sh.seqlen_q;
+    const Octet<T> o{*reinterpret_cast<const uint4*>(static_cast<const T*>(p.fwd.out) +
+                                                       batch * p.fwd.out_strides.batch +
+                                                       head * p.fwd.out_strides.head +
+                                                       query * p.fwd.out_strides.row + col)};
+    const Octet<T> d_o{*reinterpret_cast<const uint4*>(static_cast<const T*>(p.grad_out) +
+                                                         batch * p.grad_out_strides.batch +
+                                                         head * p.grad_out_strides.head +
+                                                         query * p.grad_out_strides.row + col)};
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
-  if (lane == 0) p.delta[row] = sum;
+    for (int j = 0; j < 8; ++j) sum += o[j] * d_o[j];
+  }
+  // The row's lanes are an aligned group of the warp; every lane takes part.
+  for (int offset = lanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (!valid) return;
+  if (col == 0) p.delta[row] = sum;
   if (p.grad_q_accum == nullptr) return;
-  float* accum = p.grad_q_accum + row * sh.head_dim;
-  for (int c = lane; c < sh.head_dim; c += 32) accum[c] = 0.0f;
+  float4* accum = reinterpret_cast<float4*>(p.grad_q_accum + row * sh.head_dim + col);
+  accum[0] = accum[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
-// grad_q = scale * grad_q_accum, in T. One thread per element pair.
+// grad_q = scale * grad_q_accum, in T. One thread per 8 elements.
 template <typename T>
 __global__ void __launch_bounds__(256) backward_convert_dq_kernel(const __grid_constant__ BackwardParams p) {
   const AttentionShape& sh = p.fwd.shape;
-  const int64_t pair = int64_t(blockIdx.x) * 256 + threadIdx.x;
-  if (pair * 2 >= sh.batch * sh.heads_q * sh.seqlen_q * sh.head_dim) return;
-  const int64_t row = pair * 2 / sh.head_dim, col = pair * 2 % sh.head_dim;
+  const int64_t first = (int64_t(blockIdx.x) * 256 + threadIdx.x) * 8;
+  if (first >= sh.batch * sh.heads_q * sh.seqlen_q * sh.head_dim) return;
+  const int64_t row = first / sh.head_dim, col = first % sh.head_dim;
   const int64_t batch = row / (sh.heads_q * sh.seqlen_q), head = row / sh.seqlen_q % sh.heads_q,
                 query = row % sh.seqlen_q;
-  const float* accum = p.grad_q_accum + row * sh.head_dim + col;
-  T* dq = static_cast<T*>(p.grad_q) + batch * p.grad_q_strides.batch + head * p.grad_q_strides.head +
-          query * p.grad_q_strides.row + col;
-  *reinterpret_cast<uint32_t*>(dq) = pack2<T>(accum[0] * p.fwd.scale, accum[1] * p.fwd.scale);
+  float dq[8];
+  load8_scaled(p.grad_q_accum + first, p.fwd.scale, dq);
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.grad_q) + batch * p.grad_q_strides.batch +
+                            head * p.grad_q_strides.head + query * p.grad_q_strides.row + col) = pack8<T>(dq);
 }
 
-// grad_k, grad_v = the float32 sums of the head splits, in T. One thread per element pair.
+// grad_k, grad_v = the float32 sums of the head splits, in T. One thread per 8 elements.
 template <typename T>
 __global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_constant__ BackwardParams p) {
   const AttentionShape& sh = p.fwd.shape;
   const int64_t size = sh.batch * sh.heads_kv * sh.seqlen_k * sh.head_dim;
-  const int64_t pair = int64_t(blockIdx.x) * 256 + threadIdx.x;
-  if (pair * 2 >= size) return;
-  const int64_t row = pair * 2 / sh.head_dim, col = pair * 2 % sh.head_dim;
+  const int64_t first = (int64_t(blockIdx.x) * 256 + threadIdx.x) * 8;
+  if (first >= size) return;
+  const int64_t row = first / sh.head_dim, col = first % sh.head_dim;
   const int64_t batch = row / (sh.heads_kv * sh.seqlen_k), head = row / sh.seqlen_k % sh.heads_kv,
                 key = row % sh.seqlen_k;
-  const float* dk = p.grad_kv_accum + pair * 2;
-  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch +
-                               head * p.grad_k_strides.head + key * p.grad_k_strides.row + col) =
-      pack2<T>(dk[0], dk[1]);
-  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch +
-                               head * p.grad_v_strides.head + key * p.grad_v_strides.row + col) =
-      pack2<T>(dk[size], dk[size + 1]);
+  float dk[8], dv[8];
+  load8_scaled(p.grad_kv_accum + first, 1.0f, dk);
+  load8_scaled(p.grad_kv_accum + size + first, 1.0f, dv);
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch +
+                            head * p.grad_k_strides.head + key * p.grad_k_strides.row + col) = pack8<T>(dk);
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch +
+                            head * p.grad_v_strides.head + key * p.grad_v_strides.row + col) = pack8<T>(dv);
 }
 
 // What a block of a key-block kernel owns and walks (the sm90 kernel's; the
@@ -155,26 +188,27 @@ void run_backward_passes(const BackwardParams& p, cudaStream_t stream, LaunchMai
   const AttentionShape& sh = p.fwd.shape;
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * sh.head_dim;
-  if ((rows + 3) / 4 > 2147483647)
-    throw std::runtime_error("fusedattn: B x Hq x Nq exceeds one launch of the backward's preprocess");
+  if (sh.head_dim < 8 || sh.head_dim > 256 || sh.head_dim % 8 != 0 || 32 % (sh.head_dim / 8) != 0)
+    throw std::invalid_argument("fusedattn: the CUDA backward's passes take head dims 8, 16, 32, 64, 128 or 256, got " +
+                                std::to_string(sh.head_dim));
+  const int64_t rows_per_block = 128 / (sh.head_dim / 8);
+  if ((rows + rows_per_block - 1) / rows_per_block > 2147483647 || (rows * sh.head_dim / 8 + 255) / 256 > 2147483647 ||
+      (kv_size / 8 + 255) / 256 > 2147483647)
+    throw std::runtime_error("fusedattn: B x H x N x d exceeds one launch of the backward's passes");
   if (rows > 0) {
-    backward_preprocess_kernel<T><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
+    backward_preprocess_kernel<T>
+        <<<static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block), 128, 0, stream>>>(p);
     FUSEDATTN_CUDA_CHECK(cudaGetLastError());
   }
   if (kv_size > 0 && p.head_splits > 1)
     FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(p.grad_kv_accum, 0, 2 * kv_size * sizeof(float), stream));
   if (kv_size > 0 || rows > 0) launch_main();
   if (kv_size > 0 && p.head_splits > 1) {
-    if ((kv_size / 2 + 255) / 256 > 2147483647)
-      throw std::runtime_error("fusedattn: B x Hkv x Nk x d exceeds one launch of the dK/dV conversion");
-    backward_convert_dkv_kernel<T><<<static_cast<unsigned>((kv_size / 2 + 255) / 256), 256, 0, stream>>>(p);
+    backward_convert_dkv_kernel<T><<<static_cast<unsigned>((kv_size / 8 + 255) / 256), 256, 0, stream>>>(p);
     FUSEDATTN_CUDA_CHECK(cudaGetLastError());
   }
   if (rows > 0 && !p.deterministic) {
-    const int64_t pairs = rows * sh.head_dim / 2;
-    if ((pairs + 255) / 256 > 2147483647)
-      throw std::runtime_error("fusedattn: B x Hq x Nq x d exceeds one launch of the grad_q conversion");
-    backward_convert_dq_kernel<T><<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(p);
+    backward_convert_dq_kernel<T><<<static_cast<unsigned>((rows * sh.head_dim / 8 + 255) / 256), 256, 0, stream>>>(p);
     FUSEDATTN_CUDA_CHECK(cudaGetLastError());
   }
 }

@@ -9,15 +9,17 @@ namespace fusedattn::cuda {
 
 // Copies rows [row0, row0 + Rows) of a [N, d] head into shared memory rows of
 // Tr::kStride elements; rows at or past `valid_rows` are zero-filled (never
-// read). Tr gives kThreads (the block), kChunksPerRow (d / 8) and kStride;
+// read). Tr gives kThreads (the threads that share the copy: the block, or a
+// warp that passes its lane as `thread`), kChunksPerRow (d / 8) and kStride;
 // L2Prefetch is cp_async_16's.
 template <int Rows, typename Tr, int L2Prefetch = 0, typename T>
 __device__ __forceinline__ void load_rows_async(T* smem, const T* head, int64_t row_stride,
-                                                int64_t row0, int64_t valid_rows) {
+                                                int64_t row0, int64_t valid_rows,
+                                                int thread = threadIdx.x) {
   // Thread i copies chunk i % kChunksPerRow of rows i / kChunksPerRow + n * kRowStep.
   constexpr int kRowStep = Tr::kThreads / Tr::kChunksPerRow;
   static_assert(Tr::kThreads % Tr::kChunksPerRow == 0 && Rows % kRowStep == 0);
-  const int r0 = threadIdx.x / Tr::kChunksPerRow, col = threadIdx.x % Tr::kChunksPerRow * 8;
+  const int r0 = thread / Tr::kChunksPerRow, col = thread % Tr::kChunksPerRow * 8;
   const T* src = head + (row0 + r0) * row_stride + col;
 #pragma unroll
   for (int i = 0; i < Rows / kRowStep; ++i) {

@@ -6,8 +6,10 @@
 // share of the sequence's cache_seqlens[b] + n_new, stream through a ring of
 // kStages shared-memory buffers with cp.async: kStages - 1 tiles are always in
 // flight, which is what a memory-bound kernel needs. Each of the 4 warps takes
-// 16 keys of every 64-key tile and keeps its own online softmax (m_i, l_i,
-// acc); the warps merge in shared memory at the end:
+// 16 keys of every 64-key tile, copies them itself (its own share of the ring:
+// no block-wide sync per tile, so a warp runs ahead of a slower one) and keeps
+// its own online softmax (m_i, l_i, acc); the warps merge in shared memory at
+// the end:
 //   S   = (scale log2 e) Q K_w^T;  m' = max(m, rowmax S);  P = 2^(S - m')
 //   l   = 2^(m - m') l + rowsum P;  acc = 2^(m - m') acc + P V_w
 //   out = sum_w 2^(m_w - M) acc_w / sum_w 2^(m_w - M) l_w,  M = max_w m_w
@@ -18,7 +20,6 @@
 #include <atomic>
 #include <cmath>
 
-#include "../common/bulk_copy.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/online_softmax.cuh"
@@ -43,13 +44,15 @@ struct DecodeTraits {
   // into L2 (prefetch.global.L2), which cost 10-35%.
   static constexpr int kStages = 3;
   // Each 16-byte cp.async asks L2 for the surrounding 128 bytes: +2-3%.
+  // (Bulk copies per row into the ring, with an mbarrier per stage, ran 1-9%
+  // slower on the H200 than cp.async, 2026-11-30, docs/cuda-notes.md.)
   static constexpr int kL2Prefetch = 128;
-  // On sm_90, K and V rows arrive by bulk copies (one per row; each warp
-  // issues those of its own 16 keys and arrives on the stage's mbarrier with
-  // their bytes) instead of 16-byte cp.async by every thread. (Not measured yet.)
-  static constexpr bool kBulkCopies = false;
   static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
   static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
+  // A warp's share of a tile, as load_rows_async sees it: 32 threads.
+  struct WarpLoad {
+    static constexpr int kThreads = 32, kChunksPerRow = DecodeTraits::kChunksPerRow, kStride = DecodeTraits::kStride;
+  };
   static constexpr int kTileElements = kBlockN * kStride;
   static constexpr int kSmemElements = kBlockM * kStride + kStages * 2 * kTileElements;  // Q, ring
   // The epilogue reuses the ring: per warp its rows (float32, padded so the
@@ -60,8 +63,10 @@ struct DecodeTraits {
   static_assert(HeadDim % 16 == 0, "MMA tiles are 16 wide");
 };
 
+// Two blocks per SM, all the ring's shared memory allows; without the hint
+// ptxas held the d=128 kernel to 168 registers for sm_90a and spilled.
 template <int HeadDim, typename T, bool IsCausal>
-__global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads)
+__global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
     decode_kernel(const __grid_constant__ KVCacheParams p) {
   using Tr = DecodeTraits<HeadDim>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
@@ -120,69 +125,30 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads)
   }
   cp_async_commit();
 
-  constexpr bool kBulk = Tr::kBulkCopies && kHasBulkCopies;
-  __shared__ uint64_t tile_landed[kStages];  // bulk copies: one mbarrier per stage
-  if constexpr (kBulk) {
-    if (threadIdx.x == 0) {
-      for (int i = 0; i < kStages; ++i) mbarrier_init(&tile_landed[i], kWarps);  // one arrival per warp
-      mbarrier_init_fence();
-    }
-    __syncthreads();
-  }
-
-  // With cp.async every load_tile commits a group (empty past the end), so
-  // the wait counts below hold on every iteration.
+  // Each warp copies its own 16 keys of K and V and commits a group per tile
+  // (empty past the end), so the wait count below holds on every iteration.
   auto load_tile = [&](int64_t tile) {
     if (tile < tile_end) {
       const int stage = static_cast<int>(tile - tile_begin) % kStages;
-      T* sK = sRing + 2 * stage * Tr::kTileElements;
+      T* sK = sRing + 2 * stage * Tr::kTileElements + warp * 16 * kStride;
       T* sV = sK + Tr::kTileElements;
-      const int64_t col0 = tile * kBlockN;
-      if constexpr (kBulk) {
-        const int rows = static_cast<int>(min(int64_t(kBlockN), length - col0));
-        // V rows past the sequence must be 0 (P is 0 there, and 0 x stale NaN is NaN).
-        for (int i = threadIdx.x; i < (kBlockN - rows) * Tr::kChunksPerRow; i += Tr::kThreads)
-          *reinterpret_cast<uint4*>(sV + (rows + i / Tr::kChunksPerRow) * kStride + i % Tr::kChunksPerRow * 8) =
-              make_uint4(0, 0, 0, 0);
-        // Rows past the sequence are not copied. K's are masked (column c >=
-        // cols below), whatever they hold.
-        constexpr uint32_t kRowBytes = HeadDim * sizeof(T);
-        static_assert(kRowBytes % 16 == 0 && kStride * sizeof(T) % 16 == 0, "bulk copies move 16-byte units");
-        const int mine = max(0, min(16, rows - warp * 16));  // this warp's keys in the tile
-        fence_proxy_async_shared();  // the stage's earlier reads before the copies' writes
-        if (lane == 0) mbarrier_arrive_expect_bytes(&tile_landed[stage], 2 * kRowBytes * mine);
-        __syncwarp();
-        const int r = warp * 16 + lane % 16;  // lanes 0-15: K rows, 16-31: V rows
-        if (lane % 16 < mine) {
-          if (lane < 16)
-            bulk_copy_to_shared(sK + r * kStride, k + (col0 + r) * a.k_strides.row, kRowBytes, &tile_landed[stage]);
-          else
-            bulk_copy_to_shared(sV + r * kStride, v + (col0 + r) * a.v_strides.row, kRowBytes, &tile_landed[stage]);
-        }
-      } else {
-        load_rows_async<kBlockN, Tr, Tr::kL2Prefetch>(sK, k, a.k_strides.row, col0, length - col0);
-        load_rows_async<kBlockN, Tr, Tr::kL2Prefetch>(sV, v, a.v_strides.row, col0, length - col0);
-      }
+      const int64_t key0 = tile * kBlockN + warp * 16;
+      using Load = typename Tr::WarpLoad;
+      load_rows_async<16, Load, Tr::kL2Prefetch>(sK, k, a.k_strides.row, key0, length - key0, lane);
+      load_rows_async<16, Load, Tr::kL2Prefetch>(sV, v, a.v_strides.row, key0, length - key0, lane);
     }
-    if constexpr (!kBulk) cp_async_commit();
+    cp_async_commit();
   };
-  // Waits for the tile, then syncs the block: every thread sees it, and every
-  // warp is done with the stage the next load_tile refills.
-  auto wait_tile = [&](int64_t tile) {
-    if constexpr (kBulk) {
-      const int use = static_cast<int>(tile - tile_begin);  // a split has fewer than 2^31 tiles
-      mbarrier_wait(&tile_landed[use % kStages], static_cast<uint32_t>(use / kStages) & 1);
-    } else {
-      cp_async_wait<kStages - 2>();
-    }
-    __syncthreads();
+  // Waits for the warp's rows of the tile; the __syncwarp makes every lane's
+  // copies visible to the warp, and orders the warp's reads of the stage that
+  // the next load_tile refills before that refill.
+  auto wait_tile = [&] {
+    cp_async_wait<kStages - 2>();
+    __syncwarp();
   };
   for (int i = 0; i < kStages - 1; ++i) load_tile(tile_begin + i);
 
-  if constexpr (kBulk)
-    cp_async_wait<0>();  // Q landed
-  else
-    cp_async_wait<kStages - 1>();  // Q landed (the tiles' groups came after it)
+  cp_async_wait<kStages - 1>();  // Q landed (the tiles' groups came after it)
   __syncthreads();
   uint32_t q_frag[HeadDim / 16][4];
 #pragma unroll
@@ -199,7 +165,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads)
   const float scale_log2 = a.scale * kLog2e;
 
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
-    wait_tile(tile);
+    wait_tile();
     load_tile(tile + kStages - 1);
     const T* sK = sRing + 2 * ((tile - tile_begin) % kStages) * Tr::kTileElements + warp * 16 * kStride;
     const T* sV = sK + Tr::kTileElements;
