@@ -19,6 +19,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 parser.add_argument("--batch", type=int, default=64)
 parser.add_argument("--repeats", type=int, default=20, help="timed batches; the median is printed")
+parser.add_argument("--order", default="sdpa,fusedattn", choices=["sdpa,fusedattn", "fusedattn,sdpa"],
+                    help="which implementation runs first (to rule out an order effect on the timings)")
 parser.add_argument("--profile", action="store_true",
                     help="also print each implementation's top operators by time (torch.profiler, one batch)")
 args = parser.parse_args()
@@ -38,7 +40,7 @@ batch = tokenizer(sentences, padding=True, return_tensors="pt").to(args.device)
 dtype = torch.float16 if on_cuda else torch.float32
 
 embeddings = {}
-for impl in ("sdpa", "fusedattn"):
+for impl in args.order.split(","):
     model = transformers.AutoModel.from_pretrained(path, attn_implementation=impl, dtype=dtype)
     model = model.to(args.device).eval()
     with torch.no_grad():
@@ -61,8 +63,10 @@ for impl in ("sdpa", "fusedattn"):
                 model(**batch)
                 if on_cuda:
                     torch.cuda.synchronize()
-            sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
-            print(f"{impl}: top operators of one batch\n{prof.key_averages().table(sort_by=sort, row_limit=12)}")
+            # By host time too: on a GPU this small batch is bound by the host.
+            for sort in (["self_cuda_time_total"] if on_cuda else []) + ["self_cpu_time_total"]:
+                table = prof.key_averages().table(sort_by=sort, row_limit=12)
+                print(f"{impl}: top operators of one batch by {sort}\n{table}")
     keep = batch["attention_mask"].unsqueeze(-1).float()
     embeddings[impl] = torch.nn.functional.normalize((hidden * keep).sum(1) / keep.sum(1), dim=-1)
     print(f"{impl:10} {elapsed * 1e3:7.2f} ms for {len(sentences)} sentences on {args.device} (median of {args.repeats})")
