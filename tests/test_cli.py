@@ -50,7 +50,7 @@ def test_bench_methods_picks_columns(tmp_path):
 def test_bench_methods_rejects_unknown_names():
     with pytest.raises(SystemExit, match=r"--methods: unknown method\(s\) \['sdpa-flash'\]; this device has"):
         cli.main(["bench", "--device", "cpu", "--methods", "sdpa,sdpa-flash", "--no-progress"])
-    with pytest.raises(SystemExit, match="--methods does not apply to --decode"):
+    with pytest.raises(SystemExit, match=r"--methods: unknown method\(s\) \['sdpa'\]; this device has \['sdpa-flash'"):
         cli.main(["bench", "--decode", "--methods", "sdpa", "--no-progress"])
 
 
@@ -114,6 +114,9 @@ def test_bench_decode_options_are_checked():
         cli.main(["bench", "--decode", "--plot", "x.png", "--no-progress"])
     with pytest.raises(SystemExit, match="the decode benchmark needs a CUDA device"):
         cli.main(["bench", "--decode", "--device", "cpu", "--no-progress"])
+    # Known column names pass --methods' check and reach the device check.
+    with pytest.raises(SystemExit, match="the decode benchmark needs a CUDA device"):
+        cli.main(["bench", "--decode", "--device", "cpu", "--methods", "sdpa-cudnn", "--no-progress"])
 
 
 def test_bench_decode_lengths():
@@ -144,3 +147,15 @@ def test_python_dash_m_entry_point():
     done = subprocess.run([sys.executable, "-m", "fusedattn", "--help"], capture_output=True,
                           text=True, check=True)
     assert "bench" in done.stdout
+
+
+@pytest.mark.gpu
+def test_bench_decode_methods_on_cuda(tmp_path):
+    out = tmp_path / "decode.json"
+    assert cli.main(["bench", "--decode", "--batch", "2", "--heads", "4", "--head-dim", "64", "--seqlens", "256",
+                     "--lengths", "full", "--repeats", "2", "--methods", "sdpa-cudnn", "--no-progress",
+                     "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["methods"] == ["sdpa-cudnn", "fusedattn"]
+    (row,) = result["rows"]
+    assert set(row["results"]) == {"sdpa-cudnn", "fusedattn"}

@@ -15,7 +15,8 @@ import datetime
 import torch
 import torch.nn.functional as F
 
-from .bench import DTYPES, _sdpa_backend, cell, describe_device, markdown_table, median_seconds, speedups
+from .bench import (DTYPES, _sdpa_backend, cell, describe_device, markdown_table, median_seconds,
+                    select_methods, speedups)
 
 
 # Calls per timed interval: a step over a 4K cache takes about 0.1 ms, close to
@@ -35,6 +36,7 @@ class DecodeConfig:
     varlen: list[bool] = dataclasses.field(default_factory=lambda: [False, True])
     repeats: int = 10
     warmup: int = 2
+    methods: list[str] | None = None  # columns besides fusedattn (None: all)
 
 
 def cache_lengths(cfg: DecodeConfig, n: int, varlen: bool) -> torch.Tensor:
@@ -89,7 +91,7 @@ def run(cfg: DecodeConfig, progress: bool = True) -> dict:
 
     if cfg.device.type != "cuda":
         raise SystemExit("fusedattn bench --decode: the decode benchmark needs a CUDA device")
-    table = methods(cfg)
+    table = select_methods(methods(cfg), cfg.methods)
     cells = [(dt, vl, n, m) for dt in cfg.dtypes for vl in cfg.varlen for n in cfg.seqlens for m in table]
     rows: dict[tuple, dict] = {}
     for dt, vl, n, m in tqdm(cells, desc="fusedattn bench --decode", disable=not progress, unit="run"):

@@ -15,7 +15,7 @@ def _ints(text: str) -> list[int]:
 def _bench_decode(args) -> int:
     from . import bench, bench_decode
 
-    for option in ("causal", "plot", "methods"):
+    for option in ("causal", "plot"):
         if getattr(args, option) is not None:
             raise SystemExit(f"fusedattn bench: --{option} does not apply to --decode")
     if args.backward:
@@ -26,6 +26,12 @@ def _bench_decode(args) -> int:
         cfg.kv_heads = cfg.heads
     if args.lengths:
         cfg.varlen = {"full": [False], "varlen": [True], "both": [False, True]}[args.lengths]
+    if args.methods:
+        cfg.methods = args.methods.split(",")
+        try:
+            bench.select_methods(bench_decode.methods(cfg), cfg.methods)
+        except ValueError as e:
+            raise SystemExit(f"fusedattn bench: --methods: {e}") from None
     result = bench_decode.run(cfg, progress=not args.no_progress)
     print(bench_decode.format_table(result))
     if args.json:
