@@ -3,12 +3,14 @@
 # against that torch, run the whole test suite (the GPU group included) and the
 # benchmark, and write logs and JSON into OUTDIR. The lent machine sends back
 # 8 files at most: build.log always, tests.log, sanitizer.log, bench.{json,
-# png,txt}, profile.txt, roofline.md, and five JSON from "tables"; pick stages
+# png,txt}, profile.txt, profile-decode.txt, roofline.md, and five JSON from
+# "tables"; pick stages
 # per call so that their files fit. Each stage has a time limit, so that a
 # hang costs one stage, not the whole device call.
 #   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
 # GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench";
-# "profile" runs Nsight Compute on the main kernels, "roofline" the KV-cache
+# "profile" runs Nsight Compute on the main kernels, "profile_decode" on the
+# decode kernel, "roofline" the KV-cache
 # streaming ceilings, "tables" every benchmark table of the README). On the H200 "build
 # tests" take about 4 minutes, the sanitizer up to 10 (each tool stops at
 # FUSEDATTN_SANITIZER_TIMEOUT, 300 s) and the benchmark up to
@@ -114,6 +116,19 @@ stage_profile() {
     python3 scripts/profile_cases.py > "$out/profile.txt" 2>&1 || status=1
   grep -E "^  [a-z_0-9]+.*\(|Duration|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|Stall|Tensor" \
     "$out/profile.txt" | head -60
+}
+
+# Not in the default stages: Nsight Compute on the decode kernel at N=32K,
+# the stall reasons behind its gap to the roofline below.
+stage_profile_decode() {
+  if ! command -v ncu >/dev/null 2>&1; then
+    echo "ncu not found"
+    return
+  fi
+  timeout 300 ncu --clock-control none --launch-skip 1 --launch-count 1 -k regex:"decode_kernel" --set full \
+    python3 scripts/profile_cases.py --decode --seqlen 32768 > "$out/profile-decode.txt" 2>&1 || status=1
+  grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Stall|Issue Slots Busy|Warp Cycles Per Issued" \
+    "$out/profile-decode.txt" | head -60
 }
 
 # Not in the default stages: how fast each load path (cp.async, bulk copies

@@ -1,6 +1,9 @@
 """One forward and one backward call of fusedattn for a profiler, after a
 warm-up: B=4, H=32, d=128, N=4096, float16 (the seed table's middle), causal
-with --causal. Run under ncu, e.g. scripts/gpu_check.sh's profile stage."""
+with --causal. With --decode instead one forward_kvcache call (B=8, H=32,
+d=128, a full cache of --seqlen keys, float16: the decode table's row) after
+a warm-up one. Run under ncu, e.g. scripts/gpu_check.sh's profile and
+profile_decode stages."""
 
 import argparse
 
@@ -12,7 +15,18 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--seqlen", type=int, default=4096)
 parser.add_argument("--head-dim", type=int, default=128)
+parser.add_argument("--decode", action="store_true")
 args = parser.parse_args()
+
+if args.decode:
+    q = torch.randn(8, 32, 1, args.head_dim, device="cuda", dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(8, 32, args.seqlen, args.head_dim, device="cuda", dtype=torch.float16)
+                        for _ in range(2))
+    lengths = torch.full((8,), args.seqlen, device="cuda", dtype=torch.int32)
+    for _ in range(2):
+        torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lengths, None, None, True, None)
+    torch.cuda.synchronize()
+    raise SystemExit(0)
 
 shape = (4, 32, args.seqlen, args.head_dim)
 q, k, v, grad = (torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(4))
