@@ -3,14 +3,14 @@
 # against that torch, run the whole test suite (the GPU group included) and the
 # benchmark, and write logs and JSON into OUTDIR. The lent machine sends back
 # 8 files at most: build.log always, tests.log, sanitizer.log, bench.{json,
-# png,txt}, profile.txt, profile-decode.txt, roofline.md, and five JSON from
-# "tables"; pick stages
+# png,txt}, profile.txt, profile-decode.txt, decode-splits.md, roofline.md,
+# and five JSON from "tables"; pick stages
 # per call so that their files fit. Each stage has a time limit, so that a
 # hang costs one stage, not the whole device call.
 #   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
 # GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench";
 # "profile" runs Nsight Compute on the main kernels, "profile_decode" on the
-# decode kernel, "roofline" the KV-cache
+# decode kernel, "decode_splits" the decode table by split count, "roofline" the KV-cache
 # streaming ceilings, "tables" every benchmark table of the README). On the H200 "build
 # tests" take about 4 minutes, the sanitizer up to 10 (each tool stops at
 # FUSEDATTN_SANITIZER_TIMEOUT, 300 s) and the benchmark up to
@@ -129,6 +129,26 @@ stage_profile_decode() {
     python3 scripts/profile_cases.py --decode --seqlen 32768 > "$out/profile-decode.txt" 2>&1 || status=1
   grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Stall|Issue Slots Busy|Warp Cycles Per Issued" \
     "$out/profile-decode.txt" | head -60
+}
+
+# Not in the default stages: the decode table at 32K and 128K with the split
+# count forced (FUSEDATTN_DECODE_SPLITS) to each of DECODE_SPLITS, against
+# the dispatcher's own choice (the first rows); ~2 minutes.
+stage_decode_splits() {
+  local s
+  {
+    echo "decode TB/s by forced split count (B=8 H=32 d=128 fp16, full caches)"
+    for s in auto ${DECODE_SPLITS:-4 8 16 24 32 33 64 66}; do
+      echo "== splits $s"
+      if [ "$s" = auto ]; then
+        timeout 120 fusedattn bench --no-progress --decode --seqlens 32768,131072 --lengths full --methods sdpa-cudnn
+      else
+        FUSEDATTN_DECODE_SPLITS=$s timeout 120 fusedattn bench --no-progress --decode --seqlens 32768,131072 \
+          --lengths full --methods sdpa-cudnn
+      fi 2>&1 | grep -E '^\| (dtype|float16)'
+    done
+  } > "$out/decode-splits.md"
+  cat "$out/decode-splits.md"
 }
 
 # Not in the default stages: how fast each load path (cp.async, bulk copies
