@@ -12,13 +12,14 @@
 # (`--and` separates the sets, e.g. `--head-dim 128 --and --head-dim 64`, so
 # one build serves every table). It writes OUTDIR/<name>-<set>.json and
 # OUTDIR/ab.md: fusedattn's TFLOP/s (TB/s with --decode) per version and row,
-# the ratio to the first version, and the first version's other columns (pass
-# --methods to keep them short; e.g. sdpa-cudnn gives the bar). The last
+# the ratio to the first version, the first version's other columns (pass
+# --methods to keep them short; e.g. sdpa-cudnn gives the bar) and "best x
+# M": the best version's rate (the first included) over column M. The last
 # version stays installed. The lent machine sends back 8 files: with N
 # versions and S sets keep N*S <= 7. A build takes about 40 s on the H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:?usage: scripts/ab_bench.sh export REF... | run OUTDIR [bench args]}
+mode=${1:?usage: scripts/ab_bench.sh export REF... | run OUTDIR [bench args] [--and bench args]...}
 shift
 
 if [ "$mode" = export ]; then

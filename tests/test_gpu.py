@@ -100,6 +100,23 @@ def test_cuda_arbitrary_strides_and_misaligned_data():
     check_forward(case, device="cuda", out=out, lse=lse)
 
 
+def at_odd_offset(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t whose data starts one element past a 16-byte
+    boundary (contiguous() of it is itself: the operators must copy it)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = flat[1:].view(t.shape).copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view
+
+
+def test_cuda_contiguous_inputs_at_odd_offsets():
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=130, head_dim=128,
+                dtype=torch.float16, is_causal=True)
+    q, k, v, _ = make_inputs(case, "cuda")
+    out, lse = torch.ops.fusedattn.forward(at_odd_offset(q), at_odd_offset(k), at_odd_offset(v), None, True, None)
+    check_forward(case, device="cuda", out=out, lse=lse)
+
+
 def test_cuda_offsets_beyond_int32():
     """B * H * N * d > 2^31 elements: the last head must be right."""
     B, H, N, d = 1, 520, 32768, 128  # 2.2e9 elements per tensor

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import fusedattn
 from attention_cases import MASK_KINDS, Case, check_backward, make_inputs
 from test_forward import cases
-from test_gpu import GPU_DTYPES, HEAD_DIMS, poison_allocator
+from test_gpu import GPU_DTYPES, HEAD_DIMS, at_odd_offset, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
@@ -67,6 +67,20 @@ def test_cuda_backward_strided_inputs():
     grad_out = torch.randn_like(q)
     grads = torch.autograd.grad(fusedattn.attention(q_t, k_wide, v_off, mask, True), (q_t, k_wide, v_off),
                                 grad_out)
+    check_backward(case, device="cuda", grads=grads, grad_out=grad_out)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_backward_operands_at_odd_offsets(head_dim):
+    """Every operand of the backward a contiguous view off 16 bytes (a direct
+    call: autograd's out is the forward's own, aligned)."""
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=130, head_dim=head_dim,
+                dtype=torch.bfloat16, is_causal=True)
+    q, k, v, _ = make_inputs(case, "cuda")
+    out, lse = torch.ops.fusedattn.forward(q, k, v, None, True, None)
+    grad_out = torch.randn_like(q)
+    grads = torch.ops.fusedattn.backward(*(at_odd_offset(t) for t in (grad_out, q, k, v, out)), lse, None,
+                                         True, None)
     check_backward(case, device="cuda", grads=grads, grad_out=grad_out)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fusedattn
-from test_gpu import GPU_DTYPES, HEAD_DIMS, poison_allocator
+from test_gpu import GPU_DTYPES, HEAD_DIMS, at_odd_offset, poison_allocator
 from test_kvcache import check_against_reference, make_cache
 
 pytestmark = pytest.mark.gpu
@@ -151,6 +151,10 @@ def test_cuda_kvcache_layout_errors():
     strided = torch.zeros(2, 2, 50, 128, device="cuda", dtype=torch.float16)[..., ::2]
     with pytest.raises(RuntimeError, match="k_cache and v_cache need a contiguous last dimension"):
         op(q, strided, v_cache, lens, k_new, v_new)
+    # A contiguous cache whose rows start off 16 bytes cannot be read in
+    # place, and a copy would lose the append.
+    with pytest.raises(RuntimeError, match="rows starting on 16-byte boundaries"):
+        op(q, at_odd_offset(k_cache), v_cache, lens, k_new, v_new)
     with pytest.raises(RuntimeError, match="cache_seqlens must be on q's device"):
         op(q, k_cache, v_cache, lens.cpu(), k_new, v_new)
     with pytest.raises(RuntimeError, match=r"the head dim must be one of \[32, 64, 128\]; got 48"):

@@ -88,7 +88,9 @@ at::Tensor as_kernel_operand(const at::Tensor& t, const DeviceSupport& support) 
   const bool aligned = reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0 &&
                        rows.stride(0) % align == 0 && rows.stride(1) % align == 0 &&
                        rows.stride(2) % align == 0;
-  return aligned ? rows : rows.contiguous();
+  // A copy, not contiguous(): a contiguous view at an odd offset would come
+  // back as itself, still off 16 bytes (the kernels' 16-byte loads fault there).
+  return aligned ? rows : rows.clone(at::MemoryFormat::Contiguous);
 }
 
 TensorStrides strides_of(const at::Tensor& t) {

@@ -63,8 +63,10 @@ struct DecodeTraits {
   static_assert(HeadDim % 16 == 0, "MMA tiles are 16 wide");
 };
 
-// Two blocks per SM, all the ring's shared memory allows; without the hint
-// ptxas held the d=128 kernel to 168 registers for sm_90a and spilled.
+// At least two blocks per SM: at d=128 all the ring's shared memory allows.
+// The hint came with a draft that spilled at 168 registers on sm_90a without
+// it; this code does not (177-178 registers without it), but the build
+// measured on the H200 on 2026-11-30 had it (198-206 registers at d=128).
 template <int HeadDim, typename T, bool IsCausal>
 __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
     decode_kernel(const __grid_constant__ KVCacheParams p) {
