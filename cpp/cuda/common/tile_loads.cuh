@@ -9,9 +9,10 @@ namespace fusedattn::cuda {
 
 // Copies rows [row0, row0 + Rows) of a [N, d] head into shared memory rows of
 // Tr::kStride elements; rows at or past `valid_rows` are zero-filled (no
-// global read; a product with them is 0, which a V tile relies on). Tr gives kThreads (the threads that share the copy: the block, or a
-// warp that passes its lane as `thread`), kChunksPerRow (d / 8) and kStride;
-// L2Prefetch is cp_async_16's.
+// global read; a product with them is 0, which a V tile relies on). Tr gives
+// kThreads (the threads that share the copy: the block, or a warp that passes
+// its lane as `thread`), kChunksPerRow (d / 8) and kStride; L2Prefetch is
+// cp_async_16's.
 template <int Rows, typename Tr, int L2Prefetch = 0, typename T>
 __device__ __forceinline__ void load_rows_async(T* smem, const T* head, int64_t row_stride,
                                                 int64_t row0, int64_t valid_rows,
