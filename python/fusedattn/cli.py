@@ -26,12 +26,7 @@ def _bench_decode(args) -> int:
         cfg.kv_heads = cfg.heads
     if args.lengths:
         cfg.varlen = {"full": [False], "varlen": [True], "both": [False, True]}[args.lengths]
-    if args.methods:
-        cfg.methods = args.methods.split(",")
-        try:
-            bench.select_methods(bench_decode.methods(cfg), cfg.methods)
-        except ValueError as e:
-            raise SystemExit(f"fusedattn bench: --methods: {e}") from None
+    _apply_methods(cfg, args, lambda: bench_decode.methods(cfg))
     result = bench_decode.run(cfg, progress=not args.no_progress)
     print(bench_decode.format_table(result))
     if args.json:
@@ -54,6 +49,20 @@ def _apply_options(cfg, args, fields: tuple[str, ...]) -> None:
         cfg.dtypes = args.dtype.split(",")
 
 
+def _apply_methods(cfg, args, table) -> None:
+    """Copies --methods onto a benchmark config where it was passed, refusing
+    names that `table()` (the benchmark's columns) does not have."""
+    from . import bench
+
+    if not args.methods:
+        return
+    cfg.methods = args.methods.split(",")
+    try:
+        bench.select_methods(table(), cfg.methods)
+    except ValueError as e:
+        raise SystemExit(f"fusedattn bench: --methods: {e}") from None
+
+
 def _bench(args) -> int:
     from . import bench
 
@@ -68,12 +77,7 @@ def _bench(args) -> int:
     if args.causal is not None:
         cfg.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     cfg.backward = args.backward
-    if args.methods:
-        cfg.methods = args.methods.split(",")
-        try:
-            bench.select_methods(bench.methods(device, cfg.backward), cfg.methods)
-        except ValueError as e:
-            raise SystemExit(f"fusedattn bench: --methods: {e}") from None
+    _apply_methods(cfg, args, lambda: bench.methods(device, cfg.backward))
 
     result = bench.run(cfg, progress=not args.no_progress)
     print(bench.format_table(result))
