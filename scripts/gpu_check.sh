@@ -135,19 +135,16 @@ stage_profile_decode() {
 # count forced (FUSEDATTN_DECODE_SPLITS) to each of DECODE_SPLITS, against
 # the dispatcher's own choice (the first rows); ~2 minutes.
 stage_decode_splits() {
-  local s
+  local s forced
   {
     echo "decode TB/s by forced split count (B=8 H=32 d=128 fp16, full caches)"
     # Forced counts are capped at kMaxDecodeSplits (64).
     for s in auto ${DECODE_SPLITS:-4 8 16 24 32 33 48 64}; do
       echo "== splits $s"
-      if [ "$s" = auto ]; then
-        timeout 120 fusedattn bench --no-progress --decode --seqlens 32768,131072 --lengths full \
-          --methods sdpa-cudnn > /tmp/decode-splits.txt 2>&1
-      else
-        FUSEDATTN_DECODE_SPLITS=$s timeout 120 fusedattn bench --no-progress --decode --seqlens 32768,131072 \
-          --lengths full --methods sdpa-cudnn > /tmp/decode-splits.txt 2>&1
-      fi || { status=1; tail -3 /tmp/decode-splits.txt; }
+      forced=()
+      [ "$s" = auto ] || forced=("FUSEDATTN_DECODE_SPLITS=$s")
+      env "${forced[@]}" timeout 120 fusedattn bench --no-progress --decode --seqlens 32768,131072 --lengths full \
+        --methods sdpa-cudnn > /tmp/decode-splits.txt 2>&1 || { status=1; tail -3 /tmp/decode-splits.txt; }
       grep -E '^\| +(dtype|float16)' /tmp/decode-splits.txt
     done
   } > "$out/decode-splits.md"
