@@ -129,15 +129,33 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
 
   // Each warp copies its own 16 keys of K and V and commits a group per tile
   // (empty past the end), so the wait count below holds on every iteration.
+  // Tiles whose 16 rows are all valid take load_full_rows_async with this
+  // lane's source pointers, which advance one tile per load; the sequence's
+  // last tile takes load_rows_async, which zero-fills rows past the end.
+  using Load = typename Tr::WarpLoad;
+  constexpr int kLaneRowStep = Load::kThreads / Load::kChunksPerRow;  // rows between a lane's copies
+  const int64_t lane_row = int64_t(tile_begin) * kBlockN + warp * 16 + lane / Load::kChunksPerRow;
+  const int lane_col = lane % Load::kChunksPerRow * 8;
+  const T* k_lane = k + lane_row * a.k_strides.row + lane_col;
+  const T* v_lane = v + lane_row * a.v_strides.row + lane_col;
+  const int64_t k_lane_step = kLaneRowStep * a.k_strides.row, v_lane_step = kLaneRowStep * a.v_strides.row;
+  const int64_t k_tile_step = kBlockN * a.k_strides.row, v_tile_step = kBlockN * a.v_strides.row;
+  int load_stage = 0;  // the stage the next load fills
   auto load_tile = [&](int64_t tile) {
     if (tile < tile_end) {
-      const int stage = static_cast<int>(tile - tile_begin) % kStages;
-      T* sK = sRing + 2 * stage * Tr::kTileElements + warp * 16 * kStride;
+      T* sK = sRing + 2 * load_stage * Tr::kTileElements + warp * 16 * kStride;
       T* sV = sK + Tr::kTileElements;
       const int64_t key0 = tile * kBlockN + warp * 16;
-      using Load = typename Tr::WarpLoad;
-      load_rows_async<16, Load, Tr::kL2Prefetch>(sK, k, a.k_strides.row, key0, length - key0, lane);
-      load_rows_async<16, Load, Tr::kL2Prefetch>(sV, v, a.v_strides.row, key0, length - key0, lane);
+      if (length - key0 >= 16) {
+        load_full_rows_async<16, Load, Tr::kL2Prefetch>(sK, k_lane, k_lane_step, lane);
+        load_full_rows_async<16, Load, Tr::kL2Prefetch>(sV, v_lane, v_lane_step, lane);
+      } else {
+        load_rows_async<16, Load, Tr::kL2Prefetch>(sK, k, a.k_strides.row, key0, length - key0, lane);
+        load_rows_async<16, Load, Tr::kL2Prefetch>(sV, v, a.v_strides.row, key0, length - key0, lane);
+      }
+      k_lane += k_tile_step;
+      v_lane += v_tile_step;
+      load_stage = load_stage == kStages - 1 ? 0 : load_stage + 1;
     }
     cp_async_commit();
   };
@@ -166,10 +184,12 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {};
   const float scale_log2 = a.scale * kLog2e;
 
+  int read_stage = 0;  // the stage this iteration computes on
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     wait_tile();
     load_tile(tile + kStages - 1);
-    const T* sK = sRing + 2 * ((tile - tile_begin) % kStages) * Tr::kTileElements + warp * 16 * kStride;
+    const T* sK = sRing + 2 * read_stage * Tr::kTileElements + warp * 16 * kStride;
+    read_stage = read_stage == kStages - 1 ? 0 : read_stage + 1;
     const T* sV = sK + Tr::kTileElements;
 
     // S = Q K^T for this warp's 16 keys: two n-tiles.
