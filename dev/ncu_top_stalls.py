@@ -24,8 +24,14 @@ def main():
     parser.add_argument("source_csv")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
+    # The page opens with a "Kernel Name" line; the table's header is the line
+    # that starts with "Address".
     with open(args.source_csv, newline="") as f:
-        rows = [r for r in csv.DictReader(line for line in f if not line.startswith("=="))]
+        lines = f.readlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if start is None:
+        sys.exit(f"ncu_top_stalls: no table header (\"Address\", ...) in {args.source_csv}")
+    rows = list(csv.DictReader(lines[start:]))
     if not rows:
         sys.exit(f"ncu_top_stalls: no rows in {args.source_csv}")
     columns = rows[0].keys()
