@@ -136,6 +136,14 @@ def test_large_scale_does_not_overflow():
     check_forward(Case(scale=300.0, seqlen_q=60, seqlen_k=600, mask="additive"))
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.7])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_zero_and_negative_scales(scale, is_causal):
+    # A scale of 0 gives every visible key the same weight; a negative one
+    # favours the lowest scores. Masked keys stay hidden either way.
+    check_forward(Case(scale=scale, seqlen_q=40, seqlen_k=90, is_causal=is_causal, mask="bool"))
+
+
 def test_finfo_min_mask_counts_as_minus_inf():
     """Documented rule: an additive value that overflows to -inf in base-2 units
     (float32's finfo.min) hides its key exactly like -inf does."""

@@ -49,6 +49,16 @@ def test_cuda_every_mask_kind(mask, is_causal, dtype, head_dim):
                     is_causal=is_causal))
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.7, 1e-4, 3.0])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_cuda_any_finite_scale(scale, is_causal, head_dim):
+    """The sm90 forward folds a scale > 0 into its exponent; other scales take
+    the sm80 kernel. Each gives the reference's answer."""
+    check_cuda(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=150, seqlen_k=333, head_dim=head_dim,
+                    dtype=torch.bfloat16, is_causal=is_causal, scale=scale))
+
+
 @pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1025), (7, 300), (300, 7), (97, 113), (128, 128),
                                    (129, 64), (1025, 1025), (2048, 1000)])
 @pytest.mark.parametrize("is_causal", [False, True])

@@ -80,11 +80,15 @@ def test_sm90_random_cases_at_head_dim_128(case, dtype):
 
 def test_sm90_refuses_what_it_cannot_take():
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=32), "cuda")
-    with pytest.raises(RuntimeError, match="head dims 64 and 128, and attn_mask at head dim 128 only; got head dim 32"):
+    with pytest.raises(RuntimeError, match="head dims 64 and 128, attn_mask at head dim 128 only, and without a mask "
+                       "a scale > 0; got head dim 32, scale"):
         torch.ops.fusedattn.forward(q, k, v)
     q, k, v, mask = make_inputs(Case(dtype=torch.float16, head_dim=64, mask="bool"), "cuda")
     with pytest.raises(RuntimeError, match="got head dim 64 with a mask"):
         torch.ops.fusedattn.forward(q, k, v, mask)
+    q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=128), "cuda")
+    with pytest.raises(RuntimeError, match="got head dim 128, scale -0.5"):
+        torch.ops.fusedattn.forward(q, k, v, None, False, -0.5)
 
 
 def test_sm90_strided_operands():

@@ -66,14 +66,16 @@ bool one_of(int64_t head_dim, const int (&dims)[N]) {
   return std::find(std::begin(dims), std::end(dims), head_dim) != std::end(dims);
 }
 
+// Without attn_mask the sm90 forward folds the scale into its exponent,
+// which needs scale > 0 (forward_kernel.cuh); other scales take sm80.
 bool use_sm90_forward(const ForwardParams& p) {
   const bool masked = p.mask.kind != MaskKind::None;
   const bool takes = one_of(p.shape.head_dim, cuda::kSm90HeadDims) &&
-                     (!masked || p.shape.head_dim == cuda::kSm90MaskedHeadDim);
+                     (!masked || p.shape.head_dim == cuda::kSm90MaskedHeadDim) && (masked || p.scale > 0.0f);
   return use_sm90(takes, [&] {
-    return "the sm90 forward takes head dims 64 and 128, and attn_mask at head dim " +
-           std::to_string(cuda::kSm90MaskedHeadDim) + " only; got head dim " + std::to_string(p.shape.head_dim) +
-           (masked ? " with a mask" : "");
+    return "the sm90 forward takes head dims 64 and 128, attn_mask at head dim " +
+           std::to_string(cuda::kSm90MaskedHeadDim) + " only, and without a mask a scale > 0; got head dim " +
+           std::to_string(p.shape.head_dim) + (masked ? " with a mask" : ", scale " + std::to_string(p.scale));
   });
 }
 

@@ -190,14 +190,19 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, IsCausal, HasMask>:
         break;
     }
   };
+  // Without attn_mask the scores stay raw until the exponent, which takes
+  // the scale (> 0: use_sm90_forward) in one FFMA; a mask adds base-2 values,
+  // so masked calls scale first.
   auto softmax = [&](int j, float (&rescale)[2]) {
     const int col0 = j * kBlockN;
     const bool needs_masking = col0 + kBlockN > key_end || (IsCausal && col0 + kBlockN - 1 > wg_row0 + causal_offset);
-    // Scaled first: a scale of 0 must not meet -inf.
+    if constexpr (HasMask) {
+      // Scaled first: a scale of 0 must not meet -inf.
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+      for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+        for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+    }
     if (needs_masking) {
       // Row h of this thread sees tile columns [0, visible[h]): the keys
       // before the end and (causal) on or below the diagonal. Subtracting the
@@ -215,8 +220,12 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, IsCausal, HasMask>:
         for (int e = 0; e < 4; ++e)
           if (nt * 8 + (e & 1) >= visible[e >> 1]) s[nt][e] = -INFINITY;
     }
-    if constexpr (HasMask) add_mask(col0);
-    online_softmax_scores(s, m_i, l_i, rescale);
+    if constexpr (HasMask) {
+      add_mask(col0);
+      online_softmax_scores(s, m_i, l_i, rescale);
+    } else {
+      online_softmax_scores</*RawScores=*/true>(s, m_i, l_i, rescale, scale_log2);
+    }
   };
   auto pack_probabilities = [&] {
 #pragma unroll
