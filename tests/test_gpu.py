@@ -49,12 +49,13 @@ def test_cuda_every_mask_kind(mask, is_causal, dtype, head_dim):
                     is_causal=is_causal))
 
 
-@pytest.mark.parametrize("scale", [0.0, -0.7, 1e-4, 3.0])
+@pytest.mark.parametrize("scale", [0.0, -0.7, 1e-39, 1e-4, 3.0])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_cuda_any_finite_scale(scale, is_causal, head_dim):
-    """The sm90 forward folds a scale > 0 into its exponent; other scales take
-    the sm80 kernel. Each gives the reference's answer."""
+    """The sm90 forward folds a scale of at least FLT_MIN into its exponent;
+    other scales (1e-39 is a float32 denormal) take the sm80 kernel. Each gives
+    the reference's answer."""
     check_cuda(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=150, seqlen_k=333, head_dim=head_dim,
                     dtype=torch.bfloat16, is_causal=is_causal, scale=scale))
 

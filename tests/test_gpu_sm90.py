@@ -81,14 +81,15 @@ def test_sm90_random_cases_at_head_dim_128(case, dtype):
 def test_sm90_refuses_what_it_cannot_take():
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=32), "cuda")
     with pytest.raises(RuntimeError, match="head dims 64 and 128, attn_mask at head dim 128 only, and without a mask "
-                       "a scale > 0; got head dim 32, scale"):
+                       "a scale of at least 1.17549e-38; got head dim 32, scale 0.17"):
         torch.ops.fusedattn.forward(q, k, v)
     q, k, v, mask = make_inputs(Case(dtype=torch.float16, head_dim=64, mask="bool"), "cuda")
     with pytest.raises(RuntimeError, match="got head dim 64 with a mask"):
         torch.ops.fusedattn.forward(q, k, v, mask)
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=128), "cuda")
-    with pytest.raises(RuntimeError, match="got head dim 128, scale -0.5"):
-        torch.ops.fusedattn.forward(q, k, v, None, False, -0.5)
+    for scale in (-0.5, 1e-39):  # negative; below FLT_MIN (flushed to 0 by the kernels' fast math)
+        with pytest.raises(RuntimeError, match=f"got head dim 128, scale {scale:g}"):
+            torch.ops.fusedattn.forward(q, k, v, None, False, scale)
 
 
 def test_sm90_strided_operands():

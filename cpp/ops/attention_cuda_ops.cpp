@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <iterator>
+#include <limits>
 #include <string>
 
 #include "../cuda/naive/softmax_rows.h"
@@ -67,15 +68,19 @@ bool one_of(int64_t head_dim, const int (&dims)[N]) {
 }
 
 // Without attn_mask the sm90 forward folds the scale into its exponent,
-// which needs scale > 0 (forward_kernel.cuh); other scales take sm80.
+// which needs a scale of at least FLT_MIN: below it the kernels' fast math
+// flushes the scale to 0, and 0 times a hidden score's -inf is NaN. Other
+// scales take sm80, which scales before it masks.
 bool use_sm90_forward(const ForwardParams& p) {
   const bool masked = p.mask.kind != MaskKind::None;
   const bool takes = one_of(p.shape.head_dim, cuda::kSm90HeadDims) &&
-                     (!masked || p.shape.head_dim == cuda::kSm90MaskedHeadDim) && (masked || p.scale > 0.0f);
+                     (!masked || p.shape.head_dim == cuda::kSm90MaskedHeadDim) &&
+                     (masked || p.scale >= std::numeric_limits<float>::min());
   return use_sm90(takes, [&] {
-    return "the sm90 forward takes head dims 64 and 128, attn_mask at head dim " +
-           std::to_string(cuda::kSm90MaskedHeadDim) + " only, and without a mask a scale > 0; got head dim " +
-           std::to_string(p.shape.head_dim) + (masked ? " with a mask" : ", scale " + std::to_string(p.scale));
+    return c10::str("the sm90 forward takes head dims 64 and 128, attn_mask at head dim ",
+                    cuda::kSm90MaskedHeadDim, " only, and without a mask a scale of at least ",
+                    std::numeric_limits<float>::min(), "; got head dim ", p.shape.head_dim,
+                    masked ? " with a mask" : c10::str(", scale ", p.scale));
   });
 }
 

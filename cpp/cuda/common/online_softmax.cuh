@@ -19,7 +19,8 @@ inline constexpr float kLn2 = 0.6931471805599453f;
 // and rescale[h] = 2^(m - m'), by which the caller multiplies the output rows
 // (rescale_rows) once no MMA is writing them. By default the tile holds c S
 // already. With RawScores it holds S and `scale_log2` is c, which must be
-// > 0: the max of S times c is the max of c S, and the exponent c S - m' is
+// a normal float > 0 (fast math flushes a denormal to 0, and 0 times a
+// hidden -inf is NaN): the max of S times c is the max of c S, and c S - m' is
 // one FFMA instead of a multiply and a subtract (the sm90 forward: about 16%
 // fewer softmax instructions).
 // l stays a per-thread partial sum over this thread's columns: quad_sum it at the end.

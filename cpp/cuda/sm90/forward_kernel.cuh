@@ -191,8 +191,8 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, IsCausal, HasMask>:
     }
   };
   // Without attn_mask the scores stay raw until the exponent, which takes
-  // the scale (> 0: use_sm90_forward) in one FFMA; a mask adds base-2 values,
-  // so masked calls scale first.
+  // the scale (>= FLT_MIN: use_sm90_forward) in one FFMA; a mask adds
+  // base-2 values, so masked calls scale first.
   auto softmax = [&](int j, float (&rescale)[2]) {
     const int col0 = j * kBlockN;
     const bool needs_masking = col0 + kBlockN > key_end || (IsCausal && col0 + kBlockN - 1 > wg_row0 + causal_offset);
