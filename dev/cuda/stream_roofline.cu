@@ -8,7 +8,10 @@
 // through a ring of `stages` buffers and touches 16 bytes of each tile once it
 // has landed (so nothing is optimised away). Load paths:
 //   cp.async    16-byte cp.async.cg by every thread, commit groups (the decode
-//               kernel's path before sm_90)
+//               kernel's path before sm_90); each refill after the wait for
+//               the tile, so one stage is idle while the block waits
+//   cp.async-early  the same, but the refill of the stage read last comes
+//               before the wait: every stage in flight while the block waits
 //   bulk-rows   one cp.async.bulk per 256-byte row, issued by the warps (its
 //               sm_90 path)
 //   bulk-tile   one cp.async.bulk per tile (a [B, H, N, d] cache's tile is 16
@@ -21,7 +24,8 @@
 // compute): how long may that work take before it, not the loads, sets the
 // rate?
 // "stages" counts ring buffers, as the decode kernel's kStages does: stages - 1
-// tiles are in flight while one is read (2 stages: no overlap at all).
+// tiles are in flight while one is read (2 stages: no overlap at all); with
+// cp.async-early all of them while the block waits.
 //
 //   nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
 //     dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o /tmp/stream_roofline
@@ -48,10 +52,11 @@ constexpr int kThreads = 128;
 constexpr int kRowBytes = kHeadDim * 2;
 constexpr int kTileBytes = kTileRows * kRowBytes;  // one K or V tile: 16 KB
 
-enum class Path { CpAsync, BulkRows, BulkTile, TmaTile };
+enum class Path { CpAsync, CpAsyncEarly, BulkRows, BulkTile, TmaTile };
 const char* path_name(Path p) {
   switch (p) {
     case Path::CpAsync: return "cp.async";
+    case Path::CpAsyncEarly: return "cp.async-early";
     case Path::BulkRows: return "bulk-rows";
     case Path::BulkTile: return "bulk-tile";
     default: return "tma-tile";
@@ -82,7 +87,8 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
   const int64_t last = first + per_split < tiles ? first + per_split : tiles;
   const int64_t head_offset = bh * a.seqlen * kRowBytes;
 
-  if (kPath != Path::CpAsync) {
+  constexpr bool kCpAsync = kPath == Path::CpAsync || kPath == Path::CpAsyncEarly;
+  if (!kCpAsync) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < kStages; ++s) mbarrier_init(&landed[s], kPath == Path::BulkRows ? kThreads / 32 : 1);
       mbarrier_init_fence();
@@ -96,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
     unsigned char* sv = sk + kTileBytes;
     const unsigned char* gk = a.k + head_offset + tile * kTileBytes;
     const unsigned char* gv = a.v + head_offset + tile * kTileBytes;
-    if constexpr (kPath == Path::CpAsync) {
+    if constexpr (kCpAsync) {
       for (int c = threadIdx.x; c < kTileBytes / 16; c += kThreads) {
         cp_async_16<128>(sk + 16 * c, gk + 16 * c, true);  // with the decode kernel's L2 prefetch
         cp_async_16<128>(sv + 16 * c, gv + 16 * c, true);
@@ -132,7 +138,14 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
   for (int64_t t = first; t < first + kStages - 1 && t < last; ++t) load(t);
   for (int64_t t = first; t < last; ++t) {
     const int stage = static_cast<int>((t - first) % kStages);
-    if constexpr (kPath == Path::CpAsync) {
+    if constexpr (kPath == Path::CpAsyncEarly) {
+      // Every thread is done with the stage tile t - 1 held, which the refill
+      // reuses; past the end an empty group keeps the wait count.
+      __syncthreads();
+      if (t + kStages - 1 < last) load(t + kStages - 1); else cp_async_commit();
+      cp_async_wait<kStages - 1>();
+      __syncthreads();
+    } else if constexpr (kPath == Path::CpAsync) {
       // Groups issued after tile t: min(kStages - 2, tiles left after t).
       if (last - 1 - t >= kStages - 2) cp_async_wait<kStages - 2>(); else cp_async_wait<0>();
       __syncthreads();
@@ -143,8 +156,8 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
     sum += reinterpret_cast<const float*>(tile)[threadIdx.x * 4] + reinterpret_cast<const float*>(tile + kTileBytes)[threadIdx.x * 4];
     // Every thread is done with the stage that load(t + kStages - 1) reuses.
     __syncthreads();
-    if (kPath != Path::CpAsync) fence_proxy_async_shared();
-    if (t + kStages - 1 < last) load(t + kStages - 1);
+    if (!kCpAsync) fence_proxy_async_shared();
+    if (kPath != Path::CpAsyncEarly && t + kStages - 1 < last) load(t + kStages - 1);
     if (a.delay_cycles > 0) {
       const long long until = clock64() + a.delay_cycles;
       while (clock64() < until) {
@@ -180,7 +193,7 @@ void run(const StreamArgs& base, int64_t seqlen, int splits, int sms, int64_t de
   cudaEventElapsedTime(&ms, start, stop);
   const cudaError_t err = cudaGetLastError();
   const double bytes = 2.0 * kBatch * kHeads * double(seqlen) * kRowBytes;
-  std::printf("| %-9s | %6lld | %d | %d | %2d | %4d | %5lld | %s |\n", path_name(kPath),
+  std::printf("| %-14s | %6lld | %d | %d | %2d | %4d | %5lld | %s |\n", path_name(kPath),
               static_cast<long long>(seqlen), kStages, per_sm, splits, (blocks + per_sm * sms - 1) / (per_sm * sms),
               static_cast<long long>(delay_cycles),
               err == cudaSuccess ? std::to_string(bytes * kRepeats / (ms * 1e-3) / 1e12).substr(0, 4).c_str()
@@ -228,6 +241,7 @@ int main() {
     }
     for (int splits : {1, 8}) {
       run_stages<Path::CpAsync>(a, n, splits, sms);
+      run_stages<Path::CpAsyncEarly>(a, n, splits, sms);
       run_stages<Path::BulkRows>(a, n, splits, sms);
       run_stages<Path::BulkTile>(a, n, splits, sms);
       run_stages<Path::TmaTile>(a, n, splits, sms);
@@ -235,6 +249,7 @@ int main() {
     // The decode kernel's configuration (3 stages, 2 blocks per SM) with work per tile.
     for (int64_t delay : {250, 500, 1000, 2000, 4000}) {
       run<Path::CpAsync, 3>(a, n, 1, sms, delay);
+      run<Path::CpAsyncEarly, 3>(a, n, 1, sms, delay);
       run<Path::BulkRows, 3>(a, n, 1, sms, delay);
     }
     cudaFree(k);
