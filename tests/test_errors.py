@@ -29,6 +29,8 @@ BAD_FORWARD = {
     "mask rank": (lambda q, k, v: fwd(q, k, v, torch.ones(1, 2, 4, 8, 10, dtype=torch.bool)), r"attn_mask must broadcast"),
     "mask dtype": (lambda q, k, v: fwd(q, k, v, torch.ones(8, 10, dtype=torch.int64)), r"attn_mask must be bool .* or floating point .*got Long"),
     "scale": (lambda q, k, v: fwd(q, k, v, None, False, float("nan")), r"scale must be finite"),
+    "huge scale": (lambda q, k, v: fwd(q, k, v, None, False, -1e300),
+                   r"scale must be finite and at most 2.35\d*e\+38 in magnitude, got -1e\+300"),
     "empty head dim": (lambda q, k, v: fwd(q[..., :0], k[..., :0], v[..., :0]), r"head dim d must be at least 1"),
     "no kv heads": (lambda q, k, v: fwd(q, k[:, :0], v[:, :0]), r"multiple of"),
 }

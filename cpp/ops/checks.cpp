@@ -150,7 +150,12 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
   TORCH_CHECK(dims.empty() || std::find(dims.begin(), dims.end(), q.size(3)) != dims.end(), op,
               ": on ", support.device_name, " the head dim must be one of ",
               c10::IntArrayRef(dims), "; got ", q.size(3));
-  if (scale) TORCH_CHECK(std::isfinite(*scale), op, ": scale must be finite, got ", *scale);
+  // The kernels work in float32 with the scale times log2(e): a larger one
+  // would be inf there and every output NaN.
+  constexpr double kMaxScale = 3.4028234663852886e38 / 1.4426950408889634;
+  if (scale)
+    TORCH_CHECK(std::isfinite(*scale) && std::abs(*scale) <= kMaxScale, op,
+                ": scale must be finite and at most ", kMaxScale, " in magnitude, got ", *scale);
 
   PreparedInputs in;
   in.q = as_kernel_operand(q, support);
