@@ -21,7 +21,9 @@ bool sm90_available();
 // Writes p.out and p.lse on `stream` and returns true; or returns false,
 // launching nothing, when the tensor memory accelerator cannot describe q, k
 // or v (see tensor_maps.h). p.dtype must be Float16 or BFloat16,
-// p.shape.head_dim one of kSm90HeadDims; a mask only at kSm90MaskedHeadDim.
+// p.shape.head_dim one of kSm90HeadDims; a mask only at kSm90MaskedHeadDim;
+// without a mask p.scale >= FLT_MIN (the kernel applies it in the exponent,
+// forward_kernel.cuh; use_sm90_forward sends other scales to sm80).
 bool forward_sm90(const ForwardParams& p, cudaStream_t stream);
 
 struct Sm90ForwardArgs;  // forward_kernel.cuh
