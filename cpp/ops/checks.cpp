@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 namespace fusedattn::ops {
@@ -152,7 +153,7 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
               c10::IntArrayRef(dims), "; got ", q.size(3));
   // The kernels work in float32 with the scale times log2(e): a larger one
   // would be inf there and every output NaN.
-  constexpr double kMaxScale = 3.4028234663852886e38 / 1.4426950408889634;
+  constexpr double kMaxScale = std::numeric_limits<float>::max() / 1.4426950408889634;  // log2(e)
   if (scale)
     TORCH_CHECK(std::isfinite(*scale) && std::abs(*scale) <= kMaxScale, op,
                 ": scale must be finite and at most ", kMaxScale, " in magnitude, got ", *scale);
