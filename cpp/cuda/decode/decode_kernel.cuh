@@ -133,11 +133,11 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   // lane's source pointers, which advance one tile per load; the sequence's
   // last tile takes load_rows_async, which zero-fills rows past the end.
   using Load = typename Tr::WarpLoad;
-  constexpr int kLaneRowStep = Load::kThreads / Load::kChunksPerRow;  // rows between a lane's copies
-  const int64_t lane_row = int64_t(tile_begin) * kBlockN + warp * 16 + lane / Load::kChunksPerRow;
-  const int lane_col = lane % Load::kChunksPerRow * 8;
-  const T* k_lane = k + lane_row * a.k_strides.row + lane_col;
-  const T* v_lane = v + lane_row * a.v_strides.row + lane_col;
+  constexpr int kLaneRowStep = RowChunk<Load>::kRowStep;  // rows between a lane's copies
+  const RowChunk<Load> chunk(lane);
+  const int64_t lane_row = int64_t(tile_begin) * kBlockN + warp * 16 + chunk.row;
+  const T* k_lane = k + lane_row * a.k_strides.row + chunk.col;
+  const T* v_lane = v + lane_row * a.v_strides.row + chunk.col;
   const int64_t k_lane_step = kLaneRowStep * a.k_strides.row, v_lane_step = kLaneRowStep * a.v_strides.row;
   const int64_t k_tile_step = kBlockN * a.k_strides.row, v_tile_step = kBlockN * a.v_strides.row;
   int load_stage = 0;  // the stage the next load fills
