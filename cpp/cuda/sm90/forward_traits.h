@@ -37,9 +37,11 @@ struct Sm90ForwardTraits {
   static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536,
                 "setmaxnreg would wait forever for registers the SM does not have");
   // Q, the K ring and the V ring, each slab 1024-byte aligned (the swizzle
-  // pattern's period); then the mbarriers; plus room to align the base.
+  // pattern's period); then the mbarriers (Q full and empty, and full and
+  // empty per stage of each ring) and the current item's index; plus room to
+  // align the base.
   static constexpr int kBarriersOffset = kQBytes + 2 * kStages * kTileBytes;
-  static constexpr int kSmemBytes = kBarriersOffset + (1 + 4 * kStages) * 8 + 1024;
+  static constexpr int kSmemBytes = kBarriersOffset + (2 + 4 * kStages) * 8 + 4 + 1024;
   static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of 64-column slabs");
 };
 
