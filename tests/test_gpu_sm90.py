@@ -66,6 +66,15 @@ def test_sm90_long_sequences(n, is_causal):
                     dtype=torch.bfloat16, is_causal=is_causal))
 
 
+@pytest.mark.parametrize("nq,nk", [(1000, 16500), (2100, 16384)])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_sm90_causal_wide_tiles(nq, nk, dtype):
+    """Causal calls from 16K keys take 176-key tiles at d=128 (forward_traits.h): the diagonal
+    inside a wide tile, and (16500 = 93 x 176 + 132) a last tile only partly filled."""
+    check_cuda(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=nq, seqlen_k=nk, head_dim=128,
+                    dtype=dtype, is_causal=True))
+
+
 def test_sm90_agrees_with_sm80(monkeypatch):
     case = Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=300, seqlen_k=517, head_dim=128,
                 dtype=torch.float16, is_causal=True)

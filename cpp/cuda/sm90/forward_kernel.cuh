@@ -1,8 +1,8 @@
 // The sm90 forward: FlashAttention with Hopper's machinery. A block owns 64
 // queries per consumer warpgroup (2 at d=128, 3 at d=64) of one head:
 //   producer (warpgroup 0): one thread issues tensor-memory-accelerator loads,
-//     Q once, then K and V tiles of kBlockN keys (176 at d=128 without causal
-//     or mask, else 128; forward_traits.h) into two-stage rings guarded by
+//     Q once, then K and V tiles of kBlockN keys (176 at d=128 without a
+//     mask, under causal from 16K keys; else 128; forward_traits.h) into two-stage rings guarded by
 //     mbarriers ("full" when the bytes landed, "empty" when every consumer
 //     warp is done reading); it gives its registers to the consumers (setmaxnreg).
 //   consumers (warpgroups 1, 2[, 3]): 64 queries each, and per key tile j
@@ -39,11 +39,11 @@
 
 namespace fusedattn::cuda {
 
-template <int HeadDim, typename T, bool IsCausal, bool HasMask>
-__global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, IsCausal, HasMask>::kThreads, 1)
+template <int HeadDim, int BlockN, typename T, bool IsCausal, bool HasMask>
+__global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 1)
     sm90_forward_kernel(const __grid_constant__ Sm90ForwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and setmaxnreg exist only in sm_90a code
-  using Tr = Sm90ForwardTraits<HeadDim, IsCausal, HasMask>;
+  using Tr = Sm90ForwardTraits<HeadDim, BlockN>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages;
   constexpr int kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
 
@@ -364,10 +364,10 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, IsCausal, HasMask>:
 #endif
 }
 
-template <int HeadDim, typename T, bool IsCausal, bool HasMask>
+template <int HeadDim, int BlockN, typename T, bool IsCausal, bool HasMask>
 void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream) {
-  using Tr = Sm90ForwardTraits<HeadDim, IsCausal, HasMask>;
-  auto kernel = sm90_forward_kernel<HeadDim, T, IsCausal, HasMask>;
+  using Tr = Sm90ForwardTraits<HeadDim, BlockN>;
+  auto kernel = sm90_forward_kernel<HeadDim, BlockN, T, IsCausal, HasMask>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90ForwardArgs launch_args = args;
   launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), IsCausal);
@@ -381,24 +381,36 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
+// The tile width follows sm90_forward_block_n, which the host's K/V tensor
+// maps were encoded with (sm90_dispatch.cu).
 template <int HeadDim, typename Element>
 void launch_forward_sm90(const Sm90ForwardArgs& args, cudaStream_t stream) {
-  const bool masked = args.p.mask.kind != MaskKind::None;
+  const ForwardParams& p = args.p;
+  const bool masked = p.mask.kind != MaskKind::None;
   if constexpr (kSm90MaskedHeadDim == HeadDim) {
     if (masked) {
-      if (args.p.is_causal)
-        launch_sm90_forward_kernel<HeadDim, Element, true, true>(args, stream);
+      constexpr int kMaskedN = sm90_forward_block_n(HeadDim, false, true, 0);
+      static_assert(kMaskedN == sm90_forward_block_n(HeadDim, true, true, kSm90CausalWideTileKeys));
+      if (p.is_causal)
+        launch_sm90_forward_kernel<HeadDim, kMaskedN, Element, true, true>(args, stream);
       else
-        launch_sm90_forward_kernel<HeadDim, Element, false, true>(args, stream);
+        launch_sm90_forward_kernel<HeadDim, kMaskedN, Element, false, true>(args, stream);
       return;
     }
   } else if (masked) {
     throw std::invalid_argument("fusedattn: the sm90 forward takes attn_mask at head dim 128 only");
   }
-  if (args.p.is_causal)
-    launch_sm90_forward_kernel<HeadDim, Element, true, false>(args, stream);
+  if (!p.is_causal) {
+    launch_sm90_forward_kernel<HeadDim, sm90_forward_block_n(HeadDim, false, false, 0), Element, false, false>(args,
+                                                                                                           stream);
+    return;
+  }
+  constexpr int kShortN = sm90_forward_block_n(HeadDim, true, false, 0);
+  constexpr int kLongN = sm90_forward_block_n(HeadDim, true, false, kSm90CausalWideTileKeys);
+  if (sm90_forward_block_n(HeadDim, true, false, p.shape.seqlen_k) == kLongN)
+    launch_sm90_forward_kernel<HeadDim, kLongN, Element, true, false>(args, stream);
   else
-    launch_sm90_forward_kernel<HeadDim, Element, false, false>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, kShortN, Element, true, false>(args, stream);
 }
 
 }  // namespace fusedattn::cuda

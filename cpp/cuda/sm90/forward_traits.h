@@ -4,27 +4,36 @@
 
 #include <cuda.h>
 
+#include <cstdint>
+
 #include "../common/block_order.h"
 #include "fusedattn/params.h"
 
 namespace fusedattn::cuda {
 
-// Keys per K/V tile. 176 at d=128 without causal or attn_mask (FA3's tile
-// there: a third fewer softmax rounds, barriers and turns per key; S takes 88
+// Keys per K/V tile. 176 at d=128 without attn_mask (FA3's tile there: a
+// third fewer softmax rounds, barriers and turns per key; S takes 88
 // registers); 128 elsewhere: with a mask the consumers spill (ptxas, 680
-// bytes), and under causal a wider tile masks more of the diagonal's work.
-constexpr int sm90_forward_block_n(int head_dim, bool is_causal, bool has_mask) {
-  return head_dim == 128 && !is_causal && !has_mask ? 176 : 128;
+// bytes). Causal calls take 176 from kSm90CausalWideTileKeys keys on: below,
+// the diagonal's partly hidden tiles (up to 176 + 127 keys of a block, against
+// 128 + 127) cost more than the rounds saved. Measured on the H200
+// (2026-11-30 19:05 UTC, 20 repeats, docs/cuda-notes.md): causal with 176
+// against 128 read 1.04 / 1.02 (fp16 / bf16) at 32K, 1.00 / 1.07 at 16K,
+// 1.00 at 8K, 0.98 / 1.01 at 4K and 0.80-1.00 at 1K-2K.
+inline constexpr int64_t kSm90CausalWideTileKeys = 16384;
+constexpr int sm90_forward_block_n(int head_dim, bool is_causal, bool has_mask, int64_t seqlen_k) {
+  if (head_dim != 128 || has_mask) return 128;
+  return !is_causal || seqlen_k >= kSm90CausalWideTileKeys ? 176 : 128;
 }
 
-template <int HeadDim, bool IsCausal, bool HasMask>
+template <int HeadDim, int BlockN>
 struct Sm90ForwardTraits {
   // Consumer warpgroups of 64 queries each: FA3's counts, 3 at d=64 (whose
   // S, P and O fit in 160 registers), 2 at d=128.
   static constexpr int kConsumers = HeadDim == 64 ? 3 : 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer
   static constexpr int kBlockM = 64 * kConsumers;
-  static constexpr int kBlockN = sm90_forward_block_n(HeadDim, IsCausal, HasMask);
+  static constexpr int kBlockN = BlockN;
   static constexpr int kStages = 2;                         // per ring (K and V)
   static constexpr int kSlabs = HeadDim / 64;               // 64-column swizzled slabs per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
@@ -43,6 +52,7 @@ struct Sm90ForwardTraits {
   static constexpr int kBarriersOffset = kQBytes + 2 * kStages * kTileBytes;
   static constexpr int kSmemBytes = kBarriersOffset + (2 + 4 * kStages) * 8 + 4 + 1024;
   static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of 64-column slabs");
+  static_assert(BlockN == 128 || (BlockN == 176 && HeadDim == 128), "S, P and O of a 176-key tile fit at d=128 only");
 };
 
 // The kernel's argument: the call's parameters, a tensor map per input and

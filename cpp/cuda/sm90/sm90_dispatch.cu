@@ -83,8 +83,8 @@ bool forward_sm90(const ForwardParams& p, cudaStream_t stream) {
     constexpr int kHeadDim = decltype(head_dim)::value;
     Sm90ForwardArgs args{};
     args.p = p;
-    if (!encode_operand_maps(args, Sm90ForwardTraits<kHeadDim, false, false>::kBlockM,
-                             sm90_forward_block_n(kHeadDim, p.is_causal, p.mask.kind != MaskKind::None)))
+    if (!encode_operand_maps(args, Sm90ForwardTraits<kHeadDim, 128>::kBlockM,
+                             sm90_forward_block_n(kHeadDim, p.is_causal, p.mask.kind != MaskKind::None, sh.seqlen_k)))
       return;
     launch_forward_sm90<kHeadDim, decltype(element)>(args, stream);
     launched = true;

@@ -2,8 +2,9 @@
 wip/sm90-n176): a producer thread loading Q once and K, V tiles of kBlockN keys into two-stage rings (full/empty
 mbarriers), and kConsumers consumer warpgroups (3 at d=64, 2 at d=128) that take turns issuing their wgmmas over named
 barriers 1..kConsumers (round robin; the last consumer gives the initial arrival and skips its final one).
-kBlockN = sm90_forward_block_n(HeadDim, IsCausal, HasMask) (forward_traits.h:16-18): 176 at d=128 without causal or
-attn_mask (QK^T by wgmma m64n176k16, PV over 11 k-steps), 128 elsewhere; the host encodes K/V boxes of that height
+kBlockN = sm90_forward_block_n(HeadDim, IsCausal, HasMask, Nk) (forward_traits.h on main since 2026-11-30 19:40): 176 at
+d=128 without attn_mask, under causal from CAUSAL_WIDE_TILE_KEYS keys (QK^T by wgmma m64n176k16, PV over 11 k-steps),
+128 elsewhere; the kernel takes it as its BlockN template argument and the host encodes K/V boxes of that height
 (sm90_dispatch.cu:79-81). Blocks map to (batch, head, query block) through BlockOrder::at<IsCausal>
 (common/block_order.h, made by make_query_block_order in launch_sm90_forward_kernel).
 
@@ -32,8 +33,14 @@ KLN2 = np.float32(0.6931471805599453)
 Hazard, Deadlock, Wait, Gen, MBarrier, Clocks = ws.Hazard, ws.Deadlock, ws.Wait, ws.Gen, ws.MBarrier, ws.Clocks
 
 
-def sm90_forward_block_n(head_dim, is_causal, has_mask):                 # forward_traits.h:16-18
-    return 176 if head_dim == 128 and not is_causal and not has_mask else 128
+CAUSAL_WIDE_TILE_KEYS = 16384  # forward_traits.h kSm90CausalWideTileKeys; a run may lower it to emulate the wide causal
+                               # kernel on small problems
+
+
+def sm90_forward_block_n(head_dim, is_causal, has_mask, seqlen_k=0):     # forward_traits.h sm90_forward_block_n
+    if head_dim != 128 or has_mask:
+        return 128
+    return 176 if not is_causal or seqlen_k >= CAUSAL_WIDE_TILE_KEYS else 128
 
 
 class Traits:                                                            # forward_traits.h:20-44
@@ -161,7 +168,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
     launch = launch or host_launch(G, kn)
     D = G["d"]
     IsCausal, HasMask = launch["inst"]
-    Tr = Traits(D, IsCausal, HasMask, kn.consumers, kn.block_n)                # :39
+    Tr = Traits(D, IsCausal, HasMask, kn.consumers, kn.block_n or launch["block_n"])   # :39 (BlockN: the launch's)
     kC, kBlockM, kBlockN, kStages = Tr.kConsumers, Tr.kBlockM, Tr.kBlockN, Tr.kStages   # :40
     kNTiles, kDTiles = kBlockN // 8, D // 8                               # :41
     NW = 4 * kC
@@ -701,12 +708,12 @@ def launch_instantiation(d, mask_kind, causal):
     return (causal, False)                                               # :319-322
 
 
-def host_box_heights(d, causal, mask_kind, consumers=None):
+def host_box_heights(d, causal, mask_kind, consumers=None, nk=0):
     """forward_sm90 (sm90_dispatch.cu:79-81): the box heights encode_operand_maps gives the Q map
     (Sm90ForwardTraits<kHeadDim, false, false>::kBlockM) and the K, V maps (sm90_forward_block_n(kHeadDim,
     p.is_causal, masked)). `consumers`: the traits' kConsumers changed on both sides (Knobs.consumers)."""
     masked = mask_kind != "none"
-    return Traits(d, False, False, consumers).kBlockM, sm90_forward_block_n(d, causal, masked)
+    return Traits(d, False, False, consumers).kBlockM, sm90_forward_block_n(d, causal, masked, nk)
 
 
 def host_launch(G, kn=None):
@@ -719,14 +726,15 @@ def host_launch(G, kn=None):
         return None
     assert max(G["nq"], G["nk"]) <= 2 ** 30                              # sm90_dispatch.cu:73 (else sm80 takes it)
     mask_kind = "none" if G.get("mask") is None else G["mask"]["kind"]
-    q_box, kv_box = host_box_heights(G["d"], G["causal"], mask_kind, kn.consumers)   # sm90_dispatch.cu:79-81
+    q_box, kv_box = host_box_heights(G["d"], G["causal"], mask_kind, kn.consumers, G["nk"])   # sm90_dispatch.cu:79-81
     inst = launch_instantiation(G["d"], mask_kind, G["causal"])
     if inst == "invalid_argument":
         raise ValueError("fusedattn: the sm90 forward takes attn_mask at head dim 128 only")
-    Tr = Traits(G["d"], inst[0], inst[1], kn.consumers, kn.block_n)     # :296
+    block_n = sm90_forward_block_n(G["d"], G["causal"], mask_kind != "none", G["nk"])   # launch_forward_sm90's BlockN
+    Tr = Traits(G["d"], inst[0], inst[1], kn.consumers, kn.block_n or block_n)     # :296
     assert Tr.kSmemBytes <= 227 * 1024                                   # :298 cudaFuncSetAttribute
     order = make_query_block_order(G, Tr.kBlockM, 2, inst[0])            # :300 (sizeof(T) = 2)
-    return dict(inst=inst, order=order, q_box=q_box, kv_box=kv_box, blocks=order.blocks(), traits=Tr)
+    return dict(inst=inst, order=order, q_box=q_box, kv_box=kv_box, blocks=order.blocks(), traits=Tr, block_n=block_n)
 
 
 # ============================================================ problem + driver
