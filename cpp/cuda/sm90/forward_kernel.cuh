@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
         load_tile(&args.v_map, sV, v_full, v_empty, n_tiles - 1);
         end_item_phases();
       }
-      index = gridDim.x + atomicAdd(p.work_counter, 1u);
+      index = warp_uniform(gridDim.x + atomicAdd(p.work_counter, 1u), 1u);
     }
   }
 
