@@ -107,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
   // stride of 0, say); the sm80 kernel takes those.
   bool on_sm90 = false;
   if (use_sm90_forward(in.params)) {
-    const at::Tensor work_counter = at::zeros({1}, q.options().dtype(at::kInt));
+    const at::Tensor work_counter = at::empty({1}, q.options().dtype(at::kInt));  // the launch zeroes it
     in.params.work_counter = reinterpret_cast<unsigned*>(work_counter.data_ptr<int>());
     on_sm90 = cuda::forward_sm90(in.params, stream);
   }

@@ -151,7 +151,9 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
         load_tile(&args.v_map, sV, v_full, v_empty, n_tiles - 1);
         end_item_phases();
       }
-      index = warp_uniform(gridDim.x + atomicAdd(p.work_counter, 1u), 1u);
+      if constexpr (!Tr::kPersistent) return;  // a block per item
+      // A grid smaller than the items takes the rest from the counter.
+      index = gridDim.x < n_items ? warp_uniform(gridDim.x + atomicAdd(p.work_counter, 1u), 1u) : n_items;
     }
   }
 
@@ -357,6 +359,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
         *reinterpret_cast<uint32_t*>(out + int64_t(r) * p.out_strides.row + dt * 8 + 2 * t) =
             pack2<T>(acc[dt][2 * h] * inv, acc[dt][2 * h + 1] * inv);
     }
+    if constexpr (!Tr::kPersistent) break;  // a block per item
   }
   if (consumer == 0) take_turn();
 #else
@@ -371,12 +374,19 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90ForwardArgs launch_args = args;
   launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), IsCausal);
-  // As many blocks as are resident at once (one per SM), or fewer items.
-  int device = 0, sms = 0, per_sm = 0;
-  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-  FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tr::kThreads, Tr::kSmemBytes));
-  const int64_t blocks = std::min<int64_t>(launch_args.order.blocks(), int64_t(sms) * std::max(per_sm, 1));
+  // Persistent: one block per SM (its shared memory leaves room for one),
+  // each taking items from the counter, zeroed here; else a block per item.
+  int64_t blocks = launch_args.order.blocks();
+  if constexpr (Tr::kPersistent) {
+    static_assert(2 * Tr::kSmemBytes > 227 * 1024, "one block per SM");
+    int device = 0, sms = 0;
+    FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+    FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (blocks > sms) {
+      blocks = sms;
+      FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(args.p.work_counter, 0, sizeof(unsigned), stream));
+    }
+  }
   kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(launch_args);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }

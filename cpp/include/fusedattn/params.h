@@ -65,8 +65,8 @@ struct ForwardParams {
   bool is_causal = false;
   MaskParams mask;
 
-  // Device workspace for the sm90 forward: one unsigned int, 0 at launch,
-  // from which its persistent blocks take work items.
+  // Device workspace for the sm90 forward: one unsigned int, from which its
+  // persistent blocks take work items (the launch zeroes it).
   unsigned* work_counter = nullptr;
 };
 
