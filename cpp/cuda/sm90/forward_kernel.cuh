@@ -291,7 +291,10 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
   if (last_consumer) pass_turn();
   for (uint32_t item = 0;; ++item) {
     mbarrier_wait(q_full, item & 1);
-    const unsigned index = *item_slot;
+    // Lane 0 reads it, the lane that later releases sQ (and the slot) for
+    // this warp: a read by another lane would not be ordered before that
+    // arrival (compute-sanitizer racecheck: WAR with the producer's write).
+    const unsigned index = __shfl_sync(0xffffffffu, lane == 0 ? *item_slot : 0u, 0);
     if (index >= n_items) break;
     begin_item(index);
     wg_row0 = row0 + 64 * consumer;
