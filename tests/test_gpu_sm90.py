@@ -45,6 +45,20 @@ def test_sm90_awkward_lengths(nq, nk, is_causal, head_dim, dtype):
                     dtype=dtype, is_causal=is_causal))
 
 
+@pytest.mark.parametrize("nq,nk", [(1000, 1000), (2000, 700)])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim,mask", [(64, "none"), (128, "none"), (128, "bool")])
+def test_sm90_blocks_take_many_items(nq, nk, is_causal, head_dim, mask):
+    """More query blocks than SMs (3 x 12 heads x 8-16 blocks), so every persistent block
+    takes several work items; under causal with Nq > Nk the first query blocks of each head
+    see no key, and their zero rows sit among the others. Two calls in a row: each starts
+    its own count of the items handed out."""
+    case = Case(batch=3, heads_q=12, heads_kv=4, seqlen_q=nq, seqlen_k=nk, head_dim=head_dim,
+                dtype=torch.bfloat16, is_causal=is_causal, mask=mask)
+    check_cuda(case)
+    check_cuda(case)
+
+
 @pytest.mark.parametrize("n", [4096, 8192])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_sm90_long_sequences(n, is_causal):

@@ -105,7 +105,12 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   // The sm90 kernel declines operands its tensor maps cannot describe (a
   // stride of 0, say); the sm80 kernel takes those.
-  const bool on_sm90 = use_sm90_forward(in.params) && cuda::forward_sm90(in.params, stream);
+  bool on_sm90 = false;
+  if (use_sm90_forward(in.params)) {
+    const at::Tensor work_counter = at::empty({1}, q.options().dtype(at::kInt));  // the launch zeroes it
+    in.params.work_counter = reinterpret_cast<unsigned*>(work_counter.data_ptr<int>());
+    on_sm90 = cuda::forward_sm90(in.params, stream);
+  }
   if (!on_sm90) {
     TORCH_CHECK(!forced_family_is("sm90"), "fusedattn: FUSEDATTN_KERNEL_FAMILY=sm90, but the tensor memory "
                 "accelerator cannot describe these q, k, v layouts (strides of 0 or not multiples of 16 bytes), or a "

@@ -47,7 +47,7 @@ struct BlockOrder {
     return {first_pair + within % group_pairs, Reverse ? blocks_per_pair - 1 - rank : rank};
   }
 
-  int64_t blocks() const { return int64_t(blocks_per_pair) * pairs; }
+  __host__ __device__ int64_t blocks() const { return int64_t(blocks_per_pair) * pairs; }
 };
 
 // The order of a launch. With `group_for_l2` (causal calls, whose blocks

@@ -23,7 +23,8 @@ bool sm90_available();
 // or v (see tensor_maps.h). p.dtype must be Float16 or BFloat16,
 // p.shape.head_dim one of kSm90HeadDims; a mask only at kSm90MaskedHeadDim;
 // without a mask p.scale >= FLT_MIN (the kernel applies it in the exponent,
-// forward_kernel.cuh; use_sm90_forward sends other scales to sm80).
+// forward_kernel.cuh; use_sm90_forward sends other scales to sm80);
+// p.work_counter a device unsigned int the call may use (it zeroes it first).
 bool forward_sm90(const ForwardParams& p, cudaStream_t stream);
 
 struct Sm90ForwardArgs;  // forward_kernel.cuh

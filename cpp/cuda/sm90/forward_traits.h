@@ -43,12 +43,21 @@ struct Sm90ForwardTraits {
   // 128 x 24 + 256 x 240 = 384 x 168 and 128 x 24 + 384 x 160 <= 512 x 128.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = kConsumers == 3 ? 160 : 240;
+  // Blocks that stay resident and take work items until none are left
+  // (forward_kernel.cuh) at d=128; at d=64 a block per item. Measured on the
+  // H200 (2026-11-30 19:37 UTC, 20 repeats, docs/cuda-notes.md): persistent
+  // d=128 read 1.01-1.09x at 2K-16K (0.87-0.88 at non-causal 1K, before the
+  // launch stopped asking for the occupancy and zeroing with a kernel); d=64
+  // 0.89-1.10x, below 0.96 at 7 of 24 points.
+  static constexpr bool kPersistent = HeadDim == 128;
   static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536,
                 "setmaxnreg would wait forever for registers the SM does not have");
   // Q, the K ring and the V ring, each slab 1024-byte aligned (the swizzle
-  // pattern's period); then the mbarriers; plus room to align the base.
+  // pattern's period); then the mbarriers (Q full and empty, and full and
+  // empty per stage of each ring) and the current item's index; plus room to
+  // align the base.
   static constexpr int kBarriersOffset = kQBytes + 2 * kStages * kTileBytes;
-  static constexpr int kSmemBytes = kBarriersOffset + (1 + 4 * kStages) * 8 + 1024;
+  static constexpr int kSmemBytes = kBarriersOffset + (2 + 4 * kStages) * 8 + 4 + 1024;
   static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of 64-column slabs");
   static_assert(BlockN == 128 || (BlockN == 176 && HeadDim == 128), "S, P and O of a 176-key tile fit at d=128 only");
 };

@@ -25,4 +25,14 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// x, the same in every thread of `lanes`, as the compiler's uniform datapath
+// sees it: redux.sync writes a uniform register, so what is computed from the
+// result (wgmma descriptors, TMA coordinates) stays there instead of being
+// moved over with R2UR before each use.
+__device__ __forceinline__ unsigned warp_uniform(unsigned x, unsigned lanes) {
+  unsigned r;
+  asm volatile("redux.sync.max.u32 %0, %1, %2;\n" : "=r"(r) : "r"(x), "r"(lanes));
+  return r;
+}
+
 }  // namespace fusedattn::cuda

@@ -64,6 +64,10 @@ struct ForwardParams {
   float scale = 1.0f;
   bool is_causal = false;
   MaskParams mask;
+
+  // Device workspace for the sm90 forward: one unsigned int, from which its
+  // persistent blocks take work items (the launch zeroes it).
+  unsigned* work_counter = nullptr;
 };
 
 struct BackwardParams {
