@@ -1,6 +1,7 @@
 """Small CUDA calls for compute-sanitizer (memcheck, racecheck): the forward
 and backward for every head dim, dtype, mask kind, causal, and sizes that end
-mid-tile, and backward walks of several steps per key block;
+mid-tile, and backward walks of several steps per key block; a forward with
+several work items per persistent block;
 forward_kvcache with and without appends, one and several splits, empty
 caches, float16 and bfloat16, and a sequence whose length does not fit.
 Run: compute-sanitizer --tool memcheck python3 scripts/sanitizer_cases.py"""
@@ -32,6 +33,16 @@ for head_dim in (32, 64, 128):
             q, k, v, _ = make_inputs(case, "cuda")
             out, lse = torch.ops.fusedattn.forward(q, k, v, None, causal, None)
             torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, causal, None)
+
+# More query blocks than SMs (2 x 72 heads x 2 blocks = 288 items): the
+# persistent sm90 forward's blocks take several items each, and under causal
+# with Nq > Nk some items see no key (racecheck found a WAR on the item slot
+# here, 2026-11-30).
+for causal, seqlen_k in ((False, 300), (True, 100)):
+    case = Case(batch=2, heads_q=72, heads_kv=24, seqlen_q=256, seqlen_k=seqlen_k, head_dim=128,
+                dtype=torch.float16, mask="none", is_causal=causal)
+    q, k, v, _ = make_inputs(case, "cuda")
+    torch.ops.fusedattn.forward(q, k, v, None, causal, None)
 
 import os  # noqa: E402
 
