@@ -49,7 +49,7 @@ def test_sm90_awkward_lengths(nq, nk, is_causal, head_dim, dtype):
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim,mask", [(64, "none"), (128, "none"), (128, "bool")])
 def test_sm90_blocks_take_many_items(nq, nk, is_causal, head_dim, mask):
-    """More query blocks than SMs (3 x 12 heads x 8-16 blocks), so every persistent block
+    """More query blocks than SMs (3 x 12 heads x 6-16 blocks), so at d=128 every persistent block
     takes several work items; under causal with Nq > Nk the first query blocks of each head
     see no key, and their zero rows sit among the others. Two calls in a row: each starts
     its own count of the items handed out."""
@@ -66,13 +66,15 @@ def test_sm90_long_sequences(n, is_causal):
                     dtype=torch.bfloat16, is_causal=is_causal))
 
 
-@pytest.mark.parametrize("nq,nk", [(1000, 16500), (2100, 16384)])
+@pytest.mark.parametrize("batch,heads_q,heads_kv,nq,nk", [(1, 2, 1, 1000, 16500), (1, 2, 1, 2100, 16384),
+                                                         (2, 36, 4, 300, 16500)])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-def test_sm90_causal_wide_tiles(nq, nk, dtype):
+def test_sm90_causal_wide_tiles(batch, heads_q, heads_kv, nq, nk, dtype):
     """Causal calls from 16K keys take 176-key tiles at d=128 (forward_traits.h): the diagonal
-    inside a wide tile, and (16500 = 93 x 176 + 132) a last tile only partly filled."""
-    check_cuda(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=nq, seqlen_k=nk, head_dim=128,
-                    dtype=dtype, is_causal=True))
+    inside a wide tile, and (16500 = 93 x 176 + 132) a last tile only partly filled; the last
+    case has 216 query blocks, so the persistent blocks take several each."""
+    check_cuda(Case(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=nq, seqlen_k=nk,
+                    head_dim=128, dtype=dtype, is_causal=True))
 
 
 def test_sm90_agrees_with_sm80(monkeypatch):

@@ -76,6 +76,7 @@ bool sm90_available() {
 bool forward_sm90(const ForwardParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
   if (sh.batch * sh.heads_q == 0 || sh.seqlen_q == 0) return true;
+  if (p.work_counter == nullptr) throw std::invalid_argument("fusedattn: forward_sm90 needs p.work_counter");
   // The kernel does row arithmetic in int (and TMA coordinates are int).
   if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30)) return false;
   bool launched = false;
