@@ -1,22 +1,35 @@
-"""Emulation of the warp-specialised sm90 forward (cpp/cuda/sm90/forward_kernel.cuh @ c1dfc5c, branch
-wip/sm90-n176): a producer thread loading Q once and K, V tiles of kBlockN keys into two-stage rings (full/empty
-mbarriers), and kConsumers consumer warpgroups (3 at d=64, 2 at d=128) that take turns issuing their wgmmas over named
-barriers 1..kConsumers (round robin; the last consumer gives the initial arrival and skips its final one).
-kBlockN = sm90_forward_block_n(HeadDim, IsCausal, HasMask, Nk) (forward_traits.h on main since 2026-11-30 19:40): 176 at
-d=128 without attn_mask, under causal from CAUSAL_WIDE_TILE_KEYS keys (QK^T by wgmma m64n176k16, PV over 11 k-steps),
-128 elsewhere; the kernel takes it as its BlockN template argument and the host encodes K/V boxes of that height
-(sm90_dispatch.cu:79-81). Blocks map to (batch, head, query block) through BlockOrder::at<IsCausal>
-(common/block_order.h, made by make_query_block_order in launch_sm90_forward_kernel).
+"""Emulation of the warp-specialised sm90 forward (cpp/cuda/sm90/forward_kernel.cuh on main @ 7355d70, the kernel as
+of 0351716: persistent blocks at d=128): a producer thread loading, per work item, Q and K, V tiles of kBlockN keys into
+two-stage rings (full/empty mbarriers), and kConsumers consumer warpgroups (3 at d=64, 2 at d=128) that take turns
+issuing their wgmmas over named barriers 1..kConsumers (round robin; the last consumer gives the initial arrival,
+every turn ends with an arrival, consumer 0 takes one extra turn after its last item).
+Work items are query blocks in BlockOrder::at<IsCausal> order (common/block_order.h, made by make_query_block_order
+in launch_sm90_forward_kernel). At d=128 (forward_traits.h:52 kPersistent) the grid is min(items, SM count) blocks
+(G["sms"], SM_COUNT = 132 by default; tests use 1-3 to keep emulation fast): a block's first item is blockIdx.x,
+later ones gridDim.x + atomicAdd(p.work_counter, 1) (a Counter the launch zeroes with cudaMemsetAsync only when the
+grid is smaller than the items; such blocks then run concurrently under one scheduler), and the producer hands each
+item's index to the consumers through a shared-memory slot guarded by q_full / q_empty (n_items: the end of the
+work). Every item starts at ring stage 0 with per-stage phase bits carried across items (`phases`, end_item_phases);
+items without keys (causal Nq > Nk) get a plain q_full arrival and an immediate q_empty release. At d=64 a block per
+item (the producer returns, the consumers break after one item).
+kBlockN = sm90_forward_block_n(HeadDim, IsCausal, HasMask, Nk) (forward_traits.h:24-27): 176 at d=128 without
+attn_mask, under causal from CAUSAL_WIDE_TILE_KEYS keys, 128 elsewhere; the kernel takes it as its BlockN template
+argument and the host encodes K/V boxes of that height (sm90_dispatch.cu:86-87).
 
 Reuses the rung-2 backward's machinery (backward_ws_emu.py): every warp, the producer thread and every TMA copy is a
 coroutine under a seeded random scheduler with skewed speeds; shared memory carries the vector-clock race detector
 (mbarrier phases, bar.sync/bar.arrive, wgmma issue/wait); TMA 4-D boxes zero-filled outside (d, N, H, B); wgmma
 executed by ptx_model (descriptors, absolute 128B swizzle, CLayout/ALayout fragments, shape validity). Added here: a
-named-barrier model with bar.arrive (counts, generations, arrivals left at exit), a stage oracle (a ring stage
-overwritten before all 4 kConsumers warps released it), per-element write accounting of out and lse, per-phase
-expect-tx vs delivered-bytes accounting of every full barrier.
+named-barrier model with bar.arrive (counts, generations, arrivals left at exit), a stage oracle (a ring stage or sQ
+overwritten, or the item slot rewritten, before all 4 kConsumers warps released the previous use; a full barrier
+passed before its copies landed; producer and consumers disagreeing on a load's stage), per-element write accounting
+of out and lse, per-item/per-tile expect-tx vs delivered-bytes accounting of every full barrier, the item slot as
+race-checked shared memory (written by the producer, read by lane 0 of each consumer warp; warp granularity, so a
+read by another lane is not told apart), and the work counter (every item taken exactly once, atomics only on a
+zeroed counter and none in a grid of one block per item). acc, m_i and l_i start as NaN (uninitialised) until each
+item's reset.
 
-Line numbers (":NN") refer to forward_kernel.cuh @ c1dfc5c unless another file is named.
+Line numbers (":NN") refer to forward_kernel.cuh @ 7355d70 unless another file is named.
 """
 import random
 
@@ -43,12 +56,12 @@ def sm90_forward_block_n(head_dim, is_causal, has_mask, seqlen_k=0):     # forwa
     return 176 if not is_causal or seqlen_k >= CAUSAL_WIDE_TILE_KEYS else 128
 
 
-class Traits:                                                            # forward_traits.h:20-44
+class Traits:                                                            # forward_traits.h:29-63
     def __init__(self, D, is_causal=False, has_mask=False, consumers=None, block_n=None):
         self.kConsumers = consumers or (3 if D == 64 else 2)
         self.kThreads = 128 * (1 + self.kConsumers)
         self.kBlockM = 64 * self.kConsumers
-        # block_n: a negative-control override only (Knobs.block_n); the kernel's value is the function's
+        # block_n: the BlockN template argument (launch_forward_sm90), or a negative-control override (Knobs.block_n)
         self.kBlockN = block_n or sm90_forward_block_n(D, is_causal, has_mask)
         self.kStages = 2
         self.kSlabs = D // 64
@@ -56,10 +69,11 @@ class Traits:                                                            # forwa
         self.kTileBytes = self.kBlockN * D * 2
         self.kProducerRegisters = 24
         self.kConsumerRegisters = 160 if self.kConsumers == 3 else 240
-        assert 128 * self.kProducerRegisters + 128 * self.kConsumers * self.kConsumerRegisters <= 65536   # :37-38
-        self.kBarriersOffset = self.kQBytes + 2 * self.kStages * self.kTileBytes
-        self.kSmemBytes = self.kBarriersOffset + (1 + 4 * self.kStages) * 8 + 1024
-        assert D in (64, 128)                                            # :43
+        self.kPersistent = D == 128                                      # :52
+        assert 128 * self.kProducerRegisters + 128 * self.kConsumers * self.kConsumerRegisters <= 65536   # :53-54
+        self.kBarriersOffset = self.kQBytes + 2 * self.kStages * self.kTileBytes   # :59
+        self.kSmemBytes = self.kBarriersOffset + (2 + 4 * self.kStages) * 8 + 4 + 1024   # :60 (+ the item slot)
+        assert D in (64, 128)                                            # :61
 
 
 # ============================================================ block order (common/block_order.h @ a91ea4f)
@@ -83,6 +97,7 @@ class BlockOrder:                                                        # block
         return self.blocks_per_pair * self.pairs
 
 
+SM_COUNT = 132                          # cudaDevAttrMultiProcessorCount of an H200; G["sms"] overrides
 L2_BYTES_H200 = 50 * 1024 * 1024        # cudaDevAttrL2CacheSize of an H100/H200 (GH100: 50 MiB); G["l2_bytes"] overrides
 
 
@@ -108,28 +123,39 @@ class Knobs:
     """Negative-control knobs; every default is the kernel's code."""
     def __init__(self, **kw):
         self.consumers = kw.get("consumers", None)                 # traits: 3 at d=64, 2 at d=128
-        self.initial_by = kw.get("initial_by", None)               # :234 last consumer (None) or this one
-        self.final_skip = kw.get("final_skip", True)               # :268 if (!last_consumer)
-        self.next_turn = kw.get("next_turn", None)                 # :131 1 + (c + 1) % kC
-        self.q_slab = kw.get("q_slab", None)                       # :142 consumer * 64 * 128
-        self.q_box_rows = kw.get("q_box_rows", None)               # sm90_dispatch.cu:79 box height = kBlockM
-        self.visible_plus = kw.get("visible_plus", 1)              # :208 ... - col0 + 1
-        self.needs_masking = kw.get("needs_masking", None)         # :194 (None: kernel) or a replacement fn
-        self.mask_mode = kw.get("mask_mode", "visible")            # "visible" (:200-216) or "old" (051b261)
-        self.empty_xor = kw.get("empty_xor", 1)                    # :95
-        self.empty_count = kw.get("empty_count", None)             # :74 4 * kConsumers
-        self.release_k_early = kw.get("release_k_early", False)    # :256 moved above :254 wait<1>
-        self.wait1 = kw.get("wait1", 1)                            # :254 wgmma_wait<1>
+        self.initial_by = kw.get("initial_by", None)               # :291 last consumer (None) or this one
+        self.final_skip = kw.get("final_skip", False)              # :343 (True: c1dfc5c's `if (!last_consumer)`)
+        self.next_turn = kw.get("next_turn", None)                 # :181 1 + (c + 1) % kC
+        self.q_slab = kw.get("q_slab", None)                       # :192 consumer * 64 * 128
+        self.q_box_rows = kw.get("q_box_rows", None)               # sm90_dispatch.cu:86 box height = kBlockM
+        self.visible_plus = kw.get("visible_plus", 1)              # :264 ... - col0 + 1
+        self.needs_masking = kw.get("needs_masking", None)         # :248 (None: kernel) or a replacement fn
+        self.mask_mode = kw.get("mask_mode", "visible")            # "visible" (:256-272) or "old" (051b261)
+        self.empty_xor = kw.get("empty_xor", 1)                    # :126 phase(j) ^ 1
+        self.empty_count = kw.get("empty_count", None)             # :105, :109-110 4 * kConsumers
+        self.release_k_early = kw.get("release_k_early", False)    # :330 moved above :328 wait<1>
+        self.wait1 = kw.get("wait1", 1)                            # :328 wgmma_wait<1>
         self.tma_late = kw.get("tma_late", 0.0)
         # the key tile (c1dfc5c): every default is the kernel's / host's code
-        self.block_n = kw.get("block_n", None)                     # :40 kBlockN (None: sm90_forward_block_n)
-        self.kv_box_rows = kw.get("kv_box_rows", None)             # sm90_dispatch.cu:80 K/V box height
-        self.k_desc_rows = kw.get("k_desc_rows", None)             # :143 k_major_descriptor(k_tile, kBlockN, kk)
-        self.v_desc_rows = kw.get("v_desc_rows", None)             # :155 mn_major_descriptor(v_tile, kBlockN, kk)
-        self.tile_expect = kw.get("tile_expect", None)             # :96 expect kTileBytes
-        self.pv_steps = kw.get("pv_steps", None)                   # :154 kBlockN / 16 k-steps of P V
-        # attn_mask (:161-191, :217): "kernel", or a broken variant for negative controls
+        self.block_n = kw.get("block_n", None)                     # :47 kBlockN (None: the launch's BlockN)
+        self.kv_box_rows = kw.get("kv_box_rows", None)             # sm90_dispatch.cu:87 K/V box height
+        self.k_desc_rows = kw.get("k_desc_rows", None)             # :193 k_major_descriptor(k_tile, kBlockN, kk)
+        self.v_desc_rows = kw.get("v_desc_rows", None)             # :205 mn_major_descriptor(v_tile, kBlockN, kk)
+        self.tile_expect = kw.get("tile_expect", None)             # :127 expect kTileBytes
+        self.pv_steps = kw.get("pv_steps", None)                   # :204 kBlockN / 16 k-steps of P V
+        # attn_mask (:215-242, :273-274): "kernel", or a broken variant for negative controls
         self.mask_variant = kw.get("mask_variant", "kernel")
+        # persistent blocks (0351716): every default is the kernel's / host's code
+        self.persistent = kw.get("persistent", None)               # forward_traits.h:52 kPersistent (None: traits)
+        self.q_release = kw.get("q_release", "kernel")             # :317/:331 q_empty after the wait completing the
+        #   item's last S; "early": before that wait; "first": after S_0 whatever n_tiles
+        self.slot_before_wait = kw.get("slot_before_wait", False)  # :134-135 slot written before the q_empty wait
+        self.q_empty_wait = kw.get("q_empty_wait", True)           # :134 the producer's q_empty wait
+        self.extra_turn = kw.get("extra_turn", True)               # :367 consumer 0's extra turn
+        self.carry_phases = kw.get("carry_phases", True)           # :97-101, :152, :347 end_item_phases
+        self.q_full_parity = kw.get("q_full_parity", None)         # :293 item & 1 (None) or fn(item)
+        self.memset = kw.get("memset", True)                       # :390 cudaMemsetAsync of the counter
+        self.sentinel = kw.get("sentinel", True)                   # :136-139 the n_items slot and its q_full arrival
         self.tags = kw.get("tags", False)
         self.stats = kw.get("stats", None)
 
@@ -161,49 +187,138 @@ class NamedBarriers:
         return {b: c for b, c in self.count.items() if c}
 
 
-def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, dyn_base=0, launch=None):
-    """One CTA of sm90_forward_kernel<HeadDim, T, IsCausal, HasMask> (forward_kernel.cuh:35-292); `launch` is what
-    host_launch returns (the instantiation, its block order and the tensor maps' box heights)."""
+class Counter:
+    """p.work_counter: one device unsigned that attention_cuda_ops.cpp:110 allocates uninitialised (at::empty);
+    launch_sm90_forward_kernel zeroes it (cudaMemsetAsync, :390) only when the grid is smaller than the items."""
+    POISON = 0x5EEDF00D
+
+    def __init__(self):
+        self.value, self.zeroed, self.adds = self.POISON, False, 0
+
+    def atomic_add(self, x):                                              # atomicAdd(unsigned*, unsigned): old value
+        old = self.value
+        self.value = (old + x) & 0xFFFFFFFF
+        self.adds += 1
+        return old
+
+
+class Agents(dict):
+    """The scheduler's agents; TMA copies join while it runs (their names queue in `fresh`)."""
+    def __init__(self):
+        super().__init__()
+        self.fresh = []
+
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v)
+        self.fresh.append(k)
+
+
+def schedule(agents, rng, max_steps=10 ** 7):
+    """backward_ws_emu.schedule's rule (each agent a random speed in [0.01, 1], log-uniform; the next agent drawn
+    among the ready ones by speed; Deadlock when none can move), admitting new agents from Agents.fresh."""
+    speed, waits, live = {}, {}, {}
+
+    def admit():
+        for k in agents.fresh:
+            live[k], waits[k], speed[k] = agents[k], None, 10 ** rng.uniform(-2, 0)
+        agents.fresh.clear()
+    admit()
+    for _ in range(max_steps):
+        if not live:
+            return
+        ready = [a for a in live if waits[a] is None or waits[a].ready()]
+        if not ready:
+            raise Deadlock("; ".join("%s waits %s" % (a, waits[a].what) for a in live))
+        a = rng.choices(ready, weights=[speed[x] for x in ready])[0]
+        if waits[a] is not None:
+            waits[a].acquire()
+        try:
+            waits[a] = next(live[a])
+        except StopIteration:
+            del live[a]
+            del waits[a]
+        admit()
+    raise Deadlock("step limit")
+
+
+def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, dyn_base=0, launch=None,
+              agents=None, counter=None, tma_bound=None):
+    """One CTA (blockIdx.x = bx) of sm90_forward_kernel<HeadDim, BlockN, T, IsCausal, HasMask>
+    (forward_kernel.cuh:42-371); `launch` is what host_launch returns (instantiation, block order, box heights, grid,
+    persistence). With `agents` (an Agents) the block's coroutines join it, named "b<bx>:...", and the caller
+    schedules them (blocks of one launch that share the work counter) and then calls the returned finish(), which
+    runs the exit checks and returns the block's RaceSmem; without, the block runs alone and its RaceSmem returns."""
     kn = kn or Knobs()
     launch = launch or host_launch(G, kn)
+    alone = agents is None
+    if alone:
+        agents = Agents()
+    counter = counter or Counter()
     D = G["d"]
     IsCausal, HasMask = launch["inst"]
-    Tr = Traits(D, IsCausal, HasMask, kn.consumers, kn.block_n or launch["block_n"])   # :39 (BlockN: the launch's)
-    kC, kBlockM, kBlockN, kStages = Tr.kConsumers, Tr.kBlockM, Tr.kBlockN, Tr.kStages   # :40
-    kNTiles, kDTiles = kBlockN // 8, D // 8                               # :41
+    Tr = Traits(D, IsCausal, HasMask, kn.consumers, kn.block_n or launch["block_n"])   # :46 (BlockN: the launch's)
+    kC, kBlockM, kBlockN, kStages = Tr.kConsumers, Tr.kBlockM, Tr.kBlockN, Tr.kStages   # :47
+    kNTiles, kDTiles = kBlockN // 8, D // 8                               # :48
+    persistent = launch["persistent"]                                     # Tr::kPersistent (or Knobs.persistent)
+    grid = launch["grid"]                                                 # gridDim.x
+    order = launch["order"]
+    n_items = order.blocks()                                              # :67
     NW = 4 * kC
     assert NW <= MAXWARPS
-    assert Tr.kSmemBytes <= 227 * 1024     # cudaFuncSetAttribute(MaxDynamicSharedMemorySize) limit on sm_90 (:298)
+    assert Tr.kSmemBytes <= 227 * 1024     # cudaFuncSetAttribute(MaxDynamicSharedMemorySize) limit on sm_90 (:377)
     assert 128 * Tr.kProducerRegisters + 128 * kC * Tr.kConsumerRegisters <= 65536
+    pre = "b%d:" % bx
 
     smem_ = ws.RaceSmem()
-    base = ((be.WINDOW + dyn_base + 1023) & ~1023) - be.WINDOW            # :42
-    sQ = base
-    sK = sQ + Tr.kQBytes
-    sV = sK + kStages * Tr.kTileBytes
-    bars_at = base + Tr.kBarriersOffset
-    assert bars_at + (1 + 4 * kStages) * 8 <= dyn_base + Tr.kSmemBytes and bars_at % 8 == 0
+    base = ((be.WINDOW + dyn_base + 1023) & ~1023) - be.WINDOW            # :51
+    sQ = base                                                             # :52
+    sK = sQ + Tr.kQBytes                                                  # :53
+    sV = sK + kStages * Tr.kTileBytes                                     # :54
+    bars_at = base + Tr.kBarriersOffset                                   # :55-60
+    slot_at = bars_at + (2 + 4 * kStages) * 8                             # :63 item_slot = v_empty + kStages
+    assert slot_at + 4 <= dyn_base + Tr.kSmemBytes and bars_at % 8 == 0 and slot_at % 4 == 0
 
     nq, nk, hq, hkv = G["nq"], G["nk"], G["hq"], G["hkv"]
-    pair, qblock = launch["order"].at(IsCausal, bx)                      # :56 args.order.at<IsCausal>(blockIdx.x)
-    batch, head = pair // hq, pair % hq                                   # :57-58 (unsigned)
-    head_kv = head // (hq // hkv)                                         # :59
-    row0 = qblock * kBlockM                                               # :63
-    rows = min(kBlockM, nq - row0)                                        # :64
-    causal_offset = nk - nq                                               # :65
-    key_end = max(0, min(nk, row0 + rows + causal_offset)) if IsCausal else nk   # :66
-    n_tiles = (key_end + kBlockN - 1) // kBlockN                          # :67
-    for v in (row0, rows, causal_offset, key_end, row0 + rows + causal_offset, batch, head, qblock):
-        assert -2 ** 31 <= v < 2 ** 31, "int overflow"
-    assert 0 <= batch < G["B"] and 0 <= row0 < nq and rows > 0, "block outside the problem"
-    if proto is not None:
-        proto["n_tiles"] = n_tiles
-        proto["block"] = (batch, head, row0)
+    causal_offset = nk - nq                                               # :73
 
-    n_tma = Tr.kSlabs * (1 + 2 * n_tiles) + 4
+    class Item:                                                           # begin_item (:76-85)
+        def __init__(self, index):
+            pair, qblock = order.at(IsCausal, index)                      # :77 args.order.at<IsCausal>(index)
+            self.index = index
+            self.batch, self.head = pair // hq, pair % hq                 # :78-79 (unsigned)
+            self.head_kv = self.head // (hq // hkv)                       # :80
+            self.row0 = qblock * kBlockM                                  # :81
+            self.rows = min(kBlockM, nq - self.row0)                      # :82
+            self.key_end = max(0, min(nk, self.row0 + self.rows + causal_offset)) if IsCausal else nk   # :83
+            self.n_tiles = (self.key_end + kBlockN - 1) // kBlockN        # :84
+            for v in (self.row0, self.rows, causal_offset, self.key_end, self.row0 + self.rows + causal_offset,
+                      self.batch, self.head, qblock):
+                assert -2 ** 31 <= v < 2 ** 31, "int overflow"
+            assert 0 <= self.batch < G["B"] and 0 <= self.row0 < nq and self.rows > 0, "item outside the problem"
+
+    def phase_fns():
+        """`phases`, phase(j), end_item_phases (:94-101): per thread, the same arithmetic in both roles."""
+        st = [0]
+
+        def phase(j):
+            return ((st[0] >> (j % kStages)) ^ (j // kStages)) & 1
+
+        def end_item(n_tiles):
+            if not kn.carry_phases:
+                return
+            for s_ in range(kStages):
+                if ((n_tiles + kStages - 1 - s_) // kStages) & 1:
+                    st[0] ^= 1 << s_
+        return phase, end_item
+
+    if proto is not None:
+        proto["items"] = []
+
+    n_tma = tma_bound if tma_bound is not None else Tr.kSlabs * (1 + 2 * Item(bx).n_tiles) + 4
     NC = 1 + MAXWARPS + n_tma
     clocks = Clocks(NC)
-    q_full = MBarrier("q_full", 1)                                        # :70-76
+    q_full = MBarrier("q_full", 1)                                        # :104-111
+    q_empty = MBarrier("q_empty", kn.empty_count or 4 * kC)
     k_full = [MBarrier("k_full%d" % s, 1) for s in range(kStages)]
     v_full = [MBarrier("v_full%d" % s, 1) for s in range(kStages)]
     ecount = kn.empty_count or 4 * kC
@@ -212,18 +327,25 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
     nb = NamedBarriers()
     start = np.ones(NC, np.int64)
     for a in range(1 + MAXWARPS):
-        clocks.new(a, start)                                              # __syncthreads :79
+        clocks.new(a, start)                                              # __syncthreads :114
 
     regs_log = {}
-    agents = {}
     next_tma = [1 + MAXWARPS]
-    landed = {}       # (ring, j) -> copies landed
-    released = {}     # (ring, j) -> set of warps that released it
+    ALL = set(range(1, 1 + NW))
+    # Oracle bookkeeping, counted independently by each side (not through the kernel's stage/phase arithmetic):
+    # the producer's n-th load of ring r is load (r, n); a consumer warp's n-th full wait / n-th release of ring r
+    # refers to load (r, n); Q and the item slot by the loop's item count.
+    landed = {}       # ("k"|"v", n) / ("q", item) -> copies landed
+    released = {}     # ("k"|"v", n) / ("q", item) -> set of warps that released it
+    load_stage = {}   # ("k"|"v", n) -> the stage the producer loaded it into
+    last_load = {}    # (ring, stage) -> the producer's latest load n into it
+    expected, delivered = {}, {}   # (ring, item, j) -> bytes announced by expect-tx / completed by the boxes
 
     # ---------------------------------------------------------------- TMA
-    def tma(dst_bytes_fn, bar, nbytes, what, ring, j):
+    def tma(dst_bytes_fn, bar, nbytes, what, lkey, dkey, need, prev):
         k = next_tma[0]
         next_tma[0] += 1
+        assert k < NC, "more TMA copies than the clock bound"
         vc = clocks.new(k, clocks.vc[0])
 
         def body():
@@ -231,20 +353,19 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                 yield None
             yield None
             addr, data = dst_bytes_fn()
-            if oracle is not None and ring in ("k", "v") and j >= kStages:
-                if released.get((ring, j - kStages), set()) != set(range(1, 1 + NW)):
-                    oracle.append("TMA %s tile %d into stage %d before all %d warps released tile %d (%d did)"
-                                  % (ring, j, j % kStages, NW, j - kStages, len(released.get((ring, j - kStages), ()))))
-            if kn.stats is not None and ring in ("k", "v") and j >= 1:
-                key_ = "TMA %s lands while a warp still reads the previous tile" % ring
-                kn.stats[key_] = kn.stats.get(key_, 0) + (released.get((ring, j - 1), set()) != set(range(1, 1 + NW)))
+            if oracle is not None and need is not None and released.get(need, set()) != ALL:
+                oracle.append("TMA %s (load %s) before all %d warps released %s (%d did)"
+                              % (what, lkey, NW, need, len(released.get(need, ()))))
+            if kn.stats is not None and prev is not None:
+                key_ = "TMA %s lands while a warp still reads the previous tile" % lkey[0]
+                kn.stats[key_] = kn.stats.get(key_, 0) + (released.get(prev, set()) != ALL)
             smem_.write(addr, data, vc, k, True, "TMA " + what)
-            landed[(ring, j)] = landed.get((ring, j), 0) + 1
-            delivered[(ring, j)] = delivered.get((ring, j), 0) + nbytes
+            landed[lkey] = landed.get(lkey, 0) + 1
+            delivered[dkey] = delivered.get(dkey, 0) + nbytes
             bar.complete_tx(nbytes, vc)
-        agents["tma%d" % k] = Gen(body())
+        agents[pre + "tma%d" % k] = Gen(body())
 
-    def box_load(dst, name, col0, row, hd, b, box_rows, bar, ring, j):     # tma.cuh tma_load_box
+    def box_load(dst, name, col0, row, hd, b, box_rows, bar, lkey, dkey, need=None, prev=None):   # tma.cuh
         # cp.async.bulk.tensor.4d ... mbarrier::complete_tx::bytes (PTX ISA 9.7.9.25.5.1): the box of the map,
         # {64, box_rows, 1, 1} 16-bit elements, lands at dst with CU_TENSOR_MAP_SWIZZLE_128B and completes
         # box_rows * 64 * 2 bytes on the mbarrier, the whole box even where it lies past the tensor (those
@@ -256,42 +377,91 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         # cuTensorMapEncodeTiled: 0 < boxDim[i] <= 256; inner box 64 x 2 = 128 bytes <= the 128B swizzle span
         assert 0 < box_rows <= 256, "TMA boxDim > 256"
         tma(lambda: ws.swizzled_box_bytes(dst, ws.tma_box_4d(G, name, col0, row, hd, b, box_rows)), bar,
-            box_rows * 128, "%s box" % name, ring, j)
+            box_rows * 128, "%s box" % name, lkey, dkey, need, prev)
 
-    q_box = kn.q_box_rows or launch["q_box"]                              # sm90_dispatch.cu:79 (Q map's box)
-    kv_box = kn.kv_box_rows or launch["kv_box"]                           # sm90_dispatch.cu:80 (K, V maps' box)
-    expected, delivered = {}, {}   # (ring, j) -> bytes the producer's expect-tx announced / the TMA boxes completed
+    q_box = kn.q_box_rows or launch["q_box"]                              # sm90_dispatch.cu:86 (Q map's box)
+    kv_box = kn.kv_box_rows or launch["kv_box"]                           # sm90_dispatch.cu:87 (K, V maps' box)
+    slot_bytes = np.arange(slot_at, slot_at + 4)
 
-    # ---------------------------------------------------------------- producer (:82-107)
+    # ---------------------------------------------------------------- producer (:117-158)
     def producer():
         vc = clocks.vc[0]
         for w in range(4):
-            regs_log[(0, w)] = Tr.kProducerRegisters                       # :84 whole warpgroup
-        if n_tiles == 0:                                                  # :85
-            return
-        yield None
-        q_full.arrive(vc, Tr.kQBytes); vc[0] += 1                         # :89
-        expected[("q", 0)] = Tr.kQBytes
-        for slab in range(Tr.kSlabs):                                     # :90-91
-            box_load(sQ + slab * kBlockM * 128, "q", 64 * slab, row0, head, batch, q_box, q_full, "q", 0)
+            regs_log[(0, w)] = Tr.kProducerRegisters                       # :119 whole warpgroup
+        yield None                                                        # :120 threads 1..127 return
+        phase, end_item = phase_fns()
+        seq = {"k": 0, "v": 0}
 
-        def load_tile(name, ring, full, empty, j):                        # :93-100
+        def load_tile(name, ring, full, empty, j, it, item):              # :125-131
             stage = j % kStages
-            par = ((j // kStages) & 1) ^ kn.empty_xor
+            par = phase(j) ^ kn.empty_xor                                 # :126
             yield Wait(lambda: empty[stage].test_parity(par), lambda: empty[stage].acquire(vc, par),
                        "%s_empty[%d] parity %d" % (name, stage, par))
             tile_bytes = kn.tile_expect or Tr.kTileBytes
-            full[stage].arrive(vc, tile_bytes); vc[0] += 1                # :96
-            expected[(name, j)] = tile_bytes
-            for slab in range(Tr.kSlabs):                                 # :97-99 (box height: the host's map)
-                box_load(ring + stage * Tr.kTileBytes + slab * kBlockN * 128, name, 64 * slab, j * kBlockN, head_kv,
-                         batch, kv_box, full[stage], name, j)
+            full[stage].arrive(vc, tile_bytes); vc[0] += 1                # :127
+            expected[(name, item, j)] = tile_bytes
+            n = seq[name]
+            seq[name] += 1
+            need = last_load.get((name, stage))
+            need = None if need is None else (name, need)
+            last_load[(name, stage)] = n
+            load_stage[(name, n)] = stage
+            for slab in range(Tr.kSlabs):                                 # :128-130 (box height: the host's map)
+                box_load(ring + stage * Tr.kTileBytes + slab * kBlockN * 128, name, 64 * slab, j * kBlockN,
+                         it.head_kv, it.batch, kv_box, full[stage], (name, n), (name, item, j), need,
+                         (name, n - 1) if n >= 1 else None)
             yield None
-        for j in range(n_tiles):                                          # :101-104
-            yield from load_tile("k", sK, k_full, k_empty, j)
-            if j > 0:
-                yield from load_tile("v", sV, v_full, v_empty, j - 1)
-        yield from load_tile("v", sV, v_full, v_empty, n_tiles - 1)       # :105
+
+        def write_slot(value, item):                                      # :135 *item_slot = index
+            if oracle is not None and item >= 1 and released.get(("q", item - 1), set()) != ALL:
+                oracle.append("item slot of item %d written before all %d warps released item %d (%d did)"
+                              % (item, NW, item - 1, len(released.get(("q", item - 1), ()))))
+            smem_.write(slot_bytes, np.frombuffer(np.uint32(value & 0xFFFFFFFF).tobytes(), np.uint8), vc, 0, False,
+                        "the producer's item-slot write")
+            vc[0] += 1
+
+        index = bx                                                        # :132 blockIdx.x
+        item = 0
+        while True:                                                       # :133
+            qpar = (item & 1) ^ 1
+            if kn.slot_before_wait:
+                write_slot(index, item)
+            if kn.q_empty_wait:
+                yield Wait(lambda qpar=qpar: q_empty.test_parity(qpar),
+                           lambda qpar=qpar: q_empty.acquire(vc, qpar), "q_empty parity %d" % qpar)   # :134
+            if not kn.slot_before_wait:
+                write_slot(index, item)                                   # :135
+            if index >= n_items:                                          # :136
+                if kn.sentinel:
+                    q_full.arrive(vc); vc[0] += 1                         # :137
+                return                                                    # :138
+            it = Item(index)                                              # :140 begin_item
+            if proto is not None:
+                proto["items"].append(dict(index=index, n_tiles=it.n_tiles, block=(it.batch, it.head, it.row0)))
+            if it.n_tiles == 0:                                           # :141
+                q_full.arrive(vc); vc[0] += 1                             # :142
+            else:
+                q_full.arrive(vc, Tr.kQBytes); vc[0] += 1                 # :144
+                expected[("q", item, 0)] = Tr.kQBytes
+                for slab in range(Tr.kSlabs):                             # :145-146
+                    box_load(sQ + slab * kBlockM * 128, "q", 64 * slab, it.row0, it.head, it.batch, q_box, q_full,
+                             ("q", item), ("q", item, 0), ("q", item - 1) if item >= 1 else None)
+                for j in range(it.n_tiles):                               # :147-150
+                    yield from load_tile("k", sK, k_full, k_empty, j, it, item)
+                    if j > 0:
+                        yield from load_tile("v", sV, v_full, v_empty, j - 1, it, item)
+                yield from load_tile("v", sV, v_full, v_empty, it.n_tiles - 1, it, item)   # :151
+                end_item(it.n_tiles)                                      # :152
+            if not persistent:                                            # :154 a block per item
+                return
+            if grid < n_items:                                            # :156
+                if not counter.zeroed:
+                    smem_.hz("atomicAdd on p.work_counter, which this launch did not zero (value %#x)" % counter.value)
+                index = (grid + counter.atomic_add(1)) & 0xFFFFFFFF       # warp_uniform(.., 1u): thread 0's value
+            else:
+                index = n_items
+            item += 1
+            yield None
 
     # ---------------------------------------------------------------- wgmma plumbing
     RF = [dict() for _ in range(kC)]
@@ -318,7 +488,6 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         """Warp w of consumer c reaches the wgmma group `key` (.sync.aligned): the 4th warp's issue executes it."""
         grp = groups[c].setdefault(key, dict(vcs={}, done=False, reads=None, order=None))
         grp["vcs"][w] = clocks.vc[1 + 4 * c + w].copy()
-        # commit order per warp, to model wait_group<N>
         if len(grp["vcs"]) == 4:
             csm.ctx = (c, list(grp["vcs"].values()), what)
             csm.read_bytes = []
@@ -344,7 +513,6 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                 b = grp["reads"]
                 smem_.r_pending[b, agent - 1] = False
                 smem_.r_epoch[b, agent - 1] = np.maximum(smem_.r_epoch[b, agent - 1], clocks.vc[agent][agent])
-            # a completed group leaves the list
             for k in need:
                 keys.remove(k)
         return Wait(lambda: all(g_["done"] for g_ in grps), acq, "wgmma wait<%d> %s" % (pending, what))
@@ -353,7 +521,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         a = np.asarray(a)
         return smem_.mem[a].astype(np.int64) | (smem_.mem[a + 1].astype(np.int64) << 8)
 
-    def do_ss(c, desc_a, desc_b, kk, j):                                  # wgmma_ss<T, kBlockN> (wgmma.cuh:169-182)
+    def do_ss(c, desc_a, desc_b, kk, j, index):                           # wgmma_ss<T, kBlockN> (wgmma.cuh:169-182)
         assert kBlockN == 64 or kBlockN in (128, 176), "wgmma.cuh:171 static_assert"   # TransB = false here
         # kBlockN 176: wgmma_ss_m64n176k16_{f16,bf16} (wgmma.cuh:90-97, 139-146): .m64n176k16.f32.{f16,bf16}
         # with 88 f32 D registers, scale-d = accumulate, imm-scale-a/b 1, imm-trans-a/b 0 (both K-major).
@@ -362,12 +530,12 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         # (22 core-matrix groups of 8 rows, SBO = 1024 apart, ptx_model.kmajor_addresses) and places D by
         # CLayout_64xN with N = 176 (the PTX ISA's D fragment: row 16 warp + g + 8 (i%4 >= 2), column
         # 8 (i / 4) + 2 t + i % 2 for register i < N/2 = 88, ptx_model.clayout_64xN).
-        if tag_log is not None:
-            tag_log.append(("S", bx, c, j, kk, tag_bits(kmajor_addresses(desc_a, 64)[0]),
+        if tag_log is not None:       # keyed by the work item (the block of the one-block-per-item grid)
+            tag_log.append(("S", index, c, j, kk, tag_bits(kmajor_addresses(desc_a, 64)[0]),
                             tag_bits(kmajor_addresses(desc_b, kBlockN)[0]).T))
         RF[c]["s"] = wg_model.ss(RF[c]["s"], desc_a, desc_b, kBlockN, kk > 0, 1, 1, 0, 0)
 
-    def do_rs(c, a_regs, desc_b, kk, j):                                  # wgmma_rs<T, HeadDim> (wgmma.cuh:184-194)
+    def do_rs(c, a_regs, desc_b, kk, j, index):                           # wgmma_rs<T, HeadDim> (wgmma.cuh:184-194)
         assert D in (64, 128), "wgmma.cuh:186 static_assert"
         # B = V read MN-major (imm-trans-b 1) from a [key][d] slab pair: canonical MN-major 128B layout
         # ((T,8,m),(8,k)) : ((1,T,LBO),(8T,SBO)) (PTX ISA 9.7.15.5.1.2.1.3), k-step kk at +2048 kk (16 key rows of
@@ -375,10 +543,10 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         # 22528 at kBlockN = 176, within the descriptor's 14-bit (x >> 4) field. kBlockN / 16 = 11 k-steps at 176;
         # the last reads key rows 160-175, bytes [20480, 22528) of each slab, the slab's end.
         if tag_log is not None:
-            tag_log.append(("PV", bx, c, j, kk, a_regs.copy(), tag_bits(mnmajor_addresses(desc_b, D)[0])))
+            tag_log.append(("PV", index, c, j, kk, a_regs.copy(), tag_bits(mnmajor_addresses(desc_b, D)[0])))
         RF[c]["acc"], _, _ = wg_model.rs(RF[c]["acc"], a_regs, desc_b, D, True, 1, 1, 1)
 
-    scale_log2 = np.float32(np.float32(G["scale"]) * be.KLOG2E)           # :116
+    scale_log2 = np.float32(np.float32(G["scale"]) * be.KLOG2E)           # :166
 
     def quad_max(x):                                                      # device_math.cuh:123-126
         ln = np.arange(32)
@@ -390,12 +558,9 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         x = (x + x[ln ^ 1]).astype(np.float32)
         return (x + x[ln ^ 2]).astype(np.float32)
 
-    # ---------------------------------------------------------------- attn_mask (:117, :161-191, :217)
-    M_ = G.get("mask")
-    mask_base = (batch * M_["strides"][0] + head * M_["strides"][1]) if HasMask else 0   # :117
-
+    # ---------------------------------------------------------------- attn_mask (:215-242, :273-275)
     def mask_value(M, idx):
-        """The value_at lambdas of :180-190 (base-2 units, float32)."""
+        """The value_at lambdas of :232-240 (base-2 units, float32)."""
         if ((idx < 0) | (idx >= M["buf"].size)).any():
             M["oob"] += int(((idx < 0) | (idx >= M["buf"].size)).sum())
             idx = np.clip(idx, 0, M["buf"].size - 1)
@@ -406,7 +571,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
             return (v.astype(np.float32) * be.KLOG2E).astype(np.float32)
         return (fmt.dec(v).astype(np.float32) * be.KLOG2E).astype(np.float32)   # to_float(T) * kLog2e
 
-    def record_mask_reads(M, idx, r, cc):
+    def record_mask_reads(M, idx, r, cc, batch, head):
         """Each read: its buffer index must be one some in-range position maps to (M["allowed"]), and the logical
         (row, col) of the register must be in range and visible (row < Nq, col < Nk, causal col <= row + Nk - Nq);
         counts[b, h, row, col] += 1 for the exactly-once check."""
@@ -419,28 +584,31 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         ok = ~bad
         np.add.at(M["counts"], (batch, head, r[ok], cc[ok]), 1)
 
-    # ---------------------------------------------------------------- consumer warps (:109-288)
+    # ---------------------------------------------------------------- consumer warps (:160-367)
     def consumer_warp(c, w):
         agent = 1 + 4 * c + w
         vc = clocks.vc[agent]
-        regs_log[(1 + c, w)] = Tr.kConsumerRegisters                       # :110
+        regs_log[(1 + c, w)] = Tr.kConsumerRegisters                       # :161
         lane = np.arange(32)
-        g, t = lane // 4, lane % 4
-        wg_row0 = row0 + 64 * c                                           # :114
-        warp_row = w * 16
+        g, t = lane // 4, lane % 4                                        # :164
+        warp_row = w * 16                                                 # :165
         mine = slice(32 * w, 32 * w + 32)
-        RF[c].setdefault("acc", np.zeros((128, D // 2), np.float32))
+        RF[c].setdefault("acc", np.full((128, D // 2), np.nan, np.float32))   # :169 uninitialised until :302
         RF[c].setdefault("s", np.zeros((128, kBlockN // 2), np.float32))
         RF[c].setdefault("p_a", {})
-        m_i = np.full((32, 2), -np.inf, np.float32)
-        l_i = np.zeros((32, 2), np.float32)
-        last = c == kC - 1                                                # :130
-        my_turn = 1 + c
+        m_i = np.full((32, 2), np.nan, np.float32)                       # :170 uninitialised until :303-304
+        l_i = np.full((32, 2), np.nan, np.float32)
+        my_turn = 1 + c                                                   # :181
         next_turn = (1 + (c + 1) % kC) if kn.next_turn is None else kn.next_turn(c, kC)
         initial_by = (kC - 1) if kn.initial_by is None else kn.initial_by
+        last = c == kC - 1                                                # :180
         q_off = c * 64 * 128 if kn.q_slab is None else kn.q_slab(c)
+        phase, end_item = phase_fns()
+        waits_n = {"k": 0, "v": 0}     # this warp's full waits / releases per ring (oracle: the producer's load n)
+        rels_n = {"k": 0, "v": 0}
+        cur = {}                       # the current item (begin_item :299) and wg_row0 (:300)
 
-        def take_turn():                                                  # :132 bar.sync my_turn, 256
+        def take_turn():                                                  # :182 bar.sync my_turn, 256
             gen_ = nb.arrive(my_turn, 256, vc, (c, w), "sync")
             vc[agent] += 1
 
@@ -449,42 +617,48 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                 vc[agent] += 1
             return Wait(lambda: (my_turn, gen_) in nb.released, acq, "bar.sync %d" % my_turn)
 
-        def pass_turn():                                                  # :133 bar.arrive next_turn, 256
+        def pass_turn():                                                  # :183 bar.arrive next_turn, 256
             nb.arrive(next_turn, 256, vc, (c, w), "arrive")
             vc[agent] += 1
 
-        def issue_scores(j):                                              # :136-145
+        def issue_scores(j):                                              # :186-195
             k_tile = sK + (j % kStages) * Tr.kTileBytes
+            index = cur["it"].index
 
             def f():
                 RF[c]["s"] = np.full((128, kBlockN // 2), np.nan, np.float32)
-                for kk in range(D // 16):                                 # :141-143
+                for kk in range(D // 16):                                 # :191-193
                     do_ss(c, be.k_major_descriptor(sQ + q_off, kBlockM, kk),
-                          be.k_major_descriptor(k_tile, kn.k_desc_rows or kBlockN, kk), kk, j)
-            wg_issue(c, w, ("S", j), f, "S_%d" % j)
-            commit(c, w, ("S", j))
+                          be.k_major_descriptor(k_tile, kn.k_desc_rows or kBlockN, kk), kk, j, index)
+            wg_issue(c, w, ("S", index, j), f, "S_%d of item %d" % (j, index))
+            commit(c, w, ("S", index, j))
 
-        def issue_pv(j):                                                  # :147-157
+        def issue_pv(j):                                                  # :197-207
             v_tile = sV + (j % kStages) * Tr.kTileBytes
+            index = cur["it"].index
 
             def f():
-                for kk in range(kn.pv_steps or kBlockN // 16):            # :154-155
-                    do_rs(c, RF[c]["p_a"][kk], be.mn_major_descriptor(v_tile, kn.v_desc_rows or kBlockN, kk), kk, j)
-            wg_issue(c, w, ("PV", j), f, "PV_%d" % j)
-            commit(c, w, ("PV", j))
+                for kk in range(kn.pv_steps or kBlockN // 16):            # :204-205
+                    do_rs(c, RF[c]["p_a"][kk], be.mn_major_descriptor(v_tile, kn.v_desc_rows or kBlockN, kk), kk, j,
+                          index)
+            wg_issue(c, w, ("PV", index, j), f, "PV_%d of item %d" % (j, index))
+            commit(c, w, ("PV", index, j))
 
-        def add_mask(col0, s, force=False):                               # :165-191
+        def add_mask(col0, s, force=False):                               # :215-242
             M = G["mask"]
+            it, wg_row0 = cur["it"], cur["wg_row0"]
+            b0 = cur["first"] if kn.mask_variant == "stale_base" else it   # control: the first item's base
+            mask_base = b0.batch * M["strides"][0] + b0.head * M["strides"][1]   # :216
             rs_, cs_ = M["strides"][2], M["strides"][3]
             var = kn.mask_variant
             row_offset = np.zeros((32, 2), np.int64)
-            for h in range(2):                                            # :166-170
+            for h in range(2):                                            # :218-221
                 row_offset[:, h] = (mask_base + (wg_row0 + warp_row + g + 8 * h).astype(np.int64) * rs_
                                     + (col0 + (t if var == "col_t" else 2 * t)).astype(np.int64) * cs_)
-            row_valid = np.stack([wg_row0 + warp_row + g < nq, wg_row0 + warp_row + g + 8 < nq], 1)   # :171
+            row_valid = np.stack([wg_row0 + warp_row + g < nq, wg_row0 + warp_row + g + 8 < nq], 1)   # :222
             if var == "no_row_valid":
                 row_valid[:] = True
-            for nt in range(kNTiles):                                     # :172-179
+            for nt in range(kNTiles):                                     # :223-230
                 for e in range(4):
                     sel = row_valid[:, e >> 1] & (s[:, nt, e] != -np.inf)
                     if var in ("no_hidden_test", "before_hide") or force:
@@ -495,20 +669,22 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                     # independent bookkeeping: the logical (row, col) this register holds
                     r = (wg_row0 + warp_row + g + 8 * (e >> 1))[sel]
                     cc = (col0 + nt * 8 + 2 * t + (e & 1))[sel]
-                    record_mask_reads(M, idx, r, cc)
+                    record_mask_reads(M, idx, r, cc, it.batch, it.head)
                     s[sel, nt, e] = (s[sel, nt, e] + mask_value(M, idx)).astype(np.float32)
 
-        def softmax(j, s):                                                # :192-219
+        def softmax(j, s):                                                # :246-279
+            it, wg_row0 = cur["it"], cur["wg_row0"]
+            key_end = it.key_end
             col0 = j * kBlockN
-            if kn.needs_masking is None:                                  # :194
+            if kn.needs_masking is None:                                  # :248
                 needs = col0 + kBlockN > key_end or (IsCausal and col0 + kBlockN - 1 > wg_row0 + causal_offset)
             else:
                 needs = kn.needs_masking(col0, key_end, wg_row0, causal_offset)
-            s *= scale_log2                                               # :196-199
+            s *= scale_log2                                               # :249-255 (or the exponent's FFMA, :277)
             if HasMask and kn.mask_variant == "before_hide":   # control: mask added, then hidden
                 add_mask(col0, s, force=True)
             if needs:
-                if kn.mask_mode == "visible":                             # :204-215
+                if kn.mask_mode == "visible":                             # :256-272
                     vis = np.zeros((32, 2), np.int64)
                     for h in range(2):
                         v_ = np.full(32, key_end - col0, np.int64)
@@ -528,10 +704,10 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                             cc = nt * 8 + 2 * t + (e & 1)
                             hide = (cc >= cols) | ((cc - r > diagonal) if IsCausal else False)
                             s[hide, nt, e] = -np.inf
-            if HasMask:                                                   # :217 if constexpr (HasMask)
+            if HasMask:                                                   # :273-274 if constexpr (HasMask)
                 if kn.mask_variant != "before_hide":
                     add_mask(col0, s)
-            rescale = np.zeros((32, 2), np.float32)                       # :218, online_softmax.cuh:22-45
+            rescale = np.zeros((32, 2), np.float32)                       # :275/:277, online_softmax.cuh
             for h in range(2):
                 row_max = np.full(32, -np.inf, np.float32)
                 for nt in range(kNTiles):
@@ -548,7 +724,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                 m_i[:, h] = m_new
             return rescale
 
-        def pack(s):                                                      # :220-223, online_softmax.cuh:70-77
+        def pack(s):                                                      # :280-283, online_softmax.cuh:70-77
             for kk in range(kBlockN // 16):
                 a = np.zeros((32, 4), np.uint32)
                 a[:, 0] = be.pack2(s[:, 2 * kk, 0], s[:, 2 * kk, 1], fmt)
@@ -560,10 +736,16 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                     a = (a | (a << 16)).astype(np.uint32)
                 RF[c]["p_a"].setdefault(kk, np.zeros((128, 4), np.uint32))[mine] = a
 
-        def release(ring, empty, j):                                      # :227-229
+        def release(ring, empty, j):                                      # :287-289 lane 0 arrives
             empty[j % kStages].arrive(vc)
             vc[agent] += 1
-            released.setdefault((ring, j), set()).add(agent)
+            released.setdefault((ring, rels_n[ring]), set()).add(agent)
+            rels_n[ring] += 1
+
+        def release_q(item):                                              # :287-289 on q_empty
+            q_empty.arrive(vc)
+            vc[agent] += 1
+            released.setdefault(("q", item), set()).add(agent)
 
         def rescale_rows(rs):                                             # online_softmax.cuh:47-56
             acc = RF[c]["acc"][mine].reshape(32, kDTiles, 4)
@@ -574,116 +756,162 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         def read_s():
             return RF[c]["s"][mine].reshape(32, kNTiles, 4).copy()
 
-        def full_wait(bar, par, what, ring, j):
+        def full_wait(bar, par, what, ring, stage):
             def acq():
                 bar.acquire(vc, par)
-                if oracle is not None and ring is not None:
-                    want = Tr.kSlabs
-                    if landed.get((ring, j), 0) != want:
-                        oracle.append("consumer %d warp %d passes %s with %d/%d copies of %s tile %d landed"
-                                      % (c, w, what, landed.get((ring, j), 0), want, ring, j))
+                if oracle is not None:
+                    n = waits_n[ring]
+                    if landed.get((ring, n), 0) != Tr.kSlabs:
+                        oracle.append("consumer %d warp %d passes %s with %d/%d copies of %s load %d landed"
+                                      % (c, w, what, landed.get((ring, n), 0), Tr.kSlabs, ring, n))
+                    elif load_stage.get((ring, n)) != stage:
+                        oracle.append("consumer %d warp %d reads %s load %d at stage %d, loaded into stage %s"
+                                      % (c, w, ring, n, stage, load_stage.get((ring, n))))
+                waits_n[ring] += 1
             return Wait(lambda: bar.test_parity(par), acq, what)
 
-        def phase(j):
-            return (j // kStages) & 1
-
         yield None
-        if n_tiles > 0:                                                   # :232
-            yield full_wait(q_full, 0, "q_full", "q", 0)                  # :233
-            if c == initial_by:                                           # :234
-                pass_turn()
-            yield full_wait(k_full[0], 0, "k_full[0]", "k", 0)            # :237
-            yield take_turn()                                             # :238
-            issue_scores(0)                                               # :239
-            pass_turn()                                                   # :240
-            yield wg_wait_group(c, w, 0, "S_0")                           # :241
-            release("k", k_empty, 0)                                      # :243
-            s = read_s()
-            softmax(0, s)                                                 # :244
-            pack(s)                                                       # :245
-            yield None
-            for j in range(1, n_tiles):                                   # :247
-                yield full_wait(k_full[j % kStages], phase(j), "k_full[%d]" % (j % kStages), "k", j)   # :248
-                yield take_turn()                                         # :249
-                issue_scores(j)                                           # :250
-                yield full_wait(v_full[(j - 1) % kStages], phase(j - 1), "v_full[%d]" % ((j - 1) % kStages), "v",
-                                j - 1)                                    # :251
-                issue_pv(j - 1)                                           # :252
-                pass_turn()                                               # :253
-                if kn.release_k_early:
-                    release("k", k_empty, j)
-                yield wg_wait_group(c, w, kn.wait1, "S_%d" % j)           # :254
-                if not kn.release_k_early:
-                    release("k", k_empty, j)                              # :256
+        if c == initial_by:                                               # :291
+            pass_turn()
+        item = 0
+        while True:                                                       # :292
+            qpar = (item & 1) if kn.q_full_parity is None else kn.q_full_parity(item)
+            yield Wait(lambda qpar=qpar: q_full.test_parity(qpar), lambda qpar=qpar: q_full.acquire(vc, qpar),
+                       "q_full parity %d" % qpar)                         # :293
+            # :297 lane 0 reads the slot (a generic shared-memory read, race-checked), __shfl_sync to the warp
+            index = int(np.frombuffer(smem_.read_generic(slot_bytes, vc, agent, "consumer %d warp %d's item-slot read"
+                                                         % (c, w)).tobytes(), np.uint32)[0])
+            if index >= n_items:                                          # :298
+                break
+            it = Item(index)                                              # :299
+            cur["it"], cur["wg_row0"] = it, it.row0 + 64 * c              # :300
+            cur.setdefault("first", it)
+            wg_row0, n_tiles = cur["wg_row0"], it.n_tiles
+            RF[c]["acc"][mine] = 0                                        # :302
+            m_i[:] = -np.inf                                              # :303
+            l_i[:] = 0                                                    # :304
+            if oracle is not None and n_tiles > 0 and landed.get(("q", item), 0) != Tr.kSlabs:
+                oracle.append("consumer %d warp %d passes q_full of item %d with %d/%d Q copies landed"
+                              % (c, w, item, landed.get(("q", item), 0), Tr.kSlabs))
+            early, first = kn.q_release == "early", kn.q_release == "first"
+            if n_tiles == 0:                                              # :306
+                release_q(item)                                           # :307
+            else:
+                yield full_wait(k_full[0], phase(0), "k_full[0] parity %d" % phase(0), "k", 0)   # :310
+                yield take_turn()                                         # :311
+                issue_scores(0)                                           # :312
+                pass_turn()                                               # :313
+                if early and n_tiles == 1:
+                    release_q(item)
+                yield wg_wait_group(c, w, 0, "S_0")                       # :314
+                release("k", k_empty, 0)                                  # :316
+                if (n_tiles == 1 and kn.q_release == "kernel") or first:
+                    release_q(item)                                       # :317
                 s = read_s()
-                rs = softmax(j, s)                                        # :257
+                softmax(0, s)                                             # :318
+                pack(s)                                                   # :319
                 yield None
-                yield wg_wait_group(c, w, 0, "PV_%d" % (j - 1))           # :258
-                release("v", v_empty, j - 1)                              # :260
-                rescale_rows(rs)                                          # :261
-                pack(s)                                                   # :262
-                yield None
-            n = n_tiles
-            yield full_wait(v_full[(n - 1) % kStages], phase(n - 1), "v_full[%d]" % ((n - 1) % kStages), "v",
-                            n - 1)                                        # :265
-            yield take_turn()                                             # :266
-            issue_pv(n - 1)                                               # :267
-            if not last or not kn.final_skip:                             # :268
-                pass_turn()
-            yield wg_wait_group(c, w, 0, "PV_%d" % (n - 1))               # :269
-            release("v", v_empty, n - 1)                                  # :271
-        # epilogue (:274-288)
-        acc = RF[c]["acc"][mine].reshape(32, kDTiles, 4)
-        lse_base = (batch * hq + head) * nq
-        ob = batch * G["o_strides"][0] + head * G["o_strides"][1]
-        for h in range(2):
-            l = quad_sum(l_i[:, h])
-            with np.errstate(divide="ignore"):
-                inv = np.where(l > 0, np.float32(1) / np.where(l > 0, l, 1), np.float32(0)).astype(np.float32)
-            r = wg_row0 + warp_row + g + h * 8
-            ok = r < row0 + rows                                          # :282
-            for ln in np.nonzero(ok)[0]:
-                if t[ln] == 0:
-                    with np.errstate(divide="ignore"):
-                        val = (m_i[ln, h] + np.log2(l[ln])) * KLN2 if l[ln] > 0 else -np.inf
-                    G["lse"][lse_base + r[ln]] = np.float32(val)
-                    G["lse_writes"][lse_base + r[ln]] += 1
-                for dt in range(kDTiles):
-                    o = ob + int(r[ln]) * G["o_strides"][2] + dt * 8 + 2 * int(t[ln])
-                    G["out"][o] = fmt.enc(np.float32(acc[ln, dt, 2 * h] * inv[ln]))
-                    G["out"][o + 1] = fmt.enc(np.float32(acc[ln, dt, 2 * h + 1] * inv[ln]))
-                    G["out_writes"][o:o + 2] += 1
+                for j in range(1, n_tiles):                               # :321
+                    st = j % kStages
+                    yield full_wait(k_full[st], phase(j), "k_full[%d] parity %d" % (st, phase(j)), "k", st)   # :322
+                    yield take_turn()                                     # :323
+                    issue_scores(j)                                       # :324
+                    st1 = (j - 1) % kStages
+                    yield full_wait(v_full[st1], phase(j - 1), "v_full[%d] parity %d" % (st1, phase(j - 1)), "v",
+                                    st1)                                  # :325
+                    issue_pv(j - 1)                                       # :326
+                    pass_turn()                                           # :327
+                    if kn.release_k_early:
+                        release("k", k_empty, j)
+                    if early and j == n_tiles - 1:
+                        release_q(item)
+                    yield wg_wait_group(c, w, kn.wait1, "S_%d" % j)       # :328
+                    if not kn.release_k_early:
+                        release("k", k_empty, j)                          # :330
+                    if j == n_tiles - 1 and kn.q_release == "kernel":
+                        release_q(item)                                   # :331
+                    s = read_s()
+                    rs = softmax(j, s)                                    # :332
+                    yield None
+                    yield wg_wait_group(c, w, 0, "PV_%d" % (j - 1))       # :333
+                    release("v", v_empty, j - 1)                          # :335
+                    rescale_rows(rs)                                      # :336
+                    pack(s)                                               # :337
+                    yield None
+                n = n_tiles
+                st = (n - 1) % kStages
+                yield full_wait(v_full[st], phase(n - 1), "v_full[%d] parity %d" % (st, phase(n - 1)), "v", st)   # :340
+                yield take_turn()                                         # :341
+                issue_pv(n - 1)                                           # :342
+                if not (last and kn.final_skip):                          # :343
+                    pass_turn()
+                yield wg_wait_group(c, w, 0, "PV_%d" % (n - 1))           # :344
+                release("v", v_empty, n - 1)                              # :346
+                end_item(n)                                               # :347
+            # epilogue (:350-364)
+            acc = RF[c]["acc"][mine].reshape(32, kDTiles, 4)
+            lse_base = (it.batch * hq + it.head) * nq
+            ob = it.batch * G["o_strides"][0] + it.head * G["o_strides"][1]
+            for h in range(2):
+                l = quad_sum(l_i[:, h])
+                with np.errstate(divide="ignore"):
+                    inv = np.where(l > 0, np.float32(1) / np.where(l > 0, l, 1), np.float32(0)).astype(np.float32)
+                r = wg_row0 + warp_row + g + h * 8
+                ok = r < it.row0 + it.rows                                # :358
+                for ln in np.nonzero(ok)[0]:
+                    if t[ln] == 0:
+                        with np.errstate(divide="ignore"):
+                            val = (m_i[ln, h] + np.log2(l[ln])) * KLN2 if l[ln] > 0 else -np.inf
+                        G["lse"][lse_base + r[ln]] = np.float32(val)
+                        G["lse_writes"][lse_base + r[ln]] += 1
+                    for dt in range(kDTiles):
+                        o = ob + int(r[ln]) * G["o_strides"][2] + dt * 8 + 2 * int(t[ln])
+                        G["out"][o] = fmt.enc(np.float32(acc[ln, dt, 2 * h] * inv[ln]))
+                        G["out"][o + 1] = fmt.enc(np.float32(acc[ln, dt, 2 * h + 1] * inv[ln]))
+                        G["out_writes"][o:o + 2] += 1
+            if not persistent:                                            # :365 a block per item
+                break
+            item += 1
+            yield None
+        if c == 0 and kn.extra_turn:                                      # :367
+            yield take_turn()
         if proto is not None:
             proto.setdefault("finished", set()).add((c, w))
 
-    agents["producer"] = Gen(producer())
+    agents[pre + "producer"] = Gen(producer())
     for c in range(kC):
         for w in range(4):
-            agents["c%dw%d" % (c, w)] = Gen(consumer_warp(c, w))
+            agents[pre + "c%dw%d" % (c, w)] = Gen(consumer_warp(c, w))
+
+    def finish():
+        for wgi in range(1 + kC):
+            vals = [regs_log.get((wgi, w)) for w in range(4)]
+            if len(set(vals)) != 1 or vals[0] is None:
+                smem_.hz("setmaxnreg not warpgroup-uniform in warpgroup %d: %s" % (wgi, vals))
+        left = nb.leftovers()
+        if left:
+            smem_.hz("named barrier arrivals left at exit: %s" % left)
+        for bar in [q_full] + k_full + v_full:
+            if bar.tx != 0:
+                smem_.hz("mbarrier %s ends with tx-count %d" % (bar.name, bar.tx))
+        for bar in [q_full, q_empty] + k_empty + v_empty:
+            if bar.pending != bar.count:
+                smem_.hz("mbarrier %s ends with %d of %d arrivals pending" % (bar.name, bar.pending, bar.count))
+        for key in sorted(set(expected) | set(delivered)):
+            if expected.get(key) != delivered.get(key):
+                smem_.hz("expect-tx of %s item %d tile %d: %s bytes announced, %s delivered by its boxes"
+                         % (key[0], key[1], key[2], expected.get(key), delivered.get(key)))
+        if proto is not None:
+            proto["tx"] = (dict(expected), dict(delivered))
+            proto["nb_log"] = nb.log
+            proto["nb_gen"] = dict(nb.gen)
+        return smem_
+
+    if not alone:
+        return finish
     with np.errstate(all="ignore"):
-        ws.schedule(agents, rng)
-    for wgi in range(1 + kC):
-        vals = [regs_log.get((wgi, w)) for w in range(4)]
-        if len(set(vals)) != 1 or vals[0] is None:
-            smem_.hz("setmaxnreg not warpgroup-uniform in warpgroup %d: %s" % (wgi, vals))
-    left = nb.leftovers()
-    if left:
-        smem_.hz("named barrier arrivals left at exit: %s" % left)
-    for bar in [q_full] + k_full + v_full:
-        if bar.tx != 0:
-            smem_.hz("mbarrier %s ends with tx-count %d" % (bar.name, bar.tx))
-    for bar in k_empty + v_empty:
-        if bar.pending != bar.count:
-            smem_.hz("mbarrier %s ends with %d of %d arrivals pending" % (bar.name, bar.pending, bar.count))
-    for key in sorted(set(expected) | set(delivered)):
-        if expected.get(key) != delivered.get(key):
-            smem_.hz("expect-tx of %s tile %d: %s bytes announced, %s delivered by its boxes"
-                     % (key[0], key[1], expected.get(key), delivered.get(key)))
-    if proto is not None:
-        proto["tx"] = (dict(expected), dict(delivered))
-        proto["nb_log"] = nb.log
-        proto["nb_gen"] = dict(nb.gen)
-    return smem_
+        schedule(agents, rng)
+    return finish()
 
 
 # ============================================================ dispatch and launch (host side)
@@ -697,44 +925,56 @@ def use_sm90_forward(d, mask_kind):     # attention_cuda_ops.cpp:69-78 (`takes`)
 
 
 def launch_instantiation(d, mask_kind, causal):
-    """launch_forward_sm90<HeadDim> (forward_kernel.cuh:305-323): (IsCausal, HasMask) of the kernel it launches, or
+    """launch_forward_sm90<HeadDim> (forward_kernel.cuh:399-427): (IsCausal, HasMask) of the kernel it launches, or
     the exception it throws."""
     masked = mask_kind != "none"
-    if d == SM90_MASKED_HEAD_DIM:                                        # :308 if constexpr (kSm90MaskedHeadDim == HeadDim)
+    if d == SM90_MASKED_HEAD_DIM:                                        # :403 if constexpr (kSm90MaskedHeadDim == HeadDim)
         if masked:
-            return (causal, True)                                        # :310-314
+            return (causal, True)                                        # :404-411
     elif masked:
-        return "invalid_argument"                                        # :316-317
-    return (causal, False)                                               # :319-322
+        return "invalid_argument"                                        # :413-414
+    return (causal, False)                                               # :416-426
 
 
 def host_box_heights(d, causal, mask_kind, consumers=None, nk=0):
-    """forward_sm90 (sm90_dispatch.cu:79-81): the box heights encode_operand_maps gives the Q map
-    (Sm90ForwardTraits<kHeadDim, false, false>::kBlockM) and the K, V maps (sm90_forward_block_n(kHeadDim,
+    """forward_sm90 (sm90_dispatch.cu:86-87): the box heights encode_operand_maps gives the Q map
+    (Sm90ForwardTraits<kHeadDim, 128>::kBlockM) and the K, V maps (sm90_forward_block_n(kHeadDim,
     p.is_causal, masked)). `consumers`: the traits' kConsumers changed on both sides (Knobs.consumers)."""
     masked = mask_kind != "none"
     return Traits(d, False, False, consumers).kBlockM, sm90_forward_block_n(d, causal, masked, nk)
 
 
 def host_launch(G, kn=None):
-    """forward_sm90 (sm90_dispatch.cu:69-86) -> launch_forward_sm90 -> launch_sm90_forward_kernel
-    (forward_kernel.cuh:294-303): None where nothing is launched (B Hq = 0 or Nq = 0); raises ValueError where
-    launch_forward_sm90 throws; else the instantiation (IsCausal, HasMask), the block order the launch makes with
-    that instantiation's kBlockM, the maps' box heights and the grid size."""
+    """forward_sm90 (sm90_dispatch.cu:69-93) -> launch_forward_sm90 (:399-427) -> launch_sm90_forward_kernel
+    (:373-395): None where nothing is launched (B Hq = 0 or Nq = 0); raises ValueError where launch_forward_sm90
+    throws; else the instantiation (IsCausal, HasMask), the block order the launch makes with that instantiation's
+    kBlockM, the maps' box heights, the items, the grid (min(items, G["sms"]) when persistent) and whether the launch
+    zeroes the work counter."""
     kn = kn or Knobs()
     if G["B"] * G["hq"] == 0 or G["nq"] == 0:                             # sm90_dispatch.cu:71
         return None
     assert max(G["nq"], G["nk"]) <= 2 ** 30                              # sm90_dispatch.cu:73 (else sm80 takes it)
     mask_kind = "none" if G.get("mask") is None else G["mask"]["kind"]
-    q_box, kv_box = host_box_heights(G["d"], G["causal"], mask_kind, kn.consumers, G["nk"])   # sm90_dispatch.cu:79-81
+    q_box, kv_box = host_box_heights(G["d"], G["causal"], mask_kind, kn.consumers, G["nk"])   # sm90_dispatch.cu:86-87
     inst = launch_instantiation(G["d"], mask_kind, G["causal"])
     if inst == "invalid_argument":
         raise ValueError("fusedattn: the sm90 forward takes attn_mask at head dim 128 only")
     block_n = sm90_forward_block_n(G["d"], G["causal"], mask_kind != "none", G["nk"])   # launch_forward_sm90's BlockN
-    Tr = Traits(G["d"], inst[0], inst[1], kn.consumers, kn.block_n or block_n)     # :296
-    assert Tr.kSmemBytes <= 227 * 1024                                   # :298 cudaFuncSetAttribute
-    order = make_query_block_order(G, Tr.kBlockM, 2, inst[0])            # :300 (sizeof(T) = 2)
-    return dict(inst=inst, order=order, q_box=q_box, kv_box=kv_box, blocks=order.blocks(), traits=Tr, block_n=block_n)
+    Tr = Traits(G["d"], inst[0], inst[1], kn.consumers, kn.block_n or block_n)     # :375
+    assert Tr.kSmemBytes <= 227 * 1024                                   # :377 cudaFuncSetAttribute
+    order = make_query_block_order(G, Tr.kBlockM, 2, inst[0])            # :379 (sizeof(T) = 2)
+    items = order.blocks()
+    grid, memset = items, False                                          # :382
+    persistent = Tr.kPersistent if kn.persistent is None else kn.persistent
+    if persistent:                                                       # :383
+        if kn.persistent is None:
+            assert 2 * Tr.kSmemBytes > 227 * 1024, "static_assert: one block per SM"   # :384
+        sms = G.get("sms", SM_COUNT)                                     # :385-387 cudaDevAttrMultiProcessorCount
+        if items > sms:                                                  # :388-391
+            grid = sms
+            memset = kn.memset
+    return dict(inst=inst, order=order, q_box=q_box, kv_box=kv_box, blocks=grid, grid=grid, items=items,
+                persistent=persistent, memset=memset, traits=Tr, block_n=block_n)
 
 
 # ============================================================ problem + driver
@@ -787,21 +1027,65 @@ def reference(G):
 
 
 def run_forward(G, fmt, seed=0, kn=None, oracle=None, tag_log=None, protos=None, dyn_base=0):
-    """forward_sm90 and the launch: every block of the grid, in a random order; returns hazards (deadlock raises)."""
+    """forward_sm90 and the launch: returns hazards (deadlock raises). A grid of one block per item runs its blocks
+    one after another in a random order (they share nothing but disjoint outputs); a persistent grid smaller than
+    the items runs all its blocks concurrently under one scheduler, sharing the work counter."""
     rng = random.Random(seed)
     launch = host_launch(G, kn)
     if launch is None:
         return []
-    order = list(range(launch["blocks"]))                                # :301 grid of order.blocks()
-    rng.shuffle(order)
+    kn = kn or Knobs()
+    counter = Counter()                                                  # attention_cuda_ops.cpp:110 at::empty
+    if launch["memset"]:
+        counter.value, counter.zeroed = 0, True                          # :390 cudaMemsetAsync
+    grid, n_items = launch["grid"], launch["items"]
     hazards = []
-    for bx in order:
-        proto = {} if protos is not None else None
-        sm = run_block(bx, G, fmt, rng, kn, oracle=oracle, tag_log=tag_log, proto=proto, dyn_base=dyn_base,
-                       launch=launch)
-        if protos is not None:
-            protos.append(proto)
-        hazards += sm.hazards
+    blocks = list(range(grid))                                           # :393 <<<blocks, ...>>>
+    rng.shuffle(blocks)
+    protos_ = []
+    if grid < n_items:
+        Tr = launch["traits"]
+        total = 0
+        for i in range(n_items):                                         # the clock bound: every item in one block
+            pair, qblock = launch["order"].at(launch["inst"][0], i)
+            row0 = qblock * Tr.kBlockM
+            rows = min(Tr.kBlockM, G["nq"] - row0)
+            key_end = max(0, min(G["nk"], row0 + rows + G["nk"] - G["nq"])) if launch["inst"][0] else G["nk"]
+            total += 1 + 2 * ((key_end + (kn.block_n or Tr.kBlockN) - 1) // (kn.block_n or Tr.kBlockN))
+        agents = Agents()
+        fins = []
+        for bx in blocks:
+            proto = {} if protos is not None else None
+            fins.append(run_block(bx, G, fmt, rng, kn, oracle=oracle, tag_log=tag_log, proto=proto,
+                                  dyn_base=dyn_base, launch=launch, agents=agents, counter=counter,
+                                  tma_bound=Tr.kSlabs * total + 4))
+            protos_.append(proto)
+        with np.errstate(all="ignore"):
+            schedule(agents, rng)
+        for fin in fins:
+            hazards += fin().hazards
+    else:
+        for bx in blocks:
+            proto = {} if protos is not None else None
+            sm = run_block(bx, G, fmt, rng, kn, oracle=oracle, tag_log=tag_log, proto=proto, dyn_base=dyn_base,
+                           launch=launch, counter=counter)
+            protos_.append(proto)
+            hazards += sm.hazards
+    # the work counter: every item taken by exactly one block; no atomic in a grid of one block per item; in a
+    # smaller grid, one atomicAdd per item (each block's last one finds the end)
+    if protos is not None:
+        taken = {}
+        for p_ in protos_:
+            for it in p_["items"]:
+                taken[it["index"]] = taken.get(it["index"], 0) + 1
+        if taken != {i: 1 for i in range(n_items)}:
+            hazards.append("work items not taken exactly once: %d distinct of %d, %d taken twice or more"
+                           % (len(taken), n_items, sum(1 for v in taken.values() if v > 1)))
+        protos.extend(protos_)
+    if grid >= n_items and counter.adds:
+        hazards.append("a grid of one block per item touched the work counter (%d atomics)" % counter.adds)
+    if grid < n_items and counter.adds != n_items:
+        hazards.append("%d atomicAdds on the work counter for %d items over %d blocks" % (counter.adds, n_items, grid))
     return hazards
 
 

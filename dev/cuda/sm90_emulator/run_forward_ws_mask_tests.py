@@ -5,7 +5,8 @@ forward_ws_emu.py (same producer / consumer coroutines, race detector, TMA model
 (1) every mask kind of tests/attention_cases.py MASK_KINDS except "none" (plus float32-additive variants, rows whose
     first tiles are fully masked, +inf/NaN under hidden entries) at the test-suite's B2 H4/2 113x800 d=128, f16/bf16,
     causal and not, mask storage contiguous / padded / column stride 2 / transposed (poison in every gap);
-(2) awkward Nq/Nk and GQA; (3) negative controls.
+(2) awkward Nq/Nk and GQA; (2b) persistent blocks (main @ 7355d70: d=128 blocks take several work items, so
+    each reads the mask of several (batch, head) pairs) on 2-3 emulated SMs; (3) negative controls.
 Checked per run: out and lse vs float64 softmax(Q K^T scale + mask) V (hidden entries -inf whatever the mask holds),
 fully masked rows out 0 / lse -inf, every out/lse element written once, no race / early overwrite / deadlock, and
 every mask read: inside the buffer, at an index some in-range position maps to, of a logical (row, col) inside
@@ -136,10 +137,12 @@ def visible(nq, nk, causal):
     return np.arange(nk)[None, :] <= np.arange(nq)[:, None] + (nk - nq)
 
 
-def run_case(B, hq, hkv, nq, nk, dtype, causal, kind, layout, seed, kn=None):
+def run_case(B, hq, hkv, nq, nk, dtype, causal, kind, layout, seed, kn=None, sms=None):
     fmt = Fmt(dtype)
     rng = np.random.default_rng(seed)
     G = fe.make_problem(rng, B, hq, hkv, nq, nk, 128, causal, fmt)
+    if sms is not None:
+        G["sms"] = sms          # persistent blocks (d=128): fewer blocks than items, items from the work counter
     G["mask"] = build_mask(kind, B, hq, nq, nk, fmt, layout, rng, causal)
     orc = []
     try:
@@ -235,14 +238,30 @@ for si, (B, hq, hkv, nq, nk) in enumerate(shapes):
                    % (dtype, B, hq, hkv, nq, nk, causal, kind, layout, info))
 print("  (%.0fs)" % (time.time() - T0))
 
+# ----------------------------------------------------------------- 2b. persistent blocks
+print("\n== 2b. persistent blocks (d=128, 2-3 emulated SMs): each block reads the mask of several (batch, head) items")
+pshapes = [(2, 4, 2, 113, 800, 3), (1, 3, 1, 300, 200, 2), (2, 2, 2, 129, 300, 3), (1, 2, 1, 700, 300, 3)]
+for si, (B, hq, hkv, nq, nk, sms) in enumerate(pshapes if not QUICK else pshapes[::2] + pshapes[3:]):
+    for causal in (False, True):
+        for kind in (("bool", "per_head", "rows_2d", "key_padding_additive_f32", "poison_hidden") if not QUICK
+                     else ("per_head", "poison_hidden")):
+            ci += 1
+            dtype = ("f16", "bf16")[ci % 2]
+            layout = LAYOUTS[(ci // 2) % 4]
+            ok, info, d = run_case(B, hq, hkv, nq, nk, dtype, causal, kind, layout, seed=1300 + ci, sms=sms)
+            expect(ok, "[%d SMs] %s B%d H%d/%d %dx%d causal=%d %-24s %-10s %s"
+                   % (sms, dtype, B, hq, hkv, nq, nk, causal, kind, layout, info))
+print("  (%.0fs)" % (time.time() - T0))
+
 # ----------------------------------------------------------------- 3. negative controls
 print("\n== 3. negative controls: broken add_mask variants must be caught")
 
 
-def neg(name, variant, kind="poison_hidden", nq=113, nk=300, causal=True, layout="padded"):
+def neg(name, variant, kind="poison_hidden", nq=113, nk=300, causal=True, layout="padded", B=1, hq=2, sms=None):
     why = set()
     for seed in (1, 2):
-        ok, info, d = run_case(1, 2, 1, nq, nk, "f16", causal, kind, layout, seed, kn=fe.Knobs(mask_variant=variant))
+        ok, info, d = run_case(B, hq, 1, nq, nk, "f16", causal, kind, layout, seed, kn=fe.Knobs(mask_variant=variant),
+                               sms=sms)
         if not np.isfinite(d["err"]) or d["err"] > TOL["f16"] or not d["lse_ok"]:
             why.add("numbers")
         if not d["reads_ok"]:
@@ -256,6 +275,7 @@ neg("no row_valid (rows past Nq read)", "no_row_valid", causal=False)
 neg("no -inf test (hidden entries get +inf/NaN)", "no_hidden_test")
 neg("column offset t instead of 2t", "col_t", kind="bool", causal=False)
 neg("mask added before the hiding", "before_hide")
+neg("mask base of the block's first item (persistent, 2 SMs)", "stale_base", kind="per_head", B=2, hq=3, sms=2)
 
 print("\nFAILURES: %d   (%.0fs)" % (len(failures), time.time() - T0))
 for f in failures:

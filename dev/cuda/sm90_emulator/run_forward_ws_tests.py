@@ -1,13 +1,16 @@
-"""Drives forward_ws_emu.py (the warp-specialised sm90 forward @ c1dfc5c: TMA producer, 3 consumer warpgroups at
-d=64, 2 at d=128, round-robin turn-taking on named barriers; 176-key K/V tiles at d=128 without causal or mask,
-128-key tiles elsewhere; blocks in BlockOrder's order):
+"""Drives forward_ws_emu.py (the warp-specialised sm90 forward on main @ 7355d70: TMA producer, 3 consumer warpgroups
+at d=64, 2 at d=128, round-robin turn-taking on named barriers; 176-key K/V tiles at d=128 without mask (causal from
+16K keys), 128-key tiles elsewhere; work items in BlockOrder's order; persistent blocks at d=128, min(items, SMs) of
+them taking items from a work counter, a block per item at d=64):
 (0) static plan of every instantiation (smem <= 227 KiB, 1024-aligned slabs, host box heights = kernel kBlockN,
 expect-tx = bytes of the boxes, wgmma shapes and descriptor fields, the wgmma.cuh inline asm operand lists) and (0b)
 the block order (bijection, groups, the old order where it must be kept); (1) byte tags of every wgmma operand;
 (2) end to end vs float64 (out, lse; every element written once), incl. (2b) the 176-key tile and (2c) causal
 calls grouped for L2; (3) the per-row "visible" mask vs the per-element test, in context (needs_masking, key_end,
 n_tiles); (4) protocol under randomized interleavings: named-barrier balance and round-robin order for n_tiles
-0..12 with 2 and 3 consumers, mbarrier ring (no early overwrite, no deadlock); (5) negative controls.
+0..12 with 2 and 3 consumers, mbarrier ring (no early overwrite, no deadlock), and (4b) persistent blocks taking
+several items each (1-3 emulated SMs, items without keys, 2 and 3 consumers): the item slot, q_full/q_empty, phases
+carried across items, the work counter; (2d) end to end with more items than emulated SMs; (5) negative controls.
 Usage: python3 run_forward_ws_tests.py [--quick]"""
 import os
 import re
@@ -62,12 +65,15 @@ for (D, causal, masked, block_n) in INSTANTIATIONS:
     offs = ([s_ * Tr.kBlockM * 128 for s_ in range(Tr.kSlabs)] + [c * 64 * 128 for c in range(Tr.kConsumers)]
             + [ring + st * Tr.kTileBytes + sl * Tr.kBlockN * 128 for ring in (sK, sV) for st in range(Tr.kStages)
                for sl in range(Tr.kSlabs)])
-    worst_end = 1023 + Tr.kBarriersOffset + (1 + 4 * Tr.kStages) * 8    # base rounded up by at most 1023 (:44)
+    worst_end = 1023 + Tr.kBarriersOffset + (2 + 4 * Tr.kStages) * 8 + 4   # base rounded up by <= 1023 (:51); slot
     expect(all(o % 1024 == 0 for o in offs) and Tr.kBarriersOffset % 8 == 0 and worst_end <= Tr.kSmemBytes
            and Tr.kSmemBytes <= SMEM_LIMIT,
            "%s: Q slabs, consumer Q slabs, every K/V stage slab 1024-aligned (K/V slab %d B = %d x 1024), "
            "barriers inside the allocation, %d bytes <= %d" % (name, Tr.kBlockN * 128, Tr.kBlockN * 128 // 1024,
                                                                Tr.kSmemBytes, SMEM_LIMIT))
+    expect(Tr.kPersistent == (D == 128) and (not Tr.kPersistent or 2 * Tr.kSmemBytes > SMEM_LIMIT),
+           "%s: persistent %d; one block per SM by shared memory (2 x %d > %d) where persistent (:384)"
+           % (name, Tr.kPersistent, Tr.kSmemBytes, SMEM_LIMIT))
     q_box, kv_box = fe.host_box_heights(D, causal, "bool" if masked else "none",
                                         nk=fe.CAUSAL_WIDE_TILE_KEYS if block_n == 176 else 0)
     expect(Tr.kTileBytes == Tr.kSlabs * kv_box * 64 * 2 and Tr.kQBytes == Tr.kSlabs * q_box * 64 * 2
@@ -309,19 +315,23 @@ def check_outputs(G, fmt):
     return err, lse_ok, zero_ok, bool((w == 1).all() and (lw == 1).all()), int(dead_rows.sum())
 
 
-def e2e(dtype, D, causal, shape, seed, l2_bytes=None, want_ppg=None, label=""):
+def e2e(dtype, D, causal, shape, seed, l2_bytes=None, want_ppg=None, label="", sms=None):
     fmt = Fmt(dtype)
     B, hq, hkv, nq, nk = shape
     G = fe.make_problem(np.random.default_rng(100 + seed), B, hq, hkv, nq, nk, D, causal, fmt)
     if l2_bytes is not None:
         G["l2_bytes"] = l2_bytes
+    if sms is not None:
+        G["sms"] = sms
     launch = fe.host_launch(G)
     kBlockN = launch["traits"].kBlockN if launch else fe.Traits(D, causal).kBlockN
     ppg = launch["order"].pairs_per_group if launch else 1
     protos = []
     hz, orc, dead = run_case(G, fmt, seed=1000 + seed, dyn_base=(0, 528)[seed % 2], protos=protos)
-    head = "%s%s d=%d B=%d hq=%d hkv=%d nq=%d nk=%d causal=%d (kBlockN %d%s)" % (
-        label, dtype, D, B, hq, hkv, nq, nk, causal, kBlockN, ", %d pairs per group" % ppg if ppg > 1 else "")
+    head = "%s%s d=%d B=%d hq=%d hkv=%d nq=%d nk=%d causal=%d (kBlockN %d%s%s)" % (
+        label, dtype, D, B, hq, hkv, nq, nk, causal, kBlockN, ", %d pairs per group" % ppg if ppg > 1 else "",
+        ", %d items on %d blocks: %s" % (launch["items"], launch["grid"], "/".join(
+            str(len(p_["items"])) for p_ in protos)) if launch and launch["grid"] < launch["items"] else "")
     if dead:
         expect(False, "%s: DEADLOCK %s" % (head, dead[:200]))
         return
@@ -332,7 +342,7 @@ def e2e(dtype, D, causal, shape, seed, l2_bytes=None, want_ppg=None, label=""):
     def want_tiles(row0):                   # the key tiles block row0 must visit, stated from the contract
         key_end = max(0, min(nk, row0 + min(kBlockM, nq - row0) + nk - nq)) if causal else nk
         return (key_end + kBlockN - 1) // kBlockN
-    tiles_ok = all(p_["n_tiles"] == want_tiles(p_["block"][2]) for p_ in protos)
+    tiles_ok = all(it["n_tiles"] == want_tiles(it["block"][2]) for p_ in protos for it in p_["items"])
     ppg_ok = want_ppg is None or ppg == want_ppg
     expect(not hz and not orc and err < TOL[dtype] and lse_ok and zero_ok and once and tiles_ok and ppg_ok,
            "%s: max|out-ref| %.1e, lse %s, fully masked rows %d (out 0, lse -inf: %s), each out/lse element written "
@@ -390,6 +400,29 @@ for (D, shape, want) in ((64, (2, 3, 1, 300, 300), 4), (128, (1, 5, 5, 260, 200)
     if not QUICK:  # the same shape not causal: one pair per group whatever the L2
         ci += 1
         e2e("f16", D, False, shape, ci, l2_bytes=2 * bpp * want, want_ppg=1, label="[L2, not causal] ")
+
+print("\n== 2d. persistent blocks (d=128): more items than emulated SMs, items taken from the work counter")
+# (B, hq, hkv, nq, nk, causal, sms): causal Nq > Nk (items whose rows see no key, n_tiles 0, mixed with 1-3 tile
+# items), GQA and B > 1, a grid of 1, grids of 2 and 3; one block per item with the counter untouched (sms >= items)
+pers = [(1, 2, 1, 700, 300, True, 3), (2, 2, 1, 300, 500, False, 2), (1, 4, 2, 200, 400, True, 3),
+        (1, 1, 1, 900, 100, True, 2), (2, 3, 1, 129, 530, False, 3), (1, 2, 2, 513, 513, True, 1),
+        (1, 3, 1, 256, 177, False, 3), (1, 2, 1, 700, 300, True, 12)]
+if QUICK:
+    pers = [pers[i] for i in (0, 1, 3, 5, 7)]
+for (B, hq, hkv, nq, nk, causal, sms) in pers:
+    ci += 1
+    e2e(("f16", "bf16")[ci % 2], 128, causal, (B, hq, hkv, nq, nk), ci, sms=sms, label="[%d SMs] " % sms)
+# causal 176-key tiles on persistent blocks (threshold lowered as in 2b)
+fe.CAUSAL_WIDE_TILE_KEYS = 1
+for (B, hq, hkv, nq, nk, causal, sms) in pers[:2 if QUICK else 4]:
+    ci += 1
+    e2e(("f16", "bf16")[ci % 2], 128, True, (B, hq, hkv, nq, nk), ci, sms=sms, label="[%d SMs, causal 176] " % sms)
+fe.CAUSAL_WIDE_TILE_KEYS = wide_from
+# d=64 is not persistent: a block per item whatever the SM count
+for (B, hq, hkv, nq, nk, causal, sms) in pers[:2]:
+    ci += 1
+    e2e("f16", 64, causal, (B, hq, hkv, nq, nk), ci, sms=sms, label="[d=64, %d SMs: a block per item] " % sms)
+print("  worst max abs error:", {k: "%.1e" % v for k, v in worst.items()}, "(%.0fs)" % (time.time() - T0))
 
 # ----------------------------------------------------------------- 3. masking in context
 print("\n== 3. per-row 'visible' bound vs per-element truth, in the kernel's context (exhaustive integer check)")
@@ -463,30 +496,34 @@ print("\n== 4. protocol under randomized skewed interleavings: named barriers (b
 fmt = Fmt("f16")
 
 
-def proto_case(D, n_tiles_want, seed, consumers=None, causal=False, nq=None):
+def proto_case(D, n_tiles_want, seed, consumers=None, causal=False, nq=None, nk=None, hq=1, sms=None,
+               persistent=None):
     kBN = fe.Traits(D, causal).kBlockN         # 176 at d=128 not causal
-    nk = max(0, kBN * n_tiles_want - (seed % 3) * 37)
-    nk = nk if nk > kBN * (n_tiles_want - 1) else kBN * n_tiles_want
-    G = fe.make_problem(np.random.default_rng(seed), 1, 1, 1, nq or 50, nk, D, causal, fmt)
+    if nk is None:
+        nk = max(0, kBN * n_tiles_want - (seed % 3) * 37)
+        nk = nk if nk > kBN * (n_tiles_want - 1) else kBN * n_tiles_want
+    G = fe.make_problem(np.random.default_rng(seed), 1, hq, 1, nq or 50, nk, D, causal, fmt)
+    if sms is not None:
+        G["sms"] = sms
     protos = []
-    kn = fe.Knobs(stats=stats, consumers=consumers)
+    kn = fe.Knobs(stats=stats, consumers=consumers, persistent=persistent)
     hz, orc, dead = run_case(G, fmt, seed, kn=kn, protos=protos)
     problems = []
     kC = fe.Traits(D, consumers=consumers).kConsumers
     for p in protos:
-        n = p["n_tiles"]
-        if nq is None and n != n_tiles_want:
-            problems.append("n_tiles %d, want %d" % (n, n_tiles_want))
-        if n == 0:
-            if p.get("nb_log"):
-                problems.append("n_tiles 0 touched a named barrier")
-            continue
-        # each barrier 1+c: n+1 generations, each = 4 syncs by c + 4 arrivals by c-1 (mod kC)
+        ns = [it["n_tiles"] for it in p["items"]]
+        if nq is None and ns != [n_tiles_want]:
+            problems.append("n_tiles %s, want [%d]" % (ns, n_tiles_want))
+        # turns of a block: n+1 per item with keys, none for an item without; barrier 1 (consumer 0's) one more
+        # generation (the last consumer's initial arrival, consumer 0's extra turn); each generation of barrier 1+c
+        # = 4 syncs by c + 4 arrivals by c-1 (mod kC)
+        turns = sum(n + 1 for n in ns if n > 0)
         for c in range(kC):
             bid = 1 + c
-            if p["nb_gen"].get(bid, 0) != n + 1:
-                problems.append("barrier %d: %d generations, want %d" % (bid, p["nb_gen"].get(bid, 0), n + 1))
-            for gg in range(n + 1):
+            want_gen = turns + (c == 0)
+            if p["nb_gen"].get(bid, 0) != want_gen:
+                problems.append("barrier %d: %d generations, want %d" % (bid, p["nb_gen"].get(bid, 0), want_gen))
+            for gg in range(want_gen):
                 ent = sorted((who, kind) for (b, g_, who, kind) in p["nb_log"] if b == bid and g_ == gg)
                 want = sorted([((c, w), "sync") for w in range(4)] + [(((c - 1) % kC, w), "arrive") for w in range(4)])
                 if ent != want:
@@ -518,18 +555,48 @@ for s in range(seeds):
     runs += 1
     if hz or orc or dead or problems:
         bad.append(("causal 700x128", s, hz[:2], orc[:2], dead, problems[:3]))
+for s in range(seeds):
+    hz, orc, dead, problems = proto_case(128, 1, 9100 + s, causal=True, nq=700)
+    runs += 1
+    if hz or orc or dead or problems:
+        bad.append(("causal 700x128 d=128, a block per item", s, hz[:2], orc[:2], dead, problems[:3]))
 expect(not bad, "%d runs (d=64 x3 / d=128 x2 consumers (176-key tiles), plus 2<->3 swapped; n_tiles 0..6, 9, 12): "
        "no deadlock, no race, "
-       "no early overwrite, each barrier n_tiles+1 generations of (4 syncs of c, 4 arrivals of c-1), none left at "
-       "exit%s (%.0fs)" % (runs, "" if not bad else ": " + str(bad[:2]), time.time() - t1))
+       "no early overwrite, each barrier n_tiles+1 generations (consumer 0's one more) of (4 syncs of c, 4 arrivals of "
+       "c-1), none left at exit%s (%.0fs)" % (runs, "" if not bad else ": " + str(bad[:2]), time.time() - t1))
 expect(len(stats) == 2 and all(v > 0 for v in stats.values()),
        "the interleavings reach the overlaps the rings must order: %s" % stats)
+
+print("\n== 4b. persistent protocol: several items per block (item slot, q_full/q_empty, phases across items, counter)")
+t1 = time.time()
+bad = []
+runs = 0
+ipb = []                      # items per block seen
+# (D, consumers, persistent, hq, nq, nk, causal, sms): items with 0..4 tiles in one block, odd tile counts flipping
+# the stage phases, blocks of 1-3 SMs; 3 consumers under persistence (not instantiated: d=128 has 2) for coverage
+pcases = [(128, None, None, 2, 700, 300, True, 3), (128, None, None, 3, 129, 530, False, 2),
+          (128, None, None, 1, 900, 400, True, 1), (128, None, None, 2, 300, 177, False, 3),
+          (128, None, None, 4, 130, 700, True, 2), (64, None, True, 2, 700, 300, True, 2),
+          (128, 3, None, 2, 500, 450, True, 3), (64, 2, True, 3, 200, 290, False, 3)]
+for (D, consumers, persistent, hq, nq, nk, causal, sms) in pcases:
+    for s in range(seeds):
+        seed = 9500 + 31 * runs
+        hz, orc, dead, problems = proto_case(D, None, seed, consumers, causal, nq=nq, nk=nk, hq=hq, sms=sms,
+                                             persistent=persistent)
+        runs += 1
+        if hz or orc or dead or problems:
+            bad.append((D, consumers, hq, nq, nk, causal, sms, seed, hz[:2], orc[:2], dead and dead[:200],
+                        problems[:3]))
+expect(not bad, "%d runs (%d shapes x %d seeds; 1-3 blocks, 4-16 items, items without keys): no deadlock, no race "
+       "(sQ, rings, item slot), no early overwrite, every item once, barrier generations = turns (+1 for consumer 0), "
+       "none left at exit, numbers%s (%.0fs)" % (runs, len(pcases), seeds, "" if not bad else ": " + str(bad[:2]),
+                                                 time.time() - t1))
 
 # ----------------------------------------------------------------- 5. negative controls
 print("\n== 5. negative controls: deliberately broken variants must be caught")
 
 
-def neg(name, kn, D=64, nq=300, nk=650, causal=True, hq=1, hkv=1, seeds=(7, 8, 9), tags=False):
+def neg(name, kn, D=64, nq=300, nk=650, causal=True, hq=1, hkv=1, seeds=(7, 8, 9), tags=False, sms=None):
     why = set()
     for seed in seeds:
         if tags:
@@ -540,9 +607,13 @@ def neg(name, kn, D=64, nq=300, nk=650, causal=True, hq=1, hkv=1, seeds=(7, 8, 9
                 why.add(h[:60])
             continue
         G = fe.make_problem(np.random.default_rng(7), 1, hq, hkv, nq, nk, D, causal, fmt)
+        if sms is not None:
+            G["sms"] = sms
         hz, orc, dead = run_case(G, fmt, seed=seed, kn=kn)
         if dead:
             why.add("deadlock")
+            if orc:
+                why.add("oracle: " + orc[0][:50])
             continue
         err, lse_ok, zero_ok, once, _ = check_outputs(G, fmt)
         if not np.isfinite(err) or err > TOL["f16"] or not lse_ok or not zero_ok:
@@ -559,8 +630,8 @@ def neg(name, kn, D=64, nq=300, nk=650, causal=True, hq=1, hkv=1, seeds=(7, 8, 9
 neg("initial arrival from consumer 0 (not the last)", fe.Knobs(initial_by=0))
 neg("initial arrival from consumer 0, d=128", fe.Knobs(initial_by=0), D=128)
 neg("initial arrival from consumer 1 (3 consumers)", fe.Knobs(initial_by=1))
-neg("no final skip (last consumer arrives at the end)", fe.Knobs(final_skip=False))
-neg("no final skip, d=128", fe.Knobs(final_skip=False), D=128)
+neg("final skip (c1dfc5c: last consumer skips its last arrival)", fe.Knobs(final_skip=True))
+neg("final skip, d=128 persistent", fe.Knobs(final_skip=True), D=128, hq=2, nq=700, nk=300, sms=3)
 neg("old 2-consumer next turn (2 - consumer) with 3 consumers", fe.Knobs(next_turn=lambda c, k: 2 - c if c < 2 else 1))
 neg("Q slab of consumer 2 at +128*128 mod 16384 (rows 0-63)", fe.Knobs(q_slab=lambda c: (c * 64 * 128) % 16384), tags=True)
 neg("Q slab of consumer 2 at +128*128 mod 16384, numbers", fe.Knobs(q_slab=lambda c: (c * 64 * 128) % 16384))
@@ -588,6 +659,20 @@ neg("V descriptor LBO of 128 rows, numbers", fe.Knobs(v_desc_rows=128), **N176)
 neg("P V over 8 k-steps (128 / 16)", fe.Knobs(pv_steps=8), **N176)
 neg("needs_masking with 128 (col0 + 128 > key_end) at 176", fe.Knobs(
     needs_masking=lambda col0, key_end, wg_row0, co: col0 + 128 > key_end), **N176)
+# persistent blocks (0351716): d=128, 3 emulated SMs, 12 items (causal 700 x 300: 1-3 tiles, 6 without keys)
+PERS = dict(D=128, hq=2, nq=700, nk=300, causal=True, sms=3)
+neg("q_empty released before the wait completing the last S", fe.Knobs(q_release="early"), **PERS)
+neg("q_empty released after S_0 whatever n_tiles", fe.Knobs(q_release="first"), **PERS)
+neg("item slot written before the q_empty wait", fe.Knobs(slot_before_wait=True), **PERS)
+neg("item slot written without the q_empty wait", fe.Knobs(q_empty_wait=False), **PERS)
+neg("consumer 0 without its extra turn", fe.Knobs(extra_turn=False), **PERS)
+neg("consumer 0 without its extra turn, d=64 (a block per item)", fe.Knobs(extra_turn=False))
+neg("stage phases not carried across items", fe.Knobs(carry_phases=False), **PERS)
+neg("q_full parity 0 for every item", fe.Knobs(q_full_parity=lambda i: 0), **PERS)
+neg("work counter not zeroed by the launch", fe.Knobs(memset=False), **PERS)
+neg("no sentinel (producer returns without the n_items slot)", fe.Knobs(sentinel=False), **PERS)
+neg("no sentinel, grid of one block per item", fe.Knobs(sentinel=False), D=128, hq=2, nq=300, nk=300)
+neg("q_empty counting 4 arrivals (one warpgroup)", fe.Knobs(empty_count=4), **PERS)
 # static checks must catch what they are for
 text = open(os.path.join(SRC, "wgmma.cuh")).read()
 broken = {"m64n176k16 f16 D list without %53": text.replace("%52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
