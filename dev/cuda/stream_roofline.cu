@@ -4,7 +4,9 @@
 // driver takes the attention maths away and keeps only the loads, so its
 // TB/s bound what each load path, ring depth and block count can give.
 //
-// A block walks its split of one (sequence, head)'s 64-key K and V tiles
+// A block walks its split of one (sequence, head)'s K and V tiles (64 keys,
+// or 128 for the paths with one request per tile: FA3, TensorRT-LLM's XQA and
+// cuDNN's published decode kernels take 64-176-key tiles at one block per SM)
 // through a ring of `stages` buffers and touches 16 bytes of each tile once it
 // has landed (so nothing is optimised away). Load paths:
 //   cp.async    16-byte cp.async.cg by every thread, commit groups (the decode
@@ -22,7 +24,8 @@
 // A second table puts a busy wait of D clock cycles after each refill, where
 // the decode kernel runs its MMAs and softmax on the tile (wait, refill,
 // compute): how long may that work take before it, not the loads, sets the
-// rate?
+// rate? (A 128-key tile carries twice a 64-key tile's work: compare D at 128
+// keys with D / 2 at 64.)
 // "stages" counts ring buffers, as the decode kernel's kStages does: stages - 1
 // tiles are in flight while one is read (2 stages: no overlap at all); with
 // cp.async-early all of them while the block waits.
@@ -47,10 +50,8 @@ using namespace fusedattn::cuda;
 namespace {
 
 constexpr int kBatch = 8, kHeads = 32, kHeadDim = 128;
-constexpr int kTileRows = 64;
 constexpr int kThreads = 128;
 constexpr int kRowBytes = kHeadDim * 2;
-constexpr int kTileBytes = kTileRows * kRowBytes;  // one K or V tile: 16 KB
 
 enum class Path { CpAsync, CpAsyncEarly, BulkRows, BulkTile, TmaTile };
 const char* path_name(Path p) {
@@ -64,7 +65,7 @@ const char* path_name(Path p) {
 }
 
 struct StreamArgs {
-  CUtensorMap k_map, v_map;  // tma-tile only
+  CUtensorMap k_map[2], v_map[2];  // tma-tile only: boxes of 64 and of 128 rows
   const unsigned char* k;
   const unsigned char* v;
   int64_t seqlen;
@@ -73,8 +74,9 @@ struct StreamArgs {
   int64_t delay_cycles;  // busy wait per tile after its refill (0: none)
 };
 
-template <Path kPath, int kStages>
+template <Path kPath, int kStages, int kTileRows>
 __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant__ StreamArgs a) {
+  constexpr int kTileBytes = kTileRows * kRowBytes;  // one K or V tile: 16 KB at 64 keys
   extern __shared__ unsigned char smem_raw[];
   unsigned char* ring = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   __shared__ uint64_t landed[kStages];
@@ -127,8 +129,10 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
         const int row = static_cast<int>(tile * kTileRows);
         const int head = static_cast<int>(bh % kHeads), batch = static_cast<int>(bh / kHeads);
         for (int slab = 0; slab < kHeadDim / 64; ++slab) {
-          tma_load_box(sk + slab * kTileRows * 128, &a.k_map, 64 * slab, row, head, batch, &landed[stage]);
-          tma_load_box(sv + slab * kTileRows * 128, &a.v_map, 64 * slab, row, head, batch, &landed[stage]);
+          tma_load_box(sk + slab * kTileRows * 128, &a.k_map[kTileRows == 128], 64 * slab, row, head, batch,
+                       &landed[stage]);
+          tma_load_box(sv + slab * kTileRows * 128, &a.v_map[kTileRows == 128], 64 * slab, row, head, batch,
+                       &landed[stage]);
         }
       }
     }
@@ -167,10 +171,11 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
   if (sum == 12345.678f) a.sink[blockIdx.x] = sum;  // never true for these data; keeps the reads
 }
 
-template <Path kPath, int kStages>
+template <Path kPath, int kStages, int kTileRows = 64>
 void run(const StreamArgs& base, int64_t seqlen, int splits, int sms, int64_t delay_cycles = 0) {
-  auto kernel = stream_kernel<kPath, kStages>;
-  const int smem = kStages * 2 * kTileBytes + 1024;
+  static_assert(kTileRows == 64 || kTileRows == 128);
+  auto kernel = stream_kernel<kPath, kStages, kTileRows>;
+  const int smem = kStages * 2 * kTileRows * kRowBytes + 1024;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return;
   int per_sm = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
@@ -193,7 +198,7 @@ void run(const StreamArgs& base, int64_t seqlen, int splits, int sms, int64_t de
   cudaEventElapsedTime(&ms, start, stop);
   const cudaError_t err = cudaGetLastError();
   const double bytes = 2.0 * kBatch * kHeads * double(seqlen) * kRowBytes;
-  std::printf("| %-14s | %6lld | %d | %d | %2d | %4d | %5lld | %s |\n", path_name(kPath),
+  std::printf("| %-14s | %3d | %6lld | %d | %d | %2d | %4d | %5lld | %s |\n", path_name(kPath), kTileRows,
               static_cast<long long>(seqlen), kStages, per_sm, splits, (blocks + per_sm * sms - 1) / (per_sm * sms),
               static_cast<long long>(delay_cycles),
               err == cudaSuccess ? std::to_string(bytes * kRepeats / (ms * 1e-3) / 1e12).substr(0, 4).c_str()
@@ -202,12 +207,13 @@ void run(const StreamArgs& base, int64_t seqlen, int splits, int sms, int64_t de
   cudaEventDestroy(stop);
 }
 
-template <Path kPath>
+template <Path kPath, int kTileRows = 64>
 void run_stages(const StreamArgs& a, int64_t n, int splits, int sms) {
-  run<kPath, 2>(a, n, splits, sms);
-  run<kPath, 3>(a, n, splits, sms);
-  run<kPath, 4>(a, n, splits, sms);
-  run<kPath, 6>(a, n, splits, sms);
+  // Configurations whose ring does not fit in shared memory print nothing.
+  run<kPath, 2, kTileRows>(a, n, splits, sms);
+  run<kPath, 3, kTileRows>(a, n, splits, sms);
+  run<kPath, 4, kTileRows>(a, n, splits, sms);
+  run<kPath, 6, kTileRows>(a, n, splits, sms);
 }
 
 }  // namespace
@@ -215,9 +221,9 @@ void run_stages(const StreamArgs& a, int64_t n, int splits, int sms) {
 int main() {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  std::printf("KV-cache streaming ceiling, B=%d H=%d d=%d float16, 64-key tiles, TB/s of K and V\n\n", kBatch,
-              kHeads, kHeadDim);
-  std::printf("| path | N | stages | blocks/SM | splits | waves | delay | TB/s |\n|---|---|---|---|---|---|---|---|\n");
+  std::printf("KV-cache streaming ceiling, B=%d H=%d d=%d float16, TB/s of K and V\n\n", kBatch, kHeads, kHeadDim);
+  std::printf("| path | keys/tile | N | stages | blocks/SM | splits | waves | delay | TB/s |\n"
+              "|---|---|---|---|---|---|---|---|---|\n");
   for (int64_t n : {int64_t(4096), int64_t(32768), int64_t(131072)}) {
     const size_t bytes = size_t(kBatch) * kHeads * n * kRowBytes;
     unsigned char *k = nullptr, *v = nullptr;
@@ -234,10 +240,13 @@ int main() {
     a.v = v;
     a.sink = sink;
     const TensorStrides strides{kHeads * n * kHeadDim, n * kHeadDim, kHeadDim};
-    if (!encode_head_tensor_map(&a.k_map, DType::Float16, k, kBatch, kHeads, n, kHeadDim, strides, kTileRows) ||
-        !encode_head_tensor_map(&a.v_map, DType::Float16, v, kBatch, kHeads, n, kHeadDim, strides, kTileRows)) {
-      std::printf("tensor maps refused\n");
-      return 1;
+    for (int wide = 0; wide < 2; ++wide) {
+      const int rows = wide ? 128 : 64;
+      if (!encode_head_tensor_map(&a.k_map[wide], DType::Float16, k, kBatch, kHeads, n, kHeadDim, strides, rows) ||
+          !encode_head_tensor_map(&a.v_map[wide], DType::Float16, v, kBatch, kHeads, n, kHeadDim, strides, rows)) {
+        std::printf("tensor maps refused\n");
+        return 1;
+      }
     }
     for (int splits : {1, 8}) {
       run_stages<Path::CpAsync>(a, n, splits, sms);
@@ -245,12 +254,18 @@ int main() {
       run_stages<Path::BulkRows>(a, n, splits, sms);
       run_stages<Path::BulkTile>(a, n, splits, sms);
       run_stages<Path::TmaTile>(a, n, splits, sms);
+      run_stages<Path::BulkTile, 128>(a, n, splits, sms);
+      run_stages<Path::TmaTile, 128>(a, n, splits, sms);
     }
     // The decode kernel's configuration (3 stages, 2 blocks per SM) with work per tile.
     for (int64_t delay : {250, 500, 1000, 2000, 4000}) {
       run<Path::CpAsync, 3>(a, n, 1, sms, delay);
       run<Path::CpAsyncEarly, 3>(a, n, 1, sms, delay);
       run<Path::BulkRows, 3>(a, n, 1, sms, delay);
+      run<Path::TmaTile, 3>(a, n, 1, sms, delay);
+      // Twice the keys, twice the work per tile.
+      run<Path::TmaTile, 2, 128>(a, n, 1, sms, 2 * delay);
+      run<Path::TmaTile, 3, 128>(a, n, 1, sms, 2 * delay);
     }
     cudaFree(k);
     cudaFree(v);
