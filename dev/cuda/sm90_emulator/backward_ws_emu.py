@@ -175,27 +175,35 @@ class Wait:
         self.ready, self.acquire, self.what = ready, acquire, what
 
 
-def schedule(agents, rng, max_steps=10 ** 7, skew=True):
-    """agents: dict name -> generator. Random interleaving (with skew: every agent, TMA copies included, gets a
-    random speed in [0.01, 1], log-uniform, so some run far ahead of others); raises Deadlock."""
-    speed = {}
+class Agents(dict):
+    """The scheduler's agents, name -> generator; TMA copies join while it runs (their names queue in `fresh`)."""
+    def __init__(self):
+        super().__init__()
+        self.fresh = []
 
-    def w(a):
-        if a not in speed:
-            speed[a] = 10 ** rng.uniform(-2, 0) if skew else 1.0
-        return speed[a]
-    waits = {a: None for a in agents}
-    live = dict(agents)
-    for gen in agents.values():
-        gen._started = True
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v)
+        self.fresh.append(k)
+
+
+def schedule(agents, rng, max_steps=10 ** 7):
+    """Random interleaving of an Agents: every agent, TMA copies included, gets a random speed in [0.01, 1],
+    log-uniform, so some run far ahead of others; the next agent is drawn among the ready ones by speed;
+    new agents are admitted from Agents.fresh; raises Deadlock when none can move."""
+    speed, waits, live = {}, {}, {}
+
+    def admit():
+        for k in agents.fresh:
+            live[k], waits[k], speed[k] = agents[k], None, 10 ** rng.uniform(-2, 0)
+        agents.fresh.clear()
+    admit()
     for _ in range(max_steps):
         if not live:
             return
         ready = [a for a in live if waits[a] is None or waits[a].ready()]
         if not ready:
             raise Deadlock("; ".join("%s waits %s" % (a, waits[a].what) for a in live))
-        ws_ = [w(x) for x in ready]
-        a = rng.choices(ready, weights=ws_)[0]
+        a = rng.choices(ready, weights=[speed[x] for x in ready])[0]
         if waits[a] is not None:
             waits[a].acquire()
         try:
@@ -203,27 +211,8 @@ def schedule(agents, rng, max_steps=10 ** 7, skew=True):
         except StopIteration:
             del live[a]
             del waits[a]
-            continue
-        # new agents (TMA copies) may have been added by the one that ran
-        for k, gen in list(agents.items()):
-            if k not in live and k not in waits and not getattr(gen, "_started", False):
-                gen._started = True
-                live[k] = gen
-                waits[k] = None
+        admit()
     raise Deadlock("step limit")
-
-
-class Gen:
-    """Generator wrapper so new agents can be flagged."""
-    def __init__(self, g):
-        self.g = g
-        self._started = False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self.g)
 
 
 # ============================================================ knobs (defaults = the kernel)
@@ -399,7 +388,7 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
         clocks.new(a, start)
 
     regs_log = {}   # setmaxnreg per (warpgroup, warp)
-    agents = {}
+    agents = Agents()
     next_tma = [1 + NWARPS]
     stage_landed = {}   # oracle: (step) -> number of TMA copies of the step landed
     released = {}       # oracle: step -> set of warps that released its stage
@@ -428,7 +417,7 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
             if step >= 0:
                 stage_landed[step] = stage_landed.get(step, 0) + 1
             bar.complete_tx(nbytes, vc)
-        agents["tma%d" % k] = Gen(body())
+        agents["tma%d" % k] = body()
 
     def box_load(dst, name, col0, row0, head, batch, bar, step):     # tma.cuh:22-29, the map's box
         rows = box[name]
@@ -738,10 +727,10 @@ def run_block(bx, G, fmt, rng, dyn_base=0, kn=None, log=None, oracle=None, tag_l
         dv = RF[c]["dv"][mine].reshape(32, kDTiles, 4)
         be.store_key_gradients(G, fmt, walk, my_key0 + warp_row, dk, dv, g, t)
 
-    agents["producer"] = Gen(producer())
+    agents["producer"] = producer()
     for c in range(kConsumers):
         for w in range(4):
-            agents["c%dw%d" % (c, w)] = Gen(consumer_warp(c, w))
+            agents["c%dw%d" % (c, w)] = consumer_warp(c, w)
     with np.errstate(all="ignore"):
         schedule(agents, rng)
     # setmaxnreg: .sync.aligned over the warpgroup -> every warp of a warpgroup, same value

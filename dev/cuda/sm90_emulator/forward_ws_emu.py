@@ -43,7 +43,8 @@ from ptx_model import kmajor_addresses, mnmajor_addresses
 MAXWARPS = 12
 ws.NWARPS = MAXWARPS          # RaceSmem tracks reads of up to 12 consumer warps (agents 1..12)
 KLN2 = np.float32(0.6931471805599453)
-Hazard, Deadlock, Wait, Gen, MBarrier, Clocks = ws.Hazard, ws.Deadlock, ws.Wait, ws.Gen, ws.MBarrier, ws.Clocks
+Hazard, Deadlock, Wait, MBarrier, Clocks = ws.Hazard, ws.Deadlock, ws.Wait, ws.MBarrier, ws.Clocks
+Agents, schedule = ws.Agents, ws.schedule
 
 
 CAUSAL_WIDE_TILE_KEYS = 16384  # forward_traits.h kSm90CausalWideTileKeys; a run may lower it to emulate the wide causal
@@ -202,45 +203,6 @@ class Counter:
         return old
 
 
-class Agents(dict):
-    """The scheduler's agents; TMA copies join while it runs (their names queue in `fresh`)."""
-    def __init__(self):
-        super().__init__()
-        self.fresh = []
-
-    def __setitem__(self, k, v):
-        super().__setitem__(k, v)
-        self.fresh.append(k)
-
-
-def schedule(agents, rng, max_steps=10 ** 7):
-    """backward_ws_emu.schedule's rule (each agent a random speed in [0.01, 1], log-uniform; the next agent drawn
-    among the ready ones by speed; Deadlock when none can move), admitting new agents from Agents.fresh."""
-    speed, waits, live = {}, {}, {}
-
-    def admit():
-        for k in agents.fresh:
-            live[k], waits[k], speed[k] = agents[k], None, 10 ** rng.uniform(-2, 0)
-        agents.fresh.clear()
-    admit()
-    for _ in range(max_steps):
-        if not live:
-            return
-        ready = [a for a in live if waits[a] is None or waits[a].ready()]
-        if not ready:
-            raise Deadlock("; ".join("%s waits %s" % (a, waits[a].what) for a in live))
-        a = rng.choices(ready, weights=[speed[x] for x in ready])[0]
-        if waits[a] is not None:
-            waits[a].acquire()
-        try:
-            waits[a] = next(live[a])
-        except StopIteration:
-            del live[a]
-            del waits[a]
-        admit()
-    raise Deadlock("step limit")
-
-
 def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, dyn_base=0, launch=None,
               agents=None, counter=None, tma_bound=None):
     """One CTA (blockIdx.x = bx) of sm90_forward_kernel<HeadDim, BlockN, T, IsCausal, HasMask>
@@ -363,7 +325,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
             landed[lkey] = landed.get(lkey, 0) + 1
             delivered[dkey] = delivered.get(dkey, 0) + nbytes
             bar.complete_tx(nbytes, vc)
-        agents[pre + "tma%d" % k] = Gen(body())
+        agents[pre + "tma%d" % k] = body()
 
     def box_load(dst, name, col0, row, hd, b, box_rows, bar, lkey, dkey, need=None, prev=None):   # tma.cuh
         # cp.async.bulk.tensor.4d ... mbarrier::complete_tx::bytes (PTX ISA 9.7.9.25.5.1): the box of the map,
@@ -878,10 +840,10 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         if proto is not None:
             proto.setdefault("finished", set()).add((c, w))
 
-    agents[pre + "producer"] = Gen(producer())
+    agents[pre + "producer"] = producer()
     for c in range(kC):
         for w in range(4):
-            agents[pre + "c%dw%d" % (c, w)] = Gen(consumer_warp(c, w))
+            agents[pre + "c%dw%d" % (c, w)] = consumer_warp(c, w)
 
     def finish():
         for wgi in range(1 + kC):
