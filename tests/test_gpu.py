@@ -142,6 +142,21 @@ def test_cuda_offsets_beyond_int32():
     torch.testing.assert_close(out[:, -1:, tail].double(), ref, atol=2e-3, rtol=0)
 
 
+def check_graph_replays(q, k, v, is_causal, replays):
+    """The forward captured in a CUDA graph: each replay on fresh queries gives an eager call's
+    bits, out and lse."""
+    graph = torch.cuda.CUDAGraph()
+    static_q = q.clone()
+    with torch.cuda.graph(graph):
+        graph_out, graph_lse = torch.ops.fusedattn.forward(static_q, k, v, None, is_causal, None)
+    for _ in range(replays):
+        static_q.copy_(torch.randn_like(q))
+        graph.replay()
+        fresh, fresh_lse = torch.ops.fusedattn.forward(static_q, k, v, None, is_causal, None)
+        torch.testing.assert_close(graph_out, fresh, atol=0, rtol=0)
+        torch.testing.assert_close(graph_lse, fresh_lse, atol=0, rtol=0)
+
+
 def test_cuda_non_default_stream_and_graph():
     case = Case(seqlen_q=257, seqlen_k=300, head_dim=128, dtype=torch.float16, is_causal=True)
     q, k, v, _ = make_inputs(case, "cuda")
@@ -153,15 +168,7 @@ def test_cuda_non_default_stream_and_graph():
     torch.cuda.current_stream().wait_stream(stream)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
-    graph = torch.cuda.CUDAGraph()
-    static_q = q.clone()
-    with torch.cuda.graph(graph):
-        graph_out, _ = torch.ops.fusedattn.forward(static_q, k, v, None, True, None)
-    for _ in range(2):
-        static_q.copy_(torch.randn_like(q))
-        graph.replay()
-        fresh, _ = torch.ops.fusedattn.forward(static_q, k, v, None, True, None)
-        torch.testing.assert_close(graph_out, fresh, atol=0, rtol=0)
+    check_graph_replays(q, k, v, is_causal=True, replays=2)
 
 
 def test_cuda_graph_replays_zero_the_work_counter():
@@ -171,17 +178,8 @@ def test_cuda_graph_replays_zero_the_work_counter():
     case = Case(batch=2, heads_q=72, heads_kv=24, seqlen_q=256, seqlen_k=300, head_dim=128,
                 dtype=torch.bfloat16)
     q, k, v, _ = make_inputs(case, "cuda")
-    graph = torch.cuda.CUDAGraph()
-    static_q = q.clone()
-    torch.ops.fusedattn.forward(static_q, k, v, None, False, None)  # warm-up outside the capture
-    with torch.cuda.graph(graph):
-        graph_out, graph_lse = torch.ops.fusedattn.forward(static_q, k, v, None, False, None)
-    for _ in range(3):
-        static_q.copy_(torch.randn_like(q))
-        graph.replay()
-        fresh, fresh_lse = torch.ops.fusedattn.forward(static_q, k, v, None, False, None)
-        torch.testing.assert_close(graph_out, fresh, atol=0, rtol=0)
-        torch.testing.assert_close(graph_lse, fresh_lse, atol=0, rtol=0)
+    torch.ops.fusedattn.forward(q, k, v, None, False, None)  # warm-up outside the capture
+    check_graph_replays(q, k, v, is_causal=False, replays=3)
 
 
 def test_cuda_compile_fullgraph():
