@@ -1,5 +1,6 @@
 // Turning CUDA errors into exceptions in host launch code (no ATen here; the
-// operator layer sees a std::runtime_error, which PyTorch reports as RuntimeError).
+// operator layer sees a std::runtime_error, which PyTorch reports as RuntimeError),
+// and what launch code asks of the current device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,3 +15,15 @@
       throw std::runtime_error(std::string("fusedattn: CUDA error in ") + #expr + ": " + \
                                cudaGetErrorString(fusedattn_err_));                       \
   } while (0)
+
+namespace fusedattn::cuda {
+
+// The current device's SM count.
+inline int current_device_sms() {
+  int device = 0, sms = 0;
+  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+  FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+}  // namespace fusedattn::cuda

@@ -19,11 +19,8 @@ int backward_head_splits(const BackwardParams& p, int keys_per_block, int blocks
   const AttentionShape& sh = p.fwd.shape;
   const int64_t group = sh.heads_q / sh.heads_kv;
   if (p.deterministic || group == 1) return 1;  // the splits' sums are float32 atomics
-  int device = 0, sms = 0;
-  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-  FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // Two waves of the blocks that fit at once.
-  const int64_t target = 2 * int64_t(blocks_per_sm) * sms;
+  const int64_t target = 2 * int64_t(blocks_per_sm) * current_device_sms();
   const int64_t blocks = (sh.seqlen_k + keys_per_block - 1) / keys_per_block * sh.heads_kv * sh.batch;
   for (int64_t s = 1; s < group; ++s)
     if (group % s == 0 && blocks * s >= target) return static_cast<int>(s);

@@ -382,9 +382,7 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
   int64_t blocks = launch_args.order.blocks();
   if constexpr (Tr::kPersistent) {
     static_assert(2 * Tr::kSmemBytes > 227 * 1024, "one block per SM");
-    int device = 0, sms = 0;
-    FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-    FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int sms = current_device_sms();
     if (blocks > sms) {
       blocks = sms;
       FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(args.p.work_counter, 0, sizeof(unsigned), stream));
