@@ -10,7 +10,8 @@
 #   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
 # GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench";
 # "profile" runs Nsight Compute on the main kernels, "profile_decode" on the
-# decode kernel, "decode_splits" the decode table by split count, "roofline" the KV-cache
+# decode kernel, "profile_sdpa_decode" on cuDNN's, "call_gap" times small
+# forwards' host and GPU time, "decode_splits" the decode table by split count, "roofline" the KV-cache
 # streaming ceilings, "tables" every benchmark table of the README). On the H200 "build
 # tests" take about 4 minutes, the sanitizer up to 10 (each tool stops at
 # FUSEDATTN_SANITIZER_TIMEOUT, 300 s) and the benchmark up to
@@ -129,6 +130,27 @@ stage_profile_decode() {
     python3 scripts/profile_cases.py --decode --seqlen 32768 > "$out/profile-decode.txt" 2>&1 || status=1
   grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Stall|Issue Slots Busy|Warp Cycles Per Issued" \
     "$out/profile-decode.txt" | head -60
+}
+
+# Not in the default stages: the kernels SDPA's cuDNN backend runs for the
+# decode table's row (q of 1 token, N=32K): names, grid, block, registers,
+# shared memory and DRAM throughput, to compare with ours.
+stage_profile_sdpa_decode() {
+  if ! command -v ncu >/dev/null 2>&1; then
+    echo "ncu not found"
+    return
+  fi
+  timeout 300 ncu --clock-control none --set basic \
+    python3 scripts/profile_cases.py --decode --sdpa-cudnn --seqlen 32768 > "$out/profile-sdpa-decode.txt" 2>&1 || status=1
+  grep -E "^  [A-Za-z_0-9].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Grid Size|Block Size|Shared Memory Config|Dynamic Shared|Static Shared|Cluster Size|Waves Per SM" \
+    "$out/profile-sdpa-decode.txt" | head -80
+}
+
+# Not in the default stages: event, GPU and host time per call of small
+# forwards, fusedattn against cuDNN (dev/call_gap.py).
+stage_call_gap() {
+  timeout 120 python3 dev/call_gap.py 2>&1 | tee "$out/call-gap.md"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
 # Not in the default stages: the decode table at 32K and 128K with the split

@@ -2,7 +2,9 @@
 warm-up: B=4, H=32, d=128, N=4096, float16 (the seed table's middle), causal
 with --causal. With --decode instead one forward_kvcache call (B=8, H=32,
 d=128, a full cache of --seqlen keys, float16: the decode table's row) after
-a warm-up one. Run under ncu, e.g. scripts/gpu_check.sh's profile and
+a warm-up one; with --decode --sdpa-cudnn the same shape through SDPA's
+cuDNN backend (q of 1 token against the whole cache: what its kernels do at
+the decode table's row). Run under ncu, e.g. scripts/gpu_check.sh's profile and
 profile_decode stages."""
 
 import argparse
@@ -16,6 +18,7 @@ parser.add_argument("--causal", action="store_true")
 parser.add_argument("--seqlen", type=int, default=4096)
 parser.add_argument("--head-dim", type=int, default=128)
 parser.add_argument("--decode", action="store_true")
+parser.add_argument("--sdpa-cudnn", action="store_true", help="with --decode: SDPA's cuDNN backend instead")
 args = parser.parse_args()
 
 if args.decode:
@@ -24,7 +27,12 @@ if args.decode:
                         for _ in range(2))
     lengths = torch.full((8,), args.seqlen, device="cuda", dtype=torch.int32)
     for _ in range(2):
-        torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lengths, None, None, True, None)
+        if args.sdpa_cudnn:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache)
+        else:
+            torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lengths, None, None, True, None)
     torch.cuda.synchronize()
     raise SystemExit(0)
 
