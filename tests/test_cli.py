@@ -65,6 +65,35 @@ def test_bench_backward_on_the_cpu(tmp_path):
     assert row["results"]["fusedattn"]["status"] == "ok" and row["fusedattn_speedup"]["sdpa"] > 0
 
 
+def test_bench_interleaves_the_methods_timed_calls():
+    """After each method's peak-memory call and warm-up, every repeat calls each method once,
+    starting one further along each time; all methods get the same inputs, and a method that
+    cannot run is left out of the rotation."""
+    from fusedattn import bench
+
+    calls, inputs = [], []
+
+    def method(name):
+        def call(q, k, v, causal):
+            calls.append(name)
+            inputs.append(q.data_ptr())
+            return q
+        return call
+
+    def refuses(q, k, v, causal):
+        raise NotImplementedError("no such backend here")
+
+    cfg = bench.Config(torch.device("cpu"), batch=1, heads=2, head_dim=16, seqlens=[32], dtypes=["float32"],
+                       causal=[False], repeats=4, warmup=1)
+    table = {"a": method("a"), "b": method("b"), "no": refuses, "c": method("c")}
+    results = bench.measure_row(cfg, "float32", False, 32, table)
+    # peak memory + 1 warm-up each, then the repeats: a b c, b c a, c a b, a b c.
+    assert calls == ["a", "a", "b", "b", "c", "c"] + list("abcbcacababc")
+    assert len(set(inputs)) == 1
+    assert results["no"]["status"].startswith("n/a (no such backend")
+    assert all(results[m]["status"] == "ok" and results[m]["seconds"] > 0 for m in "abc")
+
+
 def test_bench_holds_a_methods_setting_through_forward_and_backward(monkeypatch):
     """A kernel-family or deterministic column holds its setting through the
     backward too (it runs after the method returns), then restores it."""

@@ -179,18 +179,25 @@ def _available_bytes(device: torch.device) -> int:
     return 1 << 62
 
 
-def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dict:
-    """One cell of the table: time, TFLOP/s and peak memory, or why it did not run."""
+def _inputs(cfg: Config, dtype: str, n: int) -> tuple[torch.Tensor, ...]:
     torch.manual_seed(0)
     shape = (cfg.batch, cfg.heads, n, cfg.head_dim)
-    q, k, v = (torch.randn(shape, device=cfg.device, dtype=DTYPES[dtype]).requires_grad_(cfg.backward)
-               for _ in range(3))
-    score_bytes = cfg.batch * cfg.heads * n * n * q.element_size()
+    return tuple(torch.randn(shape, device=cfg.device, dtype=DTYPES[dtype]).requires_grad_(cfg.backward)
+                 for _ in range(3))
+
+
+def _prepare(cfg: Config, inputs, causal: bool, name: str, fn) -> tuple[Callable | None, dict]:
+    """(timed, result): timed() times one call of the method between events
+    (its setting held around it); result holds its peak memory, or why it
+    cannot run (then timed is None). Runs the peak-memory call and the
+    warm-up."""
+    q, k, v = inputs
+    score_bytes = cfg.batch * cfg.heads * q.shape[2] * k.shape[2] * q.element_size()
     if name.startswith("naive") and 3 * score_bytes > _available_bytes(cfg.device):
-        return {"status": "OOM (skipped: needs ~3 N^2 score matrices)"}
+        return None, {"status": "OOM (skipped: needs ~3 N^2 score matrices)"}
     if cfg.backward:
         if name == "naive-cuda":
-            return {"status": "n/a (forward only)"}
+            return None, {"status": "n/a (forward only)"}
         grad = torch.randn_like(q)
 
         def call():
@@ -198,19 +205,62 @@ def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dic
             q.grad = k.grad = v.grad = None  # each call allocates its gradients afresh
     else:
         call = lambda: fn(q, k, v, causal)  # noqa: E731
+    setting = getattr(fn, "setting", contextlib.nullcontext)
     try:
-        with getattr(fn, "setting", contextlib.nullcontext)():
+        with setting():
             memory = peak_bytes(call, cfg.device)
-            seconds = median_seconds(call, cfg)
+            for _ in range(cfg.warmup):
+                call()
     except torch.OutOfMemoryError:
-        return {"status": "OOM"}
+        return None, {"status": "OOM"}
     except (RuntimeError, NotImplementedError) as e:  # a backend that cannot take this input
-        return {"status": f"n/a ({str(e).splitlines()[0][:60]})"}
+        return None, {"status": f"n/a ({str(e).splitlines()[0][:60]})"}
+
+    def timed() -> float:
+        with setting():
+            return _time_once(call, cfg.device)
+
+    return timed, {"status": "ok", "peak_bytes": memory}
+
+
+def measure_row(cfg: Config, dtype: str, causal: bool, n: int, table: dict[str, Callable]) -> dict[str, dict]:
+    """One row of the table: per method its median time, TFLOP/s and peak
+    memory, or why it did not run. The methods take the same inputs, and
+    their timed calls interleave: every repeat calls each method once,
+    starting one further along each time. An H200 runs these kernels at its
+    power limit and its clock follows what ran just before: timed one after
+    the other, cuDNN timed first in a row read up to 17% faster than
+    when timed second (dev/order_effect.py, 2026-12-01)."""
+    inputs = _inputs(cfg, dtype, n)
+    results, timed = {}, {}
+    try:
+        for name, fn in table.items():
+            timed[name], results[name] = _prepare(cfg, inputs, causal, name, fn)
+        ready = [name for name in table if timed[name] is not None]
+        times: dict[str, list[float]] = {name: [] for name in ready}
+        for r in range(cfg.repeats):
+            for i in range(len(ready)):
+                name = ready[(r + i) % len(ready)]
+                if results[name]["status"] != "ok":
+                    continue
+                try:
+                    times[name].append(timed[name]())
+                except torch.OutOfMemoryError:
+                    results[name] = {"status": "OOM"}
     finally:
         if cfg.device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"status": "ok", "seconds": seconds,
-            "tflops": timed_flops(cfg, n, causal) / seconds / 1e12, "peak_bytes": memory}
+    flops = timed_flops(cfg, n, causal)
+    for name in ready:
+        if results[name]["status"] == "ok":
+            seconds = statistics.median(times[name])
+            results[name].update(seconds=seconds, tflops=flops / seconds / 1e12)
+    return results
+
+
+def measure(cfg: Config, dtype: str, causal: bool, n: int, name: str, fn) -> dict:
+    """One cell of the table: time, TFLOP/s and peak memory, or why it did not run."""
+    return measure_row(cfg, dtype, causal, n, {name: fn})[name]
 
 
 def select_methods(table: dict[str, Callable], names: list[str] | None) -> dict[str, Callable]:
@@ -228,12 +278,10 @@ def run(cfg: Config, progress: bool = True) -> dict:
 
     table = select_methods(methods(cfg.device, cfg.backward), cfg.methods)
     ceilings = {dt: matmul_ceiling(cfg, dt) for dt in cfg.dtypes}
-    cells = [(dt, c, n, m) for dt in cfg.dtypes for c in cfg.causal for n in cfg.seqlens for m in table]
-    rows: dict[tuple, dict] = {}
-    for dt, c, n, m in tqdm(cells, desc="fusedattn bench", disable=not progress, unit="run"):
-        row = rows.setdefault((dt, c, n), {"dtype": dt, "causal": c, "seqlen": n, "results": {}})
-        row["results"][m] = measure(cfg, dt, c, n, m, table[m])
-    for row in rows.values():
+    keys = [(dt, c, n) for dt in cfg.dtypes for c in cfg.causal for n in cfg.seqlens]
+    rows = [{"dtype": dt, "causal": c, "seqlen": n, "results": measure_row(cfg, dt, c, n, table)}
+            for dt, c, n in tqdm(keys, desc="fusedattn bench", disable=not progress, unit="row")]
+    for row in rows:
         fused = row["results"].get("fusedattn", {})
         flops = timed_flops(cfg, row["seqlen"], row["causal"])
         row["arithmetic_intensity"] = flops / min_bytes(cfg, row["seqlen"], row["dtype"])
@@ -249,7 +297,7 @@ def run(cfg: Config, progress: bool = True) -> dict:
                    "repeats": cfg.repeats, "threads": torch.get_num_threads(), "backward": cfg.backward},
         "methods": list(table),
         "matmul_tflops": ceilings,
-        "rows": list(rows.values()),
+        "rows": rows,
     }
 
 
