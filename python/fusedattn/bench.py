@@ -80,7 +80,7 @@ def _sdpa_backend(name: str):
 
 
 class _Fusedattn:
-    """fusedattn's forward under a setting that measure() holds around the
+    """fusedattn's forward under a setting that the bench holds around the
     forward and the backward alike (`setting()` is a context manager)."""
 
     def __init__(self, setting: Callable):
@@ -223,37 +223,46 @@ def _prepare(cfg: Config, inputs, causal: bool, name: str, fn) -> tuple[Callable
     return timed, {"status": "ok", "peak_bytes": memory}
 
 
+def interleaved_medians(timed: dict[str, Callable[[], float]], repeats: int) -> dict[str, float | dict]:
+    """Median seconds of each timed() over `repeats` rounds, each round calling
+    every method once, starting one further along each time; {"status": "OOM"}
+    for a method that ran out of memory. An H200 runs attention at its power
+    limit and its clock follows what ran just before: timed one after the
+    other, cuDNN timed first in a row read up to 17% faster than timed second
+    (dev/order_effect.py, 2026-12-01)."""
+    names = list(timed)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    failed: dict[str, dict] = {}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            if name in failed:
+                continue
+            try:
+                times[name].append(timed[name]())
+            except torch.OutOfMemoryError:
+                failed[name] = {"status": "OOM"}
+    return {name: failed.get(name) or statistics.median(times[name]) for name in names}
+
+
 def measure_row(cfg: Config, dtype: str, causal: bool, n: int, table: dict[str, Callable]) -> dict[str, dict]:
     """One row of the table: per method its median time, TFLOP/s and peak
-    memory, or why it did not run. The methods take the same inputs, and
-    their timed calls interleave: every repeat calls each method once,
-    starting one further along each time. An H200 runs these kernels at its
-    power limit and its clock follows what ran just before: timed one after
-    the other, cuDNN timed first in a row read up to 17% faster than
-    when timed second (dev/order_effect.py, 2026-12-01)."""
+    memory, or why it did not run. The methods take the same inputs and their
+    timed calls interleave (interleaved_medians)."""
     inputs = _inputs(cfg, dtype, n)
     results, timed = {}, {}
     try:
         for name, fn in table.items():
             timed[name], results[name] = _prepare(cfg, inputs, causal, name, fn)
-        ready = [name for name in table if timed[name] is not None]
-        times: dict[str, list[float]] = {name: [] for name in ready}
-        for r in range(cfg.repeats):
-            for i in range(len(ready)):
-                name = ready[(r + i) % len(ready)]
-                if results[name]["status"] != "ok":
-                    continue
-                try:
-                    times[name].append(timed[name]())
-                except torch.OutOfMemoryError:
-                    results[name] = {"status": "OOM"}
+        medians = interleaved_medians({name: t for name, t in timed.items() if t is not None}, cfg.repeats)
     finally:
         if cfg.device.type == "cuda":
             torch.cuda.empty_cache()
     flops = timed_flops(cfg, n, causal)
-    for name in ready:
-        if results[name]["status"] == "ok":
-            seconds = statistics.median(times[name])
+    for name, seconds in medians.items():
+        if isinstance(seconds, dict):
+            results[name] = seconds
+        else:
             results[name].update(seconds=seconds, tflops=flops / seconds / 1e12)
     return results
 

@@ -15,8 +15,8 @@ import datetime
 import torch
 import torch.nn.functional as F
 
-from .bench import (DTYPES, _sdpa_backend, cell, describe_device, markdown_table, median_seconds,
-                    select_methods, speedups)
+from .bench import (DTYPES, _sdpa_backend, _time_once, cell, describe_device, interleaved_medians,
+                    markdown_table, select_methods, speedups)
 
 
 # Calls per timed interval: a step over a 4K cache takes about 0.1 ms, close to
@@ -60,9 +60,11 @@ def methods(cfg: DecodeConfig) -> dict:
     return table
 
 
-def measure(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, name: str, fn) -> dict:
-    if varlen and name != "fusedattn":
-        return {"status": "n/a (no per-sequence lengths)"}
+def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict) -> dict[str, dict]:
+    """One row: per method its median time and bandwidth, or why it did not
+    run. The methods read the same cache, and their timed calls interleave
+    (bench.interleaved_medians)."""
+    results = {name: {"status": "n/a (no per-sequence lengths)"} for name in table if varlen and name != "fusedattn"}
     torch.manual_seed(0)
     dt = DTYPES[dtype]
     q = torch.randn(cfg.batch, cfg.heads, 1, cfg.head_dim, device=cfg.device, dtype=dt)
@@ -70,20 +72,33 @@ def measure(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, name: str, fn) 
             for _ in range(2))
     lengths = cache_lengths(cfg, n, varlen).to(cfg.device)
     useful = 2 * int(lengths.sum()) * cfg.kv_heads * cfg.head_dim * q.element_size()
-    def calls():  # back to back, so the launch overheads of one call hide behind the last
-        for _ in range(CALLS_PER_TIMING):
-            fn(q, k, v, lengths)
-
+    timed = {}
     try:
-        seconds = median_seconds(calls, cfg) / CALLS_PER_TIMING
-    except torch.OutOfMemoryError:
-        return {"status": "OOM"}
-    except (RuntimeError, NotImplementedError) as e:
-        return {"status": f"n/a ({str(e).splitlines()[0][:60]})"}
+        for name, fn in table.items():
+            if name in results:
+                continue
+
+            def calls(fn=fn):  # back to back, so the launch overheads of one call hide behind the last
+                for _ in range(CALLS_PER_TIMING):
+                    fn(q, k, v, lengths)
+
+            try:
+                for _ in range(cfg.warmup):
+                    calls()
+            except torch.OutOfMemoryError:
+                results[name] = {"status": "OOM"}
+                continue
+            except (RuntimeError, NotImplementedError) as e:
+                results[name] = {"status": f"n/a ({str(e).splitlines()[0][:60]})"}
+                continue
+            timed[name] = lambda calls=calls: _time_once(calls, cfg.device) / CALLS_PER_TIMING
+        for name, seconds in interleaved_medians(timed, cfg.repeats).items():
+            results[name] = seconds if isinstance(seconds, dict) else {
+                "status": "ok", "seconds": seconds, "kv_bytes": useful, "tb_per_s": useful / seconds / 1e12}
     finally:
         del k, v
         torch.cuda.empty_cache()
-    return {"status": "ok", "seconds": seconds, "kv_bytes": useful, "tb_per_s": useful / seconds / 1e12}
+    return {name: results[name] for name in table}
 
 
 def run(cfg: DecodeConfig, progress: bool = True) -> dict:
@@ -92,12 +107,10 @@ def run(cfg: DecodeConfig, progress: bool = True) -> dict:
     if cfg.device.type != "cuda":
         raise SystemExit("fusedattn bench --decode: the decode benchmark needs a CUDA device")
     table = select_methods(methods(cfg), cfg.methods)
-    cells = [(dt, vl, n, m) for dt in cfg.dtypes for vl in cfg.varlen for n in cfg.seqlens for m in table]
-    rows: dict[tuple, dict] = {}
-    for dt, vl, n, m in tqdm(cells, desc="fusedattn bench --decode", disable=not progress, unit="run"):
-        row = rows.setdefault((dt, vl, n), {"dtype": dt, "varlen": vl, "seqlen": n, "results": {}})
-        row["results"][m] = measure(cfg, dt, n, vl, m, table[m])
-    for row in rows.values():
+    keys = [(dt, vl, n) for dt in cfg.dtypes for vl in cfg.varlen for n in cfg.seqlens]
+    rows = [{"dtype": dt, "varlen": vl, "seqlen": n, "results": measure_row(cfg, dt, n, vl, table)}
+            for dt, vl, n in tqdm(keys, desc="fusedattn bench --decode", disable=not progress, unit="row")]
+    for row in rows:
         row["fusedattn_speedup"] = speedups(row["results"])
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -106,7 +119,7 @@ def run(cfg: DecodeConfig, progress: bool = True) -> dict:
         "config": {"batch": cfg.batch, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
                    "head_dim": cfg.head_dim, "repeats": cfg.repeats},
         "methods": list(table),
-        "rows": list(rows.values()),
+        "rows": rows,
     }
 
 
