@@ -10,7 +10,8 @@
 #   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
 # GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench";
 # "profile" runs Nsight Compute on the main kernels, "profile_decode" on the
-# decode kernel, "profile_sdpa_decode" on cuDNN's, "call_gap" times small
+# decode kernel, "profile_sdpa_decode" on cuDNN's, "profile_forward_vs_cudnn" the forward
+# against cuDNN's at 4K and 8K, "call_gap" times small
 # forwards' host and GPU time, "decode_splits" the decode table by split count, "roofline" the KV-cache
 # streaming ceilings, "tables" every benchmark table of the README). On the H200 "build
 # tests" take about 4 minutes, the sanitizer up to 10 (each tool stops at
@@ -144,6 +145,28 @@ stage_profile_sdpa_decode() {
     python3 scripts/profile_cases.py --decode --sdpa-cudnn --seqlen 32768 > "$out/profile-sdpa-decode.txt" 2>&1 || status=1
   grep -E "^  [A-Za-z_0-9].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Grid Size|Block Size|Shared Memory Config|Dynamic Shared|Static Shared|Cluster Size|Waves Per SM" \
     "$out/profile-sdpa-decode.txt" | head -80
+}
+
+# Not in the default stages: the forward's kernel and cuDNN's at d=128,
+# non-causal N=4K and 8K (cuDNN's fastest point and the next): duration, SM
+# clock, DRAM and L2 traffic, launch shape (the second call of each).
+stage_profile_forward_vs_cudnn() {
+  if ! command -v ncu >/dev/null 2>&1; then
+    echo "ncu not found"
+    return
+  fi
+  local n who
+  for n in 4096 8192; do
+    for who in "" --sdpa-cudnn; do
+      echo "== N=$n ${who:-fusedattn}"
+      timeout 120 ncu --clock-control none -k regex:"sm90_forward_kernel|cudnn" --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --metrics lts__t_sector_hit_rate.pct,dram__bytes_read.sum,sm__warps_active.avg.pct_of_peak_sustained_active \
+        python3 scripts/profile_cases.py --forward-only --seqlen "$n" $who 2>&1 || status=1
+    done
+  done > "$out/profile-forward-vs-cudnn.txt"
+  grep -E "^== |^  [A-Za-z_0-9].*\(|Duration|SM Frequency|DRAM Throughput|Compute \(SM\)|Grid Size|Registers Per|Dynamic Shared|Cluster Size|lts__t_sector_hit|dram__bytes_read|Achieved Occupancy" \
+    "$out/profile-forward-vs-cudnn.txt" | head -80
 }
 
 # Not in the default stages: event, GPU and host time per call of small

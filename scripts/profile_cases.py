@@ -1,6 +1,7 @@
 """One forward and one backward call of fusedattn for a profiler, after a
 warm-up: B=4, H=32, d=128, N=4096, float16 (the seed table's middle), causal
-with --causal. With --decode instead one forward_kvcache call (B=8, H=32,
+with --causal; --forward-only leaves out the backward, --sdpa-cudnn times
+SDPA's cuDNN forward instead. With --decode instead one forward_kvcache call (B=8, H=32,
 d=128, a full cache of --seqlen keys, float16: the decode table's row) after
 a warm-up one; with --decode --sdpa-cudnn the same shape through SDPA's
 cuDNN backend (q of 1 token against the whole cache: what its kernels do at
@@ -18,7 +19,8 @@ parser.add_argument("--causal", action="store_true")
 parser.add_argument("--seqlen", type=int, default=4096)
 parser.add_argument("--head-dim", type=int, default=128)
 parser.add_argument("--decode", action="store_true")
-parser.add_argument("--sdpa-cudnn", action="store_true", help="with --decode: SDPA's cuDNN backend instead")
+parser.add_argument("--sdpa-cudnn", action="store_true", help="SDPA's cuDNN backend instead (forward only)")
+parser.add_argument("--forward-only", action="store_true")
 args = parser.parse_args()
 
 if args.decode:
@@ -40,6 +42,12 @@ shape = (4, 32, args.seqlen, args.head_dim)
 q, k, v, grad = (torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(4))
 # A warm-up pair, then the profiled pair (gpu_check.sh skips the first two launches).
 for _ in range(2):
+    if args.sdpa_cudnn:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
+        continue
     out, lse = torch.ops.fusedattn.forward(q, k, v, None, args.causal, None)
-    torch.ops.fusedattn.backward(grad, q, k, v, out, lse, None, args.causal, None)
+    if not args.forward_only:
+        torch.ops.fusedattn.backward(grad, q, k, v, out, lse, None, args.causal, None)
 torch.cuda.synchronize()
