@@ -34,12 +34,13 @@ for head_dim in (32, 64, 128):
             out, lse = torch.ops.fusedattn.forward(q, k, v, None, causal, None)
             torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, causal, None)
 
-# More query blocks than SMs (2 x 72 heads x 2 blocks = 288 items): the
-# persistent sm90 forward's blocks take several items each, and under causal
-# with Nq > Nk some items see no key (racecheck found a WAR on the item slot
-# here, 2026-11-30).
-for causal, seqlen_k in ((False, 300), (True, 100)):
-    case = Case(batch=2, heads_q=72, heads_kv=24, seqlen_q=256, seqlen_k=seqlen_k, head_dim=128,
+# More query blocks than SMs (2 x 72 heads x 2 blocks = 288 items, 128 or
+# 192 query rows a block): the persistent sm90 forward's blocks (d=128, and
+# d=64 under causal) take several items each, and under causal with Nq > Nk
+# some items see no key (racecheck found a WAR on the item slot here,
+# 2026-11-30).
+for head_dim, causal, seqlen_k in ((128, False, 300), (128, True, 100), (64, True, 100), (64, True, 300)):
+    case = Case(batch=2, heads_q=72, heads_kv=24, seqlen_q=256, seqlen_k=seqlen_k, head_dim=head_dim,
                 dtype=torch.float16, mask="none", is_causal=causal)
     q, k, v, _ = make_inputs(case, "cuda")
     torch.ops.fusedattn.forward(q, k, v, None, causal, None)

@@ -171,15 +171,17 @@ def test_cuda_non_default_stream_and_graph():
     check_graph_replays(q, k, v, is_causal=True, replays=2)
 
 
-def test_cuda_graph_replays_zero_the_work_counter():
-    """288 query blocks at d=128: on a Hopper GPU the sm90 forward's persistent blocks take them
-    from a counter that each launch zeroes (a memset node in the graph), so every replay must
-    give the eager call's bits; elsewhere this is one more graph test."""
-    case = Case(batch=2, heads_q=72, heads_kv=24, seqlen_q=256, seqlen_k=300, head_dim=128,
-                dtype=torch.bfloat16)
+@pytest.mark.parametrize("head_dim,is_causal", [(128, False), (64, True)])
+def test_cuda_graph_replays_zero_the_work_counter(head_dim, is_causal):
+    """288 query blocks: on a Hopper GPU the sm90 forward's persistent blocks (d=128, and d=64
+    under causal) take them from a counter that each launch zeroes (a memset node in the
+    graph), so every replay must give the eager call's bits; elsewhere this is one more graph
+    test."""
+    case = Case(batch=2, heads_q=72, heads_kv=24, seqlen_q=256, seqlen_k=300, head_dim=head_dim,
+                dtype=torch.bfloat16, is_causal=is_causal)
     q, k, v, _ = make_inputs(case, "cuda")
-    torch.ops.fusedattn.forward(q, k, v, None, False, None)  # warm-up outside the capture
-    check_graph_replays(q, k, v, is_causal=False, replays=3)
+    torch.ops.fusedattn.forward(q, k, v, None, is_causal, None)  # warm-up outside the capture
+    check_graph_replays(q, k, v, is_causal=is_causal, replays=3)
 
 
 def test_cuda_compile_fullgraph():

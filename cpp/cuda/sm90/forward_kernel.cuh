@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
   using Tr = Sm90ForwardTraits<HeadDim, BlockN>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages;
   constexpr int kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
+  constexpr bool kPersistent = kSm90Persistent<HeadDim, IsCausal>;
 
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
         load_tile(&args.v_map, sV, v_full, v_empty, n_tiles - 1);
         end_item_phases();
       }
-      if constexpr (!Tr::kPersistent) return;  // a block per item
+      if constexpr (!kPersistent) return;  // a block per item
       // A grid smaller than the items takes the rest from the counter.
       index = gridDim.x < n_items ? warp_uniform(gridDim.x + atomicAdd(p.work_counter, 1u), 1u) : n_items;
     }
@@ -362,7 +363,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
         *reinterpret_cast<uint32_t*>(out + int64_t(r) * p.out_strides.row + dt * 8 + 2 * t) =
             pack2<T>(acc[dt][2 * h] * inv, acc[dt][2 * h + 1] * inv);
     }
-    if constexpr (!Tr::kPersistent) break;  // a block per item
+    if constexpr (!kPersistent) break;  // a block per item
   }
   if (consumer == 0) take_turn();
 #else
@@ -377,11 +378,11 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90ForwardArgs launch_args = args;
   launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), IsCausal);
-  // Persistent: one block per SM (its shared memory leaves room for one),
-  // each taking items from the counter, zeroed here; else a block per item.
+  // Persistent: one block per SM (its threads hold all 65536 registers from
+  // entry, as setmaxnreg needs), each taking items from the counter, zeroed
+  // here; else a block per item.
   int64_t blocks = launch_args.order.blocks();
-  if constexpr (Tr::kPersistent) {
-    static_assert(2 * Tr::kSmemBytes > 227 * 1024, "one block per SM");
+  if constexpr (kSm90Persistent<HeadDim, IsCausal>) {
     const int sms = current_device_sms();
     if (blocks > sms) {
       blocks = sms;

@@ -26,6 +26,15 @@ constexpr int sm90_forward_block_n(int head_dim, bool is_causal, bool has_mask, 
   return !is_causal || seqlen_k >= kSm90CausalWideTileKeys ? 176 : 128;
 }
 
+// Blocks that stay resident and take work items until none are left
+// (forward_kernel.cuh) at d=128, and at d=64 under causal; else a block per
+// item. Measured on the H200 (2026-11-30 19:37 UTC, 20 repeats,
+// docs/cuda-notes.md): persistent d=128 read 1.01-1.09x at 2K-16K; d=64
+// 0.89-1.10x, below 0.96 at 7 of 24 points (non-causal d=64 spills 40 bytes
+// persistent).
+template <int HeadDim, bool IsCausal>
+inline constexpr bool kSm90Persistent = HeadDim == 128 || IsCausal;
+
 template <int HeadDim, int BlockN>
 struct Sm90ForwardTraits {
   // Consumer warpgroups of 64 queries each: FA3's counts, 3 at d=64 (whose
@@ -43,13 +52,6 @@ struct Sm90ForwardTraits {
   // 128 x 24 + 256 x 240 = 384 x 168 and 128 x 24 + 384 x 160 <= 512 x 128.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = kConsumers == 3 ? 160 : 240;
-  // Blocks that stay resident and take work items until none are left
-  // (forward_kernel.cuh) at d=128; at d=64 a block per item. Measured on the
-  // H200 (2026-11-30 19:37 UTC, 20 repeats, docs/cuda-notes.md): persistent
-  // d=128 read 1.01-1.09x at 2K-16K (0.87-0.88 at non-causal 1K, before the
-  // launch stopped asking for the occupancy and zeroing with a kernel); d=64
-  // 0.89-1.10x, below 0.96 at 7 of 24 points.
-  static constexpr bool kPersistent = HeadDim == 128;
   static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536,
                 "setmaxnreg would wait forever for registers the SM does not have");
   // Q, the K ring and the V ring, each slab 1024-byte aligned (the swizzle

@@ -1,20 +1,21 @@
-"""Emulation of the warp-specialised sm90 forward (cpp/cuda/sm90/forward_kernel.cuh on main @ 7355d70, the kernel as
-of 0351716: persistent blocks at d=128): a producer thread loading, per work item, Q and K, V tiles of kBlockN keys into
-two-stage rings (full/empty mbarriers), and kConsumers consumer warpgroups (3 at d=64, 2 at d=128) that take turns
-issuing their wgmmas over named barriers 1..kConsumers (round robin; the last consumer gives the initial arrival,
-every turn ends with an arrival, consumer 0 takes one extra turn after its last item).
+"""Emulation of the warp-specialised sm90 forward (cpp/cuda/sm90/forward_kernel.cuh on wip/sm90-d64-persistent
+@ bd9a8a8: persistent blocks at d=128 and at d=64 under causal): a producer thread loading, per work item, Q and K, V
+tiles of kBlockN keys into two-stage rings (full/empty mbarriers), and kConsumers consumer warpgroups (3 at d=64, 2 at
+d=128) that take turns issuing their wgmmas over named barriers 1..kConsumers (round robin; the last consumer gives the
+initial arrival, every turn ends with an arrival, consumer 0 takes one extra turn after its last item).
 Work items are query blocks in BlockOrder::at<IsCausal> order (common/block_order.h, made by make_query_block_order
-in launch_sm90_forward_kernel). At d=128 (forward_traits.h:52 kPersistent) the grid is min(items, SM count) blocks
-(G["sms"], SM_COUNT = 132 by default; tests use 1-3 to keep emulation fast): a block's first item is blockIdx.x,
-later ones gridDim.x + atomicAdd(p.work_counter, 1) (a Counter the launch zeroes with cudaMemsetAsync only when the
-grid is smaller than the items; such blocks then run concurrently under one scheduler), and the producer hands each
-item's index to the consumers through a shared-memory slot guarded by q_full / q_empty (n_items: the end of the
-work). Every item starts at ring stage 0 with per-stage phase bits carried across items (`phases`, end_item_phases);
-items without keys (causal Nq > Nk) get a plain q_full arrival and an immediate q_empty release. At d=64 a block per
-item (the producer returns, the consumers break after one item).
+in launch_sm90_forward_kernel). Where kSm90Persistent<HeadDim, IsCausal> (forward_traits.h:35-36: d=128, and d=64
+under causal) the grid is min(items, SM count) blocks (G["sms"], SM_COUNT = 132 by default; tests use 1-3 to keep
+emulation fast): a block's first item is blockIdx.x, later ones gridDim.x + atomicAdd(p.work_counter, 1) (a Counter
+the launch zeroes with cudaMemsetAsync only when the grid is smaller than the items; such blocks then run
+concurrently under one scheduler), and the producer hands each item's index to the consumers through a shared-memory
+slot guarded by q_full / q_empty (n_items: the end of the work). Every item starts at ring stage 0 with per-stage
+phase bits carried across items (`phases`, end_item_phases); items without keys (causal Nq > Nk) get a plain q_full
+arrival and an immediate q_empty release. At d=64 non-causal a block per item (the producer returns, the consumers
+break after one item).
 kBlockN = sm90_forward_block_n(HeadDim, IsCausal, HasMask, Nk) (forward_traits.h:24-27): 176 at d=128 without
 attn_mask, under causal from CAUSAL_WIDE_TILE_KEYS keys, 128 elsewhere; the kernel takes it as its BlockN template
-argument and the host encodes K/V boxes of that height (sm90_dispatch.cu:86-87).
+argument and the host encodes K/V boxes of that height (sm90_dispatch.cu:87-88).
 
 Reuses the rung-2 backward's machinery (backward_ws_emu.py): every warp, the producer thread and every TMA copy is a
 coroutine under a seeded random scheduler with skewed speeds; shared memory carries the vector-clock race detector
@@ -29,7 +30,7 @@ read by another lane is not told apart), and the work counter (every item taken 
 zeroed counter and none in a grid of one block per item). acc, m_i and l_i start as NaN (uninitialised) until each
 item's reset.
 
-Line numbers (":NN") refer to forward_kernel.cuh @ 7355d70 unless another file is named.
+Line numbers (":NN") refer to forward_kernel.cuh @ bd9a8a8 unless another file is named.
 """
 import random
 
@@ -57,7 +58,11 @@ def sm90_forward_block_n(head_dim, is_causal, has_mask, seqlen_k=0):     # forwa
     return 176 if not is_causal or seqlen_k >= CAUSAL_WIDE_TILE_KEYS else 128
 
 
-class Traits:                                                            # forward_traits.h:29-63
+def sm90_persistent(head_dim, is_causal):                                # forward_traits.h:35-36 kSm90Persistent
+    return head_dim == 128 or is_causal
+
+
+class Traits:                                                            # forward_traits.h:38-65
     def __init__(self, D, is_causal=False, has_mask=False, consumers=None, block_n=None):
         self.kConsumers = consumers or (3 if D == 64 else 2)
         self.kThreads = 128 * (1 + self.kConsumers)
@@ -70,11 +75,10 @@ class Traits:                                                            # forwa
         self.kTileBytes = self.kBlockN * D * 2
         self.kProducerRegisters = 24
         self.kConsumerRegisters = 160 if self.kConsumers == 3 else 240
-        self.kPersistent = D == 128                                      # :52
-        assert 128 * self.kProducerRegisters + 128 * self.kConsumers * self.kConsumerRegisters <= 65536   # :53-54
-        self.kBarriersOffset = self.kQBytes + 2 * self.kStages * self.kTileBytes   # :59
-        self.kSmemBytes = self.kBarriersOffset + (2 + 4 * self.kStages) * 8 + 4 + 1024   # :60 (+ the item slot)
-        assert D in (64, 128)                                            # :61
+        assert 128 * self.kProducerRegisters + 128 * self.kConsumers * self.kConsumerRegisters <= 65536   # :55-56
+        self.kBarriersOffset = self.kQBytes + 2 * self.kStages * self.kTileBytes   # :61
+        self.kSmemBytes = self.kBarriersOffset + (2 + 4 * self.kStages) * 8 + 4 + 1024   # :62 (+ the item slot)
+        assert D in (64, 128)                                            # :63
 
 
 # ============================================================ block order (common/block_order.h @ a91ea4f)
@@ -124,39 +128,42 @@ class Knobs:
     """Negative-control knobs; every default is the kernel's code."""
     def __init__(self, **kw):
         self.consumers = kw.get("consumers", None)                 # traits: 3 at d=64, 2 at d=128
-        self.initial_by = kw.get("initial_by", None)               # :291 last consumer (None) or this one
-        self.final_skip = kw.get("final_skip", False)              # :343 (True: c1dfc5c's `if (!last_consumer)`)
-        self.next_turn = kw.get("next_turn", None)                 # :181 1 + (c + 1) % kC
-        self.q_slab = kw.get("q_slab", None)                       # :192 consumer * 64 * 128
-        self.q_box_rows = kw.get("q_box_rows", None)               # sm90_dispatch.cu:86 box height = kBlockM
-        self.visible_plus = kw.get("visible_plus", 1)              # :264 ... - col0 + 1
-        self.needs_masking = kw.get("needs_masking", None)         # :248 (None: kernel) or a replacement fn
-        self.mask_mode = kw.get("mask_mode", "visible")            # "visible" (:256-272) or "old" (051b261)
-        self.empty_xor = kw.get("empty_xor", 1)                    # :126 phase(j) ^ 1
-        self.empty_count = kw.get("empty_count", None)             # :105, :109-110 4 * kConsumers
-        self.release_k_early = kw.get("release_k_early", False)    # :330 moved above :328 wait<1>
-        self.wait1 = kw.get("wait1", 1)                            # :328 wgmma_wait<1>
+        self.initial_by = kw.get("initial_by", None)               # :292 last consumer (None) or this one
+        self.final_skip = kw.get("final_skip", False)              # :344 (True: c1dfc5c's `if (!last_consumer)`)
+        self.next_turn = kw.get("next_turn", None)                 # :182 1 + (c + 1) % kC
+        self.q_slab = kw.get("q_slab", None)                       # :193 consumer * 64 * 128
+        self.q_box_rows = kw.get("q_box_rows", None)               # sm90_dispatch.cu:87 box height = kBlockM
+        self.visible_plus = kw.get("visible_plus", 1)              # :265 ... - col0 + 1
+        self.needs_masking = kw.get("needs_masking", None)         # :249 (None: kernel) or a replacement fn
+        self.mask_mode = kw.get("mask_mode", "visible")            # "visible" (:257-273) or "old" (051b261)
+        self.empty_xor = kw.get("empty_xor", 1)                    # :127 phase(j) ^ 1
+        self.empty_count = kw.get("empty_count", None)             # :106, :110-111 4 * kConsumers
+        self.release_k_early = kw.get("release_k_early", False)    # :331 moved above :329 wait<1>
+        self.wait1 = kw.get("wait1", 1)                            # :329 wgmma_wait<1>
         self.tma_late = kw.get("tma_late", 0.0)
         # the key tile (c1dfc5c): every default is the kernel's / host's code
         self.block_n = kw.get("block_n", None)                     # :47 kBlockN (None: the launch's BlockN)
-        self.kv_box_rows = kw.get("kv_box_rows", None)             # sm90_dispatch.cu:87 K/V box height
-        self.k_desc_rows = kw.get("k_desc_rows", None)             # :193 k_major_descriptor(k_tile, kBlockN, kk)
-        self.v_desc_rows = kw.get("v_desc_rows", None)             # :205 mn_major_descriptor(v_tile, kBlockN, kk)
-        self.tile_expect = kw.get("tile_expect", None)             # :127 expect kTileBytes
-        self.pv_steps = kw.get("pv_steps", None)                   # :204 kBlockN / 16 k-steps of P V
-        # attn_mask (:215-242, :273-274): "kernel", or a broken variant for negative controls
+        self.kv_box_rows = kw.get("kv_box_rows", None)             # sm90_dispatch.cu:88 K/V box height
+        self.k_desc_rows = kw.get("k_desc_rows", None)             # :194 k_major_descriptor(k_tile, kBlockN, kk)
+        self.v_desc_rows = kw.get("v_desc_rows", None)             # :206 mn_major_descriptor(v_tile, kBlockN, kk)
+        self.tile_expect = kw.get("tile_expect", None)             # :128 expect kTileBytes
+        self.pv_steps = kw.get("pv_steps", None)                   # :205 kBlockN / 16 k-steps of P V
+        # attn_mask (:216-243, :274-275): "kernel", or a broken variant for negative controls
         self.mask_variant = kw.get("mask_variant", "kernel")
         # persistent blocks (0351716): every default is the kernel's / host's code
-        self.persistent = kw.get("persistent", None)               # forward_traits.h:52 kPersistent (None: traits)
-        self.q_release = kw.get("q_release", "kernel")             # :317/:331 q_empty after the wait completing the
+        self.persistent = kw.get("persistent", None)               # launch and kernel: kSm90Persistent (None) or this
+        self.q_release = kw.get("q_release", "kernel")             # :318/:332 q_empty after the wait completing the
         #   item's last S; "early": before that wait; "first": after S_0 whatever n_tiles
-        self.slot_before_wait = kw.get("slot_before_wait", False)  # :134-135 slot written before the q_empty wait
-        self.q_empty_wait = kw.get("q_empty_wait", True)           # :134 the producer's q_empty wait
-        self.extra_turn = kw.get("extra_turn", True)               # :367 consumer 0's extra turn
-        self.carry_phases = kw.get("carry_phases", True)           # :97-101, :152, :347 end_item_phases
-        self.q_full_parity = kw.get("q_full_parity", None)         # :293 item & 1 (None) or fn(item)
-        self.memset = kw.get("memset", True)                       # :390 cudaMemsetAsync of the counter
-        self.sentinel = kw.get("sentinel", True)                   # :136-139 the n_items slot and its q_full arrival
+        self.slot_before_wait = kw.get("slot_before_wait", False)  # :135-136 slot written before the q_empty wait
+        self.q_empty_wait = kw.get("q_empty_wait", True)           # :135 the producer's q_empty wait
+        self.extra_turn = kw.get("extra_turn", True)               # :368 consumer 0's extra turn
+        self.carry_phases = kw.get("carry_phases", True)           # :98-102, :153, :348 end_item_phases
+        self.q_full_parity = kw.get("q_full_parity", None)         # :294 item & 1 (None) or fn(item)
+        self.memset = kw.get("memset", True)                       # :389 cudaMemsetAsync of the counter
+        self.sentinel = kw.get("sentinel", True)                   # :137-140 the n_items slot and its q_full arrival
+        # kernel sites ("producer" :155, "consumers" :366) that keep the d=128-only rule of b7c24d3 (Tr::kPersistent)
+        # while the launch (:385) follows kSm90Persistent: they differ at d=64 causal only
+        self.d128_only_at = kw.get("d128_only_at", ())
         self.tags = kw.get("tags", False)
         self.stats = kw.get("stats", None)
 
@@ -190,7 +197,7 @@ class NamedBarriers:
 
 class Counter:
     """p.work_counter: one device unsigned that attention_cuda_ops.cpp:110 allocates uninitialised (at::empty);
-    launch_sm90_forward_kernel zeroes it (cudaMemsetAsync, :390) only when the grid is smaller than the items."""
+    launch_sm90_forward_kernel zeroes it (cudaMemsetAsync, :389) only when the grid is smaller than the items."""
     POISON = 0x5EEDF00D
 
     def __init__(self):
@@ -206,7 +213,7 @@ class Counter:
 def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, dyn_base=0, launch=None,
               agents=None, counter=None, tma_bound=None):
     """One CTA (blockIdx.x = bx) of sm90_forward_kernel<HeadDim, BlockN, T, IsCausal, HasMask>
-    (forward_kernel.cuh:42-371); `launch` is what host_launch returns (instantiation, block order, box heights, grid,
+    (forward_kernel.cuh:42-372); `launch` is what host_launch returns (instantiation, block order, box heights, grid,
     persistence). With `agents` (an Agents) the block's coroutines join it, named "b<bx>:...", and the caller
     schedules them (blocks of one launch that share the work counter) and then calls the returned finish(), which
     runs the exit checks and returns the block's RaceSmem; without, the block runs alone and its RaceSmem returns."""
@@ -221,45 +228,47 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
     Tr = Traits(D, IsCausal, HasMask, kn.consumers, kn.block_n or launch["block_n"])   # :46 (BlockN: the launch's)
     kC, kBlockM, kBlockN, kStages = Tr.kConsumers, Tr.kBlockM, Tr.kBlockN, Tr.kStages   # :47
     kNTiles, kDTiles = kBlockN // 8, D // 8                               # :48
-    persistent = launch["persistent"]                                     # Tr::kPersistent (or Knobs.persistent)
+    persistent = launch["persistent"]                                     # :49 kPersistent (or Knobs.persistent)
+    producer_persistent = D == 128 if "producer" in kn.d128_only_at else persistent
+    consumers_persistent = D == 128 if "consumers" in kn.d128_only_at else persistent
     grid = launch["grid"]                                                 # gridDim.x
     order = launch["order"]
-    n_items = order.blocks()                                              # :67
+    n_items = order.blocks()                                              # :68
     NW = 4 * kC
     assert NW <= MAXWARPS
-    assert Tr.kSmemBytes <= 227 * 1024     # cudaFuncSetAttribute(MaxDynamicSharedMemorySize) limit on sm_90 (:377)
+    assert Tr.kSmemBytes <= 227 * 1024     # cudaFuncSetAttribute(MaxDynamicSharedMemorySize) limit on sm_90 (:378)
     assert 128 * Tr.kProducerRegisters + 128 * kC * Tr.kConsumerRegisters <= 65536
     pre = "b%d:" % bx
 
     smem_ = ws.RaceSmem()
-    base = ((be.WINDOW + dyn_base + 1023) & ~1023) - be.WINDOW            # :51
-    sQ = base                                                             # :52
-    sK = sQ + Tr.kQBytes                                                  # :53
-    sV = sK + kStages * Tr.kTileBytes                                     # :54
-    bars_at = base + Tr.kBarriersOffset                                   # :55-60
-    slot_at = bars_at + (2 + 4 * kStages) * 8                             # :63 item_slot = v_empty + kStages
+    base = ((be.WINDOW + dyn_base + 1023) & ~1023) - be.WINDOW            # :52
+    sQ = base                                                             # :53
+    sK = sQ + Tr.kQBytes                                                  # :54
+    sV = sK + kStages * Tr.kTileBytes                                     # :55
+    bars_at = base + Tr.kBarriersOffset                                   # :56-61
+    slot_at = bars_at + (2 + 4 * kStages) * 8                             # :64 item_slot = v_empty + kStages
     assert slot_at + 4 <= dyn_base + Tr.kSmemBytes and bars_at % 8 == 0 and slot_at % 4 == 0
 
     nq, nk, hq, hkv = G["nq"], G["nk"], G["hq"], G["hkv"]
-    causal_offset = nk - nq                                               # :73
+    causal_offset = nk - nq                                               # :74
 
-    class Item:                                                           # begin_item (:76-85)
+    class Item:                                                           # begin_item (:77-86)
         def __init__(self, index):
-            pair, qblock = order.at(IsCausal, index)                      # :77 args.order.at<IsCausal>(index)
+            pair, qblock = order.at(IsCausal, index)                      # :78 args.order.at<IsCausal>(index)
             self.index = index
-            self.batch, self.head = pair // hq, pair % hq                 # :78-79 (unsigned)
-            self.head_kv = self.head // (hq // hkv)                       # :80
-            self.row0 = qblock * kBlockM                                  # :81
-            self.rows = min(kBlockM, nq - self.row0)                      # :82
-            self.key_end = max(0, min(nk, self.row0 + self.rows + causal_offset)) if IsCausal else nk   # :83
-            self.n_tiles = (self.key_end + kBlockN - 1) // kBlockN        # :84
+            self.batch, self.head = pair // hq, pair % hq                 # :79-80 (unsigned)
+            self.head_kv = self.head // (hq // hkv)                       # :81
+            self.row0 = qblock * kBlockM                                  # :82
+            self.rows = min(kBlockM, nq - self.row0)                      # :83
+            self.key_end = max(0, min(nk, self.row0 + self.rows + causal_offset)) if IsCausal else nk   # :84
+            self.n_tiles = (self.key_end + kBlockN - 1) // kBlockN        # :85
             for v in (self.row0, self.rows, causal_offset, self.key_end, self.row0 + self.rows + causal_offset,
                       self.batch, self.head, qblock):
                 assert -2 ** 31 <= v < 2 ** 31, "int overflow"
             assert 0 <= self.batch < G["B"] and 0 <= self.row0 < nq and self.rows > 0, "item outside the problem"
 
     def phase_fns():
-        """`phases`, phase(j), end_item_phases (:94-101): per thread, the same arithmetic in both roles."""
+        """`phases`, phase(j), end_item_phases (:95-102): per thread, the same arithmetic in both roles."""
         st = [0]
 
         def phase(j):
@@ -279,7 +288,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
     n_tma = tma_bound if tma_bound is not None else Tr.kSlabs * (1 + 2 * Item(bx).n_tiles) + 4
     NC = 1 + MAXWARPS + n_tma
     clocks = Clocks(NC)
-    q_full = MBarrier("q_full", 1)                                        # :104-111
+    q_full = MBarrier("q_full", 1)                                        # :105-112
     q_empty = MBarrier("q_empty", kn.empty_count or 4 * kC)
     k_full = [MBarrier("k_full%d" % s, 1) for s in range(kStages)]
     v_full = [MBarrier("v_full%d" % s, 1) for s in range(kStages)]
@@ -289,7 +298,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
     nb = NamedBarriers()
     start = np.ones(NC, np.int64)
     for a in range(1 + MAXWARPS):
-        clocks.new(a, start)                                              # __syncthreads :114
+        clocks.new(a, start)                                              # __syncthreads :115
 
     regs_log = {}
     next_tma = [1 + MAXWARPS]
@@ -341,26 +350,26 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         tma(lambda: ws.swizzled_box_bytes(dst, ws.tma_box_4d(G, name, col0, row, hd, b, box_rows)), bar,
             box_rows * 128, "%s box" % name, lkey, dkey, need, prev)
 
-    q_box = kn.q_box_rows or launch["q_box"]                              # sm90_dispatch.cu:86 (Q map's box)
-    kv_box = kn.kv_box_rows or launch["kv_box"]                           # sm90_dispatch.cu:87 (K, V maps' box)
+    q_box = kn.q_box_rows or launch["q_box"]                              # sm90_dispatch.cu:87 (Q map's box)
+    kv_box = kn.kv_box_rows or launch["kv_box"]                           # sm90_dispatch.cu:88 (K, V maps' box)
     slot_bytes = np.arange(slot_at, slot_at + 4)
 
-    # ---------------------------------------------------------------- producer (:117-158)
+    # ---------------------------------------------------------------- producer (:118-159)
     def producer():
         vc = clocks.vc[0]
         for w in range(4):
-            regs_log[(0, w)] = Tr.kProducerRegisters                       # :119 whole warpgroup
-        yield None                                                        # :120 threads 1..127 return
+            regs_log[(0, w)] = Tr.kProducerRegisters                       # :120 whole warpgroup
+        yield None                                                        # :121 threads 1..127 return
         phase, end_item = phase_fns()
         seq = {"k": 0, "v": 0}
 
-        def load_tile(name, ring, full, empty, j, it, item):              # :125-131
+        def load_tile(name, ring, full, empty, j, it, item):              # :126-132
             stage = j % kStages
-            par = phase(j) ^ kn.empty_xor                                 # :126
+            par = phase(j) ^ kn.empty_xor                                 # :127
             yield Wait(lambda: empty[stage].test_parity(par), lambda: empty[stage].acquire(vc, par),
                        "%s_empty[%d] parity %d" % (name, stage, par))
             tile_bytes = kn.tile_expect or Tr.kTileBytes
-            full[stage].arrive(vc, tile_bytes); vc[0] += 1                # :127
+            full[stage].arrive(vc, tile_bytes); vc[0] += 1                # :128
             expected[(name, item, j)] = tile_bytes
             n = seq[name]
             seq[name] += 1
@@ -368,13 +377,13 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
             need = None if need is None else (name, need)
             last_load[(name, stage)] = n
             load_stage[(name, n)] = stage
-            for slab in range(Tr.kSlabs):                                 # :128-130 (box height: the host's map)
+            for slab in range(Tr.kSlabs):                                 # :129-131 (box height: the host's map)
                 box_load(ring + stage * Tr.kTileBytes + slab * kBlockN * 128, name, 64 * slab, j * kBlockN,
                          it.head_kv, it.batch, kv_box, full[stage], (name, n), (name, item, j), need,
                          (name, n - 1) if n >= 1 else None)
             yield None
 
-        def write_slot(value, item):                                      # :135 *item_slot = index
+        def write_slot(value, item):                                      # :136 *item_slot = index
             if oracle is not None and item >= 1 and released.get(("q", item - 1), set()) != ALL:
                 oracle.append("item slot of item %d written before all %d warps released item %d (%d did)"
                               % (item, NW, item - 1, len(released.get(("q", item - 1), ()))))
@@ -382,41 +391,41 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                         "the producer's item-slot write")
             vc[0] += 1
 
-        index = bx                                                        # :132 blockIdx.x
+        index = bx                                                        # :133 blockIdx.x
         item = 0
-        while True:                                                       # :133
+        while True:                                                       # :134
             qpar = (item & 1) ^ 1
             if kn.slot_before_wait:
                 write_slot(index, item)
             if kn.q_empty_wait:
                 yield Wait(lambda qpar=qpar: q_empty.test_parity(qpar),
-                           lambda qpar=qpar: q_empty.acquire(vc, qpar), "q_empty parity %d" % qpar)   # :134
+                           lambda qpar=qpar: q_empty.acquire(vc, qpar), "q_empty parity %d" % qpar)   # :135
             if not kn.slot_before_wait:
-                write_slot(index, item)                                   # :135
-            if index >= n_items:                                          # :136
+                write_slot(index, item)                                   # :136
+            if index >= n_items:                                          # :137
                 if kn.sentinel:
-                    q_full.arrive(vc); vc[0] += 1                         # :137
-                return                                                    # :138
-            it = Item(index)                                              # :140 begin_item
+                    q_full.arrive(vc); vc[0] += 1                         # :138
+                return                                                    # :139
+            it = Item(index)                                              # :141 begin_item
             if proto is not None:
                 proto["items"].append(dict(index=index, n_tiles=it.n_tiles, block=(it.batch, it.head, it.row0)))
-            if it.n_tiles == 0:                                           # :141
-                q_full.arrive(vc); vc[0] += 1                             # :142
+            if it.n_tiles == 0:                                           # :142
+                q_full.arrive(vc); vc[0] += 1                             # :143
             else:
-                q_full.arrive(vc, Tr.kQBytes); vc[0] += 1                 # :144
+                q_full.arrive(vc, Tr.kQBytes); vc[0] += 1                 # :145
                 expected[("q", item, 0)] = Tr.kQBytes
-                for slab in range(Tr.kSlabs):                             # :145-146
+                for slab in range(Tr.kSlabs):                             # :146-147
                     box_load(sQ + slab * kBlockM * 128, "q", 64 * slab, it.row0, it.head, it.batch, q_box, q_full,
                              ("q", item), ("q", item, 0), ("q", item - 1) if item >= 1 else None)
-                for j in range(it.n_tiles):                               # :147-150
+                for j in range(it.n_tiles):                               # :148-151
                     yield from load_tile("k", sK, k_full, k_empty, j, it, item)
                     if j > 0:
                         yield from load_tile("v", sV, v_full, v_empty, j - 1, it, item)
-                yield from load_tile("v", sV, v_full, v_empty, it.n_tiles - 1, it, item)   # :151
-                end_item(it.n_tiles)                                      # :152
-            if not persistent:                                            # :154 a block per item
+                yield from load_tile("v", sV, v_full, v_empty, it.n_tiles - 1, it, item)   # :152
+                end_item(it.n_tiles)                                      # :153
+            if not producer_persistent:                                   # :155 a block per item
                 return
-            if grid < n_items:                                            # :156
+            if grid < n_items:                                            # :157
                 if not counter.zeroed:
                     smem_.hz("atomicAdd on p.work_counter, which this launch did not zero (value %#x)" % counter.value)
                 index = (grid + counter.atomic_add(1)) & 0xFFFFFFFF       # warp_uniform(.., 1u): thread 0's value
@@ -508,9 +517,9 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
             tag_log.append(("PV", index, c, j, kk, a_regs.copy(), tag_bits(mnmajor_addresses(desc_b, D)[0])))
         RF[c]["acc"], _, _ = wg_model.rs(RF[c]["acc"], a_regs, desc_b, D, True, 1, 1, 1)
 
-    scale_log2 = np.float32(np.float32(G["scale"]) * be.KLOG2E)           # :166
+    scale_log2 = np.float32(np.float32(G["scale"]) * be.KLOG2E)           # :167
 
-    def quad_max(x):                                                      # device_math.cuh:123-126
+    def quad_max(x):                                                      # device_math.cuh:142-145
         ln = np.arange(32)
         x = np.maximum(x, x[ln ^ 1])
         return np.maximum(x, x[ln ^ 2])
@@ -520,9 +529,9 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         x = (x + x[ln ^ 1]).astype(np.float32)
         return (x + x[ln ^ 2]).astype(np.float32)
 
-    # ---------------------------------------------------------------- attn_mask (:215-242, :273-275)
+    # ---------------------------------------------------------------- attn_mask (:216-243, :274-276)
     def mask_value(M, idx):
-        """The value_at lambdas of :232-240 (base-2 units, float32)."""
+        """The value_at lambdas of :233-241 (base-2 units, float32)."""
         if ((idx < 0) | (idx >= M["buf"].size)).any():
             M["oob"] += int(((idx < 0) | (idx >= M["buf"].size)).sum())
             idx = np.clip(idx, 0, M["buf"].size - 1)
@@ -546,31 +555,31 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
         ok = ~bad
         np.add.at(M["counts"], (batch, head, r[ok], cc[ok]), 1)
 
-    # ---------------------------------------------------------------- consumer warps (:160-367)
+    # ---------------------------------------------------------------- consumer warps (:161-368)
     def consumer_warp(c, w):
         agent = 1 + 4 * c + w
         vc = clocks.vc[agent]
-        regs_log[(1 + c, w)] = Tr.kConsumerRegisters                       # :161
+        regs_log[(1 + c, w)] = Tr.kConsumerRegisters                       # :162
         lane = np.arange(32)
-        g, t = lane // 4, lane % 4                                        # :164
-        warp_row = w * 16                                                 # :165
+        g, t = lane // 4, lane % 4                                        # :165
+        warp_row = w * 16                                                 # :166
         mine = slice(32 * w, 32 * w + 32)
-        RF[c].setdefault("acc", np.full((128, D // 2), np.nan, np.float32))   # :169 uninitialised until :302
+        RF[c].setdefault("acc", np.full((128, D // 2), np.nan, np.float32))   # :170 uninitialised until :303
         RF[c].setdefault("s", np.zeros((128, kBlockN // 2), np.float32))
         RF[c].setdefault("p_a", {})
-        m_i = np.full((32, 2), np.nan, np.float32)                       # :170 uninitialised until :303-304
+        m_i = np.full((32, 2), np.nan, np.float32)                       # :171 uninitialised until :304-305
         l_i = np.full((32, 2), np.nan, np.float32)
-        my_turn = 1 + c                                                   # :181
+        my_turn = 1 + c                                                   # :182
         next_turn = (1 + (c + 1) % kC) if kn.next_turn is None else kn.next_turn(c, kC)
         initial_by = (kC - 1) if kn.initial_by is None else kn.initial_by
-        last = c == kC - 1                                                # :180
+        last = c == kC - 1                                                # :181
         q_off = c * 64 * 128 if kn.q_slab is None else kn.q_slab(c)
         phase, end_item = phase_fns()
         waits_n = {"k": 0, "v": 0}     # this warp's full waits / releases per ring (oracle: the producer's load n)
         rels_n = {"k": 0, "v": 0}
-        cur = {}                       # the current item (begin_item :299) and wg_row0 (:300)
+        cur = {}                       # the current item (begin_item :300) and wg_row0 (:301)
 
-        def take_turn():                                                  # :182 bar.sync my_turn, 256
+        def take_turn():                                                  # :183 bar.sync my_turn, 256
             gen_ = nb.arrive(my_turn, 256, vc, (c, w), "sync")
             vc[agent] += 1
 
@@ -579,48 +588,48 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                 vc[agent] += 1
             return Wait(lambda: (my_turn, gen_) in nb.released, acq, "bar.sync %d" % my_turn)
 
-        def pass_turn():                                                  # :183 bar.arrive next_turn, 256
+        def pass_turn():                                                  # :184 bar.arrive next_turn, 256
             nb.arrive(next_turn, 256, vc, (c, w), "arrive")
             vc[agent] += 1
 
-        def issue_scores(j):                                              # :186-195
+        def issue_scores(j):                                              # :187-196
             k_tile = sK + (j % kStages) * Tr.kTileBytes
             index = cur["it"].index
 
             def f():
                 RF[c]["s"] = np.full((128, kBlockN // 2), np.nan, np.float32)
-                for kk in range(D // 16):                                 # :191-193
+                for kk in range(D // 16):                                 # :192-194
                     do_ss(c, be.k_major_descriptor(sQ + q_off, kBlockM, kk),
                           be.k_major_descriptor(k_tile, kn.k_desc_rows or kBlockN, kk), kk, j, index)
             wg_issue(c, w, ("S", index, j), f, "S_%d of item %d" % (j, index))
             commit(c, w, ("S", index, j))
 
-        def issue_pv(j):                                                  # :197-207
+        def issue_pv(j):                                                  # :198-208
             v_tile = sV + (j % kStages) * Tr.kTileBytes
             index = cur["it"].index
 
             def f():
-                for kk in range(kn.pv_steps or kBlockN // 16):            # :204-205
+                for kk in range(kn.pv_steps or kBlockN // 16):            # :205-206
                     do_rs(c, RF[c]["p_a"][kk], be.mn_major_descriptor(v_tile, kn.v_desc_rows or kBlockN, kk), kk, j,
                           index)
             wg_issue(c, w, ("PV", index, j), f, "PV_%d of item %d" % (j, index))
             commit(c, w, ("PV", index, j))
 
-        def add_mask(col0, s, force=False):                               # :215-242
+        def add_mask(col0, s, force=False):                               # :216-243
             M = G["mask"]
             it, wg_row0 = cur["it"], cur["wg_row0"]
             b0 = cur["first"] if kn.mask_variant == "stale_base" else it   # control: the first item's base
-            mask_base = b0.batch * M["strides"][0] + b0.head * M["strides"][1]   # :216
+            mask_base = b0.batch * M["strides"][0] + b0.head * M["strides"][1]   # :217
             rs_, cs_ = M["strides"][2], M["strides"][3]
             var = kn.mask_variant
             row_offset = np.zeros((32, 2), np.int64)
-            for h in range(2):                                            # :218-221
+            for h in range(2):                                            # :219-222
                 row_offset[:, h] = (mask_base + (wg_row0 + warp_row + g + 8 * h).astype(np.int64) * rs_
                                     + (col0 + (t if var == "col_t" else 2 * t)).astype(np.int64) * cs_)
-            row_valid = np.stack([wg_row0 + warp_row + g < nq, wg_row0 + warp_row + g + 8 < nq], 1)   # :222
+            row_valid = np.stack([wg_row0 + warp_row + g < nq, wg_row0 + warp_row + g + 8 < nq], 1)   # :223
             if var == "no_row_valid":
                 row_valid[:] = True
-            for nt in range(kNTiles):                                     # :223-230
+            for nt in range(kNTiles):                                     # :224-231
                 for e in range(4):
                     sel = row_valid[:, e >> 1] & (s[:, nt, e] != -np.inf)
                     if var in ("no_hidden_test", "before_hide") or force:
@@ -634,19 +643,19 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                     record_mask_reads(M, idx, r, cc, it.batch, it.head)
                     s[sel, nt, e] = (s[sel, nt, e] + mask_value(M, idx)).astype(np.float32)
 
-        def softmax(j, s):                                                # :246-279
+        def softmax(j, s):                                                # :247-280
             it, wg_row0 = cur["it"], cur["wg_row0"]
             key_end = it.key_end
             col0 = j * kBlockN
-            if kn.needs_masking is None:                                  # :248
+            if kn.needs_masking is None:                                  # :249
                 needs = col0 + kBlockN > key_end or (IsCausal and col0 + kBlockN - 1 > wg_row0 + causal_offset)
             else:
                 needs = kn.needs_masking(col0, key_end, wg_row0, causal_offset)
-            s *= scale_log2                                               # :249-255 (or the exponent's FFMA, :277)
+            s *= scale_log2                                               # :250-256 (or the exponent's FFMA, :278)
             if HasMask and kn.mask_variant == "before_hide":   # control: mask added, then hidden
                 add_mask(col0, s, force=True)
             if needs:
-                if kn.mask_mode == "visible":                             # :256-272
+                if kn.mask_mode == "visible":                             # :257-273
                     vis = np.zeros((32, 2), np.int64)
                     for h in range(2):
                         v_ = np.full(32, key_end - col0, np.int64)
@@ -666,10 +675,10 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                             cc = nt * 8 + 2 * t + (e & 1)
                             hide = (cc >= cols) | ((cc - r > diagonal) if IsCausal else False)
                             s[hide, nt, e] = -np.inf
-            if HasMask:                                                   # :273-274 if constexpr (HasMask)
+            if HasMask:                                                   # :274-275 if constexpr (HasMask)
                 if kn.mask_variant != "before_hide":
                     add_mask(col0, s)
-            rescale = np.zeros((32, 2), np.float32)                       # :275/:277, online_softmax.cuh
+            rescale = np.zeros((32, 2), np.float32)                       # :276/:278, online_softmax.cuh
             for h in range(2):
                 row_max = np.full(32, -np.inf, np.float32)
                 for nt in range(kNTiles):
@@ -686,7 +695,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                 m_i[:, h] = m_new
             return rescale
 
-        def pack(s):                                                      # :280-283, online_softmax.cuh:70-77
+        def pack(s):                                                      # :281-284, online_softmax.cuh:79-87
             for kk in range(kBlockN // 16):
                 a = np.zeros((32, 4), np.uint32)
                 a[:, 0] = be.pack2(s[:, 2 * kk, 0], s[:, 2 * kk, 1], fmt)
@@ -698,18 +707,18 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                     a = (a | (a << 16)).astype(np.uint32)
                 RF[c]["p_a"].setdefault(kk, np.zeros((128, 4), np.uint32))[mine] = a
 
-        def release(ring, empty, j):                                      # :287-289 lane 0 arrives
+        def release(ring, empty, j):                                      # :288-290 lane 0 arrives
             empty[j % kStages].arrive(vc)
             vc[agent] += 1
             released.setdefault((ring, rels_n[ring]), set()).add(agent)
             rels_n[ring] += 1
 
-        def release_q(item):                                              # :287-289 on q_empty
+        def release_q(item):                                              # :288-290 on q_empty
             q_empty.arrive(vc)
             vc[agent] += 1
             released.setdefault(("q", item), set()).add(agent)
 
-        def rescale_rows(rs):                                             # online_softmax.cuh:47-56
+        def rescale_rows(rs):                                             # online_softmax.cuh:57-67
             acc = RF[c]["acc"][mine].reshape(32, kDTiles, 4)
             acc[:, :, 0] *= rs[:, 0:1]; acc[:, :, 1] *= rs[:, 0:1]
             acc[:, :, 2] *= rs[:, 1:2]; acc[:, :, 3] *= rs[:, 1:2]
@@ -733,84 +742,84 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
             return Wait(lambda: bar.test_parity(par), acq, what)
 
         yield None
-        if c == initial_by:                                               # :291
+        if c == initial_by:                                               # :292
             pass_turn()
         item = 0
-        while True:                                                       # :292
+        while True:                                                       # :293
             qpar = (item & 1) if kn.q_full_parity is None else kn.q_full_parity(item)
             yield Wait(lambda qpar=qpar: q_full.test_parity(qpar), lambda qpar=qpar: q_full.acquire(vc, qpar),
-                       "q_full parity %d" % qpar)                         # :293
-            # :297 lane 0 reads the slot (a generic shared-memory read, race-checked), __shfl_sync to the warp
+                       "q_full parity %d" % qpar)                         # :294
+            # :298 lane 0 reads the slot (a generic shared-memory read, race-checked), __shfl_sync to the warp
             index = int(np.frombuffer(smem_.read_generic(slot_bytes, vc, agent, "consumer %d warp %d's item-slot read"
                                                          % (c, w)).tobytes(), np.uint32)[0])
-            if index >= n_items:                                          # :298
+            if index >= n_items:                                          # :299
                 break
-            it = Item(index)                                              # :299
-            cur["it"], cur["wg_row0"] = it, it.row0 + 64 * c              # :300
+            it = Item(index)                                              # :300
+            cur["it"], cur["wg_row0"] = it, it.row0 + 64 * c              # :301
             cur.setdefault("first", it)
             wg_row0, n_tiles = cur["wg_row0"], it.n_tiles
-            RF[c]["acc"][mine] = 0                                        # :302
-            m_i[:] = -np.inf                                              # :303
-            l_i[:] = 0                                                    # :304
+            RF[c]["acc"][mine] = 0                                        # :303
+            m_i[:] = -np.inf                                              # :304
+            l_i[:] = 0                                                    # :305
             if oracle is not None and n_tiles > 0 and landed.get(("q", item), 0) != Tr.kSlabs:
                 oracle.append("consumer %d warp %d passes q_full of item %d with %d/%d Q copies landed"
                               % (c, w, item, landed.get(("q", item), 0), Tr.kSlabs))
             early, first = kn.q_release == "early", kn.q_release == "first"
-            if n_tiles == 0:                                              # :306
-                release_q(item)                                           # :307
+            if n_tiles == 0:                                              # :307
+                release_q(item)                                           # :308
             else:
-                yield full_wait(k_full[0], phase(0), "k_full[0] parity %d" % phase(0), "k", 0)   # :310
-                yield take_turn()                                         # :311
-                issue_scores(0)                                           # :312
-                pass_turn()                                               # :313
+                yield full_wait(k_full[0], phase(0), "k_full[0] parity %d" % phase(0), "k", 0)   # :311
+                yield take_turn()                                         # :312
+                issue_scores(0)                                           # :313
+                pass_turn()                                               # :314
                 if early and n_tiles == 1:
                     release_q(item)
-                yield wg_wait_group(c, w, 0, "S_0")                       # :314
-                release("k", k_empty, 0)                                  # :316
+                yield wg_wait_group(c, w, 0, "S_0")                       # :315
+                release("k", k_empty, 0)                                  # :317
                 if (n_tiles == 1 and kn.q_release == "kernel") or first:
-                    release_q(item)                                       # :317
+                    release_q(item)                                       # :318
                 s = read_s()
-                softmax(0, s)                                             # :318
-                pack(s)                                                   # :319
+                softmax(0, s)                                             # :319
+                pack(s)                                                   # :320
                 yield None
-                for j in range(1, n_tiles):                               # :321
+                for j in range(1, n_tiles):                               # :322
                     st = j % kStages
-                    yield full_wait(k_full[st], phase(j), "k_full[%d] parity %d" % (st, phase(j)), "k", st)   # :322
-                    yield take_turn()                                     # :323
-                    issue_scores(j)                                       # :324
+                    yield full_wait(k_full[st], phase(j), "k_full[%d] parity %d" % (st, phase(j)), "k", st)   # :323
+                    yield take_turn()                                     # :324
+                    issue_scores(j)                                       # :325
                     st1 = (j - 1) % kStages
                     yield full_wait(v_full[st1], phase(j - 1), "v_full[%d] parity %d" % (st1, phase(j - 1)), "v",
-                                    st1)                                  # :325
-                    issue_pv(j - 1)                                       # :326
-                    pass_turn()                                           # :327
+                                    st1)                                  # :326
+                    issue_pv(j - 1)                                       # :327
+                    pass_turn()                                           # :328
                     if kn.release_k_early:
                         release("k", k_empty, j)
                     if early and j == n_tiles - 1:
                         release_q(item)
-                    yield wg_wait_group(c, w, kn.wait1, "S_%d" % j)       # :328
+                    yield wg_wait_group(c, w, kn.wait1, "S_%d" % j)       # :329
                     if not kn.release_k_early:
-                        release("k", k_empty, j)                          # :330
+                        release("k", k_empty, j)                          # :331
                     if j == n_tiles - 1 and kn.q_release == "kernel":
-                        release_q(item)                                   # :331
+                        release_q(item)                                   # :332
                     s = read_s()
-                    rs = softmax(j, s)                                    # :332
+                    rs = softmax(j, s)                                    # :333
                     yield None
-                    yield wg_wait_group(c, w, 0, "PV_%d" % (j - 1))       # :333
-                    release("v", v_empty, j - 1)                          # :335
-                    rescale_rows(rs)                                      # :336
-                    pack(s)                                               # :337
+                    yield wg_wait_group(c, w, 0, "PV_%d" % (j - 1))       # :334
+                    release("v", v_empty, j - 1)                          # :336
+                    rescale_rows(rs)                                      # :337
+                    pack(s)                                               # :338
                     yield None
                 n = n_tiles
                 st = (n - 1) % kStages
-                yield full_wait(v_full[st], phase(n - 1), "v_full[%d] parity %d" % (st, phase(n - 1)), "v", st)   # :340
-                yield take_turn()                                         # :341
-                issue_pv(n - 1)                                           # :342
-                if not (last and kn.final_skip):                          # :343
+                yield full_wait(v_full[st], phase(n - 1), "v_full[%d] parity %d" % (st, phase(n - 1)), "v", st)   # :341
+                yield take_turn()                                         # :342
+                issue_pv(n - 1)                                           # :343
+                if not (last and kn.final_skip):                          # :344
                     pass_turn()
-                yield wg_wait_group(c, w, 0, "PV_%d" % (n - 1))           # :344
-                release("v", v_empty, n - 1)                              # :346
-                end_item(n)                                               # :347
-            # epilogue (:350-364)
+                yield wg_wait_group(c, w, 0, "PV_%d" % (n - 1))           # :345
+                release("v", v_empty, n - 1)                              # :347
+                end_item(n)                                               # :348
+            # epilogue (:351-365)
             acc = RF[c]["acc"][mine].reshape(32, kDTiles, 4)
             lse_base = (it.batch * hq + it.head) * nq
             ob = it.batch * G["o_strides"][0] + it.head * G["o_strides"][1]
@@ -819,7 +828,7 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                 with np.errstate(divide="ignore"):
                     inv = np.where(l > 0, np.float32(1) / np.where(l > 0, l, 1), np.float32(0)).astype(np.float32)
                 r = wg_row0 + warp_row + g + h * 8
-                ok = r < it.row0 + it.rows                                # :358
+                ok = r < it.row0 + it.rows                                # :359
                 for ln in np.nonzero(ok)[0]:
                     if t[ln] == 0:
                         with np.errstate(divide="ignore"):
@@ -831,11 +840,11 @@ def run_block(bx, G, fmt, rng, kn=None, oracle=None, tag_log=None, proto=None, d
                         G["out"][o] = fmt.enc(np.float32(acc[ln, dt, 2 * h] * inv[ln]))
                         G["out"][o + 1] = fmt.enc(np.float32(acc[ln, dt, 2 * h + 1] * inv[ln]))
                         G["out_writes"][o:o + 2] += 1
-            if not persistent:                                            # :365 a block per item
+            if not consumers_persistent:                                  # :366 a block per item
                 break
             item += 1
             yield None
-        if c == 0 and kn.extra_turn:                                      # :367
+        if c == 0 and kn.extra_turn:                                      # :368
             yield take_turn()
         if proto is not None:
             proto.setdefault("finished", set()).add((c, w))
@@ -881,25 +890,25 @@ SM90_HEAD_DIMS = (64, 128)              # forward_sm90.h:12 kSm90HeadDims
 SM90_MASKED_HEAD_DIM = 128              # forward_sm90.h:15 kSm90MaskedHeadDim
 
 
-def use_sm90_forward(d, mask_kind):     # attention_cuda_ops.cpp:69-78 (`takes`)
+def use_sm90_forward(d, mask_kind):     # attention_cuda_ops.cpp:74-78 (`takes`)
     masked = mask_kind != "none"
     return d in SM90_HEAD_DIMS and (not masked or d == SM90_MASKED_HEAD_DIM)
 
 
 def launch_instantiation(d, mask_kind, causal):
-    """launch_forward_sm90<HeadDim> (forward_kernel.cuh:399-427): (IsCausal, HasMask) of the kernel it launches, or
+    """launch_forward_sm90<HeadDim> (forward_kernel.cuh:398-426): (IsCausal, HasMask) of the kernel it launches, or
     the exception it throws."""
     masked = mask_kind != "none"
-    if d == SM90_MASKED_HEAD_DIM:                                        # :403 if constexpr (kSm90MaskedHeadDim == HeadDim)
+    if d == SM90_MASKED_HEAD_DIM:                                        # :402 if constexpr (kSm90MaskedHeadDim == HeadDim)
         if masked:
-            return (causal, True)                                        # :404-411
+            return (causal, True)                                        # :403-410
     elif masked:
-        return "invalid_argument"                                        # :413-414
-    return (causal, False)                                               # :416-426
+        return "invalid_argument"                                        # :412-413
+    return (causal, False)                                               # :415-425
 
 
 def host_box_heights(d, causal, mask_kind, consumers=None, nk=0):
-    """forward_sm90 (sm90_dispatch.cu:86-87): the box heights encode_operand_maps gives the Q map
+    """forward_sm90 (sm90_dispatch.cu:87-88): the box heights encode_operand_maps gives the Q map
     (Sm90ForwardTraits<kHeadDim, 128>::kBlockM) and the K, V maps (sm90_forward_block_n(kHeadDim,
     p.is_causal, masked)). `consumers`: the traits' kConsumers changed on both sides (Knobs.consumers)."""
     masked = mask_kind != "none"
@@ -907,32 +916,32 @@ def host_box_heights(d, causal, mask_kind, consumers=None, nk=0):
 
 
 def host_launch(G, kn=None):
-    """forward_sm90 (sm90_dispatch.cu:69-93) -> launch_forward_sm90 (:399-427) -> launch_sm90_forward_kernel
-    (:373-395): None where nothing is launched (B Hq = 0 or Nq = 0); raises ValueError where launch_forward_sm90
+    """forward_sm90 (sm90_dispatch.cu:76-94) -> launch_forward_sm90 (:398-426) -> launch_sm90_forward_kernel
+    (:374-394): None where nothing is launched (B Hq = 0 or Nq = 0); raises ValueError where launch_forward_sm90
     throws; else the instantiation (IsCausal, HasMask), the block order the launch makes with that instantiation's
     kBlockM, the maps' box heights, the items, the grid (min(items, G["sms"]) when persistent) and whether the launch
     zeroes the work counter."""
     kn = kn or Knobs()
-    if G["B"] * G["hq"] == 0 or G["nq"] == 0:                             # sm90_dispatch.cu:71
+    if G["B"] * G["hq"] == 0 or G["nq"] == 0:                             # sm90_dispatch.cu:78
         return None
-    assert max(G["nq"], G["nk"]) <= 2 ** 30                              # sm90_dispatch.cu:73 (else sm80 takes it)
+    assert max(G["nq"], G["nk"]) <= 2 ** 30                              # sm90_dispatch.cu:81 (else sm80 takes it)
     mask_kind = "none" if G.get("mask") is None else G["mask"]["kind"]
-    q_box, kv_box = host_box_heights(G["d"], G["causal"], mask_kind, kn.consumers, G["nk"])   # sm90_dispatch.cu:86-87
+    q_box, kv_box = host_box_heights(G["d"], G["causal"], mask_kind, kn.consumers, G["nk"])   # sm90_dispatch.cu:87-88
     inst = launch_instantiation(G["d"], mask_kind, G["causal"])
     if inst == "invalid_argument":
         raise ValueError("fusedattn: the sm90 forward takes attn_mask at head dim 128 only")
     block_n = sm90_forward_block_n(G["d"], G["causal"], mask_kind != "none", G["nk"])   # launch_forward_sm90's BlockN
-    Tr = Traits(G["d"], inst[0], inst[1], kn.consumers, kn.block_n or block_n)     # :375
-    assert Tr.kSmemBytes <= 227 * 1024                                   # :377 cudaFuncSetAttribute
-    order = make_query_block_order(G, Tr.kBlockM, 2, inst[0])            # :379 (sizeof(T) = 2)
+    Tr = Traits(G["d"], inst[0], inst[1], kn.consumers, kn.block_n or block_n)     # :376
+    assert Tr.kSmemBytes <= 227 * 1024                                   # :378 cudaFuncSetAttribute
+    order = make_query_block_order(G, Tr.kBlockM, 2, inst[0])            # :380 (sizeof(T) = 2)
     items = order.blocks()
-    grid, memset = items, False                                          # :382
-    persistent = Tr.kPersistent if kn.persistent is None else kn.persistent
-    if persistent:                                                       # :383
-        if kn.persistent is None:
-            assert 2 * Tr.kSmemBytes > 227 * 1024, "static_assert: one block per SM"   # :384
-        sms = G.get("sms", SM_COUNT)                                     # :385-387 cudaDevAttrMultiProcessorCount
-        if items > sms:                                                  # :388-391
+    grid, memset = items, False                                          # :384
+    # one block per SM where persistent (:381-383) follows from registers, not from shared memory (two d=64 blocks'
+    # would fit in 227 KiB); run_forward_ws_tests section 0 checks it
+    persistent = sm90_persistent(G["d"], inst[0]) if kn.persistent is None else kn.persistent
+    if persistent:                                                       # :385
+        sms = G.get("sms", SM_COUNT)                                     # :386 current_device_sms()
+        if items > sms:                                                  # :387-390
             grid = sms
             memset = kn.memset
     return dict(inst=inst, order=order, q_box=q_box, kv_box=kv_box, blocks=grid, grid=grid, items=items,
@@ -999,10 +1008,10 @@ def run_forward(G, fmt, seed=0, kn=None, oracle=None, tag_log=None, protos=None,
     kn = kn or Knobs()
     counter = Counter()                                                  # attention_cuda_ops.cpp:110 at::empty
     if launch["memset"]:
-        counter.value, counter.zeroed = 0, True                          # :390 cudaMemsetAsync
+        counter.value, counter.zeroed = 0, True                          # :389 cudaMemsetAsync
     grid, n_items = launch["grid"], launch["items"]
     hazards = []
-    blocks = list(range(grid))                                           # :393 <<<blocks, ...>>>
+    blocks = list(range(grid))                                           # :392 <<<blocks, ...>>>
     rng.shuffle(blocks)
     protos_ = []
     if grid < n_items:

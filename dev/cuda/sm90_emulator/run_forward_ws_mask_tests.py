@@ -5,8 +5,8 @@ forward_ws_emu.py (same producer / consumer coroutines, race detector, TMA model
 (1) every mask kind of tests/attention_cases.py MASK_KINDS except "none" (plus float32-additive variants, rows whose
     first tiles are fully masked, +inf/NaN under hidden entries) at the test-suite's B2 H4/2 113x800 d=128, f16/bf16,
     causal and not, mask storage contiguous / padded / column stride 2 / transposed (poison in every gap);
-(2) awkward Nq/Nk and GQA; (2b) persistent blocks (main @ 7355d70: d=128 blocks take several work items, so
-    each reads the mask of several (batch, head) pairs) on 2-3 emulated SMs; (3) negative controls.
+(2) awkward Nq/Nk and GQA; (2b) persistent blocks (kSm90Persistent: d=128 blocks, causal or not, take several
+    work items, so each reads the mask of several (batch, head) pairs) on 2-3 emulated SMs; (3) negative controls.
 Checked per run: out and lse vs float64 softmax(Q K^T scale + mask) V (hidden entries -inf whatever the mask holds),
 fully masked rows out 0 / lse -inf, every out/lse element written once, no race / early overwrite / deadlock, and
 every mask read: inside the buffer, at an index some in-range position maps to, of a logical (row, col) inside

@@ -1,16 +1,18 @@
-"""Drives forward_ws_emu.py (the warp-specialised sm90 forward on main @ 7355d70: TMA producer, 3 consumer warpgroups
-at d=64, 2 at d=128, round-robin turn-taking on named barriers; 176-key K/V tiles at d=128 without mask (causal from
-16K keys), 128-key tiles elsewhere; work items in BlockOrder's order; persistent blocks at d=128, min(items, SMs) of
-them taking items from a work counter, a block per item at d=64):
+"""Drives forward_ws_emu.py (the warp-specialised sm90 forward on wip/sm90-d64-persistent @ bd9a8a8: TMA producer,
+3 consumer warpgroups at d=64, 2 at d=128, round-robin turn-taking on named barriers; 176-key K/V tiles at d=128
+without mask (causal from 16K keys), 128-key tiles elsewhere; work items in BlockOrder's order; persistent blocks at
+d=128 and at d=64 under causal, min(items, SMs) of them taking items from a work counter, a block per item at d=64
+without causal):
 (0) static plan of every instantiation (smem <= 227 KiB, 1024-aligned slabs, host box heights = kernel kBlockN,
-expect-tx = bytes of the boxes, wgmma shapes and descriptor fields, the wgmma.cuh inline asm operand lists) and (0b)
-the block order (bijection, groups, the old order where it must be kept); (1) byte tags of every wgmma operand;
-(2) end to end vs float64 (out, lse; every element written once), incl. (2b) the 176-key tile and (2c) causal
-calls grouped for L2; (3) the per-row "visible" mask vs the per-element test, in context (needs_masking, key_end,
-n_tiles); (4) protocol under randomized interleavings: named-barrier balance and round-robin order for n_tiles
-0..12 with 2 and 3 consumers, mbarrier ring (no early overwrite, no deadlock), and (4b) persistent blocks taking
-several items each (1-3 emulated SMs, items without keys, 2 and 3 consumers): the item slot, q_full/q_empty, phases
-carried across items, the work counter; (2d) end to end with more items than emulated SMs; (5) negative controls.
+expect-tx = bytes of the boxes, wgmma shapes and descriptor fields, the wgmma.cuh inline asm operand lists, which
+instantiations are persistent and one block per SM by registers) and (0b) the block order (bijection, groups, the old
+order where it must be kept); (1) byte tags of every wgmma operand; (2) end to end vs float64 (out, lse; every element
+written once), incl. (2b) the 176-key tile and (2c) causal calls grouped for L2; (3) the per-row "visible" mask vs
+the per-element test, in context (needs_masking, key_end, n_tiles); (4) protocol under randomized interleavings:
+named-barrier balance and round-robin order for n_tiles 0..12 with 2 and 3 consumers, mbarrier ring (no early
+overwrite, no deadlock), and (4b) persistent blocks taking several items each (1-3 emulated SMs, items without keys,
+2 and 3 consumers, d=64 causal among them): the item slot, q_full/q_empty, phases carried across items, the work
+counter; (2d) end to end with more items than emulated SMs, at d=128 and d=64; (5) negative controls.
 Usage: python3 run_forward_ws_tests.py [--quick]"""
 import os
 import re
@@ -71,9 +73,6 @@ for (D, causal, masked, block_n) in INSTANTIATIONS:
            "%s: Q slabs, consumer Q slabs, every K/V stage slab 1024-aligned (K/V slab %d B = %d x 1024), "
            "barriers inside the allocation, %d bytes <= %d" % (name, Tr.kBlockN * 128, Tr.kBlockN * 128 // 1024,
                                                                Tr.kSmemBytes, SMEM_LIMIT))
-    expect(Tr.kPersistent == (D == 128) and (not Tr.kPersistent or 2 * Tr.kSmemBytes > SMEM_LIMIT),
-           "%s: persistent %d; one block per SM by shared memory (2 x %d > %d) where persistent (:384)"
-           % (name, Tr.kPersistent, Tr.kSmemBytes, SMEM_LIMIT))
     q_box, kv_box = fe.host_box_heights(D, causal, "bool" if masked else "none",
                                         nk=fe.CAUSAL_WIDE_TILE_KEYS if block_n == 176 else 0)
     expect(Tr.kTileBytes == Tr.kSlabs * kv_box * 64 * 2 and Tr.kQBytes == Tr.kSlabs * q_box * 64 * 2
@@ -97,6 +96,15 @@ for (D, causal, masked, block_n) in INSTANTIATIONS:
            "%s: setmaxnreg 128x%d + %dx%d = %d <= 65536 (entry %d x %d); S+O+P fragments %d < %d registers"
            % (name, Tr.kProducerRegisters, 128 * Tr.kConsumers, Tr.kConsumerRegisters, pool, entry, Tr.kThreads,
               live, Tr.kConsumerRegisters))
+    # Persistent at d=128 and at d=64 under causal (kSm90Persistent), one block per SM (launch comment :381-383): the
+    # block's threads hold their entry registers (65536 / kThreads, in steps of 8) from the start, so a second block
+    # finds too few whatever the shared memory leaves (at d=64 two blocks' would fit).
+    persistent = fe.sm90_persistent(D, causal)
+    expect(persistent == (D == 128 or causal) and (not persistent or 2 * Tr.kThreads * entry > 65536),
+           "%s: persistent %d; one block per SM by registers where persistent: %d threads x %d = %d of 65536 "
+           "(shared memory alone: 2 x %d %s %d)" % (name, persistent, Tr.kThreads, entry, Tr.kThreads * entry,
+                                                    Tr.kSmemBytes, ">" if 2 * Tr.kSmemBytes > SMEM_LIMIT else "<=",
+                                                    SMEM_LIMIT))
 
 # The inline asm of every wgmma wrapper in wgmma.cuh (the new m64n176k16 among them): operand lists numbered as
 # the constraint lists are, N/2 D registers, and the immediates the emulator assumes (scale-a/b 1; trans-a 0 and
@@ -315,7 +323,8 @@ def check_outputs(G, fmt):
     return err, lse_ok, zero_ok, bool((w == 1).all() and (lw == 1).all()), int(dead_rows.sum())
 
 
-def e2e(dtype, D, causal, shape, seed, l2_bytes=None, want_ppg=None, label="", sms=None):
+def e2e(dtype, D, causal, shape, seed, l2_bytes=None, want_ppg=None, label="", sms=None, persistent=None):
+    """persistent: the grid the launch must choose on `sms` SMs, min(items, sms) blocks (True) or a block per item."""
     fmt = Fmt(dtype)
     B, hq, hkv, nq, nk = shape
     G = fe.make_problem(np.random.default_rng(100 + seed), B, hq, hkv, nq, nk, D, causal, fmt)
@@ -344,11 +353,16 @@ def e2e(dtype, D, causal, shape, seed, l2_bytes=None, want_ppg=None, label="", s
         return (key_end + kBlockN - 1) // kBlockN
     tiles_ok = all(it["n_tiles"] == want_tiles(it["block"][2]) for p_ in protos for it in p_["items"])
     ppg_ok = want_ppg is None or ppg == want_ppg
-    expect(not hz and not orc and err < TOL[dtype] and lse_ok and zero_ok and once and tiles_ok and ppg_ok,
+    grid_ok = persistent is None or (launch["persistent"] == persistent and launch["grid"] ==
+                                     (min(launch["items"], sms) if persistent else launch["items"]))
+    expect(not hz and not orc and err < TOL[dtype] and lse_ok and zero_ok and once and tiles_ok and ppg_ok and grid_ok,
            "%s: max|out-ref| %.1e, lse %s, fully masked rows %d (out 0, lse -inf: %s), each out/lse element written "
-           "once %s, n_tiles %s, hazards %d, oracle %d%s"
+           "once %s, n_tiles %s, hazards %d, oracle %d%s%s"
            % (head, err, "ok" if lse_ok else "WRONG", n_dead, zero_ok, once, "ok" if tiles_ok else "WRONG", len(hz),
-              len(orc), "" if ppg_ok else ", pairs per group %d, want %d" % (ppg, want_ppg)))
+              len(orc), "" if ppg_ok else ", pairs per group %d, want %d" % (ppg, want_ppg),
+              "" if grid_ok else ", grid %d of %d items (persistent %s), want %s" % (
+                  launch["grid"], launch["items"], launch["persistent"], "persistent" if persistent else
+                  "a block per item")))
     if hz or orc:
         print("       ", (hz + orc)[:3])
 
@@ -401,7 +415,8 @@ for (D, shape, want) in ((64, (2, 3, 1, 300, 300), 4), (128, (1, 5, 5, 260, 200)
         ci += 1
         e2e("f16", D, False, shape, ci, l2_bytes=2 * bpp * want, want_ppg=1, label="[L2, not causal] ")
 
-print("\n== 2d. persistent blocks (d=128): more items than emulated SMs, items taken from the work counter")
+print("\n== 2d. persistent blocks (d=128, and d=64 under causal): more items than emulated SMs, items taken from the "
+      "work counter")
 # (B, hq, hkv, nq, nk, causal, sms): causal Nq > Nk (items whose rows see no key, n_tiles 0, mixed with 1-3 tile
 # items), GQA and B > 1, a grid of 1, grids of 2 and 3; one block per item with the counter untouched (sms >= items)
 pers = [(1, 2, 1, 700, 300, True, 3), (2, 2, 1, 300, 500, False, 2), (1, 4, 2, 200, 400, True, 3),
@@ -411,17 +426,21 @@ if QUICK:
     pers = [pers[i] for i in (0, 1, 3, 5, 7)]
 for (B, hq, hkv, nq, nk, causal, sms) in pers:
     ci += 1
-    e2e(("f16", "bf16")[ci % 2], 128, causal, (B, hq, hkv, nq, nk), ci, sms=sms, label="[%d SMs] " % sms)
+    e2e(("f16", "bf16")[ci % 2], 128, causal, (B, hq, hkv, nq, nk), ci, sms=sms, label="[%d SMs] " % sms,
+        persistent=True)
 # causal 176-key tiles on persistent blocks (threshold lowered as in 2b)
 fe.CAUSAL_WIDE_TILE_KEYS = 1
 for (B, hq, hkv, nq, nk, causal, sms) in pers[:2 if QUICK else 4]:
     ci += 1
-    e2e(("f16", "bf16")[ci % 2], 128, True, (B, hq, hkv, nq, nk), ci, sms=sms, label="[%d SMs, causal 176] " % sms)
+    e2e(("f16", "bf16")[ci % 2], 128, True, (B, hq, hkv, nq, nk), ci, sms=sms, label="[%d SMs, causal 176] " % sms,
+        persistent=True)
 fe.CAUSAL_WIDE_TILE_KEYS = wide_from
-# d=64 is not persistent: a block per item whatever the SM count
-for (B, hq, hkv, nq, nk, causal, sms) in pers[:2]:
+# d=64 (3 consumers, 192-query items): persistent under causal, the same shapes' items spread over 1-3 blocks
+# (0-5 tiles, items without keys); not causal a block per item whatever the SM count
+for (B, hq, hkv, nq, nk, causal, sms) in pers:
     ci += 1
-    e2e("f16", 64, causal, (B, hq, hkv, nq, nk), ci, sms=sms, label="[d=64, %d SMs: a block per item] " % sms)
+    e2e(("f16", "bf16")[ci % 2], 64, causal, (B, hq, hkv, nq, nk), ci, sms=sms, persistent=causal,
+        label="[d=64, %d SMs%s] " % (sms, "" if causal else ": a block per item"))
 print("  worst max abs error:", {k: "%.1e" % v for k, v in worst.items()}, "(%.0fs)" % (time.time() - T0))
 
 # ----------------------------------------------------------------- 3. masking in context
@@ -497,7 +516,8 @@ fmt = Fmt("f16")
 
 
 def proto_case(D, n_tiles_want, seed, consumers=None, causal=False, nq=None, nk=None, hq=1, sms=None,
-               persistent=None):
+               persistent=None, ipb=None):
+    """ipb: a list that gets the number of items each block took."""
     kBN = fe.Traits(D, causal).kBlockN         # 176 at d=128 not causal
     if nk is None:
         nk = max(0, kBN * n_tiles_want - (seed % 3) * 37)
@@ -512,6 +532,8 @@ def proto_case(D, n_tiles_want, seed, consumers=None, causal=False, nq=None, nk=
     kC = fe.Traits(D, consumers=consumers).kConsumers
     for p in protos:
         ns = [it["n_tiles"] for it in p["items"]]
+        if ipb is not None:
+            ipb.append(len(ns))
         if nq is None and ns != [n_tiles_want]:
             problems.append("n_tiles %s, want [%d]" % (ns, n_tiles_want))
         # turns of a block: n+1 per item with keys, none for an item without; barrier 1 (consumer 0's) one more
@@ -571,26 +593,32 @@ print("\n== 4b. persistent protocol: several items per block (item slot, q_full/
 t1 = time.time()
 bad = []
 runs = 0
-ipb = []                      # items per block seen
 # (D, consumers, persistent, hq, nq, nk, causal, sms): items with 0..4 tiles in one block, odd tile counts flipping
-# the stage phases, blocks of 1-3 SMs; 3 consumers under persistence (not instantiated: d=128 has 2) for coverage
+# the stage phases, blocks of 1-3 SMs. d=64 causal is the persistent path with 3 consumers (192-query items; tiles
+# per item: 0,0,2,3 / 0,0,1,3,4 / 2,3,4 / 0,1 / 5). Coverage only (not instantiated): 3 consumers at d=128, and
+# 2 consumers at d=64 persistent without causal.
 pcases = [(128, None, None, 2, 700, 300, True, 3), (128, None, None, 3, 129, 530, False, 2),
           (128, None, None, 1, 900, 400, True, 1), (128, None, None, 2, 300, 177, False, 3),
-          (128, None, None, 4, 130, 700, True, 2), (64, None, True, 2, 700, 300, True, 2),
+          (128, None, None, 4, 130, 700, True, 2), (64, None, None, 2, 700, 300, True, 2),
+          (64, None, None, 1, 900, 400, True, 1), (64, None, None, 3, 500, 450, True, 3),
+          (64, None, None, 3, 193, 1, True, 2), (64, None, None, 4, 130, 600, True, 3),
           (128, 3, None, 2, 500, 450, True, 3), (64, 2, True, 3, 200, 290, False, 3)]
 for (D, consumers, persistent, hq, nq, nk, causal, sms) in pcases:
     for s in range(seeds):
         seed = 9500 + 31 * runs
+        ipb = []
         hz, orc, dead, problems = proto_case(D, None, seed, consumers, causal, nq=nq, nk=nk, hq=hq, sms=sms,
-                                             persistent=persistent)
+                                             persistent=persistent, ipb=ipb)
         runs += 1
+        if not dead and max(ipb, default=0) < 2:
+            problems.append("items per block %s: no block took several" % ipb)
         if hz or orc or dead or problems:
             bad.append((D, consumers, hq, nq, nk, causal, sms, seed, hz[:2], orc[:2], dead and dead[:200],
                         problems[:3]))
 expect(not bad, "%d runs (%d shapes x %d seeds; 1-3 blocks, 4-16 items, items without keys): no deadlock, no race "
-       "(sQ, rings, item slot), no early overwrite, every item once, barrier generations = turns (+1 for consumer 0), "
-       "none left at exit, numbers%s (%.0fs)" % (runs, len(pcases), seeds, "" if not bad else ": " + str(bad[:2]),
-                                                 time.time() - t1))
+       "(sQ, rings, item slot), no early overwrite, every item once, a block taking several items, barrier "
+       "generations = turns (+1 for consumer 0), none left at exit, numbers%s (%.0fs)"
+       % (runs, len(pcases), seeds, "" if not bad else ": " + str(bad[:2]), time.time() - t1))
 
 # ----------------------------------------------------------------- 5. negative controls
 print("\n== 5. negative controls: deliberately broken variants must be caught")
@@ -666,13 +694,33 @@ neg("q_empty released after S_0 whatever n_tiles", fe.Knobs(q_release="first"), 
 neg("item slot written before the q_empty wait", fe.Knobs(slot_before_wait=True), **PERS)
 neg("item slot written without the q_empty wait", fe.Knobs(q_empty_wait=False), **PERS)
 neg("consumer 0 without its extra turn", fe.Knobs(extra_turn=False), **PERS)
-neg("consumer 0 without its extra turn, d=64 (a block per item)", fe.Knobs(extra_turn=False))
+neg("consumer 0 without its extra turn, d=64 (a block per item)", fe.Knobs(extra_turn=False), causal=False)
 neg("stage phases not carried across items", fe.Knobs(carry_phases=False), **PERS)
 neg("q_full parity 0 for every item", fe.Knobs(q_full_parity=lambda i: 0), **PERS)
 neg("work counter not zeroed by the launch", fe.Knobs(memset=False), **PERS)
 neg("no sentinel (producer returns without the n_items slot)", fe.Knobs(sentinel=False), **PERS)
 neg("no sentinel, grid of one block per item", fe.Knobs(sentinel=False), D=128, hq=2, nq=300, nk=300)
 neg("q_empty counting 4 arrivals (one warpgroup)", fe.Knobs(empty_count=4), **PERS)
+# persistent blocks at d=64 under causal (bd9a8a8): 3 consumers, 2 emulated SMs, 8 items (700 x 300: 0-3 tiles)
+PERS64 = dict(D=64, hq=2, nq=700, nk=300, causal=True, sms=2)
+neg("d=64 persistent: consumer 0 without its extra turn", fe.Knobs(extra_turn=False), **PERS64)
+neg("d=64 persistent: q_empty released before the wait completing the last S", fe.Knobs(q_release="early"),
+    **PERS64)
+neg("d=64 persistent: stage phases not carried across items", fe.Knobs(carry_phases=False), **PERS64)
+neg("d=64 persistent: q_full parity 0 for every item", fe.Knobs(q_full_parity=lambda i: 0), **PERS64)
+# the kernel's two sites left on the d=128-only rule while the launch takes the new one: only d=64 causal differs
+neg("d=64 persistent launch, kernel a block per item (both roles d=128-only)",
+    fe.Knobs(d128_only_at=("producer", "consumers")), **PERS64)
+neg("d=64 persistent launch, producer a block per item", fe.Knobs(d128_only_at=("producer",)), **PERS64)
+stale_ok = []                 # ... and harmless where the two rules agree
+for D_, causal_ in ((128, True), (64, False)):
+    G = fe.make_problem(np.random.default_rng(7), 1, 2, 1, 700, 300, D_, causal_, fmt)
+    G["sms"] = 2
+    hz, orc, dead = run_case(G, fmt, seed=7, kn=fe.Knobs(d128_only_at=("producer", "consumers")))
+    err, lse_ok, zero_ok, once, _ = check_outputs(G, fmt)
+    stale_ok.append(not (hz or orc or dead) and err < TOL["f16"] and lse_ok and zero_ok and once)
+expect(all(stale_ok), "the d=128-only rule at both kernel sites passes at d=128 causal and d=64 not causal (%s): the "
+       "controls above fail on the d=64 persistent path alone" % stale_ok)
 # static checks must catch what they are for
 text = open(os.path.join(SRC, "wgmma.cuh")).read()
 broken = {"m64n176k16 f16 D list without %53": text.replace("%52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
