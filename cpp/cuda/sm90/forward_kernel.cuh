@@ -16,11 +16,13 @@
 // packing helpers of the sm80 kernel apply unchanged. attn_mask is read where
 // the scores are, by a separate instantiation (no tile is skipped for it: the
 // producer loads every tile).
-// The blocks are persistent, one per SM: each takes work items (a query block
+// At d=128, and at d=64 under causal (kSm90Persistent), the blocks are
+// persistent, one per SM: each takes work items (a query block
 // of one head, in the launch's BlockOrder) from a counter until none are left,
 // so the producer loads the next item's Q and first tiles while the
 // consumers finish the last one, and no block is launched per item. The
-// producer hands each item's index to the consumers with its Q.
+// producer hands each item's index to the consumers with its Q. Elsewhere a
+// block per item.
 #pragma once
 
 #include <algorithm>
@@ -378,8 +380,9 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90ForwardArgs launch_args = args;
   launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), IsCausal);
-  // Persistent: one block per SM (its threads hold all 65536 registers from
-  // entry, as setmaxnreg needs), each taking items from the counter, zeroed
+  // Persistent: one block per SM (its threads take 65536 / kThreads registers
+  // each from entry, as setmaxnreg needs: 64512 or 65536, no room for a
+  // second block), each taking items from the counter, zeroed
   // here; else a block per item.
   int64_t blocks = launch_args.order.blocks();
   if constexpr (kSm90Persistent<HeadDim, IsCausal>) {
