@@ -29,9 +29,11 @@ constexpr int sm90_forward_block_n(int head_dim, bool is_causal, bool has_mask, 
 // Blocks that stay resident and take work items until none are left
 // (forward_kernel.cuh) at d=128, and at d=64 under causal; else a block per
 // item. Measured on the H200 (2026-11-30 19:37 UTC, 20 repeats,
-// docs/cuda-notes.md): persistent d=128 read 1.01-1.09x at 2K-16K; d=64
-// 0.89-1.10x, below 0.96 at 7 of 24 points (non-causal d=64 spills 40 bytes
-// persistent).
+// docs/cuda-notes.md): persistent d=128 read 1.01-1.09x at 2K-16K. At d=64
+// causal (2026-12-01 00:03 UTC, 10 repeats): 1.25 / 1.09 (fp16 / bf16) at
+// 1K, 1.04-1.09 at 2K-4K, 0.95-1.01 from 8K, within that call's noise;
+// non-causal d=64 persistent spills 40 bytes (ptxas) and keeps a block per
+// item.
 template <int HeadDim, bool IsCausal>
 inline constexpr bool kSm90Persistent = HeadDim == 128 || IsCausal;
 
