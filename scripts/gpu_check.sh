@@ -105,14 +105,19 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*ward-d*.json")):
 PY
 }
 
+# Nsight Compute, for the profile stages: where it is missing they say so and
+# do nothing.
+have_ncu() {
+  command -v ncu >/dev/null 2>&1 && return
+  echo "ncu not found"
+  return 1
+}
+
 # Not in the default stages: Nsight Compute on the forward's and the
 # backward's main kernels (B=4 H=32 d=128 N=4K fp16), the counters that say
 # what limits them.
 stage_profile() {
-  if ! command -v ncu >/dev/null 2>&1; then
-    echo "ncu not found"
-    return
-  fi
+  have_ncu || return
   timeout 300 ncu --clock-control none --launch-skip 2 --launch-count 2 \
     -k regex:"sm90_forward_kernel|sm90_backward_kernel|forward_kernel|backward_kernel" --set full \
     python3 scripts/profile_cases.py > "$out/profile.txt" 2>&1 || status=1
@@ -123,10 +128,7 @@ stage_profile() {
 # Not in the default stages: Nsight Compute on the decode kernel at N=32K,
 # the stall reasons behind its gap to the roofline below.
 stage_profile_decode() {
-  if ! command -v ncu >/dev/null 2>&1; then
-    echo "ncu not found"
-    return
-  fi
+  have_ncu || return
   timeout 300 ncu --clock-control none --launch-skip 1 --launch-count 1 -k regex:"decode_kernel" --set full \
     python3 scripts/profile_cases.py --decode --seqlen 32768 > "$out/profile-decode.txt" 2>&1 || status=1
   grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Stall|Issue Slots Busy|Warp Cycles Per Issued" \
@@ -137,10 +139,7 @@ stage_profile_decode() {
 # decode table's row (q of 1 token, N=32K): names, grid, block, registers,
 # shared memory and DRAM throughput, to compare with ours.
 stage_profile_sdpa_decode() {
-  if ! command -v ncu >/dev/null 2>&1; then
-    echo "ncu not found"
-    return
-  fi
+  have_ncu || return
   timeout 300 ncu --clock-control none --set basic \
     python3 scripts/profile_cases.py --decode --sdpa-cudnn --seqlen 32768 > "$out/profile-sdpa-decode.txt" 2>&1 || status=1
   grep -E "^  [A-Za-z_0-9].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Grid Size|Block Size|Shared Memory Config|Dynamic Shared|Static Shared|Cluster Size|Waves Per SM" \
@@ -151,10 +150,7 @@ stage_profile_sdpa_decode() {
 # non-causal N=4K and 8K (cuDNN's fastest point and the next): duration, SM
 # clock, DRAM and L2 traffic, launch shape (the second call of each).
 stage_profile_forward_vs_cudnn() {
-  if ! command -v ncu >/dev/null 2>&1; then
-    echo "ncu not found"
-    return
-  fi
+  have_ncu || return
   local n who
   for n in 4096 8192; do
     for who in "" --sdpa-cudnn; do
