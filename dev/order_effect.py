@@ -14,7 +14,6 @@ and interleaved (one call of each per repeat, the order alternating).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
@@ -34,23 +33,17 @@ cfg = bench.Config(device, 4, 32, args.head_dim, [], [args.dtype], [args.causal]
 
 
 def blocks(calls, order):
-    times = {}
-    for name in order:
-        for _ in range(cfg.warmup):
-            calls[name]()
-        times[name] = [bench._time_once(calls[name], device) for _ in range(cfg.repeats)]
-    return times
+    """Median seconds per method, every repeat of one before the next's."""
+    return {name: bench.median_seconds(calls[name], cfg) for name in order}
 
 
 def interleaved(calls):
+    """Median seconds per method, timed as the bench does (bench.interleaved_medians)."""
     for name in names:
         for _ in range(cfg.warmup):
             calls[name]()
-    times = {name: [] for name in names}
-    for r in range(cfg.repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            times[name].append(bench._time_once(calls[name], device))
-    return times
+    return bench.interleaved_medians({name: lambda c=calls[name]: bench._time_once(c, device) for name in names},
+                                     cfg.repeats)
 
 
 print(f"{torch.cuda.get_device_name()}, {args.dtype}, d={args.head_dim}, causal={args.causal}, "
@@ -63,10 +56,10 @@ with torch.no_grad():
                    for _ in range(3))
         calls = {name: (lambda f=table[name]: f(q, k, v, args.causal)) for name in names}
         flops = bench.forward_flops(cfg, n, args.causal)
-        for way, times in (("blocks, cuDNN first", blocks(calls, names)),
-                           ("blocks, fusedattn first", blocks(calls, names[::-1])),
-                           ("interleaved", interleaved(calls)),
-                           ("blocks, cuDNN first (again)", blocks(calls, names))):
-            rate = {name: flops / statistics.median(t) / 1e12 for name, t in times.items()}
+        for way, seconds in (("blocks, cuDNN first", blocks(calls, names)),
+                             ("blocks, fusedattn first", blocks(calls, names[::-1])),
+                             ("interleaved", interleaved(calls)),
+                             ("blocks, cuDNN first (again)", blocks(calls, names))):
+            rate = {name: flops / s / 1e12 for name, s in seconds.items()}
             print(f"| {n} | {way} | {rate['sdpa-cudnn']:.1f} | {rate['fusedattn']:.1f} | "
                   f"{rate['fusedattn'] / rate['sdpa-cudnn']:.3f} |")

@@ -13,6 +13,7 @@ import argparse
 import torch
 
 import fusedattn  # noqa: F401  (registers the operators)
+from fusedattn.bench import _sdpa_backend
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--causal", action="store_true")
@@ -22,6 +23,7 @@ parser.add_argument("--decode", action="store_true")
 parser.add_argument("--sdpa-cudnn", action="store_true", help="SDPA's cuDNN backend instead (forward only)")
 parser.add_argument("--forward-only", action="store_true")
 args = parser.parse_args()
+sdpa_cudnn = _sdpa_backend("cudnn")  # f(q, k, v, causal)
 
 if args.decode:
     q = torch.randn(8, 32, 1, args.head_dim, device="cuda", dtype=torch.float16)
@@ -30,9 +32,7 @@ if args.decode:
     lengths = torch.full((8,), args.seqlen, device="cuda", dtype=torch.int32)
     for _ in range(2):
         if args.sdpa_cudnn:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache)
+            sdpa_cudnn(q, k_cache, v_cache, False)
         else:
             torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lengths, None, None, True, None)
     torch.cuda.synchronize()
@@ -43,9 +43,7 @@ q, k, v, grad = (torch.randn(shape, device="cuda", dtype=torch.float16) for _ in
 # A warm-up pair, then the profiled pair (gpu_check.sh skips the first two launches).
 for _ in range(2):
     if args.sdpa_cudnn:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
+        sdpa_cudnn(q, k, v, args.causal)
         continue
     out, lse = torch.ops.fusedattn.forward(q, k, v, None, args.causal, None)
     if not args.forward_only:
