@@ -186,6 +186,11 @@ def _inputs(cfg: Config, dtype: str, n: int) -> tuple[torch.Tensor, ...]:
                  for _ in range(3))
 
 
+def not_available(e: Exception) -> dict:
+    """The status of a method that cannot take this input: the first line of its error."""
+    return {"status": f"n/a ({str(e).splitlines()[0][:60]})"}
+
+
 def _prepare(cfg: Config, inputs, causal: bool, name: str, fn) -> tuple[Callable | None, dict]:
     """(timed, result): timed() times one call of the method between events
     (its setting held around it); result holds its peak memory, or why it
@@ -214,7 +219,7 @@ def _prepare(cfg: Config, inputs, causal: bool, name: str, fn) -> tuple[Callable
     except torch.OutOfMemoryError:
         return None, {"status": "OOM"}
     except (RuntimeError, NotImplementedError) as e:  # a backend that cannot take this input
-        return None, {"status": f"n/a ({str(e).splitlines()[0][:60]})"}
+        return None, not_available(e)
 
     def timed() -> float:
         with setting():

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .bench import (DTYPES, _sdpa_backend, _time_once, cell, describe_device, interleaved_medians,
-                    markdown_table, select_methods, speedups)
+                    markdown_table, not_available, select_methods, speedups)
 
 
 # Calls per timed interval: a step over a 4K cache takes about 0.1 ms, close to
@@ -89,7 +89,7 @@ def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict
                 results[name] = {"status": "OOM"}
                 continue
             except (RuntimeError, NotImplementedError) as e:
-                results[name] = {"status": f"n/a ({str(e).splitlines()[0][:60]})"}
+                results[name] = not_available(e)
                 continue
             timed[name] = lambda calls=calls: _time_once(calls, cfg.device) / CALLS_PER_TIMING
         for name, seconds in interleaved_medians(timed, cfg.repeats).items():
