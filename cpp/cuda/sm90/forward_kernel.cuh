@@ -382,8 +382,8 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
   launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), IsCausal);
   // Persistent: one block per SM (its threads take 65536 / kThreads registers
   // each from entry, as setmaxnreg needs: 64512 or 65536, no room for a
-  // second block), each taking items from the counter, zeroed
-  // here; else a block per item.
+  // second block), each taking items from the counter, zeroed here; else a
+  // block per item.
   int64_t blocks = launch_args.order.blocks();
   if constexpr (kSm90Persistent<HeadDim, IsCausal>) {
     const int sms = current_device_sms();
