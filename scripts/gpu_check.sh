@@ -13,7 +13,7 @@
 # decode kernel, "profile_sdpa_decode" on cuDNN's, "profile_forward_vs_cudnn" the forward
 # against cuDNN's at 4K and 8K, "call_gap" times small
 # forwards' host and GPU time, "decode_splits" the decode table by split count, "roofline" the KV-cache
-# streaming ceilings, "tables" every benchmark table of the README). On the H200 "build
+# streaming ceilings, "roofline_gqa" the same at GQA 32/8's bytes, "tables" every benchmark table of the README). On the H200 "build
 # tests" take about 4 minutes, the sanitizer up to 10 (each tool stops at
 # FUSEDATTN_SANITIZER_TIMEOUT, 300 s) and the benchmark up to
 # FUSEDATTN_BENCH_TIMEOUT (300 s; --backward over the whole grid needs more:
@@ -195,11 +195,22 @@ stage_decode_splits() {
 # Not in the default stages: how fast each load path (cp.async, bulk copies
 # per row or per tile, TMA boxes) streams a KV cache with no attention maths,
 # the ceiling for the decode kernel (dev/cuda/stream_roofline.cu, ~1 minute).
-stage_roofline() {
+build_roofline() {
   nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-    dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o /tmp/stream_roofline || { status=1; return; }
+    dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o /tmp/stream_roofline || { status=1; return 1; }
+}
+stage_roofline() {
+  build_roofline || return
   timeout 300 /tmp/stream_roofline > "$out/roofline.md" 2>&1 || status=1
   cat "$out/roofline.md"
+}
+
+# Not in the default stages: the roofline's stream at GQA 32/8's bytes (8 kv
+# heads) over split counts, the ceiling for the decode table's GQA rows.
+stage_roofline_gqa() {
+  build_roofline || return
+  timeout 120 /tmp/stream_roofline 8 > "$out/roofline-gqa.md" 2>&1 || status=1
+  cat "$out/roofline-gqa.md"
 }
 
 for stage in ${GPU_CHECK_STAGES:-build tests sanitizer bench}; do

@@ -32,7 +32,7 @@
 //
 //   nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
 //     dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o /tmp/stream_roofline
-//   /tmp/stream_roofline
+//   /tmp/stream_roofline [heads: 32, or 8 for GQA 32/8's bytes]
 #include <cuda.h>
 
 #include <cstdio>
@@ -49,7 +49,7 @@ using namespace fusedattn::cuda;
 
 namespace {
 
-constexpr int kBatch = 8, kHeads = 32, kHeadDim = 128;
+constexpr int kBatch = 8, kHeadDim = 128;
 constexpr int kThreads = 128;
 constexpr int kRowBytes = kHeadDim * 2;
 
@@ -68,6 +68,7 @@ struct StreamArgs {
   CUtensorMap k_map[2], v_map[2];  // tma-tile only: boxes of 64 and of 128 rows
   const unsigned char* k;
   const unsigned char* v;
+  int heads;  // per sequence: 32, or 8 for GQA 32/8's bytes
   int64_t seqlen;
   int splits;
   float* sink;  // one float per block: the touched bytes, so loads stay live
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
         bulk_copy_to_shared(sv, gv, kTileBytes, &landed[stage]);
       } else {
         const int row = static_cast<int>(tile * kTileRows);
-        const int head = static_cast<int>(bh % kHeads), batch = static_cast<int>(bh / kHeads);
+        const int head = static_cast<int>(bh % a.heads), batch = static_cast<int>(bh / a.heads);
         for (int slab = 0; slab < kHeadDim / 64; ++slab) {
           tma_load_box(sk + slab * kTileRows * 128, &a.k_map[kTileRows == 128], 64 * slab, row, head, batch,
                        &landed[stage]);
@@ -184,7 +185,7 @@ void run(const StreamArgs& base, int64_t seqlen, int splits, int sms, int64_t de
   a.seqlen = seqlen;
   a.splits = splits;
   a.delay_cycles = delay_cycles;
-  const int blocks = kBatch * kHeads * splits;
+  const int blocks = kBatch * a.heads * splits;
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
@@ -197,7 +198,7 @@ void run(const StreamArgs& base, int64_t seqlen, int splits, int sms, int64_t de
   float ms = 0;
   cudaEventElapsedTime(&ms, start, stop);
   const cudaError_t err = cudaGetLastError();
-  const double bytes = 2.0 * kBatch * kHeads * double(seqlen) * kRowBytes;
+  const double bytes = 2.0 * kBatch * a.heads * double(seqlen) * kRowBytes;
   std::printf("| %-14s | %3d | %6lld | %d | %d | %2d | %4d | %5lld | %s |\n", path_name(kPath), kTileRows,
               static_cast<long long>(seqlen), kStages, per_sm, splits, (blocks + per_sm * sms - 1) / (per_sm * sms),
               static_cast<long long>(delay_cycles),
@@ -218,18 +219,22 @@ void run_stages(const StreamArgs& a, int64_t n, int splits, int sms) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  // With a head count below 32 (8: GQA 32/8's K and V) only the decode
+  // kernel's configuration runs, over split counts: what the launch, the
+  // ring's start and the last blocks cost a stream of a quarter of the bytes.
+  const int heads = argc > 1 ? std::atoi(argv[1]) : 32;
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  std::printf("KV-cache streaming ceiling, B=%d H=%d d=%d float16, TB/s of K and V\n\n", kBatch, kHeads, kHeadDim);
+  std::printf("KV-cache streaming ceiling, B=%d H=%d d=%d float16, TB/s of K and V\n\n", kBatch, heads, kHeadDim);
   std::printf("| path | keys/tile | N | stages | blocks/SM | splits | waves | delay | TB/s |\n"
               "|---|---|---|---|---|---|---|---|---|\n");
   for (int64_t n : {int64_t(4096), int64_t(32768), int64_t(131072)}) {
-    const size_t bytes = size_t(kBatch) * kHeads * n * kRowBytes;
+    const size_t bytes = size_t(kBatch) * heads * n * kRowBytes;
     unsigned char *k = nullptr, *v = nullptr;
     float* sink = nullptr;
     if (cudaMalloc(&k, bytes) != cudaSuccess || cudaMalloc(&v, bytes) != cudaSuccess ||
-        cudaMalloc(&sink, sizeof(float) * kBatch * kHeads * 64) != cudaSuccess) {
+        cudaMalloc(&sink, sizeof(float) * kBatch * heads * 64) != cudaSuccess) {
       std::printf("out of memory at N=%lld\n", static_cast<long long>(n));
       return 1;
     }
@@ -239,33 +244,38 @@ int main() {
     a.k = k;
     a.v = v;
     a.sink = sink;
-    const TensorStrides strides{kHeads * n * kHeadDim, n * kHeadDim, kHeadDim};
+    a.heads = heads;
+    const TensorStrides strides{heads * n * kHeadDim, n * kHeadDim, kHeadDim};
     for (int wide = 0; wide < 2; ++wide) {
       const int rows = wide ? 128 : 64;
-      if (!encode_head_tensor_map(&a.k_map[wide], DType::Float16, k, kBatch, kHeads, n, kHeadDim, strides, rows) ||
-          !encode_head_tensor_map(&a.v_map[wide], DType::Float16, v, kBatch, kHeads, n, kHeadDim, strides, rows)) {
+      if (!encode_head_tensor_map(&a.k_map[wide], DType::Float16, k, kBatch, heads, n, kHeadDim, strides, rows) ||
+          !encode_head_tensor_map(&a.v_map[wide], DType::Float16, v, kBatch, heads, n, kHeadDim, strides, rows)) {
         std::printf("tensor maps refused\n");
         return 1;
       }
     }
-    for (int splits : {1, 8}) {
-      run_stages<Path::CpAsync>(a, n, splits, sms);
-      run_stages<Path::CpAsyncEarly>(a, n, splits, sms);
-      run_stages<Path::BulkRows>(a, n, splits, sms);
-      run_stages<Path::BulkTile>(a, n, splits, sms);
-      run_stages<Path::TmaTile>(a, n, splits, sms);
-      run_stages<Path::BulkTile, 128>(a, n, splits, sms);
-      run_stages<Path::TmaTile, 128>(a, n, splits, sms);
-    }
-    // The decode kernel's configuration (3 stages, 2 blocks per SM) with work per tile.
-    for (int64_t delay : {250, 500, 1000, 2000, 4000}) {
-      run<Path::CpAsync, 3>(a, n, 1, sms, delay);
-      run<Path::CpAsyncEarly, 3>(a, n, 1, sms, delay);
-      run<Path::BulkRows, 3>(a, n, 1, sms, delay);
-      run<Path::TmaTile, 3>(a, n, 1, sms, delay);
-      // Twice the keys, twice the work per tile.
-      run<Path::TmaTile, 2, 128>(a, n, 1, sms, 2 * delay);
-      run<Path::TmaTile, 3, 128>(a, n, 1, sms, 2 * delay);
+    if (heads < 32) {
+      for (int splits : {1, 2, 4, 8, 16}) run<Path::CpAsync, 3>(a, n, splits, sms);
+    } else {
+      for (int splits : {1, 8}) {
+        run_stages<Path::CpAsync>(a, n, splits, sms);
+        run_stages<Path::CpAsyncEarly>(a, n, splits, sms);
+        run_stages<Path::BulkRows>(a, n, splits, sms);
+        run_stages<Path::BulkTile>(a, n, splits, sms);
+        run_stages<Path::TmaTile>(a, n, splits, sms);
+        run_stages<Path::BulkTile, 128>(a, n, splits, sms);
+        run_stages<Path::TmaTile, 128>(a, n, splits, sms);
+      }
+      // The decode kernel's configuration (3 stages, 2 blocks per SM) with work per tile.
+      for (int64_t delay : {250, 500, 1000, 2000, 4000}) {
+        run<Path::CpAsync, 3>(a, n, 1, sms, delay);
+        run<Path::CpAsyncEarly, 3>(a, n, 1, sms, delay);
+        run<Path::BulkRows, 3>(a, n, 1, sms, delay);
+        run<Path::TmaTile, 3>(a, n, 1, sms, delay);
+        // Twice the keys, twice the work per tile.
+        run<Path::TmaTile, 2, 128>(a, n, 1, sms, 2 * delay);
+        run<Path::TmaTile, 3, 128>(a, n, 1, sms, 2 * delay);
+      }
     }
     cudaFree(k);
     cudaFree(v);
