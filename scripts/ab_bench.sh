@@ -10,7 +10,8 @@
 # builds every tree under .ab in turn against that machine's torch and, with
 # each build, times `fusedattn bench --no-progress ARGS` once per argument set
 # (`--and` separates the sets, e.g. `--head-dim 128 --and --head-dim 64`, so
-# one build serves every table). It writes OUTDIR/<name>-<set>.json and
+# one build serves every table; a NAME=value word sets that set's
+# environment, e.g. FUSEDATTN_DECODE_SPLITS=1). It writes OUTDIR/<name>-<set>.json and
 # OUTDIR/ab.md: fusedattn's TFLOP/s (TB/s with --decode) per version and row,
 # the ratio to the first version, the first version's other columns (pass
 # --methods to keep them short; e.g. sdpa-cudnn gives the bar) and "best x
@@ -67,8 +68,14 @@ for dir in .ab/*/; do
   for i in "${!sets[@]}"; do
     json="$out/$name-$((i + 1)).json"
     rm -f "$json"
-    # shellcheck disable=SC2086  # one set's arguments, split on purpose
-    if ! timeout "${FUSEDATTN_BENCH_TIMEOUT:-300}" fusedattn bench --no-progress --json "$json" ${sets[$i]} > /dev/null; then
+    # A set's NAME=value words set the environment of its bench (e.g.
+    # FUSEDATTN_DECODE_SPLITS=1), the others are bench arguments.
+    envs=()
+    args=()
+    for word in ${sets[$i]}; do
+      if [[ $word =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$word"); else args+=("$word"); fi
+    done
+    if ! timeout "${FUSEDATTN_BENCH_TIMEOUT:-300}" env "${envs[@]}" fusedattn bench --no-progress --json "$json" "${args[@]}" > /dev/null; then
       echo "ab_bench: $name: bench failed (set $((i + 1)): ${sets[$i]})"
       ok=0
       status=1
@@ -77,9 +84,11 @@ for dir in .ab/*/; do
   [ $ok = 1 ] && names+=("$name")
 done
 [ ${#names[@]} -gt 0 ] || { echo "ab_bench: no version ran"; exit 1; }
+printf '%s\n' "${sets[@]}" > "$out/sets.txt"
 python3 - "$out" "${#sets[@]}" "${names[@]}" <<'PY' > "$out/ab.md" || status=1
 import json, pathlib, sys
 out, n_sets, names = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+sets = (out / "sets.txt").read_text().splitlines()
 def load(name, i):
     return json.loads((out / f"{name}-{i}.json").read_text())
 first = load(names[0], 1)
@@ -98,7 +107,7 @@ for i in range(1, n_sets + 1):
     base_run = runs[names[0]]
     others = [m for m in base_run["methods"] if m != "fusedattn"]
     config = " ".join(f"{k}={v}" for k, v in base_run["config"].items() if k not in ("seqlens", "dtypes"))
-    print(f"### set {i}: {config}\n")
+    print(f"### set {i}: {config} ({sets[i - 1]})\n")
     print("| dtype | causal or lengths | N | " + " | ".join(names + others)
           + " | " + " | ".join(f"x {n}" for n in names[1:])
           + "".join(f" | best x {m}" for m in others) + " |")
