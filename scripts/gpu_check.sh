@@ -10,7 +10,7 @@
 #   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
 # GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench";
 # "profile" runs Nsight Compute on the main kernels, "profile_decode" on the
-# decode kernel, "profile_sdpa_decode" on cuDNN's, "profile_forward_vs_cudnn" the forward
+# decode kernel, "profile_decode_short" the decode step's kernels at 4K, "profile_sdpa_decode" on cuDNN's, "profile_forward_vs_cudnn" the forward
 # against cuDNN's at 4K and 8K, "call_gap" times small
 # forwards' host and GPU time, "decode_splits" the decode table by split count, "roofline" the KV-cache
 # streaming ceilings, "roofline_gqa" the same at GQA 32/8's bytes, "tables" every benchmark table of the README). On the H200 "build
@@ -133,6 +133,21 @@ stage_profile_decode() {
     python3 scripts/profile_cases.py --decode --seqlen 32768 > "$out/profile-decode.txt" 2>&1 || status=1
   grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Stall|Issue Slots Busy|Warp Cycles Per Issued" \
     "$out/profile-decode.txt" | head -60
+}
+
+# Not in the default stages: the decode step's kernels at N=4K (GQA 32/8, all
+# full, then per-sequence lengths), each kernel's duration and DRAM
+# throughput: what a short step spends besides streaming.
+stage_profile_decode_short() {
+  have_ncu || return
+  for case in "--kv-heads 8" "--kv-heads 8 --varlen" "--varlen"; do
+    echo "== $case"
+    # shellcheck disable=SC2086  # the case's arguments, split on purpose
+    timeout 120 ncu --clock-control none --launch-count 4 -k regex:"decode_kernel|combine_kernel" \
+      --section SpeedOfLight --section LaunchStats python3 scripts/profile_cases.py --decode --seqlen 4096 $case 2>&1 ||
+      status=1
+  done > "$out/profile-decode-short.txt"
+  grep -E "^== |^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Grid Size" "$out/profile-decode-short.txt" | head -60
 }
 
 # Not in the default stages: the kernels SDPA's cuDNN backend runs for the

@@ -14,12 +14,15 @@ import torch
 
 import fusedattn  # noqa: F401  (registers the operators)
 from fusedattn.bench import _sdpa_backend
+from fusedattn.bench_decode import DecodeConfig, cache_lengths
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--seqlen", type=int, default=4096)
 parser.add_argument("--head-dim", type=int, default=128)
 parser.add_argument("--decode", action="store_true")
+parser.add_argument("--kv-heads", type=int, default=32, help="--decode: key/value heads (8: GQA 32/8)")
+parser.add_argument("--varlen", action="store_true", help="--decode: the bench's per-sequence lengths in [1, N]")
 parser.add_argument("--sdpa-cudnn", action="store_true", help="SDPA's cuDNN backend instead (forward only)")
 parser.add_argument("--forward-only", action="store_true")
 args = parser.parse_args()
@@ -27,9 +30,9 @@ sdpa_cudnn = _sdpa_backend("cudnn")  # f(q, k, v, causal)
 
 if args.decode:
     q = torch.randn(8, 32, 1, args.head_dim, device="cuda", dtype=torch.float16)
-    k_cache, v_cache = (torch.randn(8, 32, args.seqlen, args.head_dim, device="cuda", dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(8, args.kv_heads, args.seqlen, args.head_dim, device="cuda", dtype=torch.float16)
                         for _ in range(2))
-    lengths = torch.full((8,), args.seqlen, device="cuda", dtype=torch.int32)
+    lengths = cache_lengths(DecodeConfig(torch.device("cuda")), args.seqlen, args.varlen).cuda()
     for _ in range(2):
         if args.sdpa_cudnn:
             sdpa_cudnn(q, k_cache, v_cache, False)
