@@ -10,7 +10,8 @@
 #   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
 # GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench";
 # "profile" runs Nsight Compute on the main kernels, "profile_decode" on the
-# decode kernel, "profile_decode_short" the decode step's kernels at 4K, "profile_sdpa_decode" on cuDNN's, "profile_forward_vs_cudnn" the forward
+# decode kernel, "profile_decode_short" the decode step's kernels at 4K,
+# "profile_decode_vs_cudnn" ours and cuDNN's decode kernels at 32K, "profile_sdpa_decode" on cuDNN's, "profile_forward_vs_cudnn" the forward
 # against cuDNN's at 4K and 8K, "call_gap" times small
 # forwards' host and GPU time, "decode_splits" the decode table by split count, "roofline" the KV-cache
 # streaming ceilings, "roofline_gqa" the same at GQA 32/8's bytes, "tables" every benchmark table of the README). On the H200 "build
@@ -178,6 +179,23 @@ stage_profile_forward_vs_cudnn() {
   done > "$out/profile-forward-vs-cudnn.txt"
   grep -E "^== |^  [A-Za-z_0-9].*\(|Duration|SM Frequency|DRAM Throughput|Compute \(SM\)|Grid Size|Registers Per|Dynamic Shared|Cluster Size|lts__t_sector_hit|dram__bytes_read|Achieved Occupancy" \
     "$out/profile-forward-vs-cudnn.txt" | head -80
+}
+
+# Not in the default stages: the decode kernel (one split) and cuDNN's at
+# N=32K, same grid: duration, clocks, DRAM and L2 traffic, and the memory
+# pipeline (what our 5% gap to cuDNN is made of).
+stage_profile_decode_vs_cudnn() {
+  have_ncu || return
+  local who
+  for who in "" --sdpa-cudnn; do
+    echo "== ${who:-fusedattn}"
+    FUSEDATTN_DECODE_SPLITS=1 timeout 120 ncu --clock-control none -k regex:"decode_kernel|cudnn" \
+      --launch-skip 1 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum,lts__t_sector_hit_rate.pct,lts__t_requests_srcunit_tex_op_read.sum,dram__cycles_elapsed.avg.per_second,gpc__cycles_elapsed.avg.per_second \
+      python3 scripts/profile_cases.py --decode --seqlen 32768 $who 2>&1 || status=1
+  done > "$out/profile-decode-vs-cudnn.txt"
+  grep -E "^== |^  [A-Za-z_0-9].*\(|Duration|Frequency|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Mem Busy|Max Bandwidth|dram__|lts__|gpc__" \
+    "$out/profile-decode-vs-cudnn.txt" | head -60
 }
 
 # Not in the default stages: event, GPU and host time per call of small
