@@ -2,10 +2,41 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "device_math.cuh"
 
 namespace fusedattn::cuda {
+
+// Element offset of column `col` (a multiple of 8) of row r in a shared tile
+// of unpadded rows of D elements whose 16-byte chunks are XOR-swizzled inside
+// each 128-byte line: the chunk's index within its group of 8 (or of the row's
+// D / 8, below 64 columns) is XORed with the row's line index, so the 8 rows
+// an ldmatrix reads at one column hit 8 different bank groups, and a 128-byte
+// line of global memory lands in one 128-byte line of shared memory. With
+// padded rows (D + 8) every other line straddles two, and the cp.async copies
+// of the decode kernel went to L2 as 2.6 requests per line against cuDNN's 1
+// (Nsight Compute, H200, 2026-12-01).
+template <int D>
+__device__ __forceinline__ int swizzled_offset(int r, int col) {
+  constexpr int kChunks = D / 8, kGroup = kChunks < 8 ? kChunks : 8, kRowsPerLine = 8 / kGroup;
+  const int chunk = col / 8;
+  return r * D + (chunk / kGroup * kGroup + ((chunk % kGroup) ^ (r / kRowsPerLine % kGroup))) * 8;
+}
+
+// Where the copies below put (row, col): rows of Tr::kStride elements, or,
+// where Tr sets kSwizzled, swizzled_offset<Tr::kStride>.
+template <typename Tr, typename = void>
+struct IsSwizzled : std::false_type {};
+template <typename Tr>
+struct IsSwizzled<Tr, std::void_t<decltype(Tr::kSwizzled)>> : std::bool_constant<Tr::kSwizzled> {};
+template <typename Tr>
+__device__ __forceinline__ int tile_offset(int r, int col) {
+  if constexpr (IsSwizzled<Tr>::value)
+    return swizzled_offset<Tr::kStride>(r, col);
+  else
+    return r * Tr::kStride + col;
+}
 
 // The part of a tile that thread `thread` of Tr::kThreads copies: the 16-byte
 // chunk at column `col` of rows row, row + kRowStep, row + 2 kRowStep, ...
@@ -19,11 +50,12 @@ struct RowChunk {
       : row(thread / Tr::kChunksPerRow), col(thread % Tr::kChunksPerRow * 8) {}
 };
 
-// Copies rows [row0, row0 + Rows) of a [N, d] head into shared memory rows of
-// Tr::kStride elements; rows at or past `valid_rows` are zero-filled (no
+// Copies rows [row0, row0 + Rows) of a [N, d] head into shared memory rows at
+// tile_offset<Tr>; rows at or past `valid_rows` are zero-filled (no
 // global read; a product with them is 0, which a V tile relies on). Tr gives
 // kThreads (the threads that share the copy: the block, or a warp that passes
-// its lane as `thread`), kChunksPerRow (d / 8) and kStride; L2Prefetch is
+// its lane as `thread`), kChunksPerRow (d / 8), kStride and optionally
+// kSwizzled; L2Prefetch is
 // cp_async_16's.
 template <int Rows, typename Tr, int L2Prefetch = 0, typename T>
 __device__ __forceinline__ void load_rows_async(T* smem, const T* head, int64_t row_stride,
@@ -37,7 +69,7 @@ __device__ __forceinline__ void load_rows_async(T* smem, const T* head, int64_t 
   for (int i = 0; i < Rows / kRowStep; ++i) {
     const int r = chunk.row + i * kRowStep;
     const bool valid = r < valid_rows;
-    cp_async_16<L2Prefetch>(smem + r * Tr::kStride + chunk.col, valid ? src + i * kRowStep * row_stride : head,
+    cp_async_16<L2Prefetch>(smem + tile_offset<Tr>(r, chunk.col), valid ? src + i * kRowStep * row_stride : head,
                             valid);
   }
 }
@@ -55,10 +87,9 @@ __device__ __forceinline__ void load_full_rows_async(T* smem, const T* src, int6
   constexpr int kRowStep = RowChunk<Tr>::kRowStep;
   static_assert(Rows % kRowStep == 0);
   const RowChunk<Tr> chunk(thread);
-  T* dst = smem + chunk.row * Tr::kStride + chunk.col;
 #pragma unroll
   for (int i = 0; i < Rows / kRowStep; ++i)
-    cp_async_16<L2Prefetch>(dst + i * kRowStep * Tr::kStride, src + i * row_step, true);
+    cp_async_16<L2Prefetch>(smem + tile_offset<Tr>(chunk.row + i * kRowStep, chunk.col), src + i * row_step, true);
 }
 
 }  // namespace fusedattn::cuda

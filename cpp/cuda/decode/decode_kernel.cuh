@@ -37,7 +37,7 @@ struct DecodeTraits {
   static constexpr int kBlockN = kDecodeBlockN;  // keys per tile, 16 per warp
   static_assert(kBlockM == 16 && kBlockN == 16 * kWarps);
   // Tiles in the ring: kStages - 1 in flight while one is computed on. At
-  // d=128, 3 stages take 109 KB and fit 2 blocks per SM; 2 stages (3 blocks)
+  // d=128, 3 stages take 100 KB and fit 2 blocks per SM; 2 stages (3 blocks)
   // and 4 stages (1 block) streamed 2.4-2.9 TB/s against 4.0-4.4 (H200,
   // docs/cuda-notes.md). Also tried there, no better: 8 warps and 128-key
   // tiles; 2 warps, 32-key tiles and 4 or 6 stages; prefetching later tiles
@@ -47,14 +47,16 @@ struct DecodeTraits {
   // (Bulk copies per row into the ring, with an mbarrier per stage, ran 1-9%
   // slower on the H200 than cp.async, 2026-11-30, docs/cuda-notes.md.)
   static constexpr int kL2Prefetch = 128;
-  static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
+  // Shared-memory rows are unpadded and swizzled (swizzled_offset): with
+  // 16-byte padding the copies reached L2 as 2.6 requests per 128-byte line.
   static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
-  // A warp's share of a tile, as load_rows_async sees it: 32 threads.
-  struct WarpLoad {
-    static constexpr int kThreads = 32, kChunksPerRow = DecodeTraits::kChunksPerRow, kStride = DecodeTraits::kStride;
+  // A tile as the copies (a warp's share: 32 threads) and ldmatrix see it.
+  struct Layout {
+    static constexpr int kThreads = 32, kChunksPerRow = DecodeTraits::kChunksPerRow, kStride = HeadDim;
+    static constexpr bool kSwizzled = true;
   };
-  static constexpr int kTileElements = kBlockN * kStride;
-  static constexpr int kSmemElements = kBlockM * kStride + kStages * 2 * kTileElements;  // Q, ring
+  static constexpr int kTileElements = kBlockN * HeadDim;
+  static constexpr int kSmemElements = kBlockM * HeadDim + kStages * 2 * kTileElements;  // Q, ring
   // The epilogue reuses the ring: per warp its rows (float32, padded so the
   // float2 stores of a half-warp hit 32 banks) and their m, l.
   static constexpr int kAccStride = HeadDim + 8;
@@ -71,12 +73,13 @@ template <int HeadDim, typename T, bool IsCausal>
 __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
     decode_kernel(const __grid_constant__ KVCacheParams p) {
   using Tr = DecodeTraits<HeadDim>;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  using Layout = typename Tr::Layout;
   constexpr int kStages = Tr::kStages, kWarps = Tr::kWarps, kDTiles = HeadDim / 8;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sRing = sQ + kBlockM * kStride;  // stage i: K tile at 2i, V tile at 2i + 1
+  T* sRing = sQ + kBlockM * HeadDim;  // stage i: K tile at 2i, V tile at 2i + 1
 
   const ForwardParams& a = p.attn;
   const AttentionShape& sh = a.shape;
@@ -122,7 +125,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
     const int64_t row = row0 + r;
     const int64_t head = head_kv * group + row / sh.seqlen_q, query = row % sh.seqlen_q;
     const bool valid = r < rows;
-    cp_async_16(sQ + r * kStride + col,
+    cp_async_16(sQ + tile_offset<Layout>(r, col),
                 valid ? q + head * a.q_strides.head + query * a.q_strides.row + col : q, valid);
   }
   cp_async_commit();
@@ -132,9 +135,8 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   // Tiles whose 16 rows are all valid take load_full_rows_async with this
   // lane's source pointers, which advance one tile per load; the sequence's
   // last tile takes load_rows_async, which zero-fills rows past the end.
-  using Load = typename Tr::WarpLoad;
-  constexpr int kLaneRowStep = RowChunk<Load>::kRowStep;  // rows between a lane's copies
-  const RowChunk<Load> chunk(lane);
+  constexpr int kLaneRowStep = RowChunk<Layout>::kRowStep;  // rows between a lane's copies
+  const RowChunk<Layout> chunk(lane);
   const int64_t lane_row = int64_t(tile_begin) * kBlockN + warp * 16 + chunk.row;
   const T* k_lane = k + lane_row * a.k_strides.row + chunk.col;
   const T* v_lane = v + lane_row * a.v_strides.row + chunk.col;
@@ -143,15 +145,15 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   int load_stage = 0;  // the stage the next load fills
   auto load_tile = [&](int64_t tile) {
     if (tile < tile_end) {
-      T* sK = sRing + 2 * load_stage * Tr::kTileElements + warp * 16 * kStride;
+      T* sK = sRing + 2 * load_stage * Tr::kTileElements + warp * 16 * HeadDim;
       T* sV = sK + Tr::kTileElements;
       const int64_t key0 = tile * kBlockN + warp * 16;
       if (length - key0 >= 16) {
-        load_full_rows_async<16, Load, Tr::kL2Prefetch>(sK, k_lane, k_lane_step, lane);
-        load_full_rows_async<16, Load, Tr::kL2Prefetch>(sV, v_lane, v_lane_step, lane);
+        load_full_rows_async<16, Layout, Tr::kL2Prefetch>(sK, k_lane, k_lane_step, lane);
+        load_full_rows_async<16, Layout, Tr::kL2Prefetch>(sV, v_lane, v_lane_step, lane);
       } else {
-        load_rows_async<16, Load, Tr::kL2Prefetch>(sK, k, a.k_strides.row, key0, length - key0, lane);
-        load_rows_async<16, Load, Tr::kL2Prefetch>(sV, v, a.v_strides.row, key0, length - key0, lane);
+        load_rows_async<16, Layout, Tr::kL2Prefetch>(sK, k, a.k_strides.row, key0, length - key0, lane);
+        load_rows_async<16, Layout, Tr::kL2Prefetch>(sV, v, a.v_strides.row, key0, length - key0, lane);
       }
       k_lane += k_tile_step;
       v_lane += v_tile_step;
@@ -173,7 +175,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   uint32_t q_frag[HeadDim / 16][4];
 #pragma unroll
   for (int kk = 0; kk < HeadDim / 16; ++kk)
-    ldmatrix_x4(q_frag[kk], sQ + (lane % 16) * kStride + kk * 16 + lane / 16 * 8);
+    ldmatrix_x4(q_frag[kk], sQ + tile_offset<Layout>(lane % 16, kk * 16 + lane / 16 * 8));
 
   // The queries of this thread's two rows (g, g + 8), for the causal rule.
   int64_t query[2];
@@ -188,7 +190,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     wait_tile();
     load_tile(tile + kStages - 1);
-    const T* sK = sRing + 2 * read_stage * Tr::kTileElements + warp * 16 * kStride;
+    const T* sK = sRing + 2 * read_stage * Tr::kTileElements + warp * 16 * HeadDim;
     read_stage = read_stage == kStages - 1 ? 0 : read_stage + 1;
     const T* sV = sK + Tr::kTileElements;
 
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
 #pragma unroll
     for (int kk = 0; kk < HeadDim / 16; ++kk) {
       uint32_t b[4];
-      ldmatrix_x4(b, sK + ((lane & 7) + (lane >> 4 << 3)) * kStride + kk * 16 + ((lane >> 3) & 1) * 8);
+      ldmatrix_x4(b, sK + tile_offset<Layout>((lane & 7) + (lane >> 4 << 3), kk * 16 + ((lane >> 3) & 1) * 8));
       mma_16x8x16<T>(s[0], q_frag[kk], b[0], b[1]);
       mma_16x8x16<T>(s[1], q_frag[kk], b[2], b[3]);
     }
@@ -232,7 +234,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
 #pragma unroll
     for (int dp = 0; dp < HeadDim / 16; ++dp) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, sV + ((lane & 7) + (((lane >> 3) & 1) << 3)) * kStride + dp * 16 + (lane >> 4 << 3));
+      ldmatrix_x4_trans(b, sV + tile_offset<Layout>((lane & 7) + (((lane >> 3) & 1) << 3), dp * 16 + (lane >> 4 << 3)));
       mma_16x8x16<T>(acc[2 * dp], p_frag, b[0], b[1]);
       mma_16x8x16<T>(acc[2 * dp + 1], p_frag, b[2], b[3]);
     }
