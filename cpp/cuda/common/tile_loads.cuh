@@ -20,6 +20,7 @@ namespace fusedattn::cuda {
 template <int D>
 __device__ __forceinline__ int swizzled_offset(int r, int col) {
   constexpr int kChunks = D / 8, kGroup = kChunks < 8 ? kChunks : 8, kRowsPerLine = 8 / kGroup;
+  static_assert((kChunks & (kChunks - 1)) == 0, "the XOR keeps a chunk in its row only for D / 8 a power of two");
   const int chunk = col / 8;
   return r * D + (chunk / kGroup * kGroup + ((chunk % kGroup) ^ (r / kRowsPerLine % kGroup))) * 8;
 }

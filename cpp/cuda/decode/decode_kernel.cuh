@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   using Layout = typename Tr::Layout;
   constexpr int kStages = Tr::kStages, kWarps = Tr::kWarps, kDTiles = HeadDim / 8;
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // 128-byte lines (swizzled_offset)
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sRing = sQ + kBlockM * HeadDim;  // stage i: K tile at 2i, V tile at 2i + 1
 
