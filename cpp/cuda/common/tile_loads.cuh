@@ -18,7 +18,7 @@ namespace fusedattn::cuda {
 // of the decode kernel went to L2 as 2.6 requests per line against cuDNN's 1
 // (Nsight Compute, H200, 2026-12-01).
 template <int D>
-__device__ __forceinline__ int swizzled_offset(int r, int col) {
+__host__ __device__ __forceinline__ int swizzled_offset(int r, int col) {
   constexpr int kChunks = D / 8, kGroup = kChunks < 8 ? kChunks : 8, kRowsPerLine = 8 / kGroup;
   static_assert((kChunks & (kChunks - 1)) == 0, "the XOR keeps a chunk in its row only for D / 8 a power of two");
   const int chunk = col / 8;
