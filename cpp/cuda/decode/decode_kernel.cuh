@@ -48,7 +48,11 @@ struct DecodeTraits {
   // slower on the H200 than cp.async, 2026-11-30, docs/cuda-notes.md.)
   static constexpr int kL2Prefetch = 128;
   // Shared-memory rows are unpadded and swizzled (swizzled_offset): with
-  // 16-byte padding the copies reached L2 as 2.6 requests per 128-byte line.
+  // 16-byte padding the copies reached L2 as 2.6 requests per 128-byte line,
+  // and swizzling read 1.05-1.07x on the H200 (2026-12-01). The figures
+  // above were measured with padded rows; cuDNN's single-buffer pipeline,
+  // a block in lockstep and slab-ordered copies, tried that day, were not
+  // faster either (docs/cuda-notes.md, d7).
   static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
   // A tile as the copies (a warp's share: 32 threads) and ldmatrix see it.
   struct Layout {
