@@ -1,9 +1,10 @@
 """One forward and one backward call of fusedattn for a profiler, after a
 warm-up: B=4, H=32, d=128, N=4096, float16 (the seed table's middle), causal
 with --causal; --forward-only leaves out the backward, --sdpa-cudnn times
-SDPA's cuDNN forward instead. With --decode instead one forward_kvcache call (B=8, H=32,
-d=128, a full cache of --seqlen keys, float16: the decode table's row) after
-a warm-up one; with --decode --sdpa-cudnn the same shape through SDPA's
+SDPA's cuDNN forward instead. With --decode instead one forward_kvcache call (the
+decode bench's shape: B=8, Hq=32, Hkv=--kv-heads, d=128, float16, a cache of
+--seqlen keys, all full or, with --varlen, the bench's per-sequence lengths)
+after a warm-up one; with --decode --sdpa-cudnn the same shape through SDPA's
 cuDNN backend (q of 1 token against the whole cache: what its kernels do at
 the decode table's row). Run under ncu, e.g. scripts/gpu_check.sh's profile and
 profile_decode stages."""
@@ -29,10 +30,11 @@ args = parser.parse_args()
 sdpa_cudnn = _sdpa_backend("cudnn")  # f(q, k, v, causal)
 
 if args.decode:
-    q = torch.randn(8, 32, 1, args.head_dim, device="cuda", dtype=torch.float16)
-    k_cache, v_cache = (torch.randn(8, args.kv_heads, args.seqlen, args.head_dim, device="cuda", dtype=torch.float16)
-                        for _ in range(2))
-    lengths = cache_lengths(DecodeConfig(torch.device("cuda")), args.seqlen, args.varlen).cuda()
+    cfg = DecodeConfig(torch.device("cuda"), kv_heads=args.kv_heads, head_dim=args.head_dim)
+    q = torch.randn(cfg.batch, cfg.heads, 1, cfg.head_dim, device="cuda", dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(cfg.batch, cfg.kv_heads, args.seqlen, cfg.head_dim, device="cuda",
+                                    dtype=torch.float16) for _ in range(2))
+    lengths = cache_lengths(cfg, args.seqlen, args.varlen).cuda()
     for _ in range(2):
         if args.sdpa_cudnn:
             sdpa_cudnn(q, k_cache, v_cache, False)
