@@ -11,6 +11,11 @@ of the ratio to cuDNN. For each method and shape this prints
     (torch.cuda._sleep first), so nothing waits on the GPU.
 
     python dev/call_gap.py [--shapes 64:1024:causal,128:1024:none] [--dtype float16]
+
+With --decode the shapes are kv_heads:N:all|varlen, decoding steps of
+`fusedattn bench --decode` (B=8, Hq=32, d=128, one query; varlen: its
+per-sequence lengths in [1, N]), and event is the decode bench's measure:
+10 calls between two events, per call.
 """
 
 from __future__ import annotations
@@ -21,21 +26,25 @@ import time
 
 import torch
 
-from fusedattn import bench
+from fusedattn import bench, bench_decode
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--shapes", default="64:1024:causal,64:2048:causal,128:1024:none,128:4096:none",
                     help="head_dim:N:causal|none, comma separated (B=4, H=32, the bench's)")
 parser.add_argument("--dtype", default="float16")
 parser.add_argument("--methods", default="fusedattn,sdpa-cudnn")
+parser.add_argument("--decode", action="store_true", help="shapes are kv_heads:N:all|varlen decoding steps")
 args = parser.parse_args()
 device = torch.device("cuda")
-table = bench.methods(device)
 names = args.methods.split(",")
+calls_per_event = bench_decode.CALLS_PER_TIMING if args.decode else 1
 
 
 def event_us(call) -> float:
-    return statistics.median(bench._time_once(call, device) for _ in range(30)) * 1e6
+    def calls():
+        for _ in range(calls_per_event):
+            call()
+    return statistics.median(bench._time_once(calls, device) for _ in range(30)) * 1e6 / calls_per_event
 
 
 def gpu_us(call, calls=100) -> float:
@@ -58,18 +67,50 @@ def host_us(call, calls=50) -> float:
     return seconds / calls * 1e6
 
 
-print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, B=4 H=32; us per call")
-print("| d | N | causal | method | event | gpu | host | event - gpu |")
-print("|---|---|---|---|---|---|---|---|")
-with torch.no_grad():
+
+
+def report(label: str, name: str, call) -> None:
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    e, g, h = event_us(call), gpu_us(call), host_us(call)
+    print(f"| {label} | {name} | {e:.1f} | {g:.1f} | {h:.1f} | {e - g:.1f} |")
+
+
+def forward_shapes() -> None:
+    table = bench.methods(device)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, B=4 H=32; us per call")
+    print("| d N causal | method | event | gpu | host | event - gpu |")
+    print("|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         d, n, causal = shape.split(":")
         d, n, causal = int(d), int(n), causal == "causal"
         q, k, v = (torch.randn(4, 32, n, d, device=device, dtype=bench.DTYPES[args.dtype]) for _ in range(3))
         for name in names:
-            call = lambda: table[name](q, k, v, causal)  # noqa: E731
-            for _ in range(5):
-                call()
-            torch.cuda.synchronize()
-            e, g, h = event_us(call), gpu_us(call), host_us(call)
-            print(f"| {d} | {n} | {causal} | {name} | {e:.1f} | {g:.1f} | {h:.1f} | {e - g:.1f} |")
+            report(f"{d} {n} {causal}", name, lambda: table[name](q, k, v, causal))
+
+
+def decode_shapes() -> None:
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, B=8 Hq=32 d=128; us per call")
+    print("| Hkv N lengths | method | event | gpu | host | event - gpu |")
+    print("|---|---|---|---|---|---|")
+    for shape in args.shapes.split(","):
+        kv_heads, n, lengths = shape.split(":")
+        cfg = bench_decode.DecodeConfig(kv_heads=int(kv_heads), device=device)
+        table = bench_decode.methods(cfg)
+        dt = bench.DTYPES[args.dtype]
+        q = torch.randn(cfg.batch, cfg.heads, 1, cfg.head_dim, device=device, dtype=dt)
+        k, v = (torch.randn(cfg.batch, cfg.kv_heads, int(n), cfg.head_dim, device=device, dtype=dt) for _ in range(2))
+        varlen = lengths == "varlen"
+        seqlens = bench_decode.cache_lengths(cfg, int(n), varlen).to(device)
+        for name in names:
+            if varlen and name != "fusedattn":
+                continue
+            report(f"{kv_heads} {n} {lengths}", name, lambda: table[name](q, k, v, seqlens))
+
+
+with torch.no_grad():
+    if args.decode:
+        decode_shapes()
+    else:
+        forward_shapes()
