@@ -39,7 +39,7 @@ done
 
 # dev/cuda: standalone kernel drivers (no PyTorch), built and linked so they keep up with the kernels.
 nvcc -std=c++17 -O3 --use_fast_math -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-  dev/cuda/decode_splits.cu cpp/cuda/decode/combine_kernel.cu -o "$out/decode_splits"
+  dev/cuda/decode_splits.cu -o "$out/decode_splits"
 echo "  dev/cuda/decode_splits.cu: built"
 nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
   dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o "$out/stream_roofline"

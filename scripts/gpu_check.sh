@@ -144,7 +144,7 @@ stage_profile_decode_short() {
   for case in "--kv-heads 8" "--kv-heads 8 --varlen" "--varlen"; do
     echo "== $case"
     # shellcheck disable=SC2086  # the case's arguments, split on purpose
-    timeout 120 ncu --clock-control none --launch-count 4 -k regex:"decode_kernel|combine_kernel" \
+    timeout 120 ncu --clock-control none --launch-count 4 -k regex:"decode_kernel" \
       --section SpeedOfLight --section LaunchStats python3 scripts/profile_cases.py --decode --seqlen 4096 $case 2>&1 ||
       status=1
   done > "$out/profile-decode-short.txt"

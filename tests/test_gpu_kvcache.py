@@ -42,7 +42,7 @@ def run_checked(q, k_cache, v_cache, lens, k_new, v_new, is_causal):
 @pytest.mark.parametrize("splits", ["1", None], ids=["one-split", "auto-splits"])
 def test_cuda_kvcache_matches_reference(monkeypatch, nq, heads, dtype, head_dim, is_causal, splits):
     """Both output paths: one split (the decode kernel writes out and lse) and
-    the automatic count (about 10 splits here, merged by the combine kernel)."""
+    the automatic count (about 10 splits here, merged by the last block of each head)."""
     if splits:
         monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
     # max_len 700: several 64-key tiles, lengths from 0 (empty) to full.

@@ -60,13 +60,16 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     p.v_new_strides = strides_of(v_append);
   }
   p.num_splits = cuda::decode_num_splits(p);
-  at::Tensor partial_out, partial_lse;
+  at::Tensor partial_out, partial_lse, split_arrivals;
   if (p.num_splits > 1) {
     partial_out = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2), q.size(3)},
                             q.options().dtype(at::kFloat));
     partial_lse = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2)}, partial_out.options());
+    split_arrivals = at::zeros({p.attn.shape.batch * p.attn.shape.heads_kv * cuda::decode_row_tiles(p.attn.shape)},
+                               q.options().dtype(at::kInt));
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
+    p.split_arrivals = split_arrivals.data_ptr<int32_t>();
   }
   cuda::forward_kvcache(p, stream);
   return outputs;

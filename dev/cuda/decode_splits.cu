@@ -5,14 +5,13 @@
 // [1, N]), over 1, 2, 4, 8 and 16 splits; prints TB/s of the valid K and V.
 //
 //   nvcc -std=c++17 -O3 --use_fast_math -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-//     dev/cuda/decode_splits.cu cpp/cuda/decode/combine_kernel.cu -o /tmp/decode_splits
+//     dev/cuda/decode_splits.cu -o /tmp/decode_splits
 //   /tmp/decode_splits [kv heads, default 32]
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
 #include "../../cpp/cuda/decode/decode_kernel.cuh"
-#include "../../cpp/cuda/decode/decode_steps.h"
 
 using namespace fusedattn;
 
@@ -46,7 +45,7 @@ int main(int argc, char** argv) {
   const size_t cache = size_t(B) * Hkv * max_n * d;
   __half *k, *v, *q, *out;
   float *lse, *partial_out, *partial_lse;
-  int* lengths;
+  int *lengths, *split_arrivals;
   CHECK(cudaMalloc(&k, cache * 2));
   CHECK(cudaMalloc(&v, cache * 2));
   CHECK(cudaMalloc(&q, B * H * d * 2));
@@ -55,6 +54,8 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&partial_out, size_t(max_splits) * B * H * d * 4));
   CHECK(cudaMalloc(&partial_lse, size_t(max_splits) * B * H * 4));
   CHECK(cudaMalloc(&lengths, B * 4));
+  CHECK(cudaMalloc(&split_arrivals, B * Hkv * 4));  // one row tile per kv head (Hq / Hkv <= 16)
+  CHECK(cudaMemset(split_arrivals, 0, B * Hkv * 4));  // the kernel leaves it zeroed
   fill<<<4096, 256>>>(k, cache);
   fill<<<4096, 256>>>(v, cache);
   fill<<<64, 256>>>(q, B * H * d);
@@ -86,10 +87,8 @@ int main(int argc, char** argv) {
         p.num_splits = splits;
         p.partial_out = partial_out;
         p.partial_lse = partial_lse;
-        auto step = [&] {
-          cuda::launch_decode<128, __half>(p, nullptr);
-          if (splits > 1) cuda::launch_combine(p, nullptr);
-        };
+        p.split_arrivals = split_arrivals;
+        auto step = [&] { cuda::launch_decode<128, __half>(p, nullptr); };
         for (int i = 0; i < 3; ++i) step();
         const int iterations = n > 40000 ? 10 : 50;
         cudaEvent_t start, end;

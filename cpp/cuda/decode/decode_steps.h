@@ -1,4 +1,4 @@
-// The decode family's helper kernels, launched by forward_kvcache.
+// The decode family's helper kernel, launched by forward_kvcache.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,8 +10,5 @@ namespace fusedattn::cuda {
 // Writes k_new/v_new into the caches at cache_seqlens[b] (sequences whose
 // length does not fit are left alone).
 void launch_append(const KVCacheParams& p, cudaStream_t stream);
-
-// Merges p.partial_out/p.partial_lse into p.attn.out and p.attn.lse.
-void launch_combine(const KVCacheParams& p, cudaStream_t stream);
 
 }  // namespace fusedattn::cuda

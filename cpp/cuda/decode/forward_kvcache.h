@@ -1,7 +1,7 @@
 // The decode family: forward_kvcache on CUDA. A few queries per sequence
 // against a long KV cache is memory bound, so the key range of every
 // (sequence, kv head) is split over several thread blocks (flash decoding) and
-// a combine kernel merges their partial results exactly.
+// the last of them to finish merges their partial results exactly.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,7 +34,8 @@ __host__ __device__ inline int64_t decode_row_tiles(const AttentionShape& sh) {
 int decode_num_splits(const KVCacheParams& p);
 
 // Appends k_new/v_new to the caches, then writes p.attn.out and p.attn.lse on
-// `stream`; p.num_splits > 1 needs p.partial_out and p.partial_lse. A sequence
+// `stream`; p.num_splits > 1 needs p.partial_out, p.partial_lse and
+// p.split_arrivals (zeroed; the kernel leaves it zeroed). A sequence
 // whose cache_seqlens[b] + n_new is outside [0, max_len] is not appended to and
 // gets NaN outputs (the lengths live on the device; nothing here reads them on
 // the host). Throws std::runtime_error on a CUDA error.

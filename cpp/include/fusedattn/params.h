@@ -112,11 +112,15 @@ struct KVCacheParams {
 
   // The key range of every (sequence, kv head) is split over num_splits thread
   // blocks. With more than one split, each writes a partial result here,
-  // normalised by its own softmax sum, and a combine kernel merges them:
-  //   partial_out: float32 [num_splits, B, Hq, Nq, d], partial_lse: [num_splits, B, Hq, Nq].
+  // normalised by its own softmax sum, and counts itself in split_arrivals;
+  // the last block of each (sequence, kv head, row tile) merges them:
+  //   partial_out: float32 [num_splits, B, Hq, Nq, d], partial_lse: [num_splits, B, Hq, Nq],
+  //   split_arrivals: int32 [B, Hkv, row tiles], zero before the launch and
+  //   zero again after it.
   int num_splits = 1;
   float* partial_out = nullptr;
   float* partial_lse = nullptr;
+  int32_t* split_arrivals = nullptr;
 };
 
 }  // namespace fusedattn
