@@ -59,7 +59,7 @@ def test_cuda_kvcache_forced_splits(monkeypatch, splits):
     run_checked(*args, True)
 
 
-def test_cuda_kvcache_combine_is_exact(monkeypatch):
+def test_cuda_kvcache_split_merge_is_exact(monkeypatch):
     """Merging splits equals one pass up to float32 rounding. With q = 0 every
     score is 0 and every probability exactly 1, so no split rounds P
     differently (with random scores P is rounded to float16 against each

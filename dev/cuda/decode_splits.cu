@@ -54,8 +54,8 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&partial_out, size_t(max_splits) * B * H * d * 4));
   CHECK(cudaMalloc(&partial_lse, size_t(max_splits) * B * H * 4));
   CHECK(cudaMalloc(&lengths, B * 4));
-  CHECK(cudaMalloc(&split_arrivals, B * Hkv * 4));  // one row tile per kv head (Hq / Hkv <= 16)
-  CHECK(cudaMemset(split_arrivals, 0, B * Hkv * 4));  // the kernel leaves it zeroed
+  CHECK(cudaMalloc(&split_arrivals, B * H * 4));  // at least B x Hkv x row tiles
+  CHECK(cudaMemset(split_arrivals, 0, B * H * 4));  // the kernel leaves it zeroed
   fill<<<4096, 256>>>(k, cache);
   fill<<<4096, 256>>>(v, cache);
   fill<<<64, 256>>>(q, B * H * d);
