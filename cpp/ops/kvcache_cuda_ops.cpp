@@ -7,7 +7,12 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <iterator>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "../cuda/decode/forward_kvcache.h"
 #include "checks.h"
@@ -23,6 +28,26 @@ const DeviceSupport& decode_support() {
       std::vector<int64_t>(std::begin(cuda::kDecodeHeadDims), std::end(cuda::kDecodeHeadDims)),
       /*aligned_rows=*/true};
   return support;
+}
+
+// The decode kernel's arrival counters (KVCacheParams::split_arrivals), at
+// least `count` of them. They are zero between launches (the kernel zeroes
+// what it counted), so one buffer per device and stream serves every call on
+// that stream and no call pays for a fill kernel. A buffer outgrown is kept,
+// not freed: a CUDA graph captured with it may still replay.
+at::Tensor arrival_counters(const at::Tensor& like, int64_t count, cudaStream_t stream) {
+  static std::mutex mutex;
+  // Never destroyed: freeing device memory at process exit can outlive the CUDA context.
+  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  static auto* outgrown = new std::vector<at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& buffer = (*buffers)[{like.device().index(), stream}];
+  if (!buffer.defined() || buffer.numel() < count) {
+    const int64_t size = buffer.defined() ? std::max(count, 2 * buffer.numel()) : count;
+    if (buffer.defined()) outgrown->push_back(buffer);
+    buffer = at::zeros({size}, like.options().dtype(at::kInt));
+  }
+  return buffer;
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
@@ -65,8 +90,8 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     partial_out = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2), q.size(3)},
                             q.options().dtype(at::kFloat));
     partial_lse = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2)}, partial_out.options());
-    split_arrivals = at::zeros({p.attn.shape.batch * p.attn.shape.heads_kv * cuda::decode_row_tiles(p.attn.shape)},
-                               q.options().dtype(at::kInt));
+    split_arrivals = arrival_counters(
+        q, p.attn.shape.batch * p.attn.shape.heads_kv * cuda::decode_row_tiles(p.attn.shape), stream);
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
     p.split_arrivals = split_arrivals.data_ptr<int32_t>();
