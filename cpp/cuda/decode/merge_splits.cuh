@@ -9,41 +9,61 @@
 #include <cmath>
 
 #include "../common/device_math.cuh"
+#include "forward_kvcache.h"
 #include "kvcache_common.cuh"
 
 namespace fusedattn::cuda {
 
+// The split LSEs are read once, two per lane (kMaxDecodeSplits <= 64), and
+// the partial rows in groups of kInFlight loads: at a short cache's end the
+// merge is the kernel's tail, and one L2 round trip per split was most of it.
 template <typename T>
 __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int64_t row, int lane) {
+  static_assert(kMaxDecodeSplits <= 64, "two split LSEs per lane");
+  constexpr int kInFlight = 8;
   const AttentionShape& sh = p.attn.shape;
   const int64_t rows_total = sh.batch * sh.heads_q * sh.seqlen_q;
   const int64_t batch = row / (sh.heads_q * sh.seqlen_q);
-  const int64_t head = row / sh.seqlen_q % sh.heads_q, query = row % sh.seqlen_q;
   const float* split_lse = p.partial_lse + row;  // split s at s * rows_total
+  const int splits = p.num_splits;
 
-  float m = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, __ldcg(split_lse + s * rows_total));
-  float sum = 0.0f;
-  if (m != -INFINITY)
-    for (int s = 0; s < p.num_splits; ++s) sum += expf(__ldcg(split_lse + s * rows_total) - m);
+  float lse_s[2];  // splits lane and lane + 32
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int s = lane + 32 * i;
+    lse_s[i] = s < splits ? __ldcg(split_lse + s * rows_total) : -INFINITY;
+  }
+  float m = fmaxf(lse_s[0], lse_s[1]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, offset));
+  float sum = m == -INFINITY ? 0.0f : expf(lse_s[0] - m) + expf(lse_s[1] - m);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
   const bool valid = kv_length(p, batch) >= 0;
   const float lse = !valid ? NAN : sum > 0.0f ? m + logf(sum) : -INFINITY;
+  // Each split's weight e^(lse_s - lse), on the lane that read its LSE.
+  float weight[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) weight[i] = lse_s[i] == -INFINITY || !(sum > 0.0f) ? 0.0f : expf(lse_s[i] - lse);
 
-  T* out = static_cast<T*>(p.attn.out) + batch * p.attn.out_strides.batch + head * p.attn.out_strides.head +
-           query * p.attn.out_strides.row;
+  T* out = static_cast<T*>(p.attn.out) + output_offset(p.attn, row);
   for (int col = 4 * lane; col < sh.head_dim; col += 4 * 32) {
     float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (sum > 0.0f) {
-      for (int s = 0; s < p.num_splits; ++s) {
-        const float lse_s = __ldcg(split_lse + s * rows_total);
-        if (lse_s == -INFINITY) continue;
-        const float w = expf(lse_s - lse);
-        const float4 x =
-            __ldcg(reinterpret_cast<const float4*>(p.partial_out + (s * rows_total + row) * sh.head_dim + col));
-        o.x += w * x.x;
-        o.y += w * x.y;
-        o.z += w * x.z;
-        o.w += w * x.w;
+    for (int s0 = 0; s0 < splits; s0 += kInFlight) {
+      float4 x[kInFlight];
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j)
+        x[j] = s0 + j < splits
+                   ? __ldcg(reinterpret_cast<const float4*>(p.partial_out + ((s0 + j) * rows_total + row) * sh.head_dim + col))
+                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) {
+        const int s = s0 + j;  // the same on every lane
+        const float w = __shfl_sync(0xffffffff, s < 32 ? weight[0] : weight[1], s % 32);
+        o.x += w * x[j].x;
+        o.y += w * x[j].y;
+        o.z += w * x[j].z;
+        o.w += w * x[j].w;
       }
     }
     if (!valid) o = make_float4(NAN, NAN, NAN, NAN);
