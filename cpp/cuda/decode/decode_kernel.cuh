@@ -326,7 +326,8 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   // Count this split in; the last of the (sequence, kv head, row tile)'s
   // num_splits blocks to finish merges their partials, while the others
   // still stream (a combine kernel after this one took 5.5 of a 4K GQA
-  // step's 43 us under Nsight Compute, H200, 2026-12-01).
+  // step's 43 us under Nsight Compute; merging here read 1.05-1.10x at 4K
+  // GQA, H200, 2026-12-01, docs/cuda-notes.md d8).
   int* last = reinterpret_cast<int*>(sL + kWarps * kBlockM);
   __threadfence();  // this block's partials reach L2 before its count
   __syncthreads();
