@@ -130,6 +130,32 @@ def test_cuda_kvcache_graph_capture_and_replay():
         static[1] += 1
 
 
+def test_cuda_kvcache_graphs_and_eager_calls_on_one_stream(monkeypatch):
+    """The split merge counts arrivals in counters that each call must find
+    zeroed. Graphs captured one after another on one stream, replayed in the
+    other order with eager calls on that stream before each replay, all give
+    the eager answer bit for bit (the merge adds the splits in a fixed order)."""
+    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", "4")  # every item merges
+    q, k_cache, v_cache, lens, _, _ = cuda_cache(B=3, Hq=8, Hkv=2, d=64, max_len=700, nq=1, n_new=0,
+                                                 dtype=torch.float16)
+    expected = op(q, k_cache, v_cache, lens, None, None, True, None)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()  # no call ran on it before the captures
+    graphs = []
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outputs = op(q, k_cache, v_cache, lens, None, None, True, None)
+        graphs.append((graph, outputs))
+    for graph, (out, lse) in reversed(graphs):
+        with torch.cuda.stream(stream):
+            eager = op(q, k_cache, v_cache, lens, None, None, True, None)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got in ((out, lse), eager):
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
 @pytest.mark.parametrize("splits", ["1", "2"])
 def test_cuda_kvcache_out_of_range_lengths(monkeypatch, splits):
     """A sequence whose lengths do not fit gets NaN and no append; the others are unaffected.

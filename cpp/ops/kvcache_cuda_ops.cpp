@@ -1,6 +1,7 @@
 // forward_kvcache on CUDA: the decode family (cpp/cuda/decode). Nothing here
 // waits for the device, so decoding steps queue back to back and can be
 // captured in a CUDA graph.
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -12,7 +13,6 @@
 #include <map>
 #include <mutex>
 #include <utility>
-#include <vector>
 
 #include "../cuda/decode/forward_kvcache.h"
 #include "checks.h"
@@ -30,23 +30,30 @@ const DeviceSupport& decode_support() {
   return support;
 }
 
-// The decode kernel's arrival counters (KVCacheParams::split_arrivals), at
-// least `count` of them. They are zero between launches (the kernel zeroes
-// what it counted), so one buffer per device and stream serves every call on
-// that stream and no call pays for a fill kernel. A buffer outgrown is kept,
-// not freed: a CUDA graph captured with it may still replay.
+// The decode kernel's arrival counters (KVCacheParams::split_arrivals): at
+// least `count` of them, zero. The kernel zeroes what it counted, so outside
+// graph capture one buffer per device and stream serves every call on that
+// stream (calls on one stream run in order; a fill kernel per call cost as
+// much as the combine kernel the counters replaced). A call being captured
+// gets counters of its own, zeroed in the graph: a graph replays on whatever
+// stream is current, maybe beside eager calls or other graphs, and memory
+// allocated during capture belongs to the graph's pool, unzeroed until the
+// graph first runs. (A stream handle reused while its last decode kernel
+// still runs would share that kernel's counters; PyTorch's streams are
+// pooled, never destroyed.)
 at::Tensor arrival_counters(const at::Tensor& like, int64_t count, cudaStream_t stream) {
+  const auto options = like.options().dtype(at::kInt);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return at::zeros({count}, options);
   static std::mutex mutex;
   // Never destroyed: freeing device memory at process exit can outlive the CUDA context.
   static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
-  static auto* outgrown = new std::vector<at::Tensor>();
   const std::lock_guard<std::mutex> lock(mutex);
   at::Tensor& buffer = (*buffers)[{like.device().index(), stream}];
-  if (!buffer.defined() || buffer.numel() < count) {
-    const int64_t size = buffer.defined() ? std::max(count, 2 * buffer.numel()) : count;
-    if (buffer.defined()) outgrown->push_back(buffer);
-    buffer = at::zeros({size}, like.options().dtype(at::kInt));
-  }
+  // An outgrown buffer is freed in stream order: the calls before still use it.
+  if (!buffer.defined() || buffer.numel() < count)
+    buffer = at::zeros({buffer.defined() ? std::max(count, 2 * buffer.numel()) : count}, options);
   return buffer;
 }
 

@@ -88,6 +88,8 @@ void forward_kvcache(const KVCacheParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.attn.shape;
   if (p.n_new > 0) launch_append(p, stream);
   if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return;
+  if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits)  // merge_splits holds two split LSEs per lane
+    throw std::invalid_argument("fusedattn: num_splits must be in [1, kMaxDecodeSplits]");
   if (p.num_splits > 1 && (p.partial_out == nullptr || p.partial_lse == nullptr || p.split_arrivals == nullptr))
     throw std::invalid_argument("fusedattn: num_splits > 1 needs partial_out, partial_lse and split_arrivals");
   dispatch_decode(p, [&](auto head_dim, auto element) {
