@@ -40,18 +40,15 @@ __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int64_t row
     const int s = lane + 32 * i;
     lse_s[i] = s < splits ? __ldcg(split_lse + s * rows_total) : -INFINITY;
   }
-  float m = fmaxf(lse_s[0], lse_s[1]);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, offset));
-  float sum = m == -INFINITY ? 0.0f : expf(lse_s[0] - m) + expf(lse_s[1] - m);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  const float m = warp_max(fmaxf(lse_s[0], lse_s[1]));
+  const float sum = warp_sum(m == -INFINITY ? 0.0f : expf(lse_s[0] - m) + expf(lse_s[1] - m));
   const bool valid = kv_length(p, batch) >= 0;
   const float lse = !valid ? NAN : sum > 0.0f ? m + logf(sum) : -INFINITY;
-  // Each split's weight e^(lse_s - lse), on the lane that read its LSE.
+  // Each split's weight e^(lse_s - lse), on the lane that read its LSE (a
+  // row that saw no key has every lse_s at -inf: all weights 0).
   float weight[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) weight[i] = lse_s[i] == -INFINITY || !(sum > 0.0f) ? 0.0f : expf(lse_s[i] - lse);
+  for (int i = 0; i < 2; ++i) weight[i] = lse_s[i] == -INFINITY ? 0.0f : expf(lse_s[i] - lse);
 
   // Lane l merges columns [4 l, 4 l + 4) (head dims up to 128); every lane
   // takes part in the shuffles.
