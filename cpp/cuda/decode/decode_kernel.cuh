@@ -303,10 +303,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
     const float lse = length < 0 ? NAN : lse_from_log2(m, l);
     const int64_t row = first_row + r;
     if (direct) {
-      const int64_t in_group = row0 + r;
-      const int64_t head = head_kv * group + in_group / sh.seqlen_q, query_index = in_group % sh.seqlen_q;
-      T* out = static_cast<T*>(a.out) + batch * a.out_strides.batch + head * a.out_strides.head +
-               query_index * a.out_strides.row + col;
+      T* out = static_cast<T*>(a.out) + output_offset(a, row) + col;
       uint4 packed;
       uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
 #pragma unroll
