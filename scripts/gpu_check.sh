@@ -205,21 +205,23 @@ stage_call_gap() {
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
-# Not in the default stages: the decode table at 32K and 128K with the split
-# count forced (FUSEDATTN_DECODE_SPLITS) to each of DECODE_SPLITS, against
-# the dispatcher's own choice (the first rows); ~2 minutes.
+# Not in the default stages: the decode table with the split count forced
+# (FUSEDATTN_DECODE_SPLITS) to each of DECODE_SPLITS, against the dispatcher's
+# own choice (the first rows); DECODE_SPLITS_ARGS are the bench's arguments
+# (default: 32K and 128K, full caches, B=8 H=32 d=128); ~2 minutes.
 stage_decode_splits() {
   local s forced
+  local args=(${DECODE_SPLITS_ARGS:---seqlens 32768,131072 --lengths full})
   {
-    echo "decode TB/s by forced split count (B=8 H=32 d=128 fp16, full caches)"
+    echo "decode TB/s by forced split count (fusedattn bench --decode ${args[*]})"
     # Forced counts are capped at kMaxDecodeSplits (64).
     for s in auto ${DECODE_SPLITS:-4 8 16 24 32 33 48 64}; do
       echo "== splits $s"
       forced=()
       [ "$s" = auto ] || forced=("FUSEDATTN_DECODE_SPLITS=$s")
-      env "${forced[@]}" timeout 120 fusedattn bench --no-progress --decode --seqlens 32768,131072 --lengths full \
+      env "${forced[@]}" timeout 120 fusedattn bench --no-progress --decode "${args[@]}" \
         --methods sdpa-cudnn > /tmp/decode-splits.txt 2>&1 || { status=1; tail -3 /tmp/decode-splits.txt; }
-      grep -E '^\| +(dtype|float16)' /tmp/decode-splits.txt
+      grep -E '^\| +(dtype|float16|bfloat16)' /tmp/decode-splits.txt
     done
   } > "$out/decode-splits.md"
   cat "$out/decode-splits.md"
