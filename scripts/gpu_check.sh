@@ -12,7 +12,7 @@
 # "profile" runs Nsight Compute on the main kernels, "profile_decode" on the
 # decode kernel, "profile_decode_short" the decode step's kernels at 4K,
 # "profile_decode_vs_cudnn" ours and cuDNN's decode kernels at 32K, "profile_sdpa_decode" on cuDNN's, "profile_forward_vs_cudnn" the forward
-# against cuDNN's at 4K and 8K, "call_gap" times small
+# against cuDNN's at 4K and 8K, "decode_tables" the README's decode tables, "call_gap" times small
 # forwards' host and GPU time, "decode_splits" the decode table by split count, "roofline" the KV-cache
 # streaming ceilings, "roofline_gqa" the same at GQA 32/8's bytes, "tables" every benchmark table of the README). On the H200 "build
 # tests" take about 4 minutes, the sanitizer up to 10 (each tool stops at
@@ -104,6 +104,25 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*ward-d*.json")):
     cudnn = [r["fusedattn_speedup"].get("sdpa-cudnn") for r in rows if "sdpa-cudnn" in r["fusedattn_speedup"]]
     print(f"{path.name}: x flash {min(flash):.2f}-{max(flash):.2f}, x cuDNN {min(cudnn):.2f}-{max(cudnn):.2f}")
 PY
+}
+
+# Not in the default stages: the README's three decode tables (d=128 fp16 and
+# bf16 against cuDNN and FlashAttention, GQA 32/8, d=64), JSON each, ~3
+# minutes; with "roofline roofline_gqa" in the same call they give every row
+# its ceiling on the same machine.
+stage_decode_tables() {
+  local name args
+  for name in mha gqa d64; do
+    case $name in
+      mha) args=(--dtype float16,bfloat16 --methods sdpa-cudnn,sdpa-flash) ;;
+      gqa) args=(--kv-heads 8 --methods sdpa-cudnn,sdpa-flash) ;;
+      d64) args=(--head-dim 64 --methods sdpa-cudnn) ;;
+    esac
+    echo "== $name: fusedattn bench --decode ${args[*]}"
+    timeout 150 fusedattn bench --no-progress --decode "${args[@]}" --json "$out/decode-$name.json" 2>&1 ||
+      status=1
+  done > "$out/decode-tables.txt"
+  grep -E '^== |^\| +(float16|bfloat16)' "$out/decode-tables.txt"
 }
 
 # Nsight Compute, for the profile stages: where it is missing they say so and
