@@ -84,6 +84,26 @@ def test_cuda_kvcache_split_merge_is_exact(monkeypatch):
         torch.testing.assert_close(lse, one_lse, atol=0, rtol=1e-6)
 
 
+def test_cuda_kvcache_reads_what_the_kernel_before_wrote():
+    """The decode kernel is a programmatic dependent launch: it may be
+    scheduled while the kernel before it on the stream still runs, and must
+    still read what that kernel wrote. Before each call a fill kernel rewrites
+    the last V row; with q = 0 every key weighs the same, so out is exactly
+    the mean of the V rows."""
+    q, k_cache, v_cache, _, _, _ = cuda_cache(B=2, Hq=8, Hkv=8, d=128, max_len=4096, nq=1, n_new=0,
+                                              dtype=torch.float16)
+    q.zero_()
+    v_cache.zero_()
+    lens = torch.full((2,), 4096, dtype=torch.int32, device="cuda")
+    outs = []
+    for step in range(1, 9):
+        v_cache[:, :, -1].fill_(64.0 * step)
+        outs.append(op(q, k_cache, v_cache, lens, None, None, True, None)[0])
+    torch.cuda.synchronize()
+    for step, out in enumerate(outs, 1):
+        torch.testing.assert_close(out, torch.full_like(out, step / 64), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("lengths", [[4096, 4096], [1, 8192], [0, 5000]])
 def test_cuda_kvcache_long_caches(lengths):
     """The automatic split count on long caches, with per-sequence lengths (an empty one too)."""

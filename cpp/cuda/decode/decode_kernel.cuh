@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cmath>
 
+#include "../common/dependent_launch.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/online_softmax.cuh"
@@ -87,6 +88,9 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sRing = sQ + kBlockM * HeadDim;  // stage i: K tile at 2i, V tile at 2i + 1
 
+  // Launched as a dependent launch (dependent_launch.cuh): nothing global is
+  // read or written before the previous kernel on the stream has finished.
+  wait_for_previous_grid();
   const ForwardParams& a = p.attn;
   const AttentionShape& sh = a.shape;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -245,6 +249,10 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
       mma_16x8x16<T>(acc[2 * dp + 1], p_frag, b[2], b[3]);
     }
   }
+  // The next kernel may be scheduled from here on (it waits for this
+  // kernel's writes); earlier, its blocks would take the slots of this
+  // grid's later waves.
+  allow_dependent_launch();
   cp_async_wait<0>();
   __syncthreads();  // the ring is free
 
@@ -361,8 +369,8 @@ void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   const int64_t blocks = decode_row_tiles(sh) * p.num_splits * sh.heads_kv * sh.batch;
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
-  decode_kernel<HeadDim, T, IsCausal><<<static_cast<unsigned>(blocks), Tr::kThreads, smem_bytes, stream>>>(p);
-  FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+  launch_dependent(decode_kernel<HeadDim, T, IsCausal>, dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads),
+                   smem_bytes, stream, p);
 }
 
 template <int HeadDim, typename Element>
