@@ -104,6 +104,22 @@ def test_cuda_kvcache_reads_what_the_kernel_before_wrote():
         torch.testing.assert_close(out, torch.full_like(out, step / 64), atol=0, rtol=0)
 
 
+def test_cuda_kvcache_back_to_back_calls_agree(monkeypatch):
+    """Decode kernels one after another with no kernel between them: each may
+    be scheduled while the one before ends, and reuses its arrival counters
+    (and, through the caching allocator, its partial buffers). Every call
+    gives the first one's answer bit for bit."""
+    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", "4")
+    q, k_cache, v_cache, lens, _, _ = cuda_cache(B=3, Hq=8, Hkv=2, d=128, max_len=4096, nq=1, n_new=0,
+                                                 dtype=torch.float16)
+    expected = op(q, k_cache, v_cache, lens, None, None, True, None)
+    torch.cuda.synchronize()
+    results = [op(q, k_cache, v_cache, lens, None, None, True, None) for _ in range(16)]
+    torch.cuda.synchronize()
+    for out, lse in results:
+        assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+
+
 @pytest.mark.parametrize("lengths", [[4096, 4096], [1, 8192], [0, 5000]])
 def test_cuda_kvcache_long_caches(lengths):
     """The automatic split count on long caches, with per-sequence lengths (an empty one too)."""

@@ -6,12 +6,13 @@
 // the previous grid has finished and its writes are visible, exactly what
 // stream order gives without the attribute. allow_dependent_launch lets the
 // next such kernel be scheduled before this one ends (it still waits for this
-// one's writes). On older GPUs both are no-ops and the launch is a plain one.
+// one's writes). Both compile to nothing below sm_90, so a kernel may be
+// launched this way only where its code was compiled for sm_90 or later:
+// waits_for_previous_grid asks that of the kernel the device will run.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <utility>
 
 #include "launch_check.h"
@@ -30,26 +31,23 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// Whether the current device has programmatic dependent launch (compute
-// capability 9.0 or later), asked of the driver once per device.
-inline bool device_has_dependent_launch() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices];  // 0: not asked, 1: no, 2: yes
-  int device = 0;
+// Whether `kernel`, as the current device runs it, contains the wait: the
+// device must be sm_90 or later and the kernel's code compiled from PTX for
+// sm_90 or later (a build that embeds compute_80 PTX, JIT-compiled on a newer
+// GPU, has neither instruction). One driver query each; callers cache it.
+inline bool waits_for_previous_grid(const void* kernel) {
+  int device = 0, major = 0;
   FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kMaxDevices) {
-    if (const int answer = known[device].load(std::memory_order_relaxed)) return answer == 2;
-  }
-  int major = 0;
   FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  if (device < kMaxDevices) known[device].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
-  return major >= 9;
+  cudaFuncAttributes attributes = {};
+  FUSEDATTN_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return major >= 9 && attributes.ptxVersion >= 90;
 }
 
 // kernel<<<grid, block, smem_bytes, stream>>>(args...), as a programmatic
-// dependent launch where the device has it.
+// dependent launch when `dependent` (waits_for_previous_grid(kernel)).
 template <typename... KernelArgs, typename... Args>
-void launch_dependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_bytes,
+void launch_dependent(void (*kernel)(KernelArgs...), bool dependent, dim3 grid, dim3 block, size_t smem_bytes,
                       cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
@@ -59,11 +57,15 @@ void launch_dependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size
   cudaLaunchAttribute attribute = {};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
-  if (device_has_dependent_launch()) {
+  if (dependent) {
     config.attrs = &attribute;
     config.numAttrs = 1;
   }
-  FUSEDATTN_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  // Clears the launch's error, as <<<>>> followed by cudaGetLastError does,
+  // so that no later check reports it against another call.
+  const cudaError_t last = cudaGetLastError();
+  FUSEDATTN_CUDA_CHECK(launched != cudaSuccess ? launched : last);
 }
 
 }  // namespace fusedattn::cuda

@@ -249,9 +249,10 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
       mma_16x8x16<T>(acc[2 * dp + 1], p_frag, b[2], b[3]);
     }
   }
-  // The next kernel may be scheduled from here on (it waits for this
-  // kernel's writes); earlier, its blocks would take the slots of this
-  // grid's later waves.
+  // The next kernel may be scheduled once every block of this grid has
+  // passed here or exited (it still waits for this kernel's writes). At the
+  // kernel's start that would be as soon as the last wave began, and the next
+  // kernel's blocks would sit at their wait beside it, holding shared memory.
   allow_dependent_launch();
   cp_async_wait<0>();
   __syncthreads();  // the ring is free
@@ -345,32 +346,37 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   if (threadIdx.x == 0) p.split_arrivals[item] = 0;  // as the next launch expects it
 }
 
-// Raises the kernel's dynamic shared memory limit, once per device (the
-// attribute is per device; setting it costs a driver call per launch otherwise).
+// Raises the kernel's dynamic shared memory limit and asks whether it can be
+// a dependent launch, once per device (the attribute is per device; setting
+// it costs a driver call per launch otherwise). Returns that answer.
 template <int HeadDim, typename T, bool IsCausal>
-void configure_decode_kernel() {
+bool configure_decode_kernel() {
   constexpr int kMaxDevices = 64;
-  static std::atomic<bool> configured[kMaxDevices];
+  static std::atomic<int> configured[kMaxDevices];  // 0: not yet, 1: plain launches, 2: dependent
   int device = 0;
   FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kMaxDevices && configured[device].load(std::memory_order_acquire)) return;
-  FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<HeadDim, T, IsCausal>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+  if (device < kMaxDevices) {
+    if (const int state = configured[device].load(std::memory_order_acquire)) return state == 2;
+  }
+  const auto kernel = decode_kernel<HeadDim, T, IsCausal>;
+  FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             DecodeTraits<HeadDim>::kSmemElements * sizeof(T)));
-  if (device < kMaxDevices) configured[device].store(true, std::memory_order_release);
+  const bool dependent = waits_for_previous_grid(reinterpret_cast<const void*>(kernel));
+  if (device < kMaxDevices) configured[device].store(dependent ? 2 : 1, std::memory_order_release);
+  return dependent;
 }
 
 template <int HeadDim, typename T, bool IsCausal>
 void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   using Tr = DecodeTraits<HeadDim>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
-  configure_decode_kernel<HeadDim, T, IsCausal>();
+  const bool dependent = configure_decode_kernel<HeadDim, T, IsCausal>();
   const AttentionShape& sh = p.attn.shape;
   const int64_t blocks = decode_row_tiles(sh) * p.num_splits * sh.heads_kv * sh.batch;
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
-  launch_dependent(decode_kernel<HeadDim, T, IsCausal>, dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads),
-                   smem_bytes, stream, p);
+  launch_dependent(decode_kernel<HeadDim, T, IsCausal>, dependent, dim3(static_cast<unsigned>(blocks)),
+                   dim3(Tr::kThreads), smem_bytes, stream, p);
 }
 
 template <int HeadDim, typename Element>
