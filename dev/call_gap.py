@@ -67,8 +67,6 @@ def host_us(call, calls=50) -> float:
     return seconds / calls * 1e6
 
 
-
-
 def report(label: str, name: str, call) -> None:
     for _ in range(5):
         call()

@@ -31,13 +31,12 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// Whether `kernel`, as the current device runs it, contains the wait: the
-// device must be sm_90 or later and the kernel's code compiled from PTX for
-// sm_90 or later (a build that embeds compute_80 PTX, JIT-compiled on a newer
-// GPU, has neither instruction). One driver query each; callers cache it.
-inline bool waits_for_previous_grid(const void* kernel) {
-  int device = 0, major = 0;
-  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+// Whether `kernel`, as the current device (`device`) runs it, contains the
+// wait: the device must be sm_90 or later and the kernel's code compiled from
+// PTX for sm_90 or later (a build that embeds compute_80 PTX, JIT-compiled on
+// a newer GPU, has neither instruction). Driver queries; callers cache it.
+inline bool waits_for_previous_grid(const void* kernel, int device) {
+  int major = 0;
   FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   cudaFuncAttributes attributes = {};
   FUSEDATTN_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
 
@@ -24,6 +25,23 @@ inline int current_device_sms() {
   FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
   FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return sms;
+}
+
+// Devices whose answers once_per_device keeps (later ones ask every time).
+inline constexpr int kMaxCachedDevices = 64;
+
+// ask(device) for the current device, asked once per device: `known` holds
+// each device's answer, which must not be zero (zero: not asked yet).
+template <typename T, typename Ask>
+T once_per_device(std::atomic<T> (&known)[kMaxCachedDevices], Ask ask) {
+  int device = 0;
+  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < kMaxCachedDevices) {
+    if (const T answer = known[device].load(std::memory_order_acquire)) return answer;
+  }
+  const T answer = ask(device);
+  if (device < kMaxCachedDevices) known[device].store(answer, std::memory_order_release);
+  return answer;
 }
 
 }  // namespace fusedattn::cuda

@@ -57,18 +57,12 @@ int splits_for_waves(int64_t blocks_per_split, int64_t slots, int64_t tiles) {
 // asked of the driver once per device.
 template <int HeadDim, typename Element>
 int64_t block_slots() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int64_t> known[kMaxDevices];
-  int device = 0;
-  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kMaxDevices) {
-    if (const int64_t slots = known[device].load(std::memory_order_relaxed)) return slots;
-  }
-  int sms = 0;
-  FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t slots = int64_t(sms) * std::max(decode_blocks_per_sm<HeadDim, Element>(), 1);
-  if (device < kMaxDevices) known[device].store(slots, std::memory_order_relaxed);
-  return slots;
+  static std::atomic<int64_t> known[kMaxCachedDevices];
+  return once_per_device(known, [](int device) {
+    int sms = 0;
+    FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return int64_t(sms) * std::max(decode_blocks_per_sm<HeadDim, Element>(), 1);
+  });
 }
 
 }  // namespace

@@ -351,19 +351,14 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
 // it costs a driver call per launch otherwise). Returns that answer.
 template <int HeadDim, typename T, bool IsCausal>
 bool configure_decode_kernel() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> configured[kMaxDevices];  // 0: not yet, 1: plain launches, 2: dependent
-  int device = 0;
-  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kMaxDevices) {
-    if (const int state = configured[device].load(std::memory_order_acquire)) return state == 2;
-  }
-  const auto kernel = decode_kernel<HeadDim, T, IsCausal>;
-  FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            DecodeTraits<HeadDim>::kSmemElements * sizeof(T)));
-  const bool dependent = waits_for_previous_grid(reinterpret_cast<const void*>(kernel));
-  if (device < kMaxDevices) configured[device].store(dependent ? 2 : 1, std::memory_order_release);
-  return dependent;
+  enum : int { kPlain = 1, kDependent = 2 };
+  static std::atomic<int> configured[kMaxCachedDevices];
+  return once_per_device(configured, [](int device) {
+           const auto kernel = decode_kernel<HeadDim, T, IsCausal>;
+           FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     DecodeTraits<HeadDim>::kSmemElements * sizeof(T)));
+           return waits_for_previous_grid(reinterpret_cast<const void*>(kernel), device) ? kDependent : kPlain;
+         }) == kDependent;
 }
 
 template <int HeadDim, typename T, bool IsCausal>
