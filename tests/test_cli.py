@@ -139,6 +139,8 @@ class _RecordingBackward(torch.autograd.Function):
 def test_bench_decode_options_are_checked():
     with pytest.raises(SystemExit, match="--kv-heads needs --decode"):
         cli.main(["bench", "--device", "cpu", "--kv-heads", "8", "--no-progress"])
+    with pytest.raises(SystemExit, match="--launch-gaps needs --decode"):
+        cli.main(["bench", "--device", "cpu", "--launch-gaps", "--no-progress"])
     with pytest.raises(SystemExit, match="--plot does not apply to --decode"):
         cli.main(["bench", "--decode", "--plot", "x.png", "--no-progress"])
     with pytest.raises(SystemExit, match="the decode benchmark needs a CUDA device"):

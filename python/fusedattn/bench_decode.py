@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import time
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,14 @@ from .bench import (DTYPES, _sdpa_backend, _time_once, cell, describe_device, in
 # Calls per timed interval: a step over a 4K cache takes about 0.1 ms, close to
 # what launching it costs on the host.
 CALLS_PER_TIMING = 10
+# Unless launch_gaps, the GPU sleeps before each interval for this many times
+# the host's time to enqueue its calls, so the interval's events see the
+# kernels back to back: what a step replayed from a CUDA graph (as
+# fusedattn.engine runs them) costs. Timed with the launches, a 4K step read
+# 3% less than its GPU time (H200, 2026-12-01, dev/call_gap.py), and SDPA
+# cuDNN, whose host time per call (34-78 us) exceeds a GQA 4K step's GPU time
+# (about 40 us), read the host, not the kernel.
+SLEEP_OVER_ENQUEUE = 3.0
 
 
 @dataclasses.dataclass
@@ -37,6 +46,7 @@ class DecodeConfig:
     repeats: int = 10
     warmup: int = 2
     methods: list[str] | None = None  # columns besides fusedattn (None: all)
+    launch_gaps: bool = False  # time the host's launches too (see SLEEP_OVER_ENQUEUE)
 
 
 def cache_lengths(cfg: DecodeConfig, n: int, varlen: bool) -> torch.Tensor:
@@ -58,6 +68,34 @@ def methods(cfg: DecodeConfig) -> dict:
     table["fusedattn"] = lambda q, k, v, lengths: torch.ops.fusedattn.forward_kvcache(
         q, k, v, lengths, None, None, True, None)[0]
     return table
+
+
+def _sleep_cycles_per_second(device: torch.device) -> float:
+    """How fast torch.cuda._sleep spins on this device (its clock, as it runs now)."""
+    cycles = 20_000_000
+    torch.cuda._sleep(1000)  # the first call's launch is not part of the sleep
+    seconds = _time_once(lambda: torch.cuda._sleep(cycles), device)
+    return cycles / seconds
+
+
+def _sleep_cycles(calls, device: torch.device) -> int:
+    """Cycles of torch.cuda._sleep that outlast SLEEP_OVER_ENQUEUE times the
+    host's time to enqueue calls() (measured here, with the GPU kept busy)."""
+    rate = _sleep_cycles_per_second(device)
+    torch.cuda._sleep(int(rate * 0.05))  # 50 ms: calls() below only queues
+    start = time.perf_counter()
+    calls()
+    enqueue = time.perf_counter() - start
+    torch.cuda.synchronize(device)
+    return int(rate * SLEEP_OVER_ENQUEUE * enqueue)
+
+
+def _time_queued(calls, device: torch.device, sleep_cycles: int) -> float:
+    """Seconds per call of calls(), timed between two events after the GPU
+    slept sleep_cycles (0: no sleep, the first launch is timed too)."""
+    if sleep_cycles:
+        torch.cuda._sleep(sleep_cycles)
+    return _time_once(calls, device) / CALLS_PER_TIMING
 
 
 def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict) -> dict[str, dict]:
@@ -85,13 +123,14 @@ def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict
             try:
                 for _ in range(cfg.warmup):
                     calls()
+                sleep_cycles = 0 if cfg.launch_gaps else _sleep_cycles(calls, cfg.device)
             except torch.OutOfMemoryError:
                 results[name] = {"status": "OOM"}
                 continue
             except (RuntimeError, NotImplementedError) as e:
                 results[name] = not_available(e)
                 continue
-            timed[name] = lambda calls=calls: _time_once(calls, cfg.device) / CALLS_PER_TIMING
+            timed[name] = lambda calls=calls, cycles=sleep_cycles: _time_queued(calls, cfg.device, cycles)
         for name, seconds in interleaved_medians(timed, cfg.repeats).items():
             results[name] = seconds if isinstance(seconds, dict) else {
                 "status": "ok", "seconds": seconds, "kv_bytes": useful, "tb_per_s": useful / seconds / 1e12}
@@ -117,7 +156,7 @@ def run(cfg: DecodeConfig, progress: bool = True) -> dict:
         "device": describe_device(cfg.device),
         "torch": torch.__version__,
         "config": {"batch": cfg.batch, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
-                   "head_dim": cfg.head_dim, "repeats": cfg.repeats},
+                   "head_dim": cfg.head_dim, "repeats": cfg.repeats, "launch_gaps": cfg.launch_gaps},
         "methods": list(table),
         "rows": rows,
     }
@@ -139,6 +178,8 @@ def format_table(result: dict) -> str:
     cfg = result["config"]
     title = (f"{result['device']}, torch {result['torch']}, {result['date']}\n"
              f"decode: B={cfg['batch']} Hq={cfg['heads']} Hkv={cfg['kv_heads']} d={cfg['head_dim']}, "
-             f"1 query per sequence, median of {cfg['repeats']}; TB/s = bytes of the valid K and V / time; "
+             f"1 query per sequence, median of {cfg['repeats']} intervals of {CALLS_PER_TIMING} calls "
+             f"({'the host launching them' if cfg.get('launch_gaps') else 'queued while the GPU slept'}); "
+             f"TB/s = bytes of the valid K and V / time; "
              f"lengths 1..N: per-sequence lengths drawn from [1, N]; 'x m' = time of m / time of fusedattn\n")
     return title + markdown_table(header, lines)

@@ -26,6 +26,7 @@ def _bench_decode(args) -> int:
         cfg.kv_heads = cfg.heads
     if args.lengths:
         cfg.varlen = {"full": [False], "varlen": [True], "both": [False, True]}[args.lengths]
+    cfg.launch_gaps = args.launch_gaps
     _apply_methods(cfg, args, lambda: bench_decode.methods(cfg))
     result = bench_decode.run(cfg, progress=not args.no_progress)
     print(bench_decode.format_table(result))
@@ -71,6 +72,8 @@ def _bench(args) -> int:
     for option in ("kv_heads", "lengths"):
         if getattr(args, option) is not None:
             raise SystemExit(f"fusedattn bench: --{option.replace('_', '-')} needs --decode")
+    if args.launch_gaps:
+        raise SystemExit("fusedattn bench: --launch-gaps needs --decode")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = bench.default_config(device)
     _apply_options(cfg, args, ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
@@ -145,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--kv-heads", type=int, dest="kv_heads", help="--decode: key/value heads (default: --heads)")
     b.add_argument("--lengths", choices=["full", "varlen", "both"],
                    help="--decode: every cache at N, per-sequence lengths in [1, N], or both (default)")
+    b.add_argument("--launch-gaps", action="store_true", dest="launch_gaps",
+                   help="--decode: time the host's launches too (default: the GPU sleeps while the host "
+                        "enqueues each timed interval's 10 calls, so only the GPU's time counts)")
     g = sub.add_parser("generate", help="generate text with SmolLM2 (or a llama GGUF) on fusedattn")
     g.add_argument("prompt")
     g.add_argument("--max-new-tokens", type=int, default=64, dest="max_new_tokens")
