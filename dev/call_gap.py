@@ -7,6 +7,12 @@ of the ratio to cuDNN. For each method and shape this prints
   - event: the bench's measure (median of one call between events),
   - gpu: events around 100 calls back to back (the launches hide behind the
     kernels), per call,
+  - queued: the same calls as event, queued while the GPU sleeps
+    (`fusedattn bench --decode`'s measure since 2026-12-01, --launch-gaps
+    gives event),
+  - cold: one call between events after a 256 MB write that evicts L2 and
+    keeps the GPU busy while the call is queued (triton.testing.do_bench's
+    measure, which ../shared/anchors used for SDPA's decode rows),
   - host: the wall time to issue one call while the GPU is kept busy
     (torch.cuda._sleep first), so nothing waits on the GPU.
 
@@ -57,6 +63,27 @@ def gpu_us(call, calls=100) -> float:
     return start.elapsed_time(end) * 1e3 / calls
 
 
+def queued_us(call) -> float:
+    def calls():
+        for _ in range(calls_per_event):
+            call()
+    cycles = bench_decode._sleep_cycles(calls, device)
+    return statistics.median(bench_decode._time_queued(calls, device, cycles) for _ in range(30)) * 1e6 * (
+        bench_decode.CALLS_PER_TIMING / calls_per_event)
+
+
+def cold_us(call, reps=30) -> float:
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        call()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) * 1e3
+
+
 def host_us(call, calls=50) -> float:
     torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time: the calls below only queue
     start = time.perf_counter()
@@ -71,15 +98,15 @@ def report(label: str, name: str, call) -> None:
     for _ in range(5):
         call()
     torch.cuda.synchronize()
-    e, g, h = event_us(call), gpu_us(call), host_us(call)
-    print(f"| {label} | {name} | {e:.1f} | {g:.1f} | {h:.1f} | {e - g:.1f} |")
+    e, q, g, c, h = event_us(call), queued_us(call), gpu_us(call), cold_us(call), host_us(call)
+    print(f"| {label} | {name} | {e:.1f} | {q:.1f} | {g:.1f} | {c:.1f} | {h:.1f} | {e - g:.1f} |")
 
 
 def forward_shapes() -> None:
     table = bench.methods(device)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, B=4 H=32; us per call")
-    print("| d N causal | method | event | gpu | host | event - gpu |")
-    print("|---|---|---|---|---|---|")
+    print("| d N causal | method | event | queued | gpu | cold | host | event - gpu |")
+    print("|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         d, n, causal = shape.split(":")
         d, n, causal = int(d), int(n), causal == "causal"
@@ -90,8 +117,8 @@ def forward_shapes() -> None:
 
 def decode_shapes() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, B=8 Hq=32 d=128; us per call")
-    print("| Hkv N lengths | method | event | gpu | host | event - gpu |")
-    print("|---|---|---|---|---|---|")
+    print("| Hkv N lengths | method | event | queued | gpu | cold | host | event - gpu |")
+    print("|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         kv_heads, n, lengths = shape.split(":")
         cfg = bench_decode.DecodeConfig(kv_heads=int(kv_heads), device=device)
