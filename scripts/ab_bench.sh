@@ -18,6 +18,9 @@
 # M": the best version's rate (the first included) over column M. The last
 # version stays installed. The lent machine sends back 8 files: with N
 # versions and S sets keep N*S <= 7. A build takes about 40 s on the H200.
+# Each version is timed by its own bench: `--decode` queues each interval's
+# calls while the GPU sleeps from 4b141e1 on, and timed the host's launches
+# too before it, so a decode A/B across that commit compares two measures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: scripts/ab_bench.sh export REF... | run OUTDIR [bench args] [--and bench args]...}
