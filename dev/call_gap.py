@@ -4,15 +4,16 @@
 before the launch (checks, allocation, tensor maps) counts when the GPU is
 idle: at N=1K a call is about 100 us, and every microsecond of host time is 1%
 of the ratio to cuDNN. For each method and shape this prints
-  - event: the bench's measure (median of one call between events),
+  - event: the forward bench's measure (median of one call between events),
   - gpu: events around 100 calls back to back (the launches hide behind the
     kernels), per call,
   - queued: the same calls as event, queued while the GPU sleeps
     (`fusedattn bench --decode`'s measure since 2026-12-01, --launch-gaps
     gives event),
-  - cold: one call between events after a 256 MB write that evicts L2 and
-    keeps the GPU busy while the call is queued (triton.testing.do_bench's
-    measure, which ../shared/anchors used for SDPA's decode rows),
+  - cold: one call between events after a 256 MB write that evicts L2
+    (triton.testing.do_bench's measure, which ../shared/anchors used for
+    SDPA's decode rows); the write (about 60 us) hides most of the call's
+    launch, not all of a host time as long as SDPA cuDNN's,
   - host: the wall time to issue one call while the GPU is kept busy
     (torch.cuda._sleep first), so nothing waits on the GPU.
 
@@ -20,8 +21,8 @@ of the ratio to cuDNN. For each method and shape this prints
 
 With --decode the shapes are kv_heads:N:all|varlen, decoding steps of
 `fusedattn bench --decode` (B=8, Hq=32, d=128, one query; varlen: its
-per-sequence lengths in [1, N]), and event is the decode bench's measure:
-10 calls between two events, per call.
+per-sequence lengths in [1, N]), and event and queued take 10 calls between
+two events, per call (event is `fusedattn bench --decode --launch-gaps`).
 """
 
 from __future__ import annotations
@@ -67,9 +68,8 @@ def queued_us(call) -> float:
     def calls():
         for _ in range(calls_per_event):
             call()
-    cycles = bench_decode._sleep_cycles(calls, device)
-    return statistics.median(bench_decode._time_queued(calls, device, cycles) for _ in range(30)) * 1e6 * (
-        bench_decode.CALLS_PER_TIMING / calls_per_event)
+    timer = bench_decode.QueuedTiming(calls, device, calls_per_event)
+    return statistics.median(timer() for _ in range(30)) * 1e6
 
 
 def cold_us(call, reps=30) -> float:

@@ -11,9 +11,7 @@ from fusedattn import bench_decode, cli
 pytestmark = pytest.mark.gpu
 
 
-def test_the_sleep_outlasts_the_enqueue():
-    """The timed interval starts on a GPU that has every call queued: the sleep
-    before it is still running when the host has enqueued the last call."""
+def _decode_calls():
     device = torch.device("cuda")
     q, k, v = (torch.randn(8, 32, n, 128, device=device, dtype=torch.float16) for n in (1, 4096, 4096))
     lengths = torch.full((8,), 4096, dtype=torch.int32, device=device)
@@ -23,20 +21,43 @@ def test_the_sleep_outlasts_the_enqueue():
             torch.ops.fusedattn.forward_kvcache(q, k, v, lengths, None, None, True, None)
 
     calls()
-    cycles = bench_decode._sleep_cycles(calls, device)
-    assert cycles > 0
-    for _ in range(5):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(cycles)
-        slept = torch.cuda.Event()
-        slept.record()
+    return calls
+
+
+def test_queued_timing_sleeps_through_the_enqueue():
+    """An interval whose sleep ended before the host queued its last call is
+    timed again with a longer sleep; the calibrated sleep rarely needs that;
+    the time per call is the GPU's (100 calls back to back, within 2x: a
+    wrong division or unit would be off by 10x or more)."""
+    calls = _decode_calls()
+    timer = bench_decode.QueuedTiming(calls, torch.device("cuda"))
+    calibrated = timer.cycles
+    assert calibrated > 1
+    for _ in range(10):
+        timer()
+    assert timer.short_sleeps <= 2
+
+    timer.cycles, timer.short_sleeps = 1, 0  # far too short for 10 launches
+    seconds = timer()
+    assert timer.short_sleeps >= 1 and timer.cycles > 1
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
         calls()
-        assert not slept.query(), "the GPU finished its sleep before the host had queued the calls"
-    torch.cuda.synchronize()
+    end.record()
+    end.synchronize()
+    back_to_back = start.elapsed_time(end) / 1e3 / (10 * bench_decode.CALLS_PER_TIMING)
+    assert 0.5 < seconds / back_to_back < 2.0
 
 
 @pytest.mark.parametrize("launch_gaps", [False, True])
-def test_bench_decode_counts_the_valid_bytes(tmp_path, launch_gaps):
+def test_bench_decode_counts_the_valid_bytes(tmp_path, monkeypatch, launch_gaps):
+    """The JSON's bytes are the valid K and V; --launch-gaps times without
+    sleeps, the default sleeps before every timed interval of every method."""
+    sleeps = []
+    real_sleep = torch.cuda._sleep
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: (sleeps.append(cycles), real_sleep(cycles))[1])
     out = tmp_path / "decode.json"
     args = ["bench", "--decode", "--batch", "3", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
             "--seqlens", "300", "--repeats", "2", "--warmup", "1", "--methods", "sdpa-flash",
@@ -45,6 +66,7 @@ def test_bench_decode_counts_the_valid_bytes(tmp_path, launch_gaps):
     result = json.loads(out.read_text())
     assert result["config"]["launch_gaps"] is launch_gaps
     cfg = bench_decode.DecodeConfig(torch.device("cuda"), batch=3)
+    timed_intervals = 0
     for row in result["rows"]:
         lengths = bench_decode.cache_lengths(cfg, 300, row["varlen"])
         fused = row["results"]["fusedattn"]
@@ -53,3 +75,8 @@ def test_bench_decode_counts_the_valid_bytes(tmp_path, launch_gaps):
         assert fused["tb_per_s"] == pytest.approx(fused["kv_bytes"] / fused["seconds"] / 1e12)
         flash = row["results"]["sdpa-flash"]
         assert flash["status"] == ("ok" if not row["varlen"] else "n/a (no per-sequence lengths)")
+        timed_intervals += 2 * (2 if flash["status"] == "ok" else 1)  # repeats x methods timed
+    if launch_gaps:
+        assert sleeps == []
+    else:
+        assert len(sleeps) >= timed_intervals and "short_sleeps" in fused

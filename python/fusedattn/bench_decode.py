@@ -24,12 +24,12 @@ from .bench import (DTYPES, _sdpa_backend, _time_once, cell, describe_device, in
 # what launching it costs on the host.
 CALLS_PER_TIMING = 10
 # Unless launch_gaps, the GPU sleeps before each interval for this many times
-# the host's time to enqueue its calls, so the interval's events see the
-# kernels back to back: what a step replayed from a CUDA graph (as
-# fusedattn.engine runs them) costs. Timed with the launches, a 4K step read
-# 3% less than its GPU time (H200, 2026-12-01, dev/call_gap.py), and SDPA
-# cuDNN, whose host time per call (34-78 us) exceeds a GQA 4K step's GPU time
-# (about 40 us), read the host, not the kernel.
+# the host's time to enqueue its calls (QueuedTiming), so the interval's
+# events see the kernels back to back: what a step replayed from a CUDA graph
+# (as fusedattn.engine runs them) costs. Timed with the launches, a 4K step
+# read up to 3% less than its GPU time (H200, 2026-12-01, dev/call_gap.py),
+# and SDPA cuDNN, whose host time per call (43-55 us at 08:24 that day)
+# exceeds a GQA 4K step's GPU time (about 39 us), read the host, not the kernel.
 SLEEP_OVER_ENQUEUE = 3.0
 
 
@@ -78,24 +78,46 @@ def _sleep_cycles_per_second(device: torch.device) -> float:
     return cycles / seconds
 
 
-def _sleep_cycles(calls, device: torch.device) -> int:
-    """Cycles of torch.cuda._sleep that outlast SLEEP_OVER_ENQUEUE times the
-    host's time to enqueue calls() (measured here, with the GPU kept busy)."""
-    rate = _sleep_cycles_per_second(device)
-    torch.cuda._sleep(int(rate * 0.05))  # 50 ms: calls() below only queues
-    start = time.perf_counter()
-    calls()
-    enqueue = time.perf_counter() - start
-    torch.cuda.synchronize(device)
-    return int(rate * SLEEP_OVER_ENQUEUE * enqueue)
+class QueuedTiming:
+    """Seconds per call of calls() (calls_per_interval calls), timed between two
+    events after the GPU slept while the host queued them. The sleep starts
+    at SLEEP_OVER_ENQUEUE times the host's time to enqueue calls(), measured
+    here with the GPU kept busy. Where an interval's sleep ended before the
+    host had queued its last call (the start event had run: the host was
+    slower than measured), it is timed again with a longer sleep, at most
+    MAX_TRIES times; short_sleeps counts those intervals."""
 
+    MAX_TRIES = 3
 
-def _time_queued(calls, device: torch.device, sleep_cycles: int) -> float:
-    """Seconds per call of calls(), timed between two events after the GPU
-    slept sleep_cycles (0: no sleep, the first launch is timed too)."""
-    if sleep_cycles:
-        torch.cuda._sleep(sleep_cycles)
-    return _time_once(calls, device) / CALLS_PER_TIMING
+    def __init__(self, calls, device: torch.device, calls_per_interval: int = CALLS_PER_TIMING):
+        self.calls, self.calls_per_interval = calls, calls_per_interval
+        self.rate = _sleep_cycles_per_second(device)
+        torch.cuda._sleep(int(self.rate * 0.05))  # 50 ms: calls() below only queues
+        start = time.perf_counter()
+        calls()
+        self.cycles = self._cycles_for(time.perf_counter() - start)
+        torch.cuda.synchronize(device)
+        self.short_sleeps = 0
+
+    def _cycles_for(self, enqueue_seconds: float) -> int:
+        return max(1, int(self.rate * SLEEP_OVER_ENQUEUE * enqueue_seconds))
+
+    def __call__(self) -> float:
+        for _ in range(self.MAX_TRIES):
+            torch.cuda._sleep(self.cycles)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            self.calls()
+            enqueue = time.perf_counter() - t0
+            end.record()
+            queued = not start.query()
+            end.synchronize()
+            if queued:
+                break
+            self.short_sleeps += 1
+            self.cycles = max(2 * self.cycles, self._cycles_for(enqueue))
+        return start.elapsed_time(end) / 1e3 / self.calls_per_interval
 
 
 def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict) -> dict[str, dict]:
@@ -123,17 +145,24 @@ def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict
             try:
                 for _ in range(cfg.warmup):
                     calls()
-                sleep_cycles = 0 if cfg.launch_gaps else _sleep_cycles(calls, cfg.device)
+                timed[name] = (lambda calls=calls: _time_once(calls, cfg.device) / CALLS_PER_TIMING
+                               ) if cfg.launch_gaps else QueuedTiming(calls, cfg.device)
             except torch.OutOfMemoryError:
                 results[name] = {"status": "OOM"}
                 continue
             except (RuntimeError, NotImplementedError) as e:
                 results[name] = not_available(e)
                 continue
-            timed[name] = lambda calls=calls, cycles=sleep_cycles: _time_queued(calls, cfg.device, cycles)
+        # Every method sleeps as long as the slowest to enqueue needs: the
+        # card's clock recovers while it sleeps (bench.interleaved_medians).
+        timers = [t for t in timed.values() if isinstance(t, QueuedTiming)]
+        for timer in timers:
+            timer.cycles = max(t.cycles for t in timers)
         for name, seconds in interleaved_medians(timed, cfg.repeats).items():
             results[name] = seconds if isinstance(seconds, dict) else {
                 "status": "ok", "seconds": seconds, "kv_bytes": useful, "tb_per_s": useful / seconds / 1e12}
+            if isinstance(timed.get(name), QueuedTiming):
+                results[name]["short_sleeps"] = timed[name].short_sleeps
     finally:
         del k, v
         torch.cuda.empty_cache()
