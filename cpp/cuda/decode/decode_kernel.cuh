@@ -33,11 +33,16 @@ namespace fusedattn::cuda {
 
 template <int HeadDim>
 struct DecodeTraits {
-  static constexpr int kWarps = 4;
+  // At d <= 64, 8 warps: 128-key tiles carry as many bytes as d=128's 64,
+  // 2 blocks per SM. Against 4 warps (3 blocks per SM) on the H200,
+  // 2026-12-01 (two calls, docs/cuda-notes.md d10): d=64 4K 1.08x (level
+  // with cuDNN, was 0.93x), GQA 4K 1.03x, 32K-128K 1.00-1.01x, but GQA with
+  // lengths 1..N at 32K 0.93x (fewer, longer splits: 264 block slots, not 396).
+  static constexpr int kWarps = HeadDim <= 64 ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockM = kDecodeBlockM;  // query rows: one MMA tile, shared by the warps
-  static constexpr int kBlockN = kDecodeBlockN;  // keys per tile, 16 per warp
-  static_assert(kBlockM == 16 && kBlockN == 16 * kWarps);
+  static constexpr int kBlockN = 16 * kWarps;  // keys per tile, 16 per warp
+  static_assert(kBlockM == 16 && kBlockN % kDecodeBlockN == 0);
   // Tiles in the ring: kStages - 1 in flight while one is computed on. At
   // d=128, 3 stages take 100 KB and fit 2 blocks per SM; 2 stages (3 blocks)
   // and 4 stages (1 block) streamed 2.4-2.9 TB/s against 4.0-4.4 (H200,
