@@ -5,11 +5,11 @@
 // loaded once for all query heads that read it (GQA). The block's keys, its
 // share of the sequence's cache_seqlens[b] + n_new, stream through a ring of
 // kStages shared-memory buffers with cp.async: kStages - 1 tiles are always in
-// flight, which is what a memory-bound kernel needs. Each of the 4 warps takes
-// 16 keys of every 64-key tile, copies them itself (its own share of the ring:
-// no block-wide sync per tile, so a warp runs ahead of a slower one) and keeps
-// its own online softmax (m_i, l_i, acc); the warps merge in shared memory at
-// the end:
+// flight, which is what a memory-bound kernel needs. Each warp (4, or 8 at
+// d <= 64) takes 16 keys of every tile (64 or 128 keys), copies them itself
+// (its own share of the ring: no block-wide sync per tile, so a warp runs
+// ahead of a slower one) and keeps its own online softmax (m_i, l_i, acc);
+// the warps merge in shared memory at the end:
 //   S   = (scale log2 e) Q K_w^T;  m' = max(m, rowmax S);  P = 2^(S - m')
 //   l   = 2^(m - m') l + rowsum P;  acc = 2^(m - m') acc + P V_w
 //   out = sum_w 2^(m_w - M) acc_w / sum_w 2^(m_w - M) l_w,  M = max_w m_w

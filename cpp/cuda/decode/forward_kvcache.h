@@ -17,7 +17,8 @@ inline constexpr int kDecodeHeadDims[] = {32, 64, 128};
 // Upper bound of KVCacheParams::num_splits.
 inline constexpr int kMaxDecodeSplits = 64;
 // A thread block takes kDecodeBlockM (query head, query) rows of one kv head
-// and streams its keys in tiles of kDecodeBlockN.
+// and streams its keys in tiles of kDecodeBlockN (d=128) or a multiple of it
+// (the kernel's DecodeTraits); the host counts a cache's work in kDecodeBlockN.
 inline constexpr int kDecodeBlockM = 16;
 inline constexpr int kDecodeBlockN = 64;
 
