@@ -156,8 +156,9 @@ def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict
         # Every method sleeps as long as the slowest to enqueue needs: the
         # card's clock recovers while it sleeps (bench.interleaved_medians).
         timers = [t for t in timed.values() if isinstance(t, QueuedTiming)]
+        longest = max((t.cycles for t in timers), default=0)
         for timer in timers:
-            timer.cycles = max(t.cycles for t in timers)
+            timer.cycles = longest
         for name, seconds in interleaved_medians(timed, cfg.repeats).items():
             results[name] = seconds if isinstance(seconds, dict) else {
                 "status": "ok", "seconds": seconds, "kv_bytes": useful, "tb_per_s": useful / seconds / 1e12}

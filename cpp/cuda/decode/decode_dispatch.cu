@@ -58,10 +58,8 @@ int splits_for_waves(int64_t blocks_per_split, int64_t slots, int64_t tiles) {
 template <int HeadDim, typename Element>
 int64_t block_slots() {
   static std::atomic<int64_t> known[kMaxCachedDevices];
-  return once_per_device(known, [](int device) {
-    int sms = 0;
-    FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return int64_t(sms) * std::max(decode_blocks_per_sm<HeadDim, Element>(), 1);
+  return once_per_device(known, [](int) {
+    return int64_t(current_device_sms()) * std::max(decode_blocks_per_sm<HeadDim, Element>(), 1);
   });
 }
 
