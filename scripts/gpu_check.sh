@@ -14,7 +14,8 @@
 # "profile_decode_vs_cudnn" ours and cuDNN's decode kernels at 32K, "profile_sdpa_decode" on cuDNN's, "profile_forward_vs_cudnn" the forward
 # against cuDNN's at 4K and 8K, "decode_tables" the README's decode tables, "call_gap" times small
 # forwards' host and GPU time, "decode_splits" the decode table by split count, "roofline" the KV-cache
-# streaming ceilings, "roofline_gqa" the same at GQA 32/8's bytes, "tables" every benchmark table of the README). On the H200 "build
+# streaming ceilings, "roofline_gqa" the same at GQA 32/8's bytes, "schedule" that ceiling under three
+# schedules, "tables" every benchmark table of the README). On the H200 "build
 # tests" take about 4 minutes, the sanitizer up to 10 (each tool stops at
 # FUSEDATTN_SANITIZER_TIMEOUT, 300 s) and the benchmark up to
 # FUSEDATTN_BENCH_TIMEOUT (300 s; --backward over the whole grid needs more:
@@ -265,6 +266,27 @@ stage_roofline_gqa() {
   build_roofline || return
   timeout 120 /tmp/stream_roofline 8 > "$out/roofline-gqa.md" 2>&1 || status=1
   cat "$out/roofline-gqa.md"
+}
+
+# Not in the default stages: the streaming ceiling under three schedules
+# (a block per item and split, stream-K, runs from an atomic counter), at the
+# decode table's 4K and 32K rows, full and with the bench's lengths 1..N
+# (dev/cuda/stream_schedule.cu, ~10 s).
+stage_schedule() {
+  nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
+    dev/cuda/stream_schedule.cu -o /tmp/stream_schedule || { status=1; return 1; }
+  for heads in 32 8; do
+    for n in 4096 32768; do
+      local lengths
+      lengths=$(python3 -c "from fusedattn.bench_decode import DecodeConfig, cache_lengths
+print(*cache_lengths(DecodeConfig(), $n, True).tolist())") || { status=1; return 1; }
+      timeout 60 /tmp/stream_schedule "$heads" "$n" || status=1
+      echo
+      timeout 60 /tmp/stream_schedule "$heads" "$n" $lengths || status=1
+      echo
+    done
+  done > "$out/schedule.md" 2>&1
+  cat "$out/schedule.md"
 }
 
 for stage in ${GPU_CHECK_STAGES:-build tests sanitizer bench}; do

@@ -1,0 +1,246 @@
+// Does the schedule (which block streams which tiles) hold a short decode step
+// below the HBM rate? The decode kernel gives every (sequence, head) its own
+// blocks (one per split); at 4K keys that step reads 4.40 TB/s (MHA) and 3.62
+// (GQA 32/8) against 4.67 at 128K, and the streaming ceiling with the same
+// schedule (stream_roofline.cu) is 4.55 / 4.15. This driver streams the same
+// bytes with no attention maths under three schedules:
+//   per-item S  one block per (sequence, head, split), S splits: the decode
+//               kernel's schedule
+//   stream-k    one block per slot (SMs x blocks per SM), each an equal
+//               contiguous run of the flat list of every item's tiles, the
+//               ring kept full across items
+//   dynamic C   one block per slot, taking runs of C tiles from an atomic
+//               counter (the next run asked for one run ahead)
+// Each block uses the decode kernel's ring (3 stages of 64-key K and V tiles,
+// 16-byte cp.async with the L2 prefetch, 4 warps, 2 blocks per SM) and its
+// launch (programmatic dependent launch, the wait first). Per schedule it
+// prints TB/s of 10 calls back to back and, for the last call, when blocks
+// finished (us after the first block started): the first, the median and
+// the last. Lengths per sequence (multiples of 64 here) stand for the
+// bench's lengths 1..N; the schedules' tile offsets come from the host, so a
+// real kernel would pay a scan of the lengths on top.
+//
+//   nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
+//     dev/cuda/stream_schedule.cu -o /tmp/stream_schedule
+//   /tmp/stream_schedule HEADS N [LENGTH x 8]   (no lengths: every sequence at N)
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "../../cpp/cuda/common/dependent_launch.cuh"
+#include "../../cpp/cuda/common/device_math.cuh"
+
+using namespace fusedattn::cuda;
+
+namespace {
+
+constexpr int kBatch = 8, kHeadDim = 128, kThreads = 128, kStages = 3, kTileRows = 64;
+constexpr int kRowBytes = kHeadDim * 2, kTileBytes = kTileRows * kRowBytes;  // 16 KB of K or of V
+
+enum class Schedule { PerItem, StreamK, Dynamic };
+
+struct Args {
+  const unsigned char* k;
+  const unsigned char* v;
+  int64_t max_len;  // rows of one (sequence, head) in memory
+  int items;  // sequences x heads
+  const int64_t* item_first;  // [items + 1]: flat index of each item's first tile
+  int64_t total_tiles;
+  Schedule schedule;
+  int splits;  // per-item
+  int chunk;  // dynamic: tiles per run
+  int* counter;  // dynamic: runs handed out past the first one per block
+  unsigned long long* times;  // [blocks][2]: start, end (globaltimer, ns)
+  float* sink;
+};
+
+__device__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void __launch_bounds__(kThreads, 2) stream_kernel(const __grid_constant__ Args a) {
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ int64_t next_run;
+  wait_for_previous_grid();
+  const unsigned long long start = global_ns();
+
+  // The load cursor: flat tile `tile` of the run [tile, run_end), in item `item`.
+  int64_t tile = 0, run_end = 0;
+  int pending = 0;  // dynamic, thread 0: the run after the current one
+  if (a.schedule == Schedule::PerItem) {
+    const int item = blockIdx.x / a.splits, split = blockIdx.x % a.splits;
+    const int64_t n = a.item_first[item + 1] - a.item_first[item];
+    const int64_t per = (n + a.splits - 1) / a.splits;
+    tile = a.item_first[item] + min(n, split * per);
+    run_end = a.item_first[item] + min(n, (split + 1) * per);
+  } else if (a.schedule == Schedule::StreamK) {
+    tile = a.total_tiles * blockIdx.x / gridDim.x;
+    run_end = a.total_tiles * (blockIdx.x + 1) / gridDim.x;
+  } else {
+    tile = int64_t(blockIdx.x) * a.chunk;
+    run_end = min(a.total_tiles, tile + a.chunk);
+    if (threadIdx.x == 0) pending = atomicAdd(a.counter, 1) + gridDim.x;
+  }
+  int item = 0;
+  while (a.item_first[item + 1] <= tile && item < a.items - 1) ++item;
+
+  int load_stage = 0, loaded = 0;
+  auto load_next = [&] {
+    if (tile == run_end && run_end < a.total_tiles && a.schedule == Schedule::Dynamic) {
+      if (threadIdx.x == 0) {
+        next_run = int64_t(pending) * a.chunk;
+        pending = atomicAdd(a.counter, 1) + gridDim.x;
+      }
+      __syncthreads();
+      tile = min(a.total_tiles, next_run);
+      run_end = min(a.total_tiles, tile + a.chunk);
+      __syncthreads();  // next_run read before thread 0 writes it again
+    }
+    if (tile < run_end) {
+      while (a.item_first[item + 1] <= tile) ++item;
+      const int64_t offset = (item * a.max_len + (tile - a.item_first[item]) * kTileRows) * kRowBytes;
+      unsigned char* sk = ring + load_stage * 2 * kTileBytes;
+      for (int c = threadIdx.x; c < kTileBytes / 16; c += kThreads) {
+        cp_async_16<128>(sk + 16 * c, a.k + offset + 16 * c, true);
+        cp_async_16<128>(sk + kTileBytes + 16 * c, a.v + offset + 16 * c, true);
+      }
+      ++tile;
+      ++loaded;
+      load_stage = load_stage == kStages - 1 ? 0 : load_stage + 1;
+    }
+    cp_async_commit();
+  };
+
+  for (int i = 0; i < kStages - 1; ++i) load_next();
+  float sum = 0.0f;
+  int read_stage = 0;
+  for (int consumed = 0; consumed < loaded; ++consumed) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    const unsigned char* sk = ring + read_stage * 2 * kTileBytes;
+    sum += reinterpret_cast<const float*>(sk)[threadIdx.x * 4] +
+           reinterpret_cast<const float*>(sk + kTileBytes)[threadIdx.x * 4];
+    read_stage = read_stage == kStages - 1 ? 0 : read_stage + 1;
+    __syncthreads();  // every thread is done with the stage the next load refills
+    load_next();
+  }
+  allow_dependent_launch();
+  if (sum == 12345.678f) a.sink[blockIdx.x] = sum;  // never true for these data; keeps the reads
+  if (threadIdx.x == 0) {
+    a.times[2 * blockIdx.x] = start;
+    a.times[2 * blockIdx.x + 1] = global_ns();
+  }
+}
+
+struct Device {
+  int sms = 0, per_sm = 0;
+};
+
+void run(const char* name, Args a, int blocks, int64_t bytes, int calls_per_timing = 10) {
+  constexpr int smem = kStages * 2 * kTileBytes;
+  std::vector<int*> counters(2 + calls_per_timing);
+  cudaMalloc(&counters[0], sizeof(int) * counters.size());
+  cudaMemset(counters[0], 0, sizeof(int) * counters.size());
+  for (size_t i = 1; i < counters.size(); ++i) counters[i] = counters[0] + i;
+  cudaEvent_t begin, end;
+  cudaEventCreate(&begin);
+  cudaEventCreate(&end);
+  for (int i = 0; i < 2 + calls_per_timing; ++i) {
+    if (i == 2) cudaEventRecord(begin);
+    a.counter = counters[i];
+    launch_dependent(stream_kernel, true, dim3(blocks), dim3(kThreads), smem, nullptr, a);
+  }
+  cudaEventRecord(end);
+  cudaEventSynchronize(end);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, begin, end);
+  std::vector<unsigned long long> t(2 * blocks);
+  cudaMemcpy(t.data(), a.times, sizeof(unsigned long long) * t.size(), cudaMemcpyDeviceToHost);
+  unsigned long long first_start = ~0ull;
+  std::vector<double> ends(blocks);
+  for (int b = 0; b < blocks; ++b) first_start = std::min(first_start, t[2 * b]);
+  for (int b = 0; b < blocks; ++b) ends[b] = (t[2 * b + 1] - first_start) * 1e-3;
+  std::sort(ends.begin(), ends.end());
+  std::printf("| %-12s | %5d | %7.1f | %5.2f | %7.1f | %7.1f | %7.1f |\n", name, blocks,
+              ms * 1e3 / calls_per_timing, bytes * double(calls_per_timing) / (ms * 1e-3) / 1e12, ends.front(),
+              ends[blocks / 2], ends.back());
+  cudaFree(counters[0]);
+  cudaEventDestroy(begin);
+  cudaEventDestroy(end);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3 && argc != 3 + kBatch) {
+    std::fprintf(stderr, "usage: %s HEADS N [LENGTH x %d]\n", argv[0], kBatch);
+    return 2;
+  }
+  const int heads = std::atoi(argv[1]);
+  const int64_t n = std::atoll(argv[2]);
+  std::vector<int64_t> lengths(kBatch, n);
+  for (int b = 0; argc > 3 && b < kBatch; ++b)  // rounded up to whole tiles
+    lengths[b] = std::min<int64_t>(n, (std::atoll(argv[3 + b]) + kTileRows - 1) / kTileRows * kTileRows);
+
+  Device dev;
+  cudaDeviceGetAttribute(&dev.sms, cudaDevAttrMultiProcessorCount, 0);
+  constexpr int smem = kStages * 2 * kTileBytes;
+  cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dev.per_sm, stream_kernel, kThreads, smem);
+  const int slots = dev.sms * dev.per_sm;
+
+  const int items = kBatch * heads;
+  std::vector<int64_t> item_first(items + 1, 0);
+  for (int i = 0; i < items; ++i) item_first[i + 1] = item_first[i] + lengths[i / heads] / kTileRows;
+  const int64_t total_tiles = item_first[items];
+  const int64_t bytes = total_tiles * 2 * kTileBytes;
+
+  const size_t cache_bytes = size_t(items) * n * kRowBytes;
+  Args a{};
+  unsigned char *k = nullptr, *v = nullptr;
+  int64_t* first = nullptr;
+  if (cudaMalloc(&k, cache_bytes) != cudaSuccess || cudaMalloc(&v, cache_bytes) != cudaSuccess) {
+    std::printf("out of memory\n");
+    return 1;
+  }
+  cudaMemset(k, 0, cache_bytes);
+  cudaMemset(v, 0, cache_bytes);
+  cudaMalloc(&first, sizeof(int64_t) * item_first.size());
+  cudaMemcpy(first, item_first.data(), sizeof(int64_t) * item_first.size(), cudaMemcpyHostToDevice);
+  const int max_blocks = items * 64 + slots;
+  cudaMalloc(&a.times, sizeof(unsigned long long) * 2 * max_blocks);
+  cudaMalloc(&a.sink, sizeof(float) * max_blocks);
+  a.k = k;
+  a.v = v;
+  a.max_len = n;
+  a.items = items;
+  a.item_first = first;
+  a.total_tiles = total_tiles;
+
+  std::printf("B=%d H=%d d=%d N=%lld, lengths", kBatch, heads, kHeadDim, static_cast<long long>(n));
+  for (int64_t l : lengths) std::printf(" %lld", static_cast<long long>(l));
+  std::printf("; %d SMs x %d blocks; %.3f GB of K and V\n\n", dev.sms, dev.per_sm, bytes * 1e-9);
+  std::printf("| schedule | blocks | us/step | TB/s | first end, us | median end | last end |\n"
+              "|---|---|---|---|---|---|---|\n");
+  char name[32];
+  a.schedule = Schedule::PerItem;
+  for (int splits : {1, 2, 4, 8, 16}) {
+    a.splits = splits;
+    std::snprintf(name, sizeof(name), "per-item %d", splits);
+    run(name, a, items * splits, bytes);
+  }
+  a.schedule = Schedule::StreamK;
+  run("stream-k", a, slots, bytes);
+  a.schedule = Schedule::Dynamic;
+  for (int chunk : {2, 4, 8, 16}) {
+    a.chunk = chunk;
+    std::snprintf(name, sizeof(name), "dynamic %d", chunk);
+    run(name, a, static_cast<int>(std::min<int64_t>(slots, (total_tiles + chunk - 1) / chunk)), bytes);
+  }
+  const cudaError_t err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) std::printf("CUDA error: %s\n", cudaGetErrorString(err));
+  return err == cudaSuccess ? 0 : 1;
+}
