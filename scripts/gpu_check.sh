@@ -279,7 +279,7 @@ stage_schedule() {
     for n in 4096 32768; do
       local lengths
       lengths=$(python3 -c "from fusedattn.bench_decode import DecodeConfig, cache_lengths
-print(*cache_lengths(DecodeConfig(device="cpu"), $n, True).tolist())") || { status=1; return 1; }
+print(*cache_lengths(DecodeConfig(device='cpu'), $n, True).tolist())") || { status=1; return 1; }
       timeout 60 /tmp/stream_schedule "$heads" "$n" || status=1
       echo
       timeout 60 /tmp/stream_schedule "$heads" "$n" $lengths || status=1
