@@ -11,6 +11,12 @@
 //               ring kept full across items
 //   dynamic C   one block per slot, taking runs of C tiles from an atomic
 //               counter (the next run asked for one run ahead)
+//   steal C     one block per slot; a block takes a whole item (the first
+//               by its index, then from an item counter) and its tiles C at a
+//               time from that item's own counter; once no item is left it
+//               takes runs from the items after its last one (at most 16
+//               tries): a block stays on one item as long as it can, so a real
+//               kernel would write a partial per item visited, not per run
 // Each block uses the decode kernel's ring (3 stages of 64-key K and V tiles,
 // 16-byte cp.async with the L2 prefetch, 4 warps, 2 blocks per SM) and its
 // launch (programmatic dependent launch, the wait first). Per schedule it
@@ -38,7 +44,7 @@ namespace {
 constexpr int kBatch = 8, kHeadDim = 128, kThreads = 128, kStages = 3, kTileRows = 64;
 constexpr int kRowBytes = kHeadDim * 2, kTileBytes = kTileRows * kRowBytes;  // 16 KB of K or of V
 
-enum class Schedule { PerItem, StreamK, Dynamic };
+enum class Schedule { PerItem, StreamK, Dynamic, Steal };
 
 struct Args {
   const unsigned char* k;
@@ -49,8 +55,9 @@ struct Args {
   int64_t total_tiles;
   Schedule schedule;
   int splits;  // per-item
-  int chunk;  // dynamic: tiles per run
-  int* counter;  // dynamic: runs handed out past the first one per block
+  int chunk;  // dynamic, steal: tiles per run
+  int* counter;  // dynamic: runs handed out past the first one per block; steal: items
+                 // handed out past the first one per block, then each item's tiles taken
   unsigned long long* times;  // [blocks][2]: start, end (globaltimer, ns)
   float* sink;
 };
@@ -63,13 +70,17 @@ __device__ unsigned long long global_ns() {
 
 __global__ void __launch_bounds__(kThreads, 2) stream_kernel(const __grid_constant__ Args a) {
   extern __shared__ __align__(128) unsigned char ring[];
-  __shared__ int64_t next_run;
+  __shared__ int64_t next_run, next_end;
+  __shared__ int next_item;
   wait_for_previous_grid();
   const unsigned long long start = global_ns();
 
   // The load cursor: flat tile `tile` of the run [tile, run_end), in item `item`.
   int64_t tile = 0, run_end = 0;
-  int pending = 0;  // dynamic, thread 0: the run after the current one
+  int pending = 0;  // dynamic, steal, thread 0: the run after the current one
+  int item = 0;
+  bool fresh_items = true;  // steal, thread 0: the item counter may still hand one out
+  int tries = 0;  // steal, thread 0: items tried since the last fresh one
   if (a.schedule == Schedule::PerItem) {
     const int item = blockIdx.x / a.splits, split = blockIdx.x % a.splits;
     const int64_t n = a.item_first[item + 1] - a.item_first[item];
@@ -79,13 +90,18 @@ __global__ void __launch_bounds__(kThreads, 2) stream_kernel(const __grid_consta
   } else if (a.schedule == Schedule::StreamK) {
     tile = a.total_tiles * blockIdx.x / gridDim.x;
     run_end = a.total_tiles * (blockIdx.x + 1) / gridDim.x;
+  } else if (a.schedule == Schedule::Steal) {
+    item = blockIdx.x % a.items;
+    tile = run_end = 0;  // the first load asks for a run
+    if (threadIdx.x == 0) pending = blockIdx.x < a.items ? atomicAdd(a.counter + 1 + item, a.chunk) : INT32_MAX;
   } else {
     tile = int64_t(blockIdx.x) * a.chunk;
     run_end = min(a.total_tiles, tile + a.chunk);
     if (threadIdx.x == 0) pending = atomicAdd(a.counter, 1) + gridDim.x;
   }
-  int item = 0;
   while (a.item_first[item + 1] <= tile && item < a.items - 1) ++item;
+  auto item_tiles = [&](int i) { return a.item_first[i + 1] - a.item_first[i]; };
+  bool done = false;  // steal
 
   int load_stage = 0, loaded = 0;
   auto load_next = [&] {
@@ -98,6 +114,36 @@ __global__ void __launch_bounds__(kThreads, 2) stream_kernel(const __grid_consta
       tile = min(a.total_tiles, next_run);
       run_end = min(a.total_tiles, tile + a.chunk);
       __syncthreads();  // next_run read before thread 0 writes it again
+    }
+    if (tile == run_end && !done && a.schedule == Schedule::Steal) {
+      if (threadIdx.x == 0) {
+        int i = item, r = pending;
+        while (r >= item_tiles(i)) {
+          if (fresh_items) {
+            const int f = atomicAdd(a.counter, 1) + gridDim.x;
+            if (f < a.items) {
+              i = f;
+              r = atomicAdd(a.counter + 1 + i, a.chunk);
+              continue;
+            }
+            fresh_items = false;
+          }
+          if (++tries > 16) break;
+          i = i + 1 == a.items ? 0 : i + 1;
+          r = atomicAdd(a.counter + 1 + i, a.chunk);
+        }
+        const bool got = r < item_tiles(i);
+        next_item = got ? i : -1;
+        next_run = got ? a.item_first[i] + r : 0;
+        next_end = got ? a.item_first[i] + min(item_tiles(i), int64_t(r) + a.chunk) : 0;
+        if (got) pending = atomicAdd(a.counter + 1 + i, a.chunk);
+      }
+      __syncthreads();
+      done = next_item < 0;
+      if (!done) item = next_item;
+      tile = next_run;
+      run_end = next_end;
+      __syncthreads();
     }
     if (tile < run_end) {
       while (a.item_first[item + 1] <= tile) ++item;
@@ -141,10 +187,11 @@ struct Device {
 
 void run(const char* name, Args a, int blocks, int64_t bytes, int calls_per_timing = 10) {
   constexpr int smem = kStages * 2 * kTileBytes;
-  std::vector<int*> counters(2 + calls_per_timing);
-  cudaMalloc(&counters[0], sizeof(int) * counters.size());
-  cudaMemset(counters[0], 0, sizeof(int) * counters.size());
-  for (size_t i = 1; i < counters.size(); ++i) counters[i] = counters[0] + i;
+  std::vector<int*> counters(2 + calls_per_timing);  // zeroed, 1 + items per call
+  const size_t per_call = 1 + a.items;
+  cudaMalloc(&counters[0], sizeof(int) * per_call * counters.size());
+  cudaMemset(counters[0], 0, sizeof(int) * per_call * counters.size());
+  for (size_t i = 1; i < counters.size(); ++i) counters[i] = counters[0] + i * per_call;
   cudaEvent_t begin, end;
   cudaEventCreate(&begin);
   cudaEventCreate(&end);
@@ -239,6 +286,12 @@ int main(int argc, char** argv) {
     a.chunk = chunk;
     std::snprintf(name, sizeof(name), "dynamic %d", chunk);
     run(name, a, static_cast<int>(std::min<int64_t>(slots, (total_tiles + chunk - 1) / chunk)), bytes);
+  }
+  a.schedule = Schedule::Steal;
+  for (int chunk : {2, 4, 8}) {
+    a.chunk = chunk;
+    std::snprintf(name, sizeof(name), "steal %d", chunk);
+    run(name, a, slots, bytes);
   }
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) std::printf("CUDA error: %s\n", cudaGetErrorString(err));
