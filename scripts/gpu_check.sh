@@ -14,7 +14,7 @@
 # "profile_decode_vs_cudnn" ours and cuDNN's decode kernels at 32K, "profile_sdpa_decode" on cuDNN's, "profile_forward_vs_cudnn" the forward
 # against cuDNN's at 4K and 8K, "decode_tables" the README's decode tables, "call_gap" times small
 # forwards' host and GPU time, "decode_splits" the decode table by split count, "roofline" the KV-cache
-# streaming ceilings, "roofline_gqa" the same at GQA 32/8's bytes, "schedule" that ceiling under three
+# streaming ceilings, "roofline_gqa" the same at GQA 32/8's bytes, "schedule" that ceiling under four
 # schedules, "tables" every benchmark table of the README). On the H200 "build
 # tests" take about 4 minutes, the sanitizer up to 10 (each tool stops at
 # FUSEDATTN_SANITIZER_TIMEOUT, 300 s) and the benchmark up to
@@ -268,8 +268,9 @@ stage_roofline_gqa() {
   cat "$out/roofline-gqa.md"
 }
 
-# Not in the default stages: the streaming ceiling under three schedules
-# (a block per item and split, stream-K, runs from an atomic counter), at the
+# Not in the default stages: the streaming ceiling under four schedules
+# (a block per item and split, stream-K, runs from an atomic counter, runs
+# taken item by item and then from other items' counters), at the
 # decode table's 4K and 32K rows, full and with the bench's lengths 1..N
 # (dev/cuda/stream_schedule.cu, ~10 s).
 stage_schedule() {

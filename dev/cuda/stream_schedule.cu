@@ -3,7 +3,7 @@
 // blocks (one per split); at 4K keys that step reads 4.40 TB/s (MHA) and 3.62
 // (GQA 32/8) against 4.67 at 128K, and the streaming ceiling with the same
 // schedule (stream_roofline.cu) is 4.55 / 4.15. This driver streams the same
-// bytes with no attention maths under three schedules:
+// bytes with no attention maths under four schedules:
 //   per-item S  one block per (sequence, head, split), S splits: the decode
 //               kernel's schedule
 //   stream-k    one block per slot (SMs x blocks per SM), each an equal
