@@ -44,6 +44,9 @@ echo "  dev/cuda/decode_splits.cu: built"
 nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
   dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o "$out/stream_roofline"
 echo "  dev/cuda/stream_roofline.cu: built"
+nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
+  dev/cuda/stream_schedule.cu -o "$out/stream_schedule"
+echo "  dev/cuda/stream_schedule.cu: built"
 
 # tests/native: host-side checks of kernel helpers (no GPU needed), built and run.
 for test in tests/native/*.cu; do
