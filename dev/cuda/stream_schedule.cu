@@ -82,7 +82,8 @@ __global__ void __launch_bounds__(kThreads, 2) stream_kernel(const __grid_consta
   bool fresh_items = true;  // steal, thread 0: the item counter may still hand one out
   int tries = 0;  // steal, thread 0: items tried since the last fresh one
   if (a.schedule == Schedule::PerItem) {
-    const int item = blockIdx.x / a.splits, split = blockIdx.x % a.splits;
+    item = blockIdx.x / a.splits;
+    const int split = blockIdx.x % a.splits;
     const int64_t n = a.item_first[item + 1] - a.item_first[item];
     const int64_t per = (n + a.splits - 1) / a.splits;
     tile = a.item_first[item] + min(n, split * per);
@@ -181,10 +182,6 @@ __global__ void __launch_bounds__(kThreads, 2) stream_kernel(const __grid_consta
   }
 }
 
-struct Device {
-  int sms = 0, per_sm = 0;
-};
-
 void run(const char* name, Args a, int blocks, int64_t bytes, int calls_per_timing = 10) {
   constexpr int smem = kStages * 2 * kTileBytes;
   std::vector<int*> counters(2 + calls_per_timing);  // zeroed, 1 + items per call
@@ -232,12 +229,12 @@ int main(int argc, char** argv) {
   for (int b = 0; argc > 3 && b < kBatch; ++b)  // rounded up to whole tiles
     lengths[b] = std::min<int64_t>(n, (std::atoll(argv[3 + b]) + kTileRows - 1) / kTileRows * kTileRows);
 
-  Device dev;
-  cudaDeviceGetAttribute(&dev.sms, cudaDevAttrMultiProcessorCount, 0);
+  int sms = 0, per_sm = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   constexpr int smem = kStages * 2 * kTileBytes;
   cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dev.per_sm, stream_kernel, kThreads, smem);
-  const int slots = dev.sms * dev.per_sm;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, stream_kernel, kThreads, smem);
+  const int slots = sms * per_sm;
 
   const int items = kBatch * heads;
   std::vector<int64_t> item_first(items + 1, 0);
@@ -269,7 +266,7 @@ int main(int argc, char** argv) {
 
   std::printf("B=%d H=%d d=%d N=%lld, lengths", kBatch, heads, kHeadDim, static_cast<long long>(n));
   for (int64_t l : lengths) std::printf(" %lld", static_cast<long long>(l));
-  std::printf("; %d SMs x %d blocks; %.3f GB of K and V\n\n", dev.sms, dev.per_sm, bytes * 1e-9);
+  std::printf("; %d SMs x %d blocks; %.3f GB of K and V\n\n", sms, per_sm, bytes * 1e-9);
   std::printf("| schedule | blocks | us/step | TB/s | first end, us | median end | last end |\n"
               "|---|---|---|---|---|---|---|\n");
   char name[32];
