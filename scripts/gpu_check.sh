@@ -272,7 +272,8 @@ stage_roofline_gqa() {
 # (a block per item and split, stream-K, runs from an atomic counter, runs
 # taken item by item and then from other items' counters), at the
 # decode table's 4K and 32K rows, full and with the bench's lengths 1..N
-# (dev/cuda/stream_schedule.cu, ~10 s).
+# (dev/cuda/stream_schedule.cu, ~30 s; the lengths come from the installed
+# package, so on a fresh machine run "build schedule").
 stage_schedule() {
   nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
     dev/cuda/stream_schedule.cu -o /tmp/stream_schedule || { status=1; return 1; }
