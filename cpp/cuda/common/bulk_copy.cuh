@@ -95,4 +95,12 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 #endif
 }
 
+// Asks L2 to fetch `bytes` (a multiple of 16, 16-byte aligned) of global
+// memory without waiting for them: a hint, so nothing before sm_90.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* gmem, uint32_t bytes) {
+#ifdef FUSEDATTN_BULK_COPIES
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
+#endif
+}
+
 }  // namespace fusedattn::cuda
