@@ -84,6 +84,24 @@ def test_cuda_kvcache_split_merge_is_exact(monkeypatch):
         torch.testing.assert_close(lse, one_lse, atol=0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("splits", ["2", "3", "4", "8"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_cuda_kvcache_cluster_and_global_merge_agree(monkeypatch, splits, head_dim):
+    """With 2-8 splits and a grid that fits the GPU at once, the splits of a
+    row tile merge in a thread block cluster (on sm_90) from each other's
+    shared memory; FUSEDATTN_DECODE_CLUSTER_MERGE=0 makes the last split merge
+    through global memory instead. Both merge the same float32 partials with
+    the same code, so they agree bit for bit, and match the reference (rows
+    past a group's 16, Nq = 7 with 4 heads a group, give two row tiles)."""
+    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
+    args = cuda_cache(B=3, Hq=8, Hkv=2, d=head_dim, max_len=1500, nq=7, n_new=7, dtype=torch.float16,
+                      seed=int(splits))
+    out, lse = run_checked(*args, True)
+    monkeypatch.setenv("FUSEDATTN_DECODE_CLUSTER_MERGE", "0")
+    global_out, global_lse = op(*args, True, None)  # appends the same rows at the same places again
+    assert torch.equal(out, global_out) and torch.equal(lse, global_lse)
+
+
 def test_cuda_kvcache_reads_what_the_kernel_before_wrote():
     """The decode kernel is a programmatic dependent launch: it may be
     scheduled while the kernel before it on the stream still runs, and must

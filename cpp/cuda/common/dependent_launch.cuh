@@ -44,27 +44,40 @@ inline bool waits_for_previous_grid(const void* kernel, int device) {
 }
 
 // kernel<<<grid, block, smem_bytes, stream>>>(args...), as a programmatic
-// dependent launch when `dependent` (waits_for_previous_grid(kernel)).
+// dependent launch when `dependent` (waits_for_previous_grid(kernel)), in
+// clusters of `cluster_size` consecutive blocks along x when that is over 1
+// (sm_90+; grid.x a multiple of it).
 template <typename... KernelArgs, typename... Args>
-void launch_dependent(void (*kernel)(KernelArgs...), bool dependent, dim3 grid, dim3 block, size_t smem_bytes,
-                      cudaStream_t stream, Args&&... args) {
+void launch_dependent_in_clusters(void (*kernel)(KernelArgs...), bool dependent, unsigned cluster_size, dim3 grid,
+                                  dim3 block, size_t smem_bytes, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attributes[2] = {};
   if (dependent) {
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    attributes[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
   }
+  if (cluster_size > 1) {
+    cudaLaunchAttribute& cluster = attributes[config.numAttrs++];
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = cluster_size;
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  }
+  config.attrs = attributes;
   const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   // Clears the launch's error, as <<<>>> followed by cudaGetLastError does,
   // so that no later check reports it against another call.
   const cudaError_t last = cudaGetLastError();
   FUSEDATTN_CUDA_CHECK(launched != cudaSuccess ? launched : last);
+}
+
+template <typename... KernelArgs, typename... Args>
+void launch_dependent(void (*kernel)(KernelArgs...), bool dependent, dim3 grid, dim3 block, size_t smem_bytes,
+                      cudaStream_t stream, Args&&... args) {
+  launch_dependent_in_clusters(kernel, dependent, 1, grid, block, smem_bytes, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace fusedattn::cuda

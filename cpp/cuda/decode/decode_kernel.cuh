@@ -13,12 +13,16 @@
 //   S   = (scale log2 e) Q K_w^T;  m' = max(m, rowmax S);  P = 2^(S - m')
 //   l   = 2^(m - m') l + rowsum P;  acc = 2^(m - m') acc + P V_w
 //   out = sum_w 2^(m_w - M) acc_w / sum_w 2^(m_w - M) l_w,  M = max_w m_w
-// With one split the block writes out and lse; with several it writes float32
-// partials, and the last of them to finish merges them (merge_splits).
+// With one split the block writes out and lse; with several, either the
+// splits of a row tile run as one thread block cluster and merge from each
+// other's shared memory, or each writes float32 partials and the last of them
+// to finish merges them (merge_splits).
 #pragma once
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 
 #include "../common/dependent_launch.cuh"
 #include "../common/device_math.cuh"
@@ -73,7 +77,11 @@ struct DecodeTraits {
   // that says whether this block merges the splits.
   static constexpr int kAccStride = HeadDim + 8;
   static constexpr int kEpilogueBytes = kWarps * kBlockM * (kAccStride + 2) * 4 + 4;
-  static_assert(kEpilogueBytes <= kStages * 2 * kTileElements * 2, "epilogue must fit in the ring");
+  // Merging in a cluster, the block's partial rows and LSEs follow, 16-byte
+  // aligned, for the other blocks to read.
+  static constexpr int kPartialOffset = (kEpilogueBytes + 15) / 16 * 16;
+  static_assert(kPartialOffset + kBlockM * (HeadDim + 1) * 4 <= kStages * 2 * kTileElements * 2,
+                "epilogue must fit in the ring");
   static_assert(HeadDim % 16 == 0, "MMA tiles are 16 wide");
 };
 
@@ -83,7 +91,7 @@ struct DecodeTraits {
 // measured on the H200 on 2026-11-30 had it (198-206 registers at d=128).
 template <int HeadDim, typename T, bool IsCausal>
 __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
-    decode_kernel(const __grid_constant__ KVCacheParams p) {
+    decode_kernel(const __grid_constant__ KVCacheParams p, const bool splits_in_cluster) {
   using Tr = DecodeTraits<HeadDim>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   using Layout = typename Tr::Layout;
@@ -102,15 +110,17 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   const int g = lane / 4, t = lane % 4;  // fragment row group and column pair
 
   // Flat grid, row tiles fastest (they read the same K/V), then splits, kv
-  // heads, sequences. 32-bit division: the launch checks the grid fits 2^31.
+  // heads, sequences; in clusters the splits come first (a cluster is
+  // num_splits consecutive blocks). 32-bit division: the launch checks the
+  // grid fits 2^31.
   const int64_t group = sh.heads_q / sh.heads_kv;
   const int64_t group_rows = group * sh.seqlen_q;  // rows reading this kv head
   const unsigned row_tiles = static_cast<unsigned>(decode_row_tiles(sh));
+  const unsigned splits = static_cast<unsigned>(p.num_splits);
   unsigned index = blockIdx.x;
-  const unsigned row_tile = index % row_tiles;
-  index /= row_tiles;
-  const unsigned split = index % static_cast<unsigned>(p.num_splits);
-  index /= static_cast<unsigned>(p.num_splits);
+  const unsigned row_tile = splits_in_cluster ? index / splits % row_tiles : index % row_tiles;
+  const unsigned split = splits_in_cluster ? index % splits : index / row_tiles % splits;
+  index /= row_tiles * splits;
   const unsigned head_kv = index % static_cast<unsigned>(sh.heads_kv);
   const unsigned batch = index / static_cast<unsigned>(sh.heads_kv);
 
@@ -297,6 +307,8 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   __syncthreads();
 
   const bool direct = p.num_splits == 1;
+  float* sPartial = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sRing) + Tr::kPartialOffset);
+  float* sPartialLse = sPartial + kBlockM * HeadDim;  // [kBlockM]
   for (int c = threadIdx.x; c < kBlockM * Tr::kChunksPerRow; c += Tr::kThreads) {
     const int r = c / Tr::kChunksPerRow, col = c % Tr::kChunksPerRow * 8;
     if (r >= rows) continue;
@@ -324,6 +336,11 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
       for (int j = 0; j < 4; ++j) words[j] = pack2<T>(o[2 * j], o[2 * j + 1]);
       *reinterpret_cast<uint4*>(out) = packed;
       if (col == 0) a.lse[row] = lse;
+    } else if (splits_in_cluster) {
+      float4* out = reinterpret_cast<float4*>(sPartial + r * HeadDim + col);
+      out[0] = make_float4(o[0], o[1], o[2], o[3]);
+      out[1] = make_float4(o[4], o[5], o[6], o[7]);
+      if (col == 0) sPartialLse[r] = lse;
     } else {
       const int64_t rows_total = sh.batch * sh.heads_q * sh.seqlen_q;
       float4* out = reinterpret_cast<float4*>(p.partial_out + (split * rows_total + row) * HeadDim + col);
@@ -333,6 +350,17 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
     }
   }
   if (direct) return;
+
+  if (splits_in_cluster) {
+    // Block s of the cluster (split s) merges rows s, s + splits, ..., a warp
+    // each, from every block's shared memory; none leaves while another may
+    // still read its rows.
+    cluster_sync();
+    for (int r = int(split) + warp * int(splits); r < rows; r += kWarps * int(splits))
+      merge_splits<T>(p, first_row + r, lane, ClusterPartials{sPartialLse + r, sPartial + r * HeadDim});
+    cluster_sync();
+    return;
+  }
 
   // Count this split in; the last of the (sequence, kv head, row tile)'s
   // num_splits blocks to finish merges their partials, while the others
@@ -347,7 +375,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   __syncthreads();
   if (!*last) return;
   __threadfence();  // the other splits' partials, read through L2 by merge_splits
-  for (int r = warp; r < rows; r += kWarps) merge_splits<T>(p, first_row + r, lane);
+  for (int r = warp; r < rows; r += kWarps) merge_splits<T>(p, first_row + r, lane, GlobalPartials(p, first_row + r));
   if (threadIdx.x == 0) p.split_arrivals[item] = 0;  // as the next launch expects it
 }
 
@@ -366,17 +394,52 @@ bool configure_decode_kernel() {
          }) == kDependent;
 }
 
+// Clusters of `splits` blocks of the kernel that can run at once on the
+// current device (+1: once_per_device keeps no zero), asked once per device.
+template <int HeadDim, typename T, bool IsCausal>
+int max_active_clusters_plus_one(int splits) {
+  static std::atomic<int> known[kMaxClusterSplits + 1][kMaxCachedDevices];
+  return once_per_device(known[splits], [splits](int) {
+    using Tr = DecodeTraits<HeadDim>;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(splits);
+    config.blockDim = dim3(Tr::kThreads);
+    config.dynamicSmemBytes = Tr::kSmemElements * sizeof(T);
+    cudaLaunchAttribute attribute = {};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = splits;
+    attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<HeadDim, T, IsCausal>, &config));
+    return clusters + 1;
+  });
+}
+
 template <int HeadDim, typename T, bool IsCausal>
 void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   using Tr = DecodeTraits<HeadDim>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
-  const bool dependent = configure_decode_kernel<HeadDim, T, IsCausal>();
+  // The kernel's sm_90 code runs on this device: it waits for the kernel
+  // before it, and may run in clusters.
+  const bool hopper = configure_decode_kernel<HeadDim, T, IsCausal>();
   const AttentionShape& sh = p.attn.shape;
   const int64_t blocks = decode_row_tiles(sh) * p.num_splits * sh.heads_kv * sh.batch;
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
-  launch_dependent(decode_kernel<HeadDim, T, IsCausal>, dependent, dim3(static_cast<unsigned>(blocks)),
-                   dim3(Tr::kThreads), smem_bytes, stream, p);
+  // The splits of a row tile merge in a cluster where every cluster of the
+  // grid runs at once: a block then waits at the cluster's barrier only for
+  // its row tile's other splits, never for a slot. Elsewhere the last split
+  // to finish merges through global memory. FUSEDATTN_DECODE_CLUSTER_MERGE=0
+  // always takes the global path (for tests and benchmarks).
+  const char* cluster_merge = std::getenv("FUSEDATTN_DECODE_CLUSTER_MERGE");
+  const bool in_cluster = hopper && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
+                          !(cluster_merge && std::string_view(cluster_merge) == "0") &&
+                          blocks / p.num_splits < max_active_clusters_plus_one<HeadDim, T, IsCausal>(p.num_splits);
+  launch_dependent_in_clusters(decode_kernel<HeadDim, T, IsCausal>, hopper, in_cluster ? p.num_splits : 1,
+                               dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), smem_bytes, stream, p,
+                               in_cluster);
 }
 
 template <int HeadDim, typename Element>

@@ -16,6 +16,9 @@ namespace fusedattn::cuda {
 inline constexpr int kDecodeHeadDims[] = {32, 64, 128};
 // Upper bound of KVCacheParams::num_splits.
 inline constexpr int kMaxDecodeSplits = 64;
+// Up to this many splits merge in a thread block cluster (the portable
+// cluster size) where the device runs every cluster of the grid at once.
+inline constexpr int kMaxClusterSplits = 8;
 // A thread block takes kDecodeBlockM (query head, query) rows of one kv head
 // and streams its keys in tiles of kDecodeBlockN (d=128) or a multiple of it
 // (the kernel's DecodeTraits); the host counts a cache's work in kDecodeBlockN.

@@ -1,18 +1,49 @@
 // Merging the splits of decode_kernel for one row of [B, Hq, Nq]:
 //   lse = log sum_s e^(lse_s),   out = sum_s e^(lse_s - lse) out_s
 // where out_s is split s's output normalised by its own softmax sum. A split
-// that saw no key has lse_s = -inf and weighs nothing. The last block of a
-// (sequence, kv head, row tile) to finish calls it, one warp per row, so the
-// partials are read through L2 (__ldcg): other blocks wrote them.
+// that saw no key has lse_s = -inf and weighs nothing. One warp merges a row,
+// reading the partials from one of two places:
+//   GlobalPartials   p.partial_out / p.partial_lse, written by the other
+//                    blocks of the row's (sequence, kv head, row tile): the
+//                    last of them to finish merges, reading through L2 (__ldcg)
+//   ClusterPartials  the shared memory of the blocks of this block's cluster,
+//                    one per split (split s = cluster rank s)
 #pragma once
 
 #include <cmath>
 
+#include "../common/cluster.cuh"
 #include "../common/device_math.cuh"
 #include "forward_kvcache.h"
 #include "kvcache_common.cuh"
 
 namespace fusedattn::cuda {
+
+struct GlobalPartials {
+  const float* lse_row;  // split s at s * rows_total
+  const float* out_row;  // split s at s * rows_total * head_dim
+  int64_t rows_total, head_dim;
+  __device__ GlobalPartials(const KVCacheParams& p, int64_t row) {
+    const AttentionShape& sh = p.attn.shape;
+    rows_total = sh.batch * sh.heads_q * sh.seqlen_q;
+    head_dim = sh.head_dim;
+    lse_row = p.partial_lse + row;
+    out_row = p.partial_out + row * head_dim;
+  }
+  __device__ float lse(int s) const { return __ldcg(lse_row + s * rows_total); }
+  __device__ float4 load(int s, int col) const {
+    return __ldcg(reinterpret_cast<const float4*>(out_row + s * rows_total * head_dim + col));
+  }
+};
+
+// A row's partial in each block's shared memory, at the same offsets in all:
+// out_row[0, head_dim) and *lse_row.
+struct ClusterPartials {
+  const float* lse_row;
+  const float* out_row;
+  __device__ float lse(int s) const { return ld_cluster_f32(cluster_address(lse_row, s)); }
+  __device__ float4 load(int s, int col) const { return ld_cluster_f32x4(cluster_address(out_row + col, s)); }
+};
 
 // The split LSEs are read once, two per lane (kMaxDecodeSplits <= 64), and
 // the partial rows in groups of kInFlight loads: at a short cache's end the
@@ -24,21 +55,19 @@ constexpr bool decode_head_dims_fit_a_warp() {
 }
 static_assert(decode_head_dims_fit_a_warp(), "merge_splits: 4 columns per lane");
 
-template <typename T>
-__device__ __forceinline__ void merge_splits(const KVCacheParams& p, int64_t row, int lane) {
+template <typename T, typename Partials>
+__device__ __forceinline__ void merge_splits(const KVCacheParams& p, int64_t row, int lane, const Partials& partials) {
   static_assert(kMaxDecodeSplits <= 64, "two split LSEs per lane");
   constexpr int kInFlight = 8;
   const AttentionShape& sh = p.attn.shape;
-  const int64_t rows_total = sh.batch * sh.heads_q * sh.seqlen_q;
   const int64_t batch = row / (sh.heads_q * sh.seqlen_q);
-  const float* split_lse = p.partial_lse + row;  // split s at s * rows_total
   const int splits = p.num_splits;
 
   float lse_s[2];  // splits lane and lane + 32
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int s = lane + 32 * i;
-    lse_s[i] = s < splits ? __ldcg(split_lse + s * rows_total) : -INFINITY;
+    lse_s[i] = s < splits ? partials.lse(s) : -INFINITY;
   }
   const float m = warp_max(fmaxf(lse_s[0], lse_s[1]));
   const float sum = warp_sum(m == -INFINITY ? 0.0f : expf(lse_s[0] - m) + expf(lse_s[1] - m));
@@ -59,9 +88,7 @@ __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int64_t row
     float4 x[kInFlight];
 #pragma unroll
     for (int j = 0; j < kInFlight; ++j)
-      x[j] = active && s0 + j < splits
-                 ? __ldcg(reinterpret_cast<const float4*>(p.partial_out + ((s0 + j) * rows_total + row) * sh.head_dim + col))
-                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      x[j] = active && s0 + j < splits ? partials.load(s0 + j, col) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
     for (int j = 0; j < kInFlight; ++j) {
       const int s = s0 + j;  // the same on every lane
