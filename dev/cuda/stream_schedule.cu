@@ -263,7 +263,7 @@ void run(const char* name, Args a, int blocks, int64_t bytes, void (*kernel)(Arg
   for (int i = 0; i < 2 + calls_per_timing; ++i) {
     if (i == 2) cudaEventRecord(begin);
     a.counter = counters[i];
-    launch_dependent(kernel, true, dim3(blocks), dim3(threads), smem, nullptr, a);
+    launch_dependent(kernel, true, 1, dim3(blocks), dim3(threads), smem, nullptr, a);
   }
   cudaEventRecord(end);
   cudaEventSynchronize(end);

@@ -48,8 +48,8 @@ inline bool waits_for_previous_grid(const void* kernel, int device) {
 // clusters of `cluster_size` consecutive blocks along x when that is over 1
 // (sm_90+; grid.x a multiple of it).
 template <typename... KernelArgs, typename... Args>
-void launch_dependent_in_clusters(void (*kernel)(KernelArgs...), bool dependent, unsigned cluster_size, dim3 grid,
-                                  dim3 block, size_t smem_bytes, cudaStream_t stream, Args&&... args) {
+void launch_dependent(void (*kernel)(KernelArgs...), bool dependent, unsigned cluster_size, dim3 grid, dim3 block,
+                      size_t smem_bytes, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -72,12 +72,6 @@ void launch_dependent_in_clusters(void (*kernel)(KernelArgs...), bool dependent,
   // so that no later check reports it against another call.
   const cudaError_t last = cudaGetLastError();
   FUSEDATTN_CUDA_CHECK(launched != cudaSuccess ? launched : last);
-}
-
-template <typename... KernelArgs, typename... Args>
-void launch_dependent(void (*kernel)(KernelArgs...), bool dependent, dim3 grid, dim3 block, size_t smem_bytes,
-                      cudaStream_t stream, Args&&... args) {
-  launch_dependent_in_clusters(kernel, dependent, 1, grid, block, smem_bytes, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace fusedattn::cuda

@@ -437,9 +437,8 @@ void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   const bool in_cluster = hopper && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
                           !(cluster_merge && std::string_view(cluster_merge) == "0") &&
                           blocks / p.num_splits < max_active_clusters_plus_one<HeadDim, T, IsCausal>(p.num_splits);
-  launch_dependent_in_clusters(decode_kernel<HeadDim, T, IsCausal>, hopper, in_cluster ? p.num_splits : 1,
-                               dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), smem_bytes, stream, p,
-                               in_cluster);
+  launch_dependent(decode_kernel<HeadDim, T, IsCausal>, hopper, in_cluster ? p.num_splits : 1,
+                   dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), smem_bytes, stream, p, in_cluster);
 }
 
 template <int HeadDim, typename Element>
