@@ -344,8 +344,9 @@ int main(int argc, char** argv) {
     std::snprintf(name, sizeof(name), "per-item %d", splits);
     run(name, a, items * splits, bytes);
   }
-  // Asking L2 for tiles ahead of the ring read 2.5-3.3 TB/s where the same
-  // schedule without it read 4.1-4.6, 4 to 16 tiles ahead (2026-12-01, 10:45).
+  // Asking L2 for tiles ahead of the ring, 4 to 16 tiles ahead, slowed every
+  // row: MHA 4K 3.04 / 2.62 / 2.67 TB/s at +4 / +8 / +16 against 4.47
+  // without (H200, 2026-12-01 10:44, docs/cuda-notes.md d12).
   a.splits = 1;
   a.prefetch = 4;
   run("per-item 1, L2 +4", a, items, bytes);
