@@ -270,7 +270,8 @@ stage_roofline_gqa() {
 
 # Not in the default stages: the streaming ceiling under four schedules
 # (a block per item and split, stream-K, runs from an atomic counter, runs
-# taken item by item and then from other items' counters), at the
+# taken item by item and then from other items' counters) and with plain
+# loads into registers instead of the ring, at the
 # decode table's 4K and 32K rows, full and with the bench's lengths 1..N
 # (dev/cuda/stream_schedule.cu, ~30 s; the lengths come from the installed
 # package, so on a fresh machine run "build schedule").

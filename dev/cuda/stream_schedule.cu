@@ -3,7 +3,7 @@
 // blocks (one per split); at 4K keys that step reads 4.40 TB/s (MHA) and 3.62
 // (GQA 32/8) against 4.67 at 128K, and the streaming ceiling with the same
 // schedule (stream_roofline.cu) is 4.55 / 4.15. This driver streams the same
-// bytes with no attention maths under four schedules:
+// bytes with no attention maths under four schedules (and two more forms, below):
 //   per-item S  one block per (sequence, head, split), S splits: the decode
 //               kernel's schedule
 //   stream-k    one block per slot (SMs x blocks per SM), each an equal
@@ -17,7 +17,11 @@
 //               takes runs from the items after its last one (at most 16
 //               tries): a block stays on one item as long as it can, so a real
 //               kernel would write a partial per item visited, not per run
-// Each block uses the decode kernel's ring (3 stages of 64-key K and V tiles,
+//   per-item 1, L2 +4  per-item 1, each tile's load also asking L2 for the
+//               tile 4 further on (a record: it only slowed the stream)
+//   plain loads no ring: 16-byte loads into registers, blocks striding over
+//               the flat tile list (plain_read_kernel)
+// All but plain loads use the decode kernel's ring (3 stages of 64-key K and V tiles,
 // 16-byte cp.async with the L2 prefetch, 4 warps, 2 blocks per SM) and its
 // launch (programmatic dependent launch, the wait first). Per schedule it
 // prints TB/s of 10 calls back to back and, for the last call, when blocks
