@@ -11,6 +11,17 @@ from test_kvcache import check_against_reference, make_cache
 pytestmark = pytest.mark.gpu
 op = torch.ops.fusedattn.forward_kvcache
 
+# Both ways the splits of a row tile merge: in a thread block cluster where
+# the kernel can (sm_90, 2-8 splits, every cluster of the grid at once: the
+# small grids of these tests), or always through global memory (the last
+# split to arrive merges).
+merge_paths = pytest.mark.parametrize("merge", [None, "0"], ids=["cluster-where-it-fits", "global-merge"])
+
+
+def set_merge_path(monkeypatch, merge):
+    if merge is not None:
+        monkeypatch.setenv("FUSEDATTN_DECODE_CLUSTER_MERGE", merge)
+
 
 def cuda_cache(**kwargs):
     return [t if t is None else t.cuda() for t in make_cache(**kwargs)]
@@ -59,7 +70,8 @@ def test_cuda_kvcache_forced_splits(monkeypatch, splits):
     run_checked(*args, True)
 
 
-def test_cuda_kvcache_split_merge_is_exact(monkeypatch):
+@merge_paths
+def test_cuda_kvcache_split_merge_is_exact(monkeypatch, merge):
     """Merging splits equals one pass up to float32 rounding. With q = 0 every
     score is 0 and every probability exactly 1, so no split rounds P
     differently (with random scores P is rounded to float16 against each
@@ -69,6 +81,7 @@ def test_cuda_kvcache_split_merge_is_exact(monkeypatch):
                                                  dtype=torch.float16)
     q.zero_()
     v_cache.copy_(torch.randint(1, 9, v_cache.shape, device="cuda"))
+    set_merge_path(monkeypatch, merge)
     results = {}
     for splits in ("1", "5", "32"):
         monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
@@ -122,12 +135,14 @@ def test_cuda_kvcache_reads_what_the_kernel_before_wrote():
         torch.testing.assert_close(out, torch.full_like(out, step / 64), atol=0, rtol=0)
 
 
-def test_cuda_kvcache_back_to_back_calls_agree(monkeypatch):
+@merge_paths
+def test_cuda_kvcache_back_to_back_calls_agree(monkeypatch, merge):
     """Decode kernels one after another with no kernel between them: each may
-    be scheduled while the one before ends, and reuses its arrival counters
-    (and, through the caching allocator, its partial buffers). Every call
-    gives the first one's answer bit for bit."""
+    be scheduled while the one before ends, and, merging globally, reuses its
+    arrival counters (and, through the caching allocator, its partial
+    buffers). Every call gives the first one's answer bit for bit."""
     monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", "4")
+    set_merge_path(monkeypatch, merge)
     q, k_cache, v_cache, lens, _, _ = cuda_cache(B=3, Hq=8, Hkv=2, d=128, max_len=4096, nq=1, n_new=0,
                                                  dtype=torch.float16)
     expected = op(q, k_cache, v_cache, lens, None, None, True, None)
@@ -184,12 +199,15 @@ def test_cuda_kvcache_graph_capture_and_replay():
         static[1] += 1
 
 
-def test_cuda_kvcache_graphs_and_eager_calls_on_one_stream(monkeypatch):
-    """The split merge counts arrivals in counters that each call must find
-    zeroed. Graphs captured one after another on one stream, replayed in the
-    other order with eager calls on that stream before each replay, all give
-    the eager answer bit for bit (the merge adds the splits in a fixed order)."""
+@merge_paths
+def test_cuda_kvcache_graphs_and_eager_calls_on_one_stream(monkeypatch, merge):
+    """The global split merge counts arrivals in counters that each call must
+    find zeroed. Graphs captured one after another on one stream, replayed in
+    the other order with eager calls on that stream before each replay, all
+    give the eager answer bit for bit (the merge adds the splits in a fixed
+    order); the same with the cluster merge (a cluster launch under capture)."""
     monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", "4")  # every item merges
+    set_merge_path(monkeypatch, merge)
     q, k_cache, v_cache, lens, _, _ = cuda_cache(B=3, Hq=8, Hkv=2, d=64, max_len=700, nq=1, n_new=0,
                                                  dtype=torch.float16)
     expected = op(q, k_cache, v_cache, lens, None, None, True, None)
@@ -210,11 +228,13 @@ def test_cuda_kvcache_graphs_and_eager_calls_on_one_stream(monkeypatch):
             assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-@pytest.mark.parametrize("splits", ["1", "2"])
-def test_cuda_kvcache_out_of_range_lengths(monkeypatch, splits):
+@pytest.mark.parametrize("splits,merge", [("1", None), ("2", None), ("2", "0")],
+                         ids=["one-split", "cluster-merge-where-it-fits", "global-merge"])
+def test_cuda_kvcache_out_of_range_lengths(monkeypatch, splits, merge):
     """A sequence whose lengths do not fit gets NaN and no append; the others are unaffected.
     (CUDA does not read cache_seqlens on the host, so there is no exception.)"""
     monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
+    set_merge_path(monkeypatch, merge)
     q, k_cache, v_cache, lens, k_new, v_new = cuda_cache(B=3, Hq=4, Hkv=2, d=64, max_len=100, nq=1,
                                                          n_new=1, dtype=torch.float16)
     before = k_cache.clone()

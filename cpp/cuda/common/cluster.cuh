@@ -10,18 +10,6 @@
 
 namespace fusedattn::cuda {
 
-// This block's rank in its cluster.
-__device__ __forceinline__ uint32_t cluster_rank() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  return rank;
-#else
-  __trap();  // no clusters before sm_90: a caller took this path by mistake
-  return 0;
-#endif
-}
-
 // Every thread of every block of the cluster waits here; shared-memory
 // writes made before it are visible to the whole cluster after it.
 __device__ __forceinline__ void cluster_sync() {

@@ -9,6 +9,7 @@
 // one's writes). Both compile to nothing below sm_90, so a kernel may be
 // launched this way only where its code was compiled for sm_90 or later:
 // waits_for_previous_grid asks that of the kernel the device will run.
+// launch_dependent also launches in thread block clusters (sm_90+ too).
 #pragma once
 
 #include <cuda_runtime.h>

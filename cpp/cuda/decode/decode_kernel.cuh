@@ -395,7 +395,8 @@ bool configure_decode_kernel() {
 }
 
 // Clusters of `splits` blocks of the kernel that can run at once on the
-// current device (+1: once_per_device keeps no zero), asked once per device.
+// current device, plus one (once_per_device keeps no zero answer), asked once
+// per device and split count.
 template <int HeadDim, typename T, bool IsCausal>
 int max_active_clusters_plus_one(int splits) {
   static std::atomic<int> known[kMaxClusterSplits + 1][kMaxCachedDevices];
@@ -429,10 +430,12 @@ void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
   // The splits of a row tile merge in a cluster where every cluster of the
-  // grid runs at once: a block then waits at the cluster's barrier only for
-  // its row tile's other splits, never for a slot. Elsewhere the last split
-  // to finish merges through global memory. FUSEDATTN_DECODE_CLUSTER_MERGE=0
-  // always takes the global path (for tests and benchmarks).
+  // grid runs at once (clusters are scheduled whole: one more than fit would
+  // wait for a second wave; the H200 holds 62 clusters of 4 decode blocks).
+  // Elsewhere the last split to finish merges through global memory.
+  // FUSEDATTN_DECODE_CLUSTER_MERGE=0 always takes the global path (for tests
+  // and benchmarks). `blocks / num_splits` clusters fit when they are fewer
+  // than max_active_clusters_plus_one.
   const char* cluster_merge = std::getenv("FUSEDATTN_DECODE_CLUSTER_MERGE");
   const bool in_cluster = hopper && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
                           !(cluster_merge && std::string_view(cluster_merge) == "0") &&
