@@ -44,6 +44,16 @@ inline bool waits_for_previous_grid(const void* kernel, int device) {
   return major >= 9 && attributes.ptxVersion >= 90;
 }
 
+// The launch attribute for clusters of `size` consecutive blocks along x
+// (sm_90+): for launches and for occupancy queries alike.
+inline cudaLaunchAttribute cluster_attribute(unsigned size) {
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = size;
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  return attribute;
+}
+
 // kernel<<<grid, block, smem_bytes, stream>>>(args...), as a programmatic
 // dependent launch when `dependent` (waits_for_previous_grid(kernel)), in
 // clusters of `cluster_size` consecutive blocks along x when that is over 1
@@ -61,12 +71,7 @@ void launch_dependent(void (*kernel)(KernelArgs...), bool dependent, unsigned cl
     attributes[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attributes[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
   }
-  if (cluster_size > 1) {
-    cudaLaunchAttribute& cluster = attributes[config.numAttrs++];
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = cluster_size;
-    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-  }
+  if (cluster_size > 1) attributes[config.numAttrs++] = cluster_attribute(cluster_size);
   config.attrs = attributes;
   const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   // Clears the launch's error, as <<<>>> followed by cudaGetLastError does,
