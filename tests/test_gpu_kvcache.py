@@ -100,19 +100,41 @@ def test_cuda_kvcache_split_merge_is_exact(monkeypatch, merge):
 @pytest.mark.parametrize("splits", ["2", "3", "4", "8"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_cuda_kvcache_cluster_and_global_merge_agree(monkeypatch, splits, head_dim):
-    """With 2-8 splits and a grid that fits the GPU at once, the splits of a
-    row tile merge in a thread block cluster (on sm_90) from each other's
-    shared memory; FUSEDATTN_DECODE_CLUSTER_MERGE=0 makes the last split merge
-    through global memory instead. Both merge the same float32 partials with
-    the same code, so they agree bit for bit, and match the reference (rows
-    past a group's 16, Nq = 7 with 4 heads a group, give two row tiles)."""
+    """FUSEDATTN_DECODE_CLUSTER_MERGE=1 makes the splits of a row tile merge
+    in a thread block cluster from each other's shared memory (and raises
+    where they cannot: so this fails if the cluster path is not taken);
+    =0 makes the last split merge through global memory. Both merge the same
+    float32 partials with the same code, so they agree bit for bit, and match
+    the reference (Nq = 7 with 4 heads a group gives two row tiles; at 8
+    splits some splits have no keys)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread block clusters need sm_90")
     monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
     args = cuda_cache(B=3, Hq=8, Hkv=2, d=head_dim, max_len=1500, nq=7, n_new=7, dtype=torch.float16,
                       seed=int(splits))
+    monkeypatch.setenv("FUSEDATTN_DECODE_CLUSTER_MERGE", "1")
     out, lse = run_checked(*args, True)
     monkeypatch.setenv("FUSEDATTN_DECODE_CLUSTER_MERGE", "0")
     global_out, global_lse = op(*args, True, None)  # appends the same rows at the same places again
     assert torch.equal(out, global_out) and torch.equal(lse, global_lse)
+
+
+@pytest.mark.parametrize("value,splits,message", [
+    ("yes", "4", "must be 0, 1 or unset, got 'yes'"),
+    ("1", "16", "it has 16"),
+])
+def test_cuda_kvcache_cluster_merge_setting_errors(monkeypatch, value, splits, message):
+    """A bad FUSEDATTN_DECODE_CLUSTER_MERGE, or =1 where the splits cannot
+    merge in clusters (16 splits: more than a cluster holds), raises instead
+    of silently taking the other path. (One split merges nothing: =1 has
+    nothing to refuse there.)"""
+    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
+    monkeypatch.setenv("FUSEDATTN_DECODE_CLUSTER_MERGE", value)
+    q, k_cache, v_cache, lens, _, _ = cuda_cache(B=2, Hq=8, Hkv=2, d=64, max_len=1500, nq=1, n_new=0,
+                                                 dtype=torch.float16)
+    # The kernel layer throws std::invalid_argument: PyTorch may raise it as either.
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        op(q, k_cache, v_cache, lens, None, None, True, None)
 
 
 def test_cuda_kvcache_reads_what_the_kernel_before_wrote():
