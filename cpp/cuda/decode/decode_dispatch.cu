@@ -84,13 +84,14 @@ bool decode_merges_in_cluster(const KVCacheParams& p) {
   if (!mode.empty() && mode != "0" && mode != "1")
     throw std::invalid_argument("fusedattn: FUSEDATTN_DECODE_CLUSTER_MERGE must be 0, 1 or unset, got '" +
                                 std::string(mode) + "'");
-  if (mode == "0") return false;
   const AttentionShape& sh = p.attn.shape;
   const int64_t clusters = sh.batch * sh.heads_kv * decode_row_tiles(sh);
+  // One split merges nothing; an empty grid launches nothing.
+  if (mode == "0" || p.num_splits < 2 || clusters == 0) return false;
   const int fit = dispatch_decode(p, [&](auto head_dim, auto element) {
     return decode_max_active_clusters<decltype(head_dim)::value, decltype(element)>(p.num_splits);
   });
-  const bool merges = clusters > 0 && clusters <= fit;
+  const bool merges = clusters <= fit;
   if (mode == "1" && !merges)
     throw std::invalid_argument(
         "fusedattn: FUSEDATTN_DECODE_CLUSTER_MERGE=1, but this call's splits cannot merge in clusters: that "

@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <stdexcept>
 
 #include "../common/dependent_launch.cuh"
 #include "../common/device_math.cuh"
@@ -404,6 +405,8 @@ void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   const int64_t blocks = decode_row_tiles(sh) * p.num_splits * sh.heads_kv * sh.batch;
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
+  if (p.merge_in_cluster && !hopper)
+    throw std::invalid_argument("fusedattn: merge_in_cluster needs the decode kernel's sm_90 code on this device");
   launch_dependent(decode_kernel<HeadDim, T, IsCausal>, hopper, p.merge_in_cluster ? p.num_splits : 1,
                    dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), smem_bytes, stream, p);
 }
@@ -428,9 +431,9 @@ int decode_blocks_per_sm() {
   return blocks;
 }
 
-// Both causal variants again share one answer. Cached per device and split
-// count (plus one: once_per_device keeps no zero answer). A failed query
-// answers 0: the global merge always works.
+// Both causal variants again share one answer (at d=128 210 and 215
+// registers: 2 blocks per SM either way). Cached per device and split count
+// (plus one: once_per_device keeps no zero answer).
 template <int HeadDim, typename Element>
 int decode_max_active_clusters(int splits) {
   using Tr = DecodeTraits<HeadDim>;
@@ -448,11 +451,8 @@ int decode_max_active_clusters(int splits) {
            config.attrs = &attribute;
            config.numAttrs = 1;
            int clusters = 0;
-           if (cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<HeadDim, Element, true>, &config) !=
-               cudaSuccess) {
-             cudaGetLastError();  // cleared: no later check should report it
-             clusters = 0;
-           }
+           FUSEDATTN_CUDA_CHECK(
+               cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<HeadDim, Element, true>, &config));
            return clusters + 1;
          }) -
          1;
