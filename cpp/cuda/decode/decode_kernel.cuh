@@ -444,10 +444,7 @@ int decode_max_active_clusters(int splits) {
            config.gridDim = dim3(splits);
            config.blockDim = dim3(Tr::kThreads);
            config.dynamicSmemBytes = Tr::kSmemElements * sizeof(Element);
-           cudaLaunchAttribute attribute = {};
-           attribute.id = cudaLaunchAttributeClusterDimension;
-           attribute.val.clusterDim.x = splits;
-           attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+           cudaLaunchAttribute attribute = cluster_attribute(splits);
            config.attrs = &attribute;
            config.numAttrs = 1;
            int clusters = 0;
