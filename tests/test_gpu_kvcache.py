@@ -11,14 +11,16 @@ from test_kvcache import check_against_reference, make_cache
 pytestmark = pytest.mark.gpu
 op = torch.ops.fusedattn.forward_kvcache
 
-# Both ways the splits of a row tile merge: in a thread block cluster where
-# the kernel can (sm_90, 2-8 splits, every cluster of the grid at once: the
-# small grids of these tests), or always through global memory (the last
-# split to arrive merges).
-merge_paths = pytest.mark.parametrize("merge", [None, "0"], ids=["cluster-where-it-fits", "global-merge"])
+# Both ways the splits of a row tile merge: in a thread block cluster ("1":
+# required, so the call raises if it cannot; sm_90, 2-8 splits, every cluster
+# of the grid at once, as in these tests' small grids), or through global
+# memory ("0": the last split to arrive merges).
+merge_paths = pytest.mark.parametrize("merge", ["1", "0"], ids=["cluster-merge", "global-merge"])
 
 
 def set_merge_path(monkeypatch, merge):
+    if merge == "1" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread block clusters need sm_90")
     if merge is not None:
         monkeypatch.setenv("FUSEDATTN_DECODE_CLUSTER_MERGE", merge)
 
@@ -70,7 +72,7 @@ def test_cuda_kvcache_forced_splits(monkeypatch, splits):
     run_checked(*args, True)
 
 
-@merge_paths
+@pytest.mark.parametrize("merge", [None, "0"], ids=["cluster-merge-where-it-fits", "global-merge"])
 def test_cuda_kvcache_split_merge_is_exact(monkeypatch, merge):
     """Merging splits equals one pass up to float32 rounding. With q = 0 every
     score is 0 and every probability exactly 1, so no split rounds P
@@ -100,19 +102,41 @@ def test_cuda_kvcache_split_merge_is_exact(monkeypatch, merge):
 @pytest.mark.parametrize("splits", ["2", "3", "4", "8"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_cuda_kvcache_cluster_and_global_merge_agree(monkeypatch, splits, head_dim):
-    """With 2-8 splits and a grid that fits the GPU at once, the splits of a
-    row tile merge in a thread block cluster (on sm_90) from each other's
-    shared memory; FUSEDATTN_DECODE_CLUSTER_MERGE=0 makes the last split merge
-    through global memory instead. Both merge the same float32 partials with
-    the same code, so they agree bit for bit, and match the reference (rows
-    past a group's 16, Nq = 7 with 4 heads a group, give two row tiles)."""
+    """FUSEDATTN_DECODE_CLUSTER_MERGE=1 makes the splits of a row tile merge
+    in a thread block cluster from each other's shared memory (and raises
+    where they cannot: so this fails if the cluster path is not taken);
+    =0 makes the last split merge through global memory. Both merge the same
+    float32 partials with the same code, so they agree bit for bit, and match
+    the reference (Nq = 7 with 4 heads a group gives two row tiles; at 8
+    splits some splits have no keys)."""
     monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
     args = cuda_cache(B=3, Hq=8, Hkv=2, d=head_dim, max_len=1500, nq=7, n_new=7, dtype=torch.float16,
                       seed=int(splits))
+    set_merge_path(monkeypatch, "1")
     out, lse = run_checked(*args, True)
-    monkeypatch.setenv("FUSEDATTN_DECODE_CLUSTER_MERGE", "0")
+    set_merge_path(monkeypatch, "0")
     global_out, global_lse = op(*args, True, None)  # appends the same rows at the same places again
     assert torch.equal(out, global_out) and torch.equal(lse, global_lse)
+
+
+@pytest.mark.parametrize("value,splits,message", [
+    ("yes", "4", "must be 0, 1 or unset, got 'yes'"),
+    ("yes", "1", "must be 0, 1 or unset, got 'yes'"),  # checked on every call
+    ("1", "16", "it has 16"),
+])
+def test_cuda_kvcache_cluster_merge_setting_errors(monkeypatch, value, splits, message):
+    """A bad FUSEDATTN_DECODE_CLUSTER_MERGE, or =1 where the splits cannot
+    merge in clusters (16 splits: more than a cluster holds), raises instead
+    of silently taking the other path. (One split merges nothing: =1 has
+    nothing to refuse there.)"""
+    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
+    monkeypatch.setenv("FUSEDATTN_DECODE_CLUSTER_MERGE", value)
+    q, k_cache, v_cache, lens, _, _ = cuda_cache(B=2, Hq=8, Hkv=2, d=64, max_len=1500, nq=1, n_new=0,
+                                                 dtype=torch.float16)
+    # The kernel layer throws std::invalid_argument; through torch.ops it
+    # should reach Python as pybind11's ValueError (read, not yet run).
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        op(q, k_cache, v_cache, lens, None, None, True, None)
 
 
 def test_cuda_kvcache_reads_what_the_kernel_before_wrote():
@@ -228,8 +252,8 @@ def test_cuda_kvcache_graphs_and_eager_calls_on_one_stream(monkeypatch, merge):
             assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-@pytest.mark.parametrize("splits,merge", [("1", None), ("2", None), ("2", "0")],
-                         ids=["one-split", "cluster-merge-where-it-fits", "global-merge"])
+@pytest.mark.parametrize("splits,merge", [("1", None), ("2", "1"), ("2", "0")],
+                         ids=["one-split", "cluster-merge", "global-merge"])
 def test_cuda_kvcache_out_of_range_lengths(monkeypatch, splits, merge):
     """A sequence whose lengths do not fit gets NaN and no append; the others are unaffected.
     (CUDA does not read cache_seqlens on the host, so there is no exception.)"""

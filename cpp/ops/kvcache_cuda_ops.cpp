@@ -92,8 +92,9 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     p.v_new_strides = strides_of(v_append);
   }
   p.num_splits = cuda::decode_num_splits(p);
+  p.merge_in_cluster = cuda::decode_merges_in_cluster(p);  // also checks FUSEDATTN_DECODE_CLUSTER_MERGE
   at::Tensor partial_out, partial_lse, split_arrivals;
-  if (p.num_splits > 1) {
+  if (p.num_splits > 1 && !p.merge_in_cluster) {
     partial_out = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2), q.size(3)},
                             q.options().dtype(at::kFloat));
     partial_lse = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2)}, partial_out.options());

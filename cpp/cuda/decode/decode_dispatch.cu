@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <stdexcept>
+#include <string>
+#include <string_view>
 
 #include "../common/instantiation_dispatch.h"
 #include "../common/launch_check.h"
@@ -76,13 +78,39 @@ int decode_num_splits(const KVCacheParams& p) {
   return splits_for_waves(sh.batch * sh.heads_kv * decode_row_tiles(sh), slots, tiles);
 }
 
+bool decode_merges_in_cluster(const KVCacheParams& p) {
+  const char* env = std::getenv("FUSEDATTN_DECODE_CLUSTER_MERGE");
+  const std::string_view mode = env ? env : "";
+  if (!mode.empty() && mode != "0" && mode != "1")
+    throw std::invalid_argument("fusedattn: FUSEDATTN_DECODE_CLUSTER_MERGE must be 0, 1 or unset, got '" +
+                                std::string(mode) + "'");
+  const AttentionShape& sh = p.attn.shape;
+  const int64_t clusters = sh.batch * sh.heads_kv * decode_row_tiles(sh);
+  // One split merges nothing; an empty grid launches nothing.
+  if (mode == "0" || p.num_splits < 2 || clusters == 0) return false;
+  const int fit = dispatch_decode(p, [&](auto head_dim, auto element) {
+    return decode_max_active_clusters<decltype(head_dim)::value, decltype(element)>(p.num_splits);
+  });
+  const bool merges = clusters <= fit;
+  if (mode == "1" && !merges)
+    throw std::invalid_argument(
+        "fusedattn: FUSEDATTN_DECODE_CLUSTER_MERGE=1, but this call's splits cannot merge in clusters: that "
+        "needs 2-" + std::to_string(kMaxClusterSplits) + " splits (it has " + std::to_string(p.num_splits) +
+        "), the kernel's sm_90 code, and every cluster at once (it has " + std::to_string(clusters) +
+        ", the GPU runs " + std::to_string(fit) + ")");
+  return merges;
+}
+
 void forward_kvcache(const KVCacheParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.attn.shape;
   if (p.n_new > 0) launch_append(p, stream);
   if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return;
   if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits)  // merge_splits holds two split LSEs per lane
     throw std::invalid_argument("fusedattn: num_splits must be in [1, kMaxDecodeSplits]");
-  if (p.num_splits > 1 && (p.partial_out == nullptr || p.partial_lse == nullptr || p.split_arrivals == nullptr))
+  if (p.merge_in_cluster && (p.num_splits < 2 || p.num_splits > kMaxClusterSplits))
+    throw std::invalid_argument("fusedattn: merge_in_cluster needs 2 to kMaxClusterSplits splits");
+  if (p.num_splits > 1 && !p.merge_in_cluster &&
+      (p.partial_out == nullptr || p.partial_lse == nullptr || p.split_arrivals == nullptr))
     throw std::invalid_argument("fusedattn: num_splits > 1 needs partial_out, partial_lse and split_arrivals");
   dispatch_decode(p, [&](auto head_dim, auto element) {
     launch_decode<decltype(head_dim)::value, decltype(element)>(p, stream);

@@ -21,8 +21,7 @@
 
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
-#include <string_view>
+#include <stdexcept>
 
 #include "../common/dependent_launch.cuh"
 #include "../common/device_math.cuh"
@@ -91,7 +90,7 @@ struct DecodeTraits {
 // measured on the H200 on 2026-11-30 had it (198-206 registers at d=128).
 template <int HeadDim, typename T, bool IsCausal>
 __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
-    decode_kernel(const __grid_constant__ KVCacheParams p, const bool splits_in_cluster) {
+    decode_kernel(const __grid_constant__ KVCacheParams p) {
   using Tr = DecodeTraits<HeadDim>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   using Layout = typename Tr::Layout;
@@ -117,6 +116,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
   const int64_t group_rows = group * sh.seqlen_q;  // rows reading this kv head
   const unsigned row_tiles = static_cast<unsigned>(decode_row_tiles(sh));
   const unsigned splits = static_cast<unsigned>(p.num_splits);
+  const bool splits_in_cluster = p.merge_in_cluster;
   unsigned index = blockIdx.x;
   const unsigned row_tile = splits_in_cluster ? index / splits % row_tiles : index % row_tiles;
   const unsigned split = splits_in_cluster ? index % splits : index / row_tiles % splits;
@@ -394,51 +394,21 @@ bool configure_decode_kernel() {
          }) == kDependent;
 }
 
-// Clusters of `splits` blocks of the kernel that can run at once on the
-// current device, plus one (once_per_device keeps no zero answer), asked once
-// per device and split count.
-template <int HeadDim, typename T, bool IsCausal>
-int max_active_clusters_plus_one(int splits) {
-  static std::atomic<int> known[kMaxClusterSplits + 1][kMaxCachedDevices];
-  return once_per_device(known[splits], [splits](int) {
-    using Tr = DecodeTraits<HeadDim>;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(splits);
-    config.blockDim = dim3(Tr::kThreads);
-    config.dynamicSmemBytes = Tr::kSmemElements * sizeof(T);
-    cudaLaunchAttribute attribute = cluster_attribute(splits);
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    int clusters = 0;
-    FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<HeadDim, T, IsCausal>, &config));
-    return clusters + 1;
-  });
-}
-
 template <int HeadDim, typename T, bool IsCausal>
 void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   using Tr = DecodeTraits<HeadDim>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
   // The kernel's sm_90 code runs on this device: it waits for the kernel
-  // before it, and may run in clusters.
+  // before it, and may run in clusters (decode_merges_in_cluster).
   const bool hopper = configure_decode_kernel<HeadDim, T, IsCausal>();
   const AttentionShape& sh = p.attn.shape;
   const int64_t blocks = decode_row_tiles(sh) * p.num_splits * sh.heads_kv * sh.batch;
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
-  // The splits of a row tile merge in a cluster where every cluster of the
-  // grid runs at once (clusters are scheduled whole: one more than fit would
-  // wait for a second wave; the H200 holds 62 clusters of 4 decode blocks).
-  // Elsewhere the last split to finish merges through global memory.
-  // FUSEDATTN_DECODE_CLUSTER_MERGE=0 always takes the global path (for tests
-  // and benchmarks). `blocks / num_splits` clusters fit when they are fewer
-  // than max_active_clusters_plus_one.
-  const char* cluster_merge = std::getenv("FUSEDATTN_DECODE_CLUSTER_MERGE");
-  const bool in_cluster = hopper && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
-                          !(cluster_merge && std::string_view(cluster_merge) == "0") &&
-                          blocks / p.num_splits < max_active_clusters_plus_one<HeadDim, T, IsCausal>(p.num_splits);
-  launch_dependent(decode_kernel<HeadDim, T, IsCausal>, hopper, in_cluster ? p.num_splits : 1,
-                   dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), smem_bytes, stream, p, in_cluster);
+  if (p.merge_in_cluster && !hopper)
+    throw std::invalid_argument("fusedattn: merge_in_cluster needs the decode kernel's sm_90 code on this device");
+  launch_dependent(decode_kernel<HeadDim, T, IsCausal>, hopper, p.merge_in_cluster ? p.num_splits : 1,
+                   dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), smem_bytes, stream, p);
 }
 
 template <int HeadDim, typename Element>
@@ -459,6 +429,30 @@ int decode_blocks_per_sm() {
   FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &blocks, decode_kernel<HeadDim, Element, true>, Tr::kThreads, Tr::kSmemElements * sizeof(Element)));
   return blocks;
+}
+
+// Both causal variants again share one answer (at d=128 210 and 215
+// registers: 2 blocks per SM either way). Cached per device and split count
+// (plus one: once_per_device keeps no zero answer).
+template <int HeadDim, typename Element>
+int decode_max_active_clusters(int splits) {
+  using Tr = DecodeTraits<HeadDim>;
+  if (splits < 2 || splits > kMaxClusterSplits || !configure_decode_kernel<HeadDim, Element, true>()) return 0;
+  static std::atomic<int> known[kMaxClusterSplits + 1][kMaxCachedDevices];
+  return once_per_device(known[splits], [splits](int) {
+           cudaLaunchConfig_t config = {};
+           config.gridDim = dim3(splits);
+           config.blockDim = dim3(Tr::kThreads);
+           config.dynamicSmemBytes = Tr::kSmemElements * sizeof(Element);
+           cudaLaunchAttribute attribute = cluster_attribute(splits);
+           config.attrs = &attribute;
+           config.numAttrs = 1;
+           int clusters = 0;
+           FUSEDATTN_CUDA_CHECK(
+               cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<HeadDim, Element, true>, &config));
+           return clusters + 1;
+         }) -
+         1;
 }
 
 }  // namespace fusedattn::cuda

@@ -37,9 +37,17 @@ __host__ __device__ inline int64_t decode_row_tiles(const AttentionShape& sh) {
 // n (for benchmarks and tests).
 int decode_num_splits(const KVCacheParams& p);
 
+// Whether p's splits (p.num_splits, already chosen) merge in thread block
+// clusters on the current device: 2-8 splits, the kernel's sm_90 code, and
+// every cluster of the grid running at once (clusters are scheduled whole).
+// FUSEDATTN_DECODE_CLUSTER_MERGE: unset, that answer; 0, never; 1, always
+// where there is a merge (2 or more splits, a non-empty grid), throwing
+// std::invalid_argument where it cannot; any other value throws.
+bool decode_merges_in_cluster(const KVCacheParams& p);
+
 // Appends k_new/v_new to the caches, then writes p.attn.out and p.attn.lse on
-// `stream`; p.num_splits > 1 needs p.partial_out, p.partial_lse and
-// p.split_arrivals (zeroed; the kernel leaves it zeroed). A sequence
+// `stream`; p.num_splits > 1 without p.merge_in_cluster needs p.partial_out,
+// p.partial_lse and p.split_arrivals (zeroed; the kernel leaves it zeroed). A sequence
 // whose cache_seqlens[b] + n_new is outside [0, max_len] is not appended to and
 // gets NaN outputs (the lengths live on the device; nothing here reads them on
 // the host). Throws std::runtime_error on a CUDA error.
@@ -50,5 +58,9 @@ template <int HeadDim, typename Element>
 void launch_decode(const KVCacheParams& p, cudaStream_t stream);
 template <int HeadDim, typename Element>
 int decode_blocks_per_sm();
+// Clusters of `splits` decode blocks the current device runs at once; 0 where
+// the kernel cannot run in clusters (no sm_90 code, or not 2-8 splits).
+template <int HeadDim, typename Element>
+int decode_max_active_clusters(int splits);
 
 }  // namespace fusedattn::cuda

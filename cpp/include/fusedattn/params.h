@@ -121,6 +121,11 @@ struct KVCacheParams {
   float* partial_out = nullptr;
   float* partial_lse = nullptr;
   int32_t* split_arrivals = nullptr;
+  // Instead, with 2-8 splits on sm_90, the splits of a row tile may run as
+  // one thread block cluster and merge from each other's shared memory
+  // (cuda::decode_merges_in_cluster says where): then the three buffers
+  // above are not used.
+  bool merge_in_cluster = false;
 };
 
 }  // namespace fusedattn
