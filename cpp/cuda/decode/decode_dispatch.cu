@@ -27,8 +27,8 @@ decltype(auto) dispatch_decode(const KVCacheParams& p, F&& f) {
 // cost about two tiles of streaming), and at most kMaxTilesPerSplit (with
 // fewer, longer blocks the slowest ones leave a tail: 128K keys ran 4.3 TB/s
 // in 1 split per head and 4.45 in 16; at 32K, 8 splits of 64 tiles against
-// 4 of 128 read GQA 32/8 with lengths 1..N 4.14 against 4.00, MHA 4.62
-// against 4.57, GQA 4.42 against 4.45, 2026-12-01 d13). Within those bounds,
+// 4 of 128 read GQA 32/8 with lengths 1..N 1.03x, MHA 1.01x, GQA 1.00x, in
+// two calls, 2026-12-01, d13; 128K unchanged at 1.00x). Within those bounds,
 // FlashAttention 2's rule: the fewest splits whose last wave is at least 85%
 // as full as the best choice's.
 constexpr int64_t kMinTilesPerSplit = 16;
@@ -67,26 +67,6 @@ int64_t block_slots() {
   });
 }
 
-// FUSEDATTN_DECODE_CLUSTER_MERGE: unset, 0 or 1 (forward_kvcache.h).
-enum class ClusterMerge { kWhereItFits, kNever, kRequired };
-
-ClusterMerge cluster_merge_setting() {
-  const char* env = std::getenv("FUSEDATTN_DECODE_CLUSTER_MERGE");
-  const std::string_view mode = env ? env : "";
-  if (mode.empty()) return ClusterMerge::kWhereItFits;
-  if (mode == "0") return ClusterMerge::kNever;
-  if (mode == "1") return ClusterMerge::kRequired;
-  throw std::invalid_argument("fusedattn: FUSEDATTN_DECODE_CLUSTER_MERGE must be 0, 1 or unset, got '" +
-                              std::string(mode) + "'");
-}
-
-// Clusters of `splits` blocks of p's instantiation that the device runs at once.
-int max_active_clusters(const KVCacheParams& p, int splits) {
-  return dispatch_decode(p, [&](auto head_dim, auto element) {
-    return decode_max_active_clusters<decltype(head_dim)::value, decltype(element)>(splits);
-  });
-}
-
 }  // namespace
 
 int decode_num_splits(const KVCacheParams& p) {
@@ -97,29 +77,24 @@ int decode_num_splits(const KVCacheParams& p) {
   const int64_t slots = dispatch_decode(p, [](auto head_dim, auto element) {
     return block_slots<decltype(head_dim)::value, decltype(element)>();
   });
-  const int64_t items = sh.batch * sh.heads_kv * decode_row_tiles(sh);
-  const int splits = splits_for_waves(items, slots, tiles);
-  // Half the splits merged in clusters, where the chosen count's clusters do
-  // not all fit and half of it does: at GQA 32/8, B=8, 4K (64 items; 62
-  // clusters of 4 fit) 2 splits in clusters read 3.75 TB/s, 4 merged through
-  // global memory 3.60 (H200, 2026-12-01, d13).
-  const int half = splits / 2;
-  if (splits % 2 == 0 && half >= 2 && half <= kMaxClusterSplits && (tiles + half - 1) / half <= kMaxTilesPerSplit &&
-      cluster_merge_setting() != ClusterMerge::kNever && items > max_active_clusters(p, splits) &&
-      items <= max_active_clusters(p, half))
-    return half;
-  return splits;
+  return splits_for_waves(sh.batch * sh.heads_kv * decode_row_tiles(sh), slots, tiles);
 }
 
 bool decode_merges_in_cluster(const KVCacheParams& p) {
-  const ClusterMerge mode = cluster_merge_setting();
+  const char* env = std::getenv("FUSEDATTN_DECODE_CLUSTER_MERGE");
+  const std::string_view mode = env ? env : "";
+  if (!mode.empty() && mode != "0" && mode != "1")
+    throw std::invalid_argument("fusedattn: FUSEDATTN_DECODE_CLUSTER_MERGE must be 0, 1 or unset, got '" +
+                                std::string(mode) + "'");
   const AttentionShape& sh = p.attn.shape;
   const int64_t clusters = sh.batch * sh.heads_kv * decode_row_tiles(sh);
   // One split merges nothing; an empty grid launches nothing.
-  if (mode == ClusterMerge::kNever || p.num_splits < 2 || clusters == 0) return false;
-  const int fit = max_active_clusters(p, p.num_splits);
+  if (mode == "0" || p.num_splits < 2 || clusters == 0) return false;
+  const int fit = dispatch_decode(p, [&](auto head_dim, auto element) {
+    return decode_max_active_clusters<decltype(head_dim)::value, decltype(element)>(p.num_splits);
+  });
   const bool merges = clusters <= fit;
-  if (mode == ClusterMerge::kRequired && !merges)
+  if (mode == "1" && !merges)
     throw std::invalid_argument(
         "fusedattn: FUSEDATTN_DECODE_CLUSTER_MERGE=1, but this call's splits cannot merge in clusters: that "
         "needs 2-" + std::to_string(kMaxClusterSplits) + " splits (it has " + std::to_string(p.num_splits) +
