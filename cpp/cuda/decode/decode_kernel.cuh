@@ -84,6 +84,13 @@ struct DecodeTraits {
   static_assert(HeadDim % 16 == 0, "MMA tiles are 16 wide");
 };
 
+// A block's dynamic shared memory (Q and the ring), for the launch and the
+// occupancy queries.
+template <int HeadDim, typename T>
+constexpr int decode_smem_bytes() {
+  return DecodeTraits<HeadDim>::kSmemElements * sizeof(T);
+}
+
 // At least two blocks per SM: at d=128 all the ring's shared memory allows.
 // The hint came with a draft that spilled at 168 registers on sm_90a without
 // it; this code does not (177-178 registers without it), but the build
@@ -389,7 +396,7 @@ bool configure_decode_kernel() {
   return once_per_device(configured, [](int device) {
            const auto kernel = decode_kernel<HeadDim, T, IsCausal>;
            FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     DecodeTraits<HeadDim>::kSmemElements * sizeof(T)));
+                                                     decode_smem_bytes<HeadDim, T>()));
            return waits_for_previous_grid(reinterpret_cast<const void*>(kernel), device) ? kDependent : kPlain;
          }) == kDependent;
 }
@@ -397,7 +404,6 @@ bool configure_decode_kernel() {
 template <int HeadDim, typename T, bool IsCausal>
 void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   using Tr = DecodeTraits<HeadDim>;
-  constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
   // The kernel's sm_90 code runs on this device: it waits for the kernel
   // before it, and may run in clusters (decode_merges_in_cluster).
   const bool hopper = configure_decode_kernel<HeadDim, T, IsCausal>();
@@ -408,7 +414,7 @@ void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   if (p.merge_in_cluster && !hopper)
     throw std::invalid_argument("fusedattn: merge_in_cluster needs the decode kernel's sm_90 code on this device");
   launch_dependent(decode_kernel<HeadDim, T, IsCausal>, hopper, p.merge_in_cluster ? p.num_splits : 1,
-                   dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), smem_bytes, stream, p);
+                   dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), decode_smem_bytes<HeadDim, T>(), stream, p);
 }
 
 template <int HeadDim, typename Element>
@@ -427,7 +433,7 @@ int decode_blocks_per_sm() {
   configure_decode_kernel<HeadDim, Element, true>();
   int blocks = 0;
   FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, decode_kernel<HeadDim, Element, true>, Tr::kThreads, Tr::kSmemElements * sizeof(Element)));
+      &blocks, decode_kernel<HeadDim, Element, true>, Tr::kThreads, decode_smem_bytes<HeadDim, Element>()));
   return blocks;
 }
 
@@ -443,7 +449,7 @@ int decode_max_active_clusters(int splits) {
            cudaLaunchConfig_t config = {};
            config.gridDim = dim3(splits);
            config.blockDim = dim3(Tr::kThreads);
-           config.dynamicSmemBytes = Tr::kSmemElements * sizeof(Element);
+           config.dynamicSmemBytes = decode_smem_bytes<HeadDim, Element>();
            cudaLaunchAttribute attribute = cluster_attribute(splits);
            config.attrs = &attribute;
            config.numAttrs = 1;
