@@ -56,6 +56,8 @@ stage_tests() {
 }
 
 # racecheck of the sm90 kernels ran past 180 s on the H200 (2026-11-30).
+# FUSEDATTN_SANITIZER_GROUPS="kvcache" (or "attention") runs one group of
+# scripts/sanitizer_cases.py.
 stage_sanitizer() {
   if ! command -v compute-sanitizer >/dev/null 2>&1; then
     echo "compute-sanitizer not found"
@@ -63,7 +65,8 @@ stage_sanitizer() {
   fi
   local tool rc
   for tool in memcheck racecheck; do
-    timeout "${FUSEDATTN_SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_cases.py \
+    # shellcheck disable=SC2086  # the groups are words
+    timeout "${FUSEDATTN_SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_cases.py ${FUSEDATTN_SANITIZER_GROUPS:-} \
       > "$out/sanitizer.tmp" 2>&1
     rc=$?
     echo "$tool: exit $rc, $(grep -c -E '^========= (Invalid|Error|Race)' "$out/sanitizer.tmp") reports"

@@ -3,9 +3,13 @@ and backward for every head dim, dtype, mask kind, causal, and sizes that end
 mid-tile, and backward walks of several steps per key block; a forward with
 several work items per persistent block;
 forward_kvcache with and without appends, one and several splits, empty
-caches, float16 and bfloat16, and a sequence whose length does not fit.
-Run: compute-sanitizer --tool memcheck python3 scripts/sanitizer_cases.py"""
+caches, float16 and bfloat16, and a sequence whose length does not fit; the
+splits merged both ways (in thread block clusters where sm_90 allows, and
+through global memory).
+Run: compute-sanitizer --tool memcheck python3 scripts/sanitizer_cases.py [GROUP ...]
+with GROUP "attention" (forward and backward) or "kvcache" (default: both)."""
 
+import os
 import sys
 
 import torch
@@ -13,52 +17,69 @@ import torch
 sys.path.insert(0, "tests")
 import fusedattn  # noqa: E402,F401
 from attention_cases import Case, make_inputs  # noqa: E402
-
-for head_dim in (32, 64, 128):
-    for dtype in (torch.float16, torch.bfloat16):
-        for mask, causal in (("none", False), ("none", True), ("bool", True), ("additive", False),
-                             ("key_block_holes", True)):
-            case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=70, seqlen_k=331,
-                        head_dim=head_dim, dtype=dtype, mask=mask, is_causal=causal)
-            q, k, v, m = make_inputs(case, "cuda")
-            out, lse = torch.ops.fusedattn.forward(q, k, v, m, causal, None)
-            torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, m, causal, None)
-        # One query head per key head (no head split) and 400 queries: every
-        # key block walks several steps, so the backward's Q/dO ring wraps and
-        # its double-buffered dS is reused (the case above has one step per
-        # block at d=64).
-        for causal in (False, True):
-            case = Case(batch=1, heads_q=2, heads_kv=2, seqlen_q=400, seqlen_k=390, head_dim=head_dim,
-                        dtype=dtype, mask="none", is_causal=causal)
-            q, k, v, _ = make_inputs(case, "cuda")
-            out, lse = torch.ops.fusedattn.forward(q, k, v, None, causal, None)
-            torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, causal, None)
-
-# More query blocks than SMs (2 x 72 heads x 2 blocks = 288 items, 128 or
-# 192 query rows a block): the persistent sm90 forward's blocks (d=128, and
-# d=64 under causal) take several items each, and under causal with Nq > Nk
-# some items see no key (racecheck found a WAR on the item slot here,
-# 2026-11-30).
-for head_dim, causal, seqlen_k in ((128, False, 300), (128, True, 100), (64, True, 100), (64, True, 300)):
-    case = Case(batch=2, heads_q=72, heads_kv=24, seqlen_q=256, seqlen_k=seqlen_k, head_dim=head_dim,
-                dtype=torch.float16, mask="none", is_causal=causal)
-    q, k, v, _ = make_inputs(case, "cuda")
-    torch.ops.fusedattn.forward(q, k, v, None, causal, None)
-
-import os  # noqa: E402
-
 from test_kvcache import make_cache  # noqa: E402
 
-for head_dim in (32, 64, 128):
-    for splits in ("1", "4"):
-        os.environ["FUSEDATTN_DECODE_SPLITS"] = splits
-        for nq, n_new, heads, dtype in ((1, 1, (4, 4), torch.float16), (3, 3, (8, 2), torch.bfloat16),
-                                        (2, 0, (6, 1), torch.float16)):
-            args = [t if t is None else t.cuda()
-                    for t in make_cache(B=3, Hq=heads[0], Hkv=heads[1], d=head_dim, max_len=333, nq=nq,
-                                        n_new=n_new, dtype=dtype)]
-            torch.ops.fusedattn.forward_kvcache(*args, True, None)
-            args[3][1] = 400  # max_len is 333: does not fit: NaN for sequence 1, no append
-            torch.ops.fusedattn.forward_kvcache(*args, False, None)
+GROUPS = ("attention", "kvcache")
+groups = sys.argv[1:] or list(GROUPS)
+if unknown := set(groups) - set(GROUPS):
+    sys.exit(f"sanitizer_cases: unknown group(s) {sorted(unknown)}; expected some of {GROUPS}")
+
+
+def attention_cases():
+    for head_dim in (32, 64, 128):
+        for dtype in (torch.float16, torch.bfloat16):
+            for mask, causal in (("none", False), ("none", True), ("bool", True), ("additive", False),
+                                 ("key_block_holes", True)):
+                case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=70, seqlen_k=331,
+                            head_dim=head_dim, dtype=dtype, mask=mask, is_causal=causal)
+                q, k, v, m = make_inputs(case, "cuda")
+                out, lse = torch.ops.fusedattn.forward(q, k, v, m, causal, None)
+                torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, m, causal, None)
+            # One query head per key head (no head split) and 400 queries: every
+            # key block walks several steps, so the backward's Q/dO ring wraps and
+            # its double-buffered dS is reused (the case above has one step per
+            # block at d=64).
+            for causal in (False, True):
+                case = Case(batch=1, heads_q=2, heads_kv=2, seqlen_q=400, seqlen_k=390, head_dim=head_dim,
+                            dtype=dtype, mask="none", is_causal=causal)
+                q, k, v, _ = make_inputs(case, "cuda")
+                out, lse = torch.ops.fusedattn.forward(q, k, v, None, causal, None)
+                torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, causal, None)
+
+    # More query blocks than SMs (2 x 72 heads x 2 blocks = 288 items, 128 or
+    # 192 query rows a block): the persistent sm90 forward's blocks (d=128, and
+    # d=64 under causal) take several items each, and under causal with Nq > Nk
+    # some items see no key (racecheck found a WAR on the item slot here,
+    # 2026-11-30).
+    for head_dim, causal, seqlen_k in ((128, False, 300), (128, True, 100), (64, True, 100), (64, True, 300)):
+        case = Case(batch=2, heads_q=72, heads_kv=24, seqlen_q=256, seqlen_k=seqlen_k, head_dim=head_dim,
+                    dtype=torch.float16, mask="none", is_causal=causal)
+        q, k, v, _ = make_inputs(case, "cuda")
+        torch.ops.fusedattn.forward(q, k, v, None, causal, None)
+
+
+def kvcache_cases():
+    # FUSEDATTN_DECODE_CLUSTER_MERGE: where it is unset these small grids
+    # merge their splits in clusters on sm_90; "0" merges through global memory.
+    for head_dim in (32, 64, 128):
+        for splits, merge in (("1", None), ("4", None), ("4", "0")):
+            os.environ["FUSEDATTN_DECODE_SPLITS"] = splits
+            os.environ.pop("FUSEDATTN_DECODE_CLUSTER_MERGE", None)
+            if merge is not None:
+                os.environ["FUSEDATTN_DECODE_CLUSTER_MERGE"] = merge
+            for nq, n_new, heads, dtype in ((1, 1, (4, 4), torch.float16), (3, 3, (8, 2), torch.bfloat16),
+                                            (2, 0, (6, 1), torch.float16)):
+                args = [t if t is None else t.cuda()
+                        for t in make_cache(B=3, Hq=heads[0], Hkv=heads[1], d=head_dim, max_len=333, nq=nq,
+                                            n_new=n_new, dtype=dtype)]
+                torch.ops.fusedattn.forward_kvcache(*args, True, None)
+                args[3][1] = 400  # max_len is 333: does not fit: NaN for sequence 1, no append
+                torch.ops.fusedattn.forward_kvcache(*args, False, None)
+
+
+if "attention" in groups:
+    attention_cases()
+if "kvcache" in groups:
+    kvcache_cases()
 torch.cuda.synchronize()
-print("sanitizer cases: done")
+print(f"sanitizer cases ({', '.join(groups)}): done")
