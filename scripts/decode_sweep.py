@@ -31,7 +31,9 @@ def parse(argv: list[str]) -> tuple[pathlib.Path, list[str], list[str]]:
 
 
 def run_set(out: pathlib.Path, index: int, common: list[str], words: str) -> dict | None:
-    env, args = dict(os.environ), []
+    # A FUSEDATTN_DECODE_* setting of this shell would make "auto" something else.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDATTN_DECODE_")}
+    args = []
     for word in words.split():
         if word == "auto":
             continue
@@ -43,7 +45,11 @@ def run_set(out: pathlib.Path, index: int, common: list[str], words: str) -> dic
     path = out / f"set-{index}.json"
     cmd = ["fusedattn", "bench", "--decode", "--no-progress", "--methods", "fusedattn", "--json", str(path),
            *common, *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        print(f"set {index} ({words}) ran past 300 s", file=sys.stderr)
+        return None
     if done.returncode != 0:
         print(f"set {index} ({words}) failed:\n{done.stderr[-2000:]}", file=sys.stderr)
         return None
@@ -57,34 +63,37 @@ def label(words: str) -> str:
 def main() -> int:
     out, common, sets = parse(sys.argv[1:])
     out.mkdir(parents=True, exist_ok=True)
-    runs = {}
+    runs = []  # (set index, words, result), in the order given
     for i, words in enumerate(sets, 1):
-        runs[words] = run_set(out, i, common, words)
-        print(f"[{i}/{len(sets)}] {words}: {'ok' if runs[words] else 'FAILED'}", flush=True)
-    done = {k: v for k, v in runs.items() if v}
-    if not done:
+        run = run_set(out, i, common, words)
+        print(f"[{i}/{len(sets)}] {words}: {'ok' if run else 'FAILED'}", flush=True)
+        if run:
+            runs.append((i, words, run))
+    if not runs:
         return 1
-    first = next(iter(done.values()))
-    rates: dict[tuple, dict[str, float]] = {}
-    for words, run in done.items():
+    first = runs[0][2]
+    rates: dict[tuple, dict[int, float]] = {}  # row -> set index -> TB/s
+    for i, _, run in runs:
+        c = run["config"]
         for r in run["rows"]:
-            key = (run["config"]["batch"], run["config"]["kv_heads"], "1..N" if r["varlen"] else "all N",
-                   r["seqlen"])
+            key = (r["dtype"], c["batch"], c["heads"], c["kv_heads"], c["head_dim"],
+                   "1..N" if r["varlen"] else "all N", r["seqlen"])
             res = r["results"]["fusedattn"]
             if res.get("status", "ok") == "ok":
-                rates.setdefault(key, {})[words] = res["tb_per_s"]
+                rates.setdefault(key, {})[i] = res["tb_per_s"]
+    names = {i: f"{i}: {label(words)}" for i, words, _ in runs}
     lines = [f"{first['device']}, torch {first['torch']}, {first['date']}; fusedattn TB/s; "
              f"common arguments: {' '.join(common) or '-'}", "",
-             "| B | kv heads | lengths | N | " + " | ".join(map(label, done)) + " | best |",
-             "|" + "---|" * (5 + len(done))]
+             "| dtype | B | Hq | Hkv | d | lengths | N | " + " | ".join(names.values()) + " | best |",
+             "|" + "---|" * (8 + len(names))]
     for key, row in rates.items():
         best = max(row, key=row.get)
-        cells = [f"{row[w]:.2f}" if w in row else "-" for w in done]
-        lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(cells) + f" | {label(best)} |")
+        cells = [f"{row[i]:.2f}" if i in row else "-" for i in names]
+        lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(cells) + f" | {names[best]} |")
     text = "\n".join(lines) + "\n"
     (out / "sweep.md").write_text(text)
     print(text)
-    return 0 if len(done) == len(sets) else 1
+    return 0 if len(runs) == len(sets) else 1
 
 
 if __name__ == "__main__":

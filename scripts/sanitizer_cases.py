@@ -59,10 +59,11 @@ def attention_cases():
 
 
 def kvcache_cases():
-    # FUSEDATTN_DECODE_CLUSTER_MERGE: where it is unset these small grids
-    # merge their splits in clusters on sm_90; "0" merges through global memory.
+    # FUSEDATTN_DECODE_CLUSTER_MERGE: "1" requires the splits to merge in
+    # clusters (sm_90; these small grids fit), "0" merges through global memory.
+    cluster = "1" if torch.cuda.get_device_capability() >= (9, 0) else None
     for head_dim in (32, 64, 128):
-        for splits, merge in (("1", None), ("4", None), ("4", "0")):
+        for splits, merge in (("1", None), ("4", cluster), ("4", "0")):
             os.environ["FUSEDATTN_DECODE_SPLITS"] = splits
             os.environ.pop("FUSEDATTN_DECODE_CLUSTER_MERGE", None)
             if merge is not None:

@@ -19,9 +19,12 @@ merge_paths = pytest.mark.parametrize("merge", ["1", "0"], ids=["cluster-merge",
 
 
 def set_merge_path(monkeypatch, merge):
+    """merge None: the automatic choice, whatever the environment said."""
     if merge == "1" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("thread block clusters need sm_90")
-    if merge is not None:
+    if merge is None:
+        monkeypatch.delenv("FUSEDATTN_DECODE_CLUSTER_MERGE", raising=False)
+    else:
         monkeypatch.setenv("FUSEDATTN_DECODE_CLUSTER_MERGE", merge)
 
 
@@ -108,14 +111,17 @@ def test_cuda_kvcache_cluster_and_global_merge_agree(monkeypatch, splits, head_d
     =0 makes the last split merge through global memory. Both merge the same
     float32 partials with the same code, so they agree bit for bit, and match
     the reference (Nq = 7 with 4 heads a group gives two row tiles; at 8
-    splits some splits have no keys)."""
+    splits some splits have no keys). Below sm_90 only the global merge runs,
+    against the reference."""
     monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
     args = cuda_cache(B=3, Hq=8, Hkv=2, d=head_dim, max_len=1500, nq=7, n_new=7, dtype=torch.float16,
                       seed=int(splits))
-    set_merge_path(monkeypatch, "1")
-    out, lse = run_checked(*args, True)
     set_merge_path(monkeypatch, "0")
-    global_out, global_lse = op(*args, True, None)  # appends the same rows at the same places again
+    global_out, global_lse = run_checked(*args, True)
+    if torch.cuda.get_device_capability() < (9, 0):
+        return
+    set_merge_path(monkeypatch, "1")
+    out, lse = op(*args, True, None)  # appends the same rows at the same places again
     assert torch.equal(out, global_out) and torch.equal(lse, global_lse)
 
 
@@ -133,8 +139,9 @@ def test_cuda_kvcache_cluster_merge_setting_errors(monkeypatch, value, splits, m
     monkeypatch.setenv("FUSEDATTN_DECODE_CLUSTER_MERGE", value)
     q, k_cache, v_cache, lens, _, _ = cuda_cache(B=2, Hq=8, Hkv=2, d=64, max_len=1500, nq=1, n_new=0,
                                                  dtype=torch.float16)
-    # The kernel layer throws std::invalid_argument; through torch.ops it
-    # should reach Python as pybind11's ValueError (read, not yet run).
+    # The kernel layer throws std::invalid_argument; which Python type that
+    # becomes through torch.ops is torch's choice (this passed on the H200,
+    # 2026-12-01, as one of the two).
     with pytest.raises((ValueError, RuntimeError), match=message):
         op(q, k_cache, v_cache, lens, None, None, True, None)
 

@@ -94,26 +94,35 @@ bool decode_merges_in_cluster(const KVCacheParams& p) {
     return decode_max_active_clusters<decltype(head_dim)::value, decltype(element)>(p.num_splits);
   });
   const bool merges = clusters <= fit;
-  if (mode == "1" && !merges)
+  if (mode == "1" && !merges) {
+    // Clusters of a larger grid would run in waves, correctly but slower than
+    // the global merge: this rule is the automatic one, required.
+    const std::string why =
+        p.num_splits > kMaxClusterSplits
+            ? "it has " + std::to_string(p.num_splits) + " splits, a cluster holds 2-" +
+                  std::to_string(kMaxClusterSplits)
+        : fit == 0 ? std::string("the decode kernel has no sm_90 code for this device")
+                   : "its grid has " + std::to_string(clusters) + " clusters, the GPU runs " + std::to_string(fit) +
+                         " at once";
     throw std::invalid_argument(
-        "fusedattn: FUSEDATTN_DECODE_CLUSTER_MERGE=1, but this call's splits cannot merge in clusters: that "
-        "needs 2-" + std::to_string(kMaxClusterSplits) + " splits (it has " + std::to_string(p.num_splits) +
-        "), the kernel's sm_90 code, and every cluster at once (it has " + std::to_string(clusters) +
-        ", the GPU runs " + std::to_string(fit) + ")");
+        "fusedattn: FUSEDATTN_DECODE_CLUSTER_MERGE=1, but this call's splits cannot merge in clusters: " + why);
+  }
   return merges;
 }
 
 void forward_kvcache(const KVCacheParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.attn.shape;
-  if (p.n_new > 0) launch_append(p, stream);
-  if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return;
-  if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits)  // merge_splits holds two split LSEs per lane
+  // Checked before the append, so that a call that throws leaves the caches as they were.
+  const bool attends = sh.batch * sh.heads_q * sh.seqlen_q > 0;
+  if (attends && (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits))  // merge_splits: two split LSEs per lane
     throw std::invalid_argument("fusedattn: num_splits must be in [1, kMaxDecodeSplits]");
-  if (p.merge_in_cluster && (p.num_splits < 2 || p.num_splits > kMaxClusterSplits))
+  if (attends && p.merge_in_cluster && (p.num_splits < 2 || p.num_splits > kMaxClusterSplits))
     throw std::invalid_argument("fusedattn: merge_in_cluster needs 2 to kMaxClusterSplits splits");
-  if (p.num_splits > 1 && !p.merge_in_cluster &&
+  if (attends && p.num_splits > 1 && !p.merge_in_cluster &&
       (p.partial_out == nullptr || p.partial_lse == nullptr || p.split_arrivals == nullptr))
     throw std::invalid_argument("fusedattn: num_splits > 1 needs partial_out, partial_lse and split_arrivals");
+  if (p.n_new > 0) launch_append(p, stream);
+  if (!attends) return;
   dispatch_decode(p, [&](auto head_dim, auto element) {
     launch_decode<decltype(head_dim)::value, decltype(element)>(p, stream);
   });
