@@ -98,8 +98,7 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     partial_out = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2), q.size(3)},
                             q.options().dtype(at::kFloat));
     partial_lse = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2)}, partial_out.options());
-    split_arrivals = arrival_counters(
-        q, p.attn.shape.batch * p.attn.shape.heads_kv * cuda::decode_row_tiles(p.attn.shape), stream);
+    split_arrivals = arrival_counters(q, cuda::decode_items(p.attn.shape), stream);
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
     p.split_arrivals = split_arrivals.data_ptr<int32_t>();

@@ -77,7 +77,7 @@ int decode_num_splits(const KVCacheParams& p) {
   const int64_t slots = dispatch_decode(p, [](auto head_dim, auto element) {
     return block_slots<decltype(head_dim)::value, decltype(element)>();
   });
-  return splits_for_waves(sh.batch * sh.heads_kv * decode_row_tiles(sh), slots, tiles);
+  return splits_for_waves(decode_items(sh), slots, tiles);
 }
 
 bool decode_merges_in_cluster(const KVCacheParams& p) {
@@ -86,8 +86,7 @@ bool decode_merges_in_cluster(const KVCacheParams& p) {
   if (!mode.empty() && mode != "0" && mode != "1")
     throw std::invalid_argument("fusedattn: FUSEDATTN_DECODE_CLUSTER_MERGE must be 0, 1 or unset, got '" +
                                 std::string(mode) + "'");
-  const AttentionShape& sh = p.attn.shape;
-  const int64_t clusters = sh.batch * sh.heads_kv * decode_row_tiles(sh);
+  const int64_t clusters = decode_items(p.attn.shape);
   // One split merges nothing; an empty grid launches nothing.
   if (mode == "0" || p.num_splits < 2 || clusters == 0) return false;
   const int fit = dispatch_decode(p, [&](auto head_dim, auto element) {
@@ -114,13 +113,15 @@ void forward_kvcache(const KVCacheParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.attn.shape;
   // Checked before the append, so that a call that throws leaves the caches as they were.
   const bool attends = sh.batch * sh.heads_q * sh.seqlen_q > 0;
-  if (attends && (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits))  // merge_splits: two split LSEs per lane
-    throw std::invalid_argument("fusedattn: num_splits must be in [1, kMaxDecodeSplits]");
-  if (attends && p.merge_in_cluster && (p.num_splits < 2 || p.num_splits > kMaxClusterSplits))
-    throw std::invalid_argument("fusedattn: merge_in_cluster needs 2 to kMaxClusterSplits splits");
-  if (attends && p.num_splits > 1 && !p.merge_in_cluster &&
-      (p.partial_out == nullptr || p.partial_lse == nullptr || p.split_arrivals == nullptr))
-    throw std::invalid_argument("fusedattn: num_splits > 1 needs partial_out, partial_lse and split_arrivals");
+  if (attends) {
+    if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits)  // merge_splits: two split LSEs per lane
+      throw std::invalid_argument("fusedattn: num_splits must be in [1, kMaxDecodeSplits]");
+    if (p.merge_in_cluster && (p.num_splits < 2 || p.num_splits > kMaxClusterSplits))
+      throw std::invalid_argument("fusedattn: merge_in_cluster needs 2 to kMaxClusterSplits splits");
+    if (p.num_splits > 1 && !p.merge_in_cluster &&
+        (p.partial_out == nullptr || p.partial_lse == nullptr || p.split_arrivals == nullptr))
+      throw std::invalid_argument("fusedattn: num_splits > 1 needs partial_out, partial_lse and split_arrivals");
+  }
   if (p.n_new > 0) launch_append(p, stream);
   if (!attends) return;
   dispatch_decode(p, [&](auto head_dim, auto element) {

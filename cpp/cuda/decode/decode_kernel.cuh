@@ -407,8 +407,7 @@ void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   // The kernel's sm_90 code runs on this device: it waits for the kernel
   // before it, and may run in clusters (decode_merges_in_cluster).
   const bool hopper = configure_decode_kernel<HeadDim, T, IsCausal>();
-  const AttentionShape& sh = p.attn.shape;
-  const int64_t blocks = decode_row_tiles(sh) * p.num_splits * sh.heads_kv * sh.batch;
+  const int64_t blocks = decode_items(p.attn.shape) * p.num_splits;
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
   if (p.merge_in_cluster && !hopper)

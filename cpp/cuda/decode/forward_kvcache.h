@@ -31,6 +31,10 @@ __host__ __device__ inline int64_t decode_row_tiles(const AttentionShape& sh) {
   return (sh.heads_q / sh.heads_kv * sh.seqlen_q + kDecodeBlockM - 1) / kDecodeBlockM;
 }
 
+// (sequence, kv head, row tile) items: the blocks of one split, the clusters
+// when the splits merge in clusters, the arrival counters when they do not.
+inline int64_t decode_items(const AttentionShape& sh) { return sh.batch * sh.heads_kv * decode_row_tiles(sh); }
+
 // How many blocks to split each (sequence, kv head)'s keys over on the current
 // device, for p's shape (p.attn.shape.seqlen_k, the cache size, stands in for
 // the lengths, which only the device knows). FUSEDATTN_DECODE_SPLITS=n forces
