@@ -41,7 +41,9 @@ struct DecodeTraits {
   // 2026-12-01 (two calls, docs/cuda-notes.md d10): d=64 4K 1.08x (level
   // with cuDNN, was 0.93x), GQA 4K 1.03x, 32K-128K 1.00-1.01x, but GQA with
   // lengths 1..N at 32K 0.93x (fewer, longer splits: 264 block slots, not 396).
-  static constexpr int kWarps = HeadDim <= 64 ? 8 : 4;
+  static constexpr int kWarps = 8;
+  // At d=128, 8 warps' 128-key tiles fill one block per SM (196 KB of ring).
+  static constexpr int kMinBlocksPerSm = HeadDim <= 64 ? 2 : 1;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockM = kDecodeBlockM;  // query rows: one MMA tile, shared by the warps
   static constexpr int kBlockN = 16 * kWarps;  // keys per tile, 16 per warp
@@ -96,7 +98,7 @@ constexpr int decode_smem_bytes() {
 // it; this code does not (177-178 registers without it), but the build
 // measured on the H200 on 2026-11-30 had it (198-206 registers at d=128).
 template <int HeadDim, typename T, bool IsCausal>
-__global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
+__global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, DecodeTraits<HeadDim>::kMinBlocksPerSm)
     decode_kernel(const __grid_constant__ KVCacheParams p) {
   using Tr = DecodeTraits<HeadDim>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
