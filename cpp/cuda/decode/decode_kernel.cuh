@@ -5,8 +5,9 @@
 // loaded once for all query heads that read it (GQA). The block's keys, its
 // share of the sequence's cache_seqlens[b] + n_new, stream through a ring of
 // kStages shared-memory buffers with cp.async: kStages - 1 tiles are always in
-// flight, which is what a memory-bound kernel needs. Each warp (4, or 8 at
-// d <= 64) takes 16 keys of every tile (64 or 128 keys), copies them itself
+// flight, which is what a memory-bound kernel needs. Each warp (8, or 4 at
+// d=128 where a block cannot hold 8 warps' ring: decode_warps) takes 16 keys
+// of every tile (128 or 64 keys), copies them itself
 // (its own share of the ring: no block-wide sync per tile, so a warp runs
 // ahead of a slower one) and keeps its own online softmax (m_i, l_i, acc);
 // the warps merge in shared memory at the end:
@@ -103,9 +104,10 @@ constexpr int decode_smem_bytes() {
   return DecodeTraits<HeadDim, Warps>::kSmemElements * sizeof(T);
 }
 
-// As many blocks per SM as the ring's shared memory allows (2 at d <= 64, 1
-// at d=128: 210-215 registers there, no spills). The hint of 2 came with a
-// 4-warp draft that spilled at 168 registers on sm_90a without it.
+// As many blocks per SM as the ring's shared memory allows: 2 at d <= 64 and
+// with 4 warps at d=128, 1 with 8 warps at d=128 (210-215 registers there, no
+// spills). The hint of 2 came with a 4-warp draft that spilled at 168
+// registers on sm_90a without it.
 template <int HeadDim, int Warps, typename T, bool IsCausal>
 __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
                                   DecodeTraits<HeadDim, Warps>::kMinBlocksPerSm)
@@ -416,9 +418,10 @@ bool configure_decode_kernel() {
 // The warps of a decode block on the current device: 8, except at d=128
 // where a block cannot hold their ring (192 KB: an A100 gives a block 163
 // KB), which takes 4 (64-key tiles, 100 KB, 2 blocks per SM). At d=128,
-// FUSEDATTN_DECODE_WARPS=4 or 8 picks one (tests and benchmarks); it is read
-// at the first decode call on each device, so that the split rule's block
-// slots and the launches agree.
+// FUSEDATTN_DECODE_WARPS=4 or 8 picks one (tests and benchmarks; other head
+// dims have 8 only and do not read it); it is read at the first d=128 decode
+// call on each device, so that the split rule's block slots and the launches
+// agree.
 template <int HeadDim, typename T>
 int decode_warps() {
   if constexpr (HeadDim <= 64) {
@@ -434,11 +437,12 @@ int decode_warps() {
       if (forced.empty()) return eight_fit ? 8 : 4;
       if (forced == "4") return 4;
       if (forced == "8" && eight_fit) return 8;
-      throw std::invalid_argument(forced == "8" ? "fusedattn: FUSEDATTN_DECODE_WARPS=8, but this device gives a block " +
-                                                      std::to_string(optin) + " bytes of shared memory, 8 warps need " +
-                                                      std::to_string(decode_smem_bytes<HeadDim, 8, T>())
-                                                : "fusedattn: FUSEDATTN_DECODE_WARPS must be 4, 8 or unset, got '" +
-                                                      std::string(forced) + "'");
+      throw std::invalid_argument(
+          forced == "8" ? "fusedattn: FUSEDATTN_DECODE_WARPS=8, but this device gives a block " + std::to_string(optin) +
+                              " bytes of shared memory, 8 warps need " +
+                              std::to_string(decode_smem_bytes<HeadDim, 8, T>()) + " bytes at d=128"
+                        : "fusedattn: FUSEDATTN_DECODE_WARPS (read at d=128) must be 4, 8 or unset, got '" +
+                              std::string(forced) + "'");
     });
   }
 }
@@ -449,6 +453,11 @@ decltype(auto) with_decode_warps(F&& f) {
   if (decode_warps<HeadDim, T>() == 8) return f(std::integral_constant<int, 8>{});
   if constexpr (HeadDim > 64) return f(std::integral_constant<int, 4>{});
   throw std::logic_error("fusedattn: decode_warps: only 8 warps at d <= 64");
+}
+
+template <int HeadDim, typename Element>
+int decode_block_warps() {
+  return decode_warps<HeadDim, Element>();
 }
 
 template <int HeadDim, int Warps, typename T, bool IsCausal>
