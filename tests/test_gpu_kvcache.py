@@ -1,6 +1,10 @@
 """forward_kvcache on CUDA (the split-KV decode kernels) against the float64
 reference (marker `gpu`)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -274,6 +278,32 @@ def test_cuda_kvcache_out_of_range_lengths(monkeypatch, splits, merge):
     assert out[1:].isnan().all() and lse[1:].isnan().all()
     assert not out[0].isnan().any()
     assert torch.equal(k_cache[1:], before[1:]) and torch.equal(k_cache[0, :, 10], k_new[0, :, 0])
+
+
+def run_this_file_with(env, *pytest_args):
+    """This file's tests in a subprocess with `env` added (and no inherited
+    PYTEST_ADDOPTS, which could name this run's report file): the decode
+    block's warps are chosen at the first decode call of a process."""
+    child_env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, *pytest_args],
+                          cwd=os.path.dirname(__file__), env={**child_env, **env}, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_cuda_kvcache_four_warp_blocks_at_d128():
+    """At d=128 a decode block has 8 warps where it can hold their 192 KB
+    ring (H100, H200) and 4 where it cannot (an A100 gives a block 163 KB).
+    FUSEDATTN_DECODE_WARPS=4 runs this whole file through the 4-warp blocks
+    on any GPU (other head dims have 8 warps only); =5 raises, and so does =8
+    where 8 warps do not fit."""
+    done = run_this_file_with({"FUSEDATTN_DECODE_WARPS": "4"}, "-x", "-k", "not four_warp_blocks")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
+    bad = run_this_file_with({"FUSEDATTN_DECODE_WARPS": "5"}, "-x", "-k", "matches_reference and 128")
+    assert bad.returncode != 0 and "must be 4, 8 or unset, got '5'" in bad.stdout
+    if torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 200704:  # 8 warps' Q and ring
+        eight = run_this_file_with({"FUSEDATTN_DECODE_WARPS": "8"}, "-x", "-k", "matches_reference and 128")
+        assert eight.returncode != 0 and "8 warps need 200704 bytes at d=128" in eight.stdout
 
 
 def test_cuda_kvcache_layout_errors():

@@ -266,7 +266,7 @@ int main(int argc, char** argv) {
         run_stages<Path::BulkTile, 128>(a, n, splits, sms);
         run_stages<Path::TmaTile, 128>(a, n, splits, sms);
       }
-      // The decode kernel's configuration (3 stages, 2 blocks per SM) with work per tile.
+      // The d=128 decode kernel's configuration until d13 (3 stages, 2 blocks per SM) with work per tile.
       for (int64_t delay : {250, 500, 1000, 2000, 4000}) {
         run<Path::CpAsync, 3>(a, n, 1, sms, delay);
         run<Path::CpAsyncEarly, 3>(a, n, 1, sms, delay);

@@ -21,8 +21,9 @@
 //               tile 4 further on (a record: it only slowed the stream)
 //   plain loads no ring: 16-byte loads into registers, blocks striding over
 //               the flat tile list (plain_read_kernel)
-// All but plain loads use the decode kernel's ring (3 stages of 64-key K and V tiles,
-// 16-byte cp.async with the L2 prefetch, 4 warps, 2 blocks per SM) and its
+// All but plain loads use the d=128 decode kernel's ring as it was until d13
+// (3 stages of 64-key K and V tiles, 16-byte cp.async with the L2 prefetch,
+// 4 warps, 2 blocks per SM; 8 warps and 128-key tiles since) and its
 // launch (programmatic dependent launch, the wait first). Per schedule it
 // prints TB/s of 10 calls back to back and, for the last call, when blocks
 // finished (us after the first block started): the first, the median and

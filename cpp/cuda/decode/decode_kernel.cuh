@@ -5,8 +5,9 @@
 // loaded once for all query heads that read it (GQA). The block's keys, its
 // share of the sequence's cache_seqlens[b] + n_new, stream through a ring of
 // kStages shared-memory buffers with cp.async: kStages - 1 tiles are always in
-// flight, which is what a memory-bound kernel needs. Each warp (4, or 8 at
-// d <= 64) takes 16 keys of every tile (64 or 128 keys), copies them itself
+// flight, which is what a memory-bound kernel needs. Each warp (8, or 4 at
+// d=128 where a block cannot hold 8 warps' ring: decode_warps) takes 16 keys
+// of every tile (128 or 64 keys), copies them itself
 // (its own share of the ring: no block-wide sync per tile, so a warp runs
 // ahead of a slower one) and keeps its own online softmax (m_i, l_i, acc);
 // the warps merge in shared memory at the end:
@@ -21,7 +22,11 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
 
 #include "../common/dependent_launch.cuh"
 #include "../common/device_math.cuh"
@@ -34,24 +39,32 @@
 
 namespace fusedattn::cuda {
 
-template <int HeadDim>
+template <int HeadDim, int Warps>
 struct DecodeTraits {
-  // At d <= 64, 8 warps: 128-key tiles carry as many bytes as d=128's 64,
-  // 2 blocks per SM. Against 4 warps (3 blocks per SM) on the H200,
-  // 2026-12-01 (two calls, docs/cuda-notes.md d10): d=64 4K 1.08x (level
-  // with cuDNN, was 0.93x), GQA 4K 1.03x, 32K-128K 1.00-1.01x, but GQA with
-  // lengths 1..N at 32K 0.93x (fewer, longer splits: 264 block slots, not 396).
-  static constexpr int kWarps = HeadDim <= 64 ? 8 : 4;
+  // 8 warps, 128-key tiles. At d <= 64 that is 2 blocks per SM; against 4
+  // warps (3 blocks per SM) on the H200, 2026-12-01 (two calls,
+  // docs/cuda-notes.md d10): d=64 4K 1.08x (level with cuDNN, was 0.93x), GQA
+  // 4K 1.03x, 32K-128K 1.00-1.01x, but GQA with lengths 1..N at 32K 0.93x
+  // (fewer, longer splits: 264 block slots, not 396). At d=128 the ring takes
+  // 192 KB, one block per SM: the bytes in flight of two 4-warp blocks with
+  // half the splits to merge. Against 4 warps and 2 blocks per SM (one A/B
+  // call, 2026-12-01 12:47, docs/cuda-notes.md d13): GQA 4K 1.04x (2 splits
+  // merged in clusters of 2, not 4 through global memory), lengths 1..N at 4K
+  // 1.08-1.09x, GQA 1..N 32K 1.03x, GQA 32K 0.99x, the rest 1.00x.
+  // (decode_warps picks 8 or, where a block cannot hold 8 warps' ring, 4.)
+  static constexpr int kWarps = Warps;
+  static constexpr int kMinBlocksPerSm = HeadDim * Warps <= 512 ? 2 : 1;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockM = kDecodeBlockM;  // query rows: one MMA tile, shared by the warps
   static constexpr int kBlockN = 16 * kWarps;  // keys per tile, 16 per warp
   static_assert(kBlockM == 16 && kBlockN % kDecodeBlockN == 0);
-  // Tiles in the ring: kStages - 1 in flight while one is computed on. At
-  // d=128, 3 stages take 100 KB and fit 2 blocks per SM; 2 stages (3 blocks)
-  // and 4 stages (1 block) streamed 2.4-2.9 TB/s against 4.0-4.4 (H200,
-  // docs/cuda-notes.md). Also tried there, no better: 8 warps and 128-key
-  // tiles; 2 warps, 32-key tiles and 4 or 6 stages; prefetching later tiles
-  // into L2 (prefetch.global.L2), which cost 10-35%.
+  // Tiles in the ring: kStages - 1 in flight while one is computed on. With
+  // 4 warps at d=128 (64-key tiles, 2 blocks per SM), 2 stages (3 blocks)
+  // and 4 stages (1 block) streamed 2.4-2.9 TB/s against 4.0-4.4 for 3 (H200,
+  // docs/cuda-notes.md); 8 warps and 128-key tiles read the same there, with
+  // a kernel that still merged its splits in a second kernel. Also no better:
+  // 2 warps, 32-key tiles and 4 or 6 stages; prefetching later tiles into L2
+  // (prefetch.global.L2), which cost 10-35%.
   static constexpr int kStages = 3;
   // Each 16-byte cp.async asks L2 for the surrounding 128 bytes: +2-3%.
   // (Bulk copies per row into the ring, with an mbarrier per stage, ran 1-9%
@@ -86,19 +99,20 @@ struct DecodeTraits {
 
 // A block's dynamic shared memory (Q and the ring), for the launch and the
 // occupancy queries.
-template <int HeadDim, typename T>
+template <int HeadDim, int Warps, typename T>
 constexpr int decode_smem_bytes() {
-  return DecodeTraits<HeadDim>::kSmemElements * sizeof(T);
+  return DecodeTraits<HeadDim, Warps>::kSmemElements * sizeof(T);
 }
 
-// At least two blocks per SM: at d=128 all the ring's shared memory allows.
-// The hint came with a draft that spilled at 168 registers on sm_90a without
-// it; this code does not (177-178 registers without it), but the build
-// measured on the H200 on 2026-11-30 had it (198-206 registers at d=128).
-template <int HeadDim, typename T, bool IsCausal>
-__global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
+// As many blocks per SM as the ring's shared memory allows: 2 at d <= 64 and
+// with 4 warps at d=128, 1 with 8 warps at d=128 (210-215 registers there, no
+// spills). The hint of 2 came with a 4-warp draft that spilled at 168
+// registers on sm_90a without it.
+template <int HeadDim, int Warps, typename T, bool IsCausal>
+__global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
+                                  DecodeTraits<HeadDim, Warps>::kMinBlocksPerSm)
     decode_kernel(const __grid_constant__ KVCacheParams p) {
-  using Tr = DecodeTraits<HeadDim>;
+  using Tr = DecodeTraits<HeadDim, Warps>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   using Layout = typename Tr::Layout;
   constexpr int kStages = Tr::kStages, kWarps = Tr::kWarps, kDTiles = HeadDim / 8;
@@ -389,75 +403,130 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim>::kThreads, 2)
 // Raises the kernel's dynamic shared memory limit and asks whether it can be
 // a dependent launch, once per device (the attribute is per device; setting
 // it costs a driver call per launch otherwise). Returns that answer.
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, int Warps, typename T, bool IsCausal>
 bool configure_decode_kernel() {
   enum : int { kPlain = 1, kDependent = 2 };
   static std::atomic<int> configured[kMaxCachedDevices];
   return once_per_device(configured, [](int device) {
-           const auto kernel = decode_kernel<HeadDim, T, IsCausal>;
+           const auto kernel = decode_kernel<HeadDim, Warps, T, IsCausal>;
            FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     decode_smem_bytes<HeadDim, T>()));
+                                                     decode_smem_bytes<HeadDim, Warps, T>()));
            return waits_for_previous_grid(reinterpret_cast<const void*>(kernel), device) ? kDependent : kPlain;
          }) == kDependent;
 }
 
-template <int HeadDim, typename T, bool IsCausal>
+// The warps of a decode block on the current device: 8, except at d=128
+// where a block cannot hold their ring (192 KB: an A100 gives a block 163
+// KB), which takes 4 (64-key tiles, 100 KB, 2 blocks per SM). At d=128,
+// FUSEDATTN_DECODE_WARPS=4 or 8 picks one (tests and benchmarks; other head
+// dims have 8 only and do not read it); it is read at the first d=128 decode
+// call on each device, so that the split rule's block slots and the launches
+// agree.
+template <int HeadDim, typename T>
+int decode_warps() {
+  if constexpr (HeadDim <= 64) {
+    return 8;
+  } else {
+    static std::atomic<int> known[kMaxCachedDevices];
+    return once_per_device(known, [](int device) {
+      int optin = 0;
+      FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+      const bool eight_fit = optin >= decode_smem_bytes<HeadDim, 8, T>();
+      const char* env = std::getenv("FUSEDATTN_DECODE_WARPS");
+      const std::string_view forced = env ? env : "";
+      if (forced.empty()) return eight_fit ? 8 : 4;
+      if (forced == "4") return 4;
+      if (forced == "8" && eight_fit) return 8;
+      throw std::invalid_argument(
+          forced == "8" ? "fusedattn: FUSEDATTN_DECODE_WARPS=8, but this device gives a block " + std::to_string(optin) +
+                              " bytes of shared memory, 8 warps need " +
+                              std::to_string(decode_smem_bytes<HeadDim, 8, T>()) + " bytes at d=128"
+                        : "fusedattn: FUSEDATTN_DECODE_WARPS (read at d=128) must be 4, 8 or unset, got '" +
+                              std::string(forced) + "'");
+    });
+  }
+}
+
+// f(std::integral_constant<int, warps>{}) for decode_warps' answer.
+template <int HeadDim, typename T, typename F>
+decltype(auto) with_decode_warps(F&& f) {
+  if (decode_warps<HeadDim, T>() == 8) return f(std::integral_constant<int, 8>{});
+  if constexpr (HeadDim > 64) return f(std::integral_constant<int, 4>{});
+  throw std::logic_error("fusedattn: decode_warps: only 8 warps at d <= 64");
+}
+
+template <int HeadDim, typename Element>
+int decode_block_warps() {
+  return decode_warps<HeadDim, Element>();
+}
+
+template <int HeadDim, int Warps, typename T, bool IsCausal>
 void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
-  using Tr = DecodeTraits<HeadDim>;
+  using Tr = DecodeTraits<HeadDim, Warps>;
   // The kernel's sm_90 code runs on this device: it waits for the kernel
   // before it, and may run in clusters (decode_merges_in_cluster).
-  const bool hopper = configure_decode_kernel<HeadDim, T, IsCausal>();
+  const bool hopper = configure_decode_kernel<HeadDim, Warps, T, IsCausal>();
   const int64_t blocks = decode_items(p.attn.shape) * p.num_splits;
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
   if (p.merge_in_cluster && !hopper)
     throw std::invalid_argument("fusedattn: merge_in_cluster needs the decode kernel's sm_90 code on this device");
-  launch_dependent(decode_kernel<HeadDim, T, IsCausal>, hopper, p.merge_in_cluster ? p.num_splits : 1,
-                   dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), decode_smem_bytes<HeadDim, T>(), stream, p);
+  launch_dependent(decode_kernel<HeadDim, Warps, T, IsCausal>, hopper, p.merge_in_cluster ? p.num_splits : 1,
+                   dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), decode_smem_bytes<HeadDim, Warps, T>(),
+                   stream, p);
 }
 
 template <int HeadDim, typename Element>
 void launch_decode(const KVCacheParams& p, cudaStream_t stream) {
-  if (p.attn.is_causal)
-    launch_decode_kernel<HeadDim, Element, true>(p, stream);
-  else
-    launch_decode_kernel<HeadDim, Element, false>(p, stream);
+  with_decode_warps<HeadDim, Element>([&](auto warps) {
+    if (p.attn.is_causal)
+      launch_decode_kernel<HeadDim, warps, Element, true>(p, stream);
+    else
+      launch_decode_kernel<HeadDim, warps, Element, false>(p, stream);
+  });
 }
 
 // Both causal variants share traits and registers closely enough that one
 // occupancy answer serves both.
 template <int HeadDim, typename Element>
 int decode_blocks_per_sm() {
-  using Tr = DecodeTraits<HeadDim>;
-  configure_decode_kernel<HeadDim, Element, true>();
-  int blocks = 0;
-  FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, decode_kernel<HeadDim, Element, true>, Tr::kThreads, decode_smem_bytes<HeadDim, Element>()));
-  return blocks;
+  return with_decode_warps<HeadDim, Element>([](auto warps) {
+    using Tr = DecodeTraits<HeadDim, warps>;
+    configure_decode_kernel<HeadDim, warps, Element, true>();
+    int blocks = 0;
+    FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, decode_kernel<HeadDim, warps, Element, true>, Tr::kThreads,
+        decode_smem_bytes<HeadDim, warps, Element>()));
+    return blocks;
+  });
 }
 
-// Both causal variants again share one answer (at d=128 210 and 215
-// registers: 2 blocks per SM either way). Cached per device and split count
-// (plus one: once_per_device keeps no zero answer).
+// Both causal variants again share one answer (at d=128 with 8 warps 210
+// and 215 registers: 1 block per SM either way). Cached per device and split
+// count (plus one: once_per_device keeps no zero answer).
 template <int HeadDim, typename Element>
 int decode_max_active_clusters(int splits) {
-  using Tr = DecodeTraits<HeadDim>;
-  if (splits < 2 || splits > kMaxClusterSplits || !configure_decode_kernel<HeadDim, Element, true>()) return 0;
-  static std::atomic<int> known[kMaxClusterSplits + 1][kMaxCachedDevices];
-  return once_per_device(known[splits], [splits](int) {
-           cudaLaunchConfig_t config = {};
-           config.gridDim = dim3(splits);
-           config.blockDim = dim3(Tr::kThreads);
-           config.dynamicSmemBytes = decode_smem_bytes<HeadDim, Element>();
-           cudaLaunchAttribute attribute = cluster_attribute(splits);
-           config.attrs = &attribute;
-           config.numAttrs = 1;
-           int clusters = 0;
-           FUSEDATTN_CUDA_CHECK(
-               cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<HeadDim, Element, true>, &config));
-           return clusters + 1;
-         }) -
-         1;
+  return with_decode_warps<HeadDim, Element>([splits](auto warps) {
+    constexpr int kWarps = decltype(warps)::value;
+    using Tr = DecodeTraits<HeadDim, kWarps>;
+    if (splits < 2 || splits > kMaxClusterSplits || !configure_decode_kernel<HeadDim, kWarps, Element, true>())
+      return 0;
+    static std::atomic<int> known[kMaxClusterSplits + 1][kMaxCachedDevices];
+    return once_per_device(known[splits], [splits](int) {
+             cudaLaunchConfig_t config = {};
+             config.gridDim = dim3(splits);
+             config.blockDim = dim3(Tr::kThreads);
+             config.dynamicSmemBytes = decode_smem_bytes<HeadDim, kWarps, Element>();
+             cudaLaunchAttribute attribute = cluster_attribute(splits);
+             config.attrs = &attribute;
+             config.numAttrs = 1;
+             int clusters = 0;
+             FUSEDATTN_CUDA_CHECK(
+                 cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<HeadDim, kWarps, Element, true>, &config));
+             return clusters + 1;
+           }) -
+           1;
+  });
 }
 
 }  // namespace fusedattn::cuda

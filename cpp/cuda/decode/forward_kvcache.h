@@ -20,7 +20,7 @@ inline constexpr int kMaxDecodeSplits = 64;
 // cluster size) where the device runs every cluster of the grid at once.
 inline constexpr int kMaxClusterSplits = 8;
 // A thread block takes kDecodeBlockM (query head, query) rows of one kv head
-// and streams its keys in tiles of kDecodeBlockN (d=128) or a multiple of it
+// and streams its keys in tiles of kDecodeBlockN (4 warps) or a multiple of it
 // (the kernel's DecodeTraits); the host counts a cache's work in kDecodeBlockN.
 inline constexpr int kDecodeBlockM = 16;
 inline constexpr int kDecodeBlockN = 64;
@@ -62,6 +62,11 @@ template <int HeadDim, typename Element>
 void launch_decode(const KVCacheParams& p, cudaStream_t stream);
 template <int HeadDim, typename Element>
 int decode_blocks_per_sm();
+// The warps of a decode block on the current device (8, or 4 at d=128 where
+// a block cannot hold 8 warps' ring); throws std::invalid_argument for a bad
+// FUSEDATTN_DECODE_WARPS.
+template <int HeadDim, typename Element>
+int decode_block_warps();
 // Clusters of `splits` decode blocks the current device runs at once; 0 where
 // the kernel cannot run in clusters (no sm_90 code, or not 2-8 splits).
 template <int HeadDim, typename Element>
