@@ -115,7 +115,7 @@ void forward_kvcache(const KVCacheParams& p, cudaStream_t stream) {
   const bool attends = sh.batch * sh.heads_q * sh.seqlen_q > 0;
   if (attends) {
     dispatch_decode(p, [](auto head_dim, auto element) {  // FUSEDATTN_DECODE_WARPS
-      return decode_block_warps<decltype(head_dim)::value, decltype(element)>();
+      return decode_warps<decltype(head_dim)::value, decltype(element)>();
     });
     if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits)  // merge_splits: two split LSEs per lane
       throw std::invalid_argument("fusedattn: num_splits must be in [1, kMaxDecodeSplits]");

@@ -4,6 +4,6 @@
 namespace fusedattn::cuda {
 template void launch_decode<64, __half>(const KVCacheParams&, cudaStream_t);
 template int decode_blocks_per_sm<64, __half>();
-template int decode_block_warps<64, __half>();
+template int decode_warps<64, __half>();
 template int decode_max_active_clusters<64, __half>(int);
 }  // namespace fusedattn::cuda

@@ -455,11 +455,6 @@ decltype(auto) with_decode_warps(F&& f) {
   throw std::logic_error("fusedattn: decode_warps: only 8 warps at d <= 64");
 }
 
-template <int HeadDim, typename Element>
-int decode_block_warps() {
-  return decode_warps<HeadDim, Element>();
-}
-
 template <int HeadDim, int Warps, typename T, bool IsCausal>
 void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   using Tr = DecodeTraits<HeadDim, Warps>;

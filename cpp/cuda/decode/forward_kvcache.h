@@ -66,7 +66,7 @@ int decode_blocks_per_sm();
 // a block cannot hold 8 warps' ring); throws std::invalid_argument for a bad
 // FUSEDATTN_DECODE_WARPS.
 template <int HeadDim, typename Element>
-int decode_block_warps();
+int decode_warps();
 // Clusters of `splits` decode blocks the current device runs at once; 0 where
 // the kernel cannot run in clusters (no sm_90 code, or not 2-8 splits).
 template <int HeadDim, typename Element>
