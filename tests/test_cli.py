@@ -141,6 +141,11 @@ def test_bench_decode_options_are_checked():
         cli.main(["bench", "--device", "cpu", "--kv-heads", "8", "--no-progress"])
     with pytest.raises(SystemExit, match="--launch-gaps needs --decode"):
         cli.main(["bench", "--device", "cpu", "--launch-gaps", "--no-progress"])
+    with pytest.raises(SystemExit, match="--capacity needs --decode"):
+        cli.main(["bench", "--device", "cpu", "--capacity", "8192", "--no-progress"])
+    with pytest.raises(SystemExit, match=r"--capacity must be at least every N \(the largest is 4096\), got 2048"):
+        cli.main(["bench", "--decode", "--device", "cpu", "--seqlens", "1024,4096", "--capacity", "2048",
+                  "--no-progress"])
     with pytest.raises(SystemExit, match="--plot does not apply to --decode"):
         cli.main(["bench", "--decode", "--plot", "x.png", "--no-progress"])
     with pytest.raises(SystemExit, match="the decode benchmark needs a CUDA device"):

@@ -80,3 +80,21 @@ def test_bench_decode_counts_the_valid_bytes(tmp_path, monkeypatch, launch_gaps)
         assert sleeps == []
     else:
         assert len(sleeps) >= timed_intervals and "short_sleeps" in fused
+
+
+def test_bench_decode_capacity(tmp_path):
+    """--capacity allocates caches longer than N: the bytes counted stay the
+    valid ones, the JSON records it, and SDPA (which would read the whole
+    cache) is skipped on full rows too."""
+    out = tmp_path / "decode.json"
+    assert cli.main(["bench", "--decode", "--batch", "3", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                     "--seqlens", "300", "--capacity", "1000", "--repeats", "2", "--warmup", "1",
+                     "--methods", "sdpa-flash", "--no-progress", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["capacity"] == 1000
+    cfg = bench_decode.DecodeConfig(torch.device("cuda"), batch=3)
+    for row in result["rows"]:
+        fused = row["results"]["fusedattn"]
+        assert fused["status"] == "ok"
+        assert fused["kv_bytes"] == 2 * int(bench_decode.cache_lengths(cfg, 300, row["varlen"]).sum()) * 2 * 64 * 2
+        assert row["results"]["sdpa-flash"]["status"].startswith("n/a")

@@ -47,6 +47,9 @@ class DecodeConfig:
     warmup: int = 2
     methods: list[str] | None = None  # columns besides fusedattn (None: all)
     launch_gaps: bool = False  # time the host's launches too (see SLEEP_OVER_ENQUEUE)
+    # Positions the caches hold (max_len), at least every N; None: each row's N.
+    # forward_kvcache chooses its split count from this, not from the lengths.
+    capacity: int | None = None
 
 
 def cache_lengths(cfg: DecodeConfig, n: int, varlen: bool) -> torch.Tensor:
@@ -124,11 +127,14 @@ def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict
     """One row: per method its median time and bandwidth, or why it did not
     run. The methods read the same cache, and their timed calls interleave
     (bench.interleaved_medians)."""
-    results = {name: {"status": "n/a (no per-sequence lengths)"} for name in table if varlen and name != "fusedattn"}
+    capacity = max(n, cfg.capacity or n)
+    skipped = ("n/a (no per-sequence lengths)" if varlen
+               else "n/a (no cache capacity: reads a cache of N)" if capacity > n else None)
+    results = {name: {"status": skipped} for name in table if skipped and name != "fusedattn"}
     torch.manual_seed(0)
     dt = DTYPES[dtype]
     q = torch.randn(cfg.batch, cfg.heads, 1, cfg.head_dim, device=cfg.device, dtype=dt)
-    k, v = (torch.randn(cfg.batch, cfg.kv_heads, n, cfg.head_dim, device=cfg.device, dtype=dt)
+    k, v = (torch.randn(cfg.batch, cfg.kv_heads, capacity, cfg.head_dim, device=cfg.device, dtype=dt)
             for _ in range(2))
     lengths = cache_lengths(cfg, n, varlen).to(cfg.device)
     useful = 2 * int(lengths.sum()) * cfg.kv_heads * cfg.head_dim * q.element_size()
@@ -186,7 +192,8 @@ def run(cfg: DecodeConfig, progress: bool = True) -> dict:
         "device": describe_device(cfg.device),
         "torch": torch.__version__,
         "config": {"batch": cfg.batch, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
-                   "head_dim": cfg.head_dim, "repeats": cfg.repeats, "launch_gaps": cfg.launch_gaps},
+                   "head_dim": cfg.head_dim, "repeats": cfg.repeats, "launch_gaps": cfg.launch_gaps,
+                   "capacity": cfg.capacity},
         "methods": list(table),
         "rows": rows,
     }
@@ -208,7 +215,8 @@ def format_table(result: dict) -> str:
     cfg = result["config"]
     title = (f"{result['device']}, torch {result['torch']}, {result['date']}\n"
              f"decode: B={cfg['batch']} Hq={cfg['heads']} Hkv={cfg['kv_heads']} d={cfg['head_dim']}, "
-             f"1 query per sequence, median of {cfg['repeats']} intervals of {CALLS_PER_TIMING} calls "
+             f"1 query per sequence"
+             f"{', caches of ' + str(cfg['capacity']) + ' positions' if cfg.get('capacity') else ''}, median of {cfg['repeats']} intervals of {CALLS_PER_TIMING} calls "
              f"({'the host launching them' if cfg.get('launch_gaps') else 'queued while the GPU slept'}); "
              f"TB/s = bytes of the valid K and V / time; "
              f"lengths 1..N: per-sequence lengths drawn from [1, N]; 'x m' = time of m / time of fusedattn\n")

@@ -27,6 +27,11 @@ def _bench_decode(args) -> int:
     if args.lengths:
         cfg.varlen = {"full": [False], "varlen": [True], "both": [False, True]}[args.lengths]
     cfg.launch_gaps = args.launch_gaps
+    if args.capacity is not None:
+        if args.capacity < max(cfg.seqlens):
+            raise SystemExit(f"fusedattn bench: --capacity must be at least every N (the largest is "
+                             f"{max(cfg.seqlens)}), got {args.capacity}")
+        cfg.capacity = args.capacity
     _apply_methods(cfg, args, lambda: bench_decode.methods(cfg))
     result = bench_decode.run(cfg, progress=not args.no_progress)
     print(bench_decode.format_table(result))
@@ -69,7 +74,7 @@ def _bench(args) -> int:
 
     if args.decode:
         return _bench_decode(args)
-    for option in ("kv_heads", "lengths"):
+    for option in ("kv_heads", "lengths", "capacity"):
         if getattr(args, option) is not None:
             raise SystemExit(f"fusedattn bench: --{option.replace('_', '-')} needs --decode")
     if args.launch_gaps:
@@ -148,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--kv-heads", type=int, dest="kv_heads", help="--decode: key/value heads (default: --heads)")
     b.add_argument("--lengths", choices=["full", "varlen", "both"],
                    help="--decode: every cache at N, per-sequence lengths in [1, N], or both (default)")
+    b.add_argument("--capacity", type=int,
+                   help="--decode: positions each cache holds (at least every N; default: N). The split "
+                        "count follows it, not the lengths; SDPA, which reads the whole cache, is skipped")
     b.add_argument("--launch-gaps", action="store_true", dest="launch_gaps",
                    help="--decode: time the host's launches too (default: the GPU sleeps while the host "
                         "enqueues each timed interval's 10 calls, so only the GPU's time counts)")
