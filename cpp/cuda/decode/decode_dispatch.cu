@@ -33,6 +33,15 @@ decltype(auto) dispatch_decode(const KVCacheParams& p, F&& f) {
 // as full as the best choice's.
 constexpr int64_t kMinTilesPerSplit = 16;
 constexpr int64_t kMaxTilesPerSplit = 64;
+// The host knows the cache's capacity, not cache_seqlens, and the kernel
+// divides each sequence's actual keys among the splits: in a cache of 128K
+// positions holding 4K, the 32 splits of kMaxTilesPerSplit made blocks of
+// 128 keys (4K read 1.84 TB/s there, against 4.38 in a cache of 4K; GQA
+// 32/8 1.66 against 3.76; H200, 2026-12-01 14:23, docs/cuda-notes.md d15).
+// At 128K, 8 splits read as 32 did (MHA 4.68 / 4.68, GQA 4.57 / 4.57, lengths
+// 1..N 4.69 / 4.67 and GQA 4.49 / 4.53, 14:22; 4 splits lost 1.7-2.2%), so
+// the tile cap forces no more than this; filling a wave may still ask for more.
+constexpr int64_t kMaxSplitsForLongCaches = 8;
 
 int splits_for_waves(int64_t blocks_per_split, int64_t slots, int64_t tiles) {
   // Below a full wave, more (shorter) splits are free parallelism.
@@ -45,7 +54,8 @@ int splits_for_waves(int64_t blocks_per_split, int64_t slots, int64_t tiles) {
   const int64_t min_splits =
       blocks_per_split >= kMaxWaves * slots
           ? 1
-          : std::clamp<int64_t>((tiles + kMaxTilesPerSplit - 1) / kMaxTilesPerSplit, 1, max_splits);
+          : std::clamp<int64_t>((tiles + kMaxTilesPerSplit - 1) / kMaxTilesPerSplit, 1,
+                                std::min(kMaxSplitsForLongCaches, max_splits));
   auto efficiency = [&](int64_t s) {
     const double waves = double(blocks_per_split) * s / double(slots);
     return waves / std::ceil(waves);
