@@ -38,12 +38,20 @@ constexpr int64_t kMaxTilesPerSplit = 64;
 // positions holding 4K, the 32 splits of kMaxTilesPerSplit made blocks of
 // 128 keys (4K read 1.84 TB/s there, against 4.38 in a cache of 4K; GQA
 // 32/8 1.66 against 3.76; H200, 2026-12-01 14:23, docs/cuda-notes.md d15).
-// At 128K, 8 splits read as 32 did (MHA 4.68 / 4.68, GQA 4.57 / 4.57, lengths
-// 1..N 4.69 / 4.67 and GQA 4.49 / 4.53, 14:22; 4 splits lost 1.7-2.2%), so
-// the tile cap forces no more than this; filling a wave may still ask for more.
-constexpr int64_t kMaxSplitsForLongCaches = 8;
+// So the tile cap forces at most this many splits per block an SM holds. A
+// block that holds its SM alone (d=128) idles it at its start and end, and
+// at 128K 8 splits read as 32 did (MHA 4.68 / 4.68, GQA 4.57 / 4.57; lengths
+// 1..N 4.69 / 4.67, GQA 4.49 / 4.53; 14:22). Where two blocks share an SM
+// (d=64) one streams while the other starts or ends, and MHA 128K read 4.64
+// in 16 splits against 4.55 in 8 (14:30). Filling a wave may ask for more.
+constexpr int64_t kMaxSplitsPerResidentBlock = 8;
 
-int splits_for_waves(int64_t blocks_per_split, int64_t slots, int64_t tiles) {
+struct BlockSlots {
+  int64_t sms, per_sm;  // SMs, and blocks of the instantiation resident on each
+};
+
+int splits_for_waves(int64_t blocks_per_split, BlockSlots device, int64_t tiles) {
+  const int64_t slots = device.sms * device.per_sm;
   // Below a full wave, more (shorter) splits are free parallelism.
   const int64_t fill = std::max<int64_t>(1, slots / std::max<int64_t>(1, blocks_per_split));
   const int64_t max_splits = std::clamp<int64_t>(
@@ -55,7 +63,7 @@ int splits_for_waves(int64_t blocks_per_split, int64_t slots, int64_t tiles) {
       blocks_per_split >= kMaxWaves * slots
           ? 1
           : std::clamp<int64_t>((tiles + kMaxTilesPerSplit - 1) / kMaxTilesPerSplit, 1,
-                                std::min(kMaxSplitsForLongCaches, max_splits));
+                                std::min(kMaxSplitsPerResidentBlock * device.per_sm, max_splits));
   auto efficiency = [&](int64_t s) {
     const double waves = double(blocks_per_split) * s / double(slots);
     return waves / std::ceil(waves);
@@ -67,14 +75,13 @@ int splits_for_waves(int64_t blocks_per_split, int64_t slots, int64_t tiles) {
   return static_cast<int>(min_splits);
 }
 
-// SMs x resident blocks per SM of one instantiation on the current device,
+// The current device's SMs and the instantiation's resident blocks per SM,
 // asked of the driver once per device.
 template <int HeadDim, typename Element>
-int64_t block_slots() {
-  static std::atomic<int64_t> known[kMaxCachedDevices];
-  return once_per_device(known, [](int) {
-    return int64_t(current_device_sms()) * std::max(decode_blocks_per_sm<HeadDim, Element>(), 1);
-  });
+BlockSlots block_slots() {
+  static std::atomic<int64_t> sms[kMaxCachedDevices], per_sm[kMaxCachedDevices];
+  return {once_per_device(sms, [](int) { return int64_t(current_device_sms()); }),
+          once_per_device(per_sm, [](int) { return int64_t(std::max(decode_blocks_per_sm<HeadDim, Element>(), 1)); })};
 }
 
 }  // namespace
@@ -84,10 +91,10 @@ int decode_num_splits(const KVCacheParams& p) {
   const int64_t tiles = (sh.seqlen_k + kDecodeBlockN - 1) / kDecodeBlockN;
   if (const char* forced = std::getenv("FUSEDATTN_DECODE_SPLITS"))
     return static_cast<int>(std::clamp<int64_t>(std::atoi(forced), 1, std::clamp<int64_t>(tiles, 1, kMaxDecodeSplits)));
-  const int64_t slots = dispatch_decode(p, [](auto head_dim, auto element) {
+  const BlockSlots device = dispatch_decode(p, [](auto head_dim, auto element) {
     return block_slots<decltype(head_dim)::value, decltype(element)>();
   });
-  return splits_for_waves(decode_items(sh), slots, tiles);
+  return splits_for_waves(decode_items(sh), device, tiles);
 }
 
 bool decode_merges_in_cluster(const KVCacheParams& p) {
