@@ -197,6 +197,22 @@ def test_cuda_kvcache_long_caches(lengths):
     run_checked(q, k_cache, v_cache, lens, None, None, True)
 
 
+@pytest.mark.parametrize("narrowed", [False, True], ids=["whole-cache", "narrowed-view"])
+def test_cuda_kvcache_cache_far_longer_than_its_lengths(narrowed):
+    """A cache of 64K positions holding a few hundred: the split count follows
+    the capacity (at most 8 splits per block an SM holds), and each split reads
+    its share of the actual keys. A view narrowed to the positions in use (the
+    README's advice for such caches) reads and appends in place."""
+    q, k_cache, v_cache, _, k_new, v_new = cuda_cache(B=2, Hq=8, Hkv=2, d=128, max_len=65536, nq=1, n_new=1,
+                                                      dtype=torch.float16)
+    lengths = (300, 1000)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    k, v = (k_cache[:, :, :1024], v_cache[:, :, :1024]) if narrowed else (k_cache, v_cache)
+    run_checked(q, k, v, lens, k_new, v_new, True)
+    for b, n in enumerate(lengths):
+        assert torch.equal(k_cache[b, :, n], k_new[b, :, 0]) and torch.equal(v_cache[b, :, n], v_new[b, :, 0])
+
+
 def test_cuda_kvcache_decode_loop_equals_causal_forward():
     torch.manual_seed(0)
     B, Hq, Hkv, d, n = 2, 8, 2, 64, 70

@@ -125,6 +125,21 @@ def test_rejected_calls_leave_the_cache_untouched():
     assert torch.equal(k_cache, before)
 
 
+def test_narrowed_cache_view():
+    """A view of the positions in use (the README's advice for caches far
+    longer than their lengths) answers as the whole cache does and appends
+    into it."""
+    q, k_cache, v_cache, _, k_new, v_new = make_cache(max_len=300)
+    lens = torch.tensor([0, 17, 40], dtype=torch.int32)
+    k_whole, v_whole = k_cache.clone(), v_cache.clone()
+    expected = torch.ops.fusedattn.forward_kvcache(q, k_whole, v_whole, lens, k_new, v_new, True, None)
+    got = torch.ops.fusedattn.forward_kvcache(q, k_cache[:, :, :48], v_cache[:, :, :48], lens, k_new, v_new,
+                                              True, None)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    assert torch.equal(k_cache, k_whole) and torch.equal(v_cache, v_whole)
+
+
 def test_non_contiguous_cache_seqlens():
     q, k_cache, v_cache, lens, k_new, v_new = make_cache(n_new=1)
     spread = torch.stack([lens, torch.zeros_like(lens)], dim=1).flatten()[::2]  # stride 2
