@@ -82,15 +82,27 @@ def test_bench_decode_counts_the_valid_bytes(tmp_path, monkeypatch, launch_gaps)
         assert len(sleeps) >= timed_intervals and "short_sleeps" in fused
 
 
-def test_bench_decode_capacity(tmp_path):
-    """--capacity allocates caches longer than N: the bytes counted stay the
-    valid ones, the JSON records it, and SDPA (which would read the whole
-    cache) is skipped on full rows too."""
+def test_bench_decode_capacity(tmp_path, monkeypatch):
+    """--capacity allocates caches longer than N: fusedattn is given caches of
+    that many positions, the bytes counted stay the valid ones, the JSON
+    records it, and SDPA (which would read the whole cache) is skipped on full
+    rows too."""
+    capacities = []
+    real_methods = bench_decode.methods
+
+    def recording(cfg):
+        table = real_methods(cfg)
+        fused = table["fusedattn"]
+        table["fusedattn"] = lambda q, k, v, lengths: (capacities.append(k.shape[2]), fused(q, k, v, lengths))[1]
+        return table
+
+    monkeypatch.setattr(bench_decode, "methods", recording)
     out = tmp_path / "decode.json"
     assert cli.main(["bench", "--decode", "--batch", "3", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
                      "--seqlens", "300", "--capacity", "1000", "--repeats", "2", "--warmup", "1",
                      "--methods", "sdpa-flash", "--no-progress", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert capacities and set(capacities) == {1000}
     assert result["config"]["capacity"] == 1000
     cfg = bench_decode.DecodeConfig(torch.device("cuda"), batch=3)
     for row in result["rows"]:

@@ -197,18 +197,43 @@ def test_cuda_kvcache_long_caches(lengths):
     run_checked(q, k_cache, v_cache, lens, None, None, True)
 
 
+def test_cuda_kvcache_split_count_follows_the_capacity_up_to_the_cap(monkeypatch):
+    """The host's split rule sees the cache's capacity. Where the heads fill
+    the GPU (B=8, Hkv=32) the tile cap asks for a split per 64 tiles of 64
+    keys, but forces no more than 8 per block an SM holds: caches of 64K, 128K
+    and 512K positions get one count, under the 32 that 128K got before the
+    cap. 4K takes one split; a single head takes more to fill a wave; and
+    FUSEDATTN_DECODE_SPLITS forces a count. Only shapes matter, so the caches
+    are one position expanded (stride 0)."""
+    monkeypatch.delenv("FUSEDATTN_DECODE_SPLITS", raising=False)
+
+    def splits(batch, heads, capacity):
+        q = torch.zeros(batch, heads, 1, 128, device="cuda", dtype=torch.float16)
+        cache = torch.zeros(batch, heads, 1, 128, device="cuda", dtype=torch.float16)
+        return torch.ops.fusedattn.decode_num_splits(q, cache.expand(batch, heads, capacity, 128))
+
+    capped = {splits(8, 32, n) for n in (65536, 131072, 524288)}
+    assert len(capped) == 1 and capped.pop() < 32
+    assert splits(8, 32, 4096) == 1
+    assert splits(1, 1, 131072) > splits(8, 32, 131072)
+    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", "3")
+    assert splits(8, 32, 131072) == 3
+
+
 @pytest.mark.parametrize("narrowed", [False, True], ids=["whole-cache", "narrowed-view"])
 def test_cuda_kvcache_cache_far_longer_than_its_lengths(narrowed):
     """A cache of 64K positions holding a few hundred: the split count follows
-    the capacity (at most 8 splits per block an SM holds), and each split reads
-    its share of the actual keys. A view narrowed to the positions in use (the
-    README's advice for such caches) reads and appends in place."""
+    the capacity, and each split reads its share of the actual keys. A view
+    narrowed to the positions in use (the README's advice for such caches)
+    reads and appends in place, and leaves the rest of the cache alone."""
     q, k_cache, v_cache, _, k_new, v_new = cuda_cache(B=2, Hq=8, Hkv=2, d=128, max_len=65536, nq=1, n_new=1,
                                                       dtype=torch.float16)
     lengths = (300, 1000)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     k, v = (k_cache[:, :, :1024], v_cache[:, :, :1024]) if narrowed else (k_cache, v_cache)
+    k_rest, v_rest = k_cache[:, :, 1024:].clone(), v_cache[:, :, 1024:].clone()
     run_checked(q, k, v, lens, k_new, v_new, True)
+    assert torch.equal(k_cache[:, :, 1024:], k_rest) and torch.equal(v_cache[:, :, 1024:], v_rest)
     for b, n in enumerate(lengths):
         assert torch.equal(k_cache[b, :, n], k_new[b, :, 0]) and torch.equal(v_cache[b, :, n], v_new[b, :, 0])
 

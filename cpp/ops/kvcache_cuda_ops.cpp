@@ -107,10 +107,20 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
   return outputs;
 }
 
+int64_t decode_num_splits_cuda(const at::Tensor& q, const at::Tensor& k_cache) {
+  const PreparedInputs in = prepare_forward("fusedattn.decode_num_splits", q, k_cache, k_cache, std::nullopt,
+                                            /*is_causal=*/true, std::nullopt, decode_support());
+  const c10::cuda::CUDAGuard guard(q.device());
+  KVCacheParams p;
+  p.attn = in.params;
+  return cuda::decode_num_splits(p);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fusedattn, CUDA, m) {
   m.impl("forward_kvcache", &forward_kvcache_cuda);
+  m.impl("decode_num_splits", &decode_num_splits_cuda);
 }
 
 }  // namespace fusedattn::ops

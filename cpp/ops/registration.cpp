@@ -18,6 +18,10 @@ TORCH_LIBRARY(fusedattn, m) {
       "forward_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
       "Tensor? k_new=None, Tensor? v_new=None, bool is_causal=True, float? scale=None) "
       "-> (Tensor out, Tensor lse)");
+  // The split count forward_kvcache's CUDA kernel would take for this q and
+  // cache (the host's rule: it sees the cache's capacity, not cache_seqlens),
+  // for tests and tuning. CUDA only.
+  m.def("decode_num_splits(Tensor q, Tensor k_cache) -> int");
   // Seed 2's naive path (materialises S), the baseline of the GPU benchmark. CUDA only.
   m.def(
       "naive_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, "

@@ -127,7 +127,7 @@ def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict
     """One row: per method its median time and bandwidth, or why it did not
     run. The methods read the same cache, and their timed calls interleave
     (bench.interleaved_medians)."""
-    capacity = max(n, cfg.capacity or n)
+    capacity = cfg.capacity or n  # run() checked that it holds n
     skipped = ("n/a (no per-sequence lengths)" if varlen
                else "n/a (no cache capacity: reads a cache of N)" if capacity > n else None)
     results = {name: {"status": skipped} for name in table if skipped and name != "fusedattn"}
@@ -179,6 +179,9 @@ def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict
 def run(cfg: DecodeConfig, progress: bool = True) -> dict:
     from tqdm import tqdm
 
+    if cfg.capacity is not None and cfg.capacity < max(cfg.seqlens):
+        raise SystemExit(f"fusedattn bench --decode: --capacity must be at least every N (the largest is "
+                         f"{max(cfg.seqlens)}), got {cfg.capacity}")
     if cfg.device.type != "cuda":
         raise SystemExit("fusedattn bench --decode: the decode benchmark needs a CUDA device")
     table = select_methods(methods(cfg), cfg.methods)
@@ -213,10 +216,10 @@ def format_table(result: dict) -> str:
             + [cell(res[m], lambda r: f"{r['tb_per_s']:.2f}") for m in names]
             + [f"{row['fusedattn_speedup'][m]:.2f}" if m in row["fusedattn_speedup"] else "-" for m in others])
     cfg = result["config"]
+    caches = f", caches of {cfg['capacity']} positions" if cfg.get("capacity") else ""
     title = (f"{result['device']}, torch {result['torch']}, {result['date']}\n"
              f"decode: B={cfg['batch']} Hq={cfg['heads']} Hkv={cfg['kv_heads']} d={cfg['head_dim']}, "
-             f"1 query per sequence"
-             f"{', caches of ' + str(cfg['capacity']) + ' positions' if cfg.get('capacity') else ''}, median of {cfg['repeats']} intervals of {CALLS_PER_TIMING} calls "
+             f"1 query per sequence{caches}, median of {cfg['repeats']} intervals of {CALLS_PER_TIMING} calls "
              f"({'the host launching them' if cfg.get('launch_gaps') else 'queued while the GPU slept'}); "
              f"TB/s = bytes of the valid K and V / time; "
              f"lengths 1..N: per-sequence lengths drawn from [1, N]; 'x m' = time of m / time of fusedattn\n")

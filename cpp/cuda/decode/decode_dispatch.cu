@@ -28,7 +28,8 @@ decltype(auto) dispatch_decode(const KVCacheParams& p, F&& f) {
 // fewer, longer blocks the slowest ones leave a tail: 128K keys ran 4.3 TB/s
 // in 1 split per head and 4.45 in 16; at 32K, 8 splits of 64 tiles against
 // 4 of 128 read GQA 32/8 with lengths 1..N 1.03x, MHA 1.01x, GQA 1.00x, in
-// two calls, 2026-12-01, d13; 128K unchanged at 1.00x). Within those bounds,
+// two calls, 2026-12-01, d13; 128K unchanged at 1.00x), as far as
+// kMaxSplitsPerResidentBlock allows. Within those bounds,
 // FlashAttention 2's rule: the fewest splits whose last wave is at least 85%
 // as full as the best choice's.
 constexpr int64_t kMinTilesPerSplit = 16;
