@@ -44,8 +44,12 @@ constexpr int64_t kMaxTilesPerSplit = 64;
 // at 128K 8 splits read as 32 did (MHA 4.68 / 4.68, GQA 4.57 / 4.57; lengths
 // 1..N 4.69 / 4.67, GQA 4.49 / 4.53; 14:22). Where two blocks share an SM
 // (d=64) one streams while the other starts or ends, and MHA 128K read 4.64
-// in 16 splits against 4.55 in 8 (14:30). Filling a wave may ask for more.
+// in 16 splits against 4.55 in 8 (14:30). Longer caches still take splits of
+// at most kMaxTilesPerLongSplit (16K keys): at 512K GQA 32/8 read 4.46, 4.49
+// and 4.56 in 8, 16 and 32 splits, lengths 1..N 4.40, 4.49 and 4.52 (15:02,
+// 15:04). Filling a wave may ask for more.
 constexpr int64_t kMaxSplitsPerResidentBlock = 8;
+constexpr int64_t kMaxTilesPerLongSplit = 256;
 
 struct BlockSlots {
   int64_t sms, per_sm;  // SMs, and blocks of the instantiation resident on each
@@ -60,11 +64,11 @@ int splits_for_waves(int64_t blocks_per_split, BlockSlots device, int64_t tiles)
   // A grid already kMaxWaves deep has no long single wave to cut up (and its
   // partials would only cost memory: B x Hq x Nq x d floats per split).
   constexpr int64_t kMaxWaves = 4;
-  const int64_t min_splits =
-      blocks_per_split >= kMaxWaves * slots
-          ? 1
-          : std::clamp<int64_t>((tiles + kMaxTilesPerSplit - 1) / kMaxTilesPerSplit, 1,
-                                std::min(kMaxSplitsPerResidentBlock * device.per_sm, max_splits));
+  auto splits_of = [&](int64_t tiles_per_split) { return (tiles + tiles_per_split - 1) / tiles_per_split; };
+  const int64_t capped = std::max(kMaxSplitsPerResidentBlock * device.per_sm, splits_of(kMaxTilesPerLongSplit));
+  const int64_t min_splits = blocks_per_split >= kMaxWaves * slots
+                                 ? 1
+                                 : std::clamp<int64_t>(splits_of(kMaxTilesPerSplit), 1, std::min(capped, max_splits));
   auto efficiency = [&](int64_t s) {
     const double waves = double(blocks_per_split) * s / double(slots);
     return waves / std::ceil(waves);
