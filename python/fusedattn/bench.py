@@ -234,7 +234,7 @@ def interleaved_medians(timed: dict[str, Callable[[], float]], repeats: int) -> 
     for a method that ran out of memory. An H200 runs attention at its power
     limit and its clock follows what ran just before: timed one after the
     other, cuDNN timed first in a row read up to 17% faster than timed second
-    (dev/order_effect.py, 2026-12-01)."""
+    (lab/order_effect.py, 2026-12-01)."""
     names = list(timed)
     times: dict[str, list[float]] = {name: [] for name in names}
     failed: dict[str, dict] = {}

@@ -27,7 +27,7 @@ CALLS_PER_TIMING = 10
 # the host's time to enqueue its calls (QueuedTiming), so the interval's
 # events see the kernels back to back: what a step replayed from a CUDA graph
 # (as fusedattn.engine runs them) costs. Timed with the launches, a 4K step
-# read up to 3% less than its GPU time (H200, 2026-12-01, dev/call_gap.py),
+# read up to 3% less than its GPU time (H200, 2026-12-01, lab/call_gap.py),
 # and SDPA cuDNN, whose host time per call (43-55 us at 08:24 that day)
 # exceeds a GQA 4K step's GPU time (about 39 us), read the host, not the kernel.
 SLEEP_OVER_ENQUEUE = 3.0

@@ -2,7 +2,7 @@
 // grids and group sizes, the order visits every (pair, block) exactly once,
 // keeps each group's blocks together, and never goes back to an earlier block
 // rank within a group (so causal work never lengthens there). Built and run by
-// scripts/check_cuda_compiles.sh; exits 1 on a failure.
+// .ci/check_cuda_compiles.sh; exits 1 on a failure.
 #include <cstdio>
 #include <stdexcept>
 #include <string>

@@ -5,7 +5,7 @@
 // shared memory, which is what sends one L2 request per line; and the 8 rows
 // an ldmatrix reads at one column hit 8 different 16-byte bank groups. The
 // padded layout the kernel had before must fail the line check (so the check
-// can fail). Built and run by scripts/check_cuda_compiles.sh; exits 1 on a failure.
+// can fail). Built and run by .ci/check_cuda_compiles.sh; exits 1 on a failure.
 #include <cstdio>
 #include <functional>
 #include <set>

@@ -4,7 +4,7 @@ source page of an Nsight Compute report (`ncu -i REPORT --page source --csv
 prints the instructions with the most warp-stall samples, with each one's
 share of all samples and its main stall reasons.
 
-    python3 dev/ncu_top_stalls.py SOURCE.csv [--top 40]
+    python3 lab/ncu_top_stalls.py SOURCE.csv [--top 40]
 """
 
 import argparse

@@ -6,7 +6,7 @@ decode bench's shape: B=8, Hq=32, Hkv=--kv-heads, d=128, float16, a cache of
 --seqlen keys, all full or, with --varlen, the bench's per-sequence lengths)
 after a warm-up one; with --decode --sdpa-cudnn the same shape through SDPA's
 cuDNN backend (q of 1 token against the whole cache: what its kernels do at
-the decode table's row). Run under ncu, e.g. scripts/gpu_check.sh's profile and
+the decode table's row). Run under ncu, e.g. lab/gpu_check.sh's profile and
 profile_decode stages."""
 
 import argparse

@@ -5,7 +5,7 @@
 // [1, N]), over 1, 2, 4, 8 and 16 splits; prints TB/s of the valid K and V.
 //
 //   nvcc -std=c++17 -O3 --use_fast_math -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-//     dev/cuda/decode_splits.cu -o /tmp/decode_splits
+//     lab/cuda/decode_splits.cu -o /tmp/decode_splits
 //   /tmp/decode_splits [kv heads, default 32]
 #include <cstdio>
 #include <cstdlib>

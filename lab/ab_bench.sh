@@ -2,11 +2,11 @@
 # Kernel versions side by side in one device call (the ladder's habit: every
 # rung measured against the one before, same machine, same minutes).
 # Here, in a checkout:
-#   scripts/ab_bench.sh export REF [REF ...]
+#   lab/ab_bench.sh export REF [REF ...]
 # writes each git ref's tree into .ab/NN-<ref> (NN: the order given; the
 # first is the baseline; git-ignored, about 2 MB each: name .ab in the device
 # call's carry). There, on the CUDA machine:
-#   scripts/ab_bench.sh run OUTDIR [bench arguments] [--and bench arguments]...
+#   lab/ab_bench.sh run OUTDIR [bench arguments] [--and bench arguments]...
 # builds every tree under .ab in turn against that machine's torch and, with
 # each build, times `fusedattn bench --no-progress ARGS` once per argument set
 # (`--and` separates the sets, e.g. `--head-dim 128 --and --head-dim 64`, so
@@ -23,7 +23,7 @@
 # too before it, so a decode A/B across that commit compares two measures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:?usage: scripts/ab_bench.sh export REF... | run OUTDIR [bench args] [--and bench args]...}
+mode=${1:?usage: lab/ab_bench.sh export REF... | run OUTDIR [bench args] [--and bench args]...}
 shift
 
 if [ "$mode" = export ]; then
@@ -45,7 +45,7 @@ if [ "$mode" = export ]; then
 fi
 [ "$mode" = run ] || { echo "ab_bench: unknown mode '$mode' (export or run)"; exit 2; }
 
-out=${1:?usage: scripts/ab_bench.sh run OUTDIR [bench args] [--and bench args]...}
+out=${1:?usage: lab/ab_bench.sh run OUTDIR [bench args] [--and bench args]...}
 shift
 # The argument sets, one string each (bench arguments have no spaces).
 sets=("")
@@ -53,8 +53,8 @@ for arg in "$@"; do
   if [ "$arg" = --and ]; then sets+=(""); else sets[-1]+="${sets[-1]:+ }$arg"; fi
 done
 mkdir -p "$out"
-. scripts/device_env.sh
-[ -d .ab ] || { echo "ab_bench: no .ab folder (scripts/ab_bench.sh export REF... here, then carry .ab)"; exit 2; }
+. lab/device_env.sh
+[ -d .ab ] || { echo "ab_bench: no .ab folder (lab/ab_bench.sh export REF... here, then carry .ab)"; exit 2; }
 status=0
 names=()
 for dir in .ab/*/; do

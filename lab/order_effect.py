@@ -8,7 +8,7 @@ same two methods three ways at each size: in blocks as the bench does (every
 repeat of one, then every repeat of the other), in blocks in the other order,
 and interleaved (one call of each per repeat, the order alternating).
 
-    python dev/order_effect.py [--seqlens 2048,4096,8192] [--dtype float16] [--repeats 20]
+    python lab/order_effect.py [--seqlens 2048,4096,8192] [--dtype float16] [--repeats 20]
 """
 
 from __future__ import annotations

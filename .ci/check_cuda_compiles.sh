@@ -3,7 +3,7 @@
 # build break fails CI even on a machine without a GPU or a CUDA build of
 # PyTorch. Kernels include no ATen header (DESIGN.md section 2), which is what
 # makes this possible. Also builds and runs tests/native (host-side checks of
-# kernel helpers). Usage: scripts/check_cuda_compiles.sh [build-dir]
+# kernel helpers). Usage: .ci/check_cuda_compiles.sh [build-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,16 +37,16 @@ for src in "${sources[@]}"; do
   fi
 done
 
-# dev/cuda: standalone kernel drivers (no PyTorch), built and linked so they keep up with the kernels.
+# lab/cuda: standalone kernel drivers (no PyTorch), built and linked so they keep up with the kernels.
 nvcc -std=c++17 -O3 --use_fast_math -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-  dev/cuda/decode_splits.cu -o "$out/decode_splits"
-echo "  dev/cuda/decode_splits.cu: built"
+  lab/cuda/decode_splits.cu -o "$out/decode_splits"
+echo "  lab/cuda/decode_splits.cu: built"
 nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-  dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o "$out/stream_roofline"
-echo "  dev/cuda/stream_roofline.cu: built"
+  lab/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o "$out/stream_roofline"
+echo "  lab/cuda/stream_roofline.cu: built"
 nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-  dev/cuda/stream_schedule.cu -o "$out/stream_schedule"
-echo "  dev/cuda/stream_schedule.cu: built"
+  lab/cuda/stream_schedule.cu -o "$out/stream_schedule"
+echo "  lab/cuda/stream_schedule.cu: built"
 
 # tests/native: host-side checks of kernel helpers (no GPU needed), built and run.
 for test in tests/native/*.cu; do

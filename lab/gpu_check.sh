@@ -7,7 +7,7 @@
 # and five JSON from "tables"; pick stages
 # per call so that their files fit. Each stage has a time limit, so that a
 # hang costs one stage, not the whole device call.
-#   scripts/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
+#   lab/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
 # GPU_CHECK_STAGES picks stages (default "build tests sanitizer bench";
 # "profile" runs Nsight Compute on the main kernels, "profile_decode" on the
 # decode kernel, "profile_decode_short" the decode step's kernels at 4K,
@@ -21,13 +21,13 @@
 # FUSEDATTN_BENCH_TIMEOUT (300 s; --backward over the whole grid needs more:
 # pass --methods sdpa-flash,sdpa-cudnn or fewer --seqlens), so give each its
 # own call when a call is limited to 10.
-# Target and compiler: scripts/device_env.sh.
+# Target and compiler: lab/device_env.sh.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUTDIR [bench args]}
+out=${1:?usage: lab/gpu_check.sh OUTDIR [bench args]}
 shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-. scripts/device_env.sh
+. lab/device_env.sh
 status=0
 
 {
@@ -57,7 +57,7 @@ stage_tests() {
 
 # racecheck of the sm90 kernels ran past 180 s on the H200 (2026-11-30).
 # FUSEDATTN_SANITIZER_GROUPS="kvcache" (or "attention") runs one group of
-# scripts/sanitizer_cases.py.
+# lab/sanitizer_cases.py.
 stage_sanitizer() {
   if ! command -v compute-sanitizer >/dev/null 2>&1; then
     echo "compute-sanitizer not found"
@@ -66,7 +66,7 @@ stage_sanitizer() {
   local tool rc
   for tool in memcheck racecheck; do
     # shellcheck disable=SC2086  # the groups are words
-    timeout "${FUSEDATTN_SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_cases.py ${FUSEDATTN_SANITIZER_GROUPS:-} \
+    timeout "${FUSEDATTN_SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 python3 lab/sanitizer_cases.py ${FUSEDATTN_SANITIZER_GROUPS:-} \
       > "$out/sanitizer.tmp" 2>&1
     rc=$?
     echo "$tool: exit $rc, $(grep -c -E '^========= (Invalid|Error|Race)' "$out/sanitizer.tmp") reports"
@@ -144,7 +144,7 @@ stage_profile() {
   have_ncu || return
   timeout 300 ncu --clock-control none --launch-skip 2 --launch-count 2 \
     -k regex:"sm90_forward_kernel|sm90_backward_kernel|forward_kernel|backward_kernel" --set full \
-    python3 scripts/profile_cases.py > "$out/profile.txt" 2>&1 || status=1
+    python3 lab/profile_cases.py > "$out/profile.txt" 2>&1 || status=1
   grep -E "^  [a-z_0-9]+.*\(|Duration|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|Stall|Tensor" \
     "$out/profile.txt" | head -60
 }
@@ -154,7 +154,7 @@ stage_profile() {
 stage_profile_decode() {
   have_ncu || return
   timeout 300 ncu --clock-control none --launch-skip 1 --launch-count 1 -k regex:"decode_kernel" --set full \
-    python3 scripts/profile_cases.py --decode --seqlen 32768 > "$out/profile-decode.txt" 2>&1 || status=1
+    python3 lab/profile_cases.py --decode --seqlen 32768 > "$out/profile-decode.txt" 2>&1 || status=1
   grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Stall|Issue Slots Busy|Warp Cycles Per Issued" \
     "$out/profile-decode.txt" | head -60
 }
@@ -168,7 +168,7 @@ stage_profile_decode_short() {
     echo "== $case"
     # shellcheck disable=SC2086  # the case's arguments, split on purpose
     timeout 120 ncu --clock-control none --launch-count 4 -k regex:"decode_kernel" \
-      --section SpeedOfLight --section LaunchStats python3 scripts/profile_cases.py --decode --seqlen 4096 $case 2>&1 ||
+      --section SpeedOfLight --section LaunchStats python3 lab/profile_cases.py --decode --seqlen 4096 $case 2>&1 ||
       status=1
   done > "$out/profile-decode-short.txt"
   grep -E "^== |^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Grid Size" "$out/profile-decode-short.txt" | head -60
@@ -180,7 +180,7 @@ stage_profile_decode_short() {
 stage_profile_sdpa_decode() {
   have_ncu || return
   timeout 300 ncu --clock-control none --set basic \
-    python3 scripts/profile_cases.py --decode --sdpa-cudnn --seqlen 32768 > "$out/profile-sdpa-decode.txt" 2>&1 || status=1
+    python3 lab/profile_cases.py --decode --sdpa-cudnn --seqlen 32768 > "$out/profile-sdpa-decode.txt" 2>&1 || status=1
   grep -E "^  [A-Za-z_0-9].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Grid Size|Block Size|Shared Memory Config|Dynamic Shared|Static Shared|Cluster Size|Waves Per SM" \
     "$out/profile-sdpa-decode.txt" | head -80
 }
@@ -197,7 +197,7 @@ stage_profile_forward_vs_cudnn() {
       timeout 120 ncu --clock-control none -k regex:"sm90_forward_kernel|cudnn" --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section LaunchStats --section Occupancy \
         --metrics lts__t_sector_hit_rate.pct,dram__bytes_read.sum,sm__warps_active.avg.pct_of_peak_sustained_active \
-        python3 scripts/profile_cases.py --forward-only --seqlen "$n" $who 2>&1 || status=1
+        python3 lab/profile_cases.py --forward-only --seqlen "$n" $who 2>&1 || status=1
     done
   done > "$out/profile-forward-vs-cudnn.txt"
   grep -E "^== |^  [A-Za-z_0-9].*\(|Duration|SM Frequency|DRAM Throughput|Compute \(SM\)|Grid Size|Registers Per|Dynamic Shared|Cluster Size|lts__t_sector_hit|dram__bytes_read|Achieved Occupancy" \
@@ -215,16 +215,16 @@ stage_profile_decode_vs_cudnn() {
     FUSEDATTN_DECODE_SPLITS=1 timeout 120 ncu --clock-control none -k regex:"decode_kernel|cudnn" \
       --launch-skip 1 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum,lts__t_sector_hit_rate.pct,lts__t_requests_srcunit_tex_op_read.sum,dram__cycles_elapsed.avg.per_second,gpc__cycles_elapsed.avg.per_second \
-      python3 scripts/profile_cases.py --decode --seqlen 32768 $who 2>&1 || status=1
+      python3 lab/profile_cases.py --decode --seqlen 32768 $who 2>&1 || status=1
   done > "$out/profile-decode-vs-cudnn.txt"
   grep -E "^== |^  [A-Za-z_0-9].*\(|Duration|Frequency|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Mem Busy|Max Bandwidth|dram__|lts__|gpc__" \
     "$out/profile-decode-vs-cudnn.txt" | head -60
 }
 
 # Not in the default stages: event, GPU and host time per call of small
-# forwards, fusedattn against cuDNN (dev/call_gap.py).
+# forwards, fusedattn against cuDNN (lab/call_gap.py).
 stage_call_gap() {
-  timeout 120 python3 dev/call_gap.py 2>&1 | tee "$out/call-gap.md"
+  timeout 120 python3 lab/call_gap.py 2>&1 | tee "$out/call-gap.md"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
@@ -252,10 +252,10 @@ stage_decode_splits() {
 
 # Not in the default stages: how fast each load path (cp.async, bulk copies
 # per row or per tile, TMA boxes) streams a KV cache with no attention maths,
-# the ceiling for the decode kernel (dev/cuda/stream_roofline.cu, ~1 minute).
+# the ceiling for the decode kernel (lab/cuda/stream_roofline.cu, ~1 minute).
 build_roofline() {
   nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-    dev/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o /tmp/stream_roofline || { status=1; return 1; }
+    lab/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o /tmp/stream_roofline || { status=1; return 1; }
 }
 stage_roofline() {
   build_roofline || return
@@ -276,11 +276,11 @@ stage_roofline_gqa() {
 # taken item by item and then from other items' counters) and with plain
 # loads into registers instead of the ring, at the
 # decode table's 4K and 32K rows, full and with the bench's lengths 1..N
-# (dev/cuda/stream_schedule.cu, ~30 s; the lengths come from the installed
+# (lab/cuda/stream_schedule.cu, ~30 s; the lengths come from the installed
 # package, so on a fresh machine run "build schedule").
 stage_schedule() {
   nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-    dev/cuda/stream_schedule.cu -o /tmp/stream_schedule || { status=1; return 1; }
+    lab/cuda/stream_schedule.cu -o /tmp/stream_schedule || { status=1; return 1; }
   for heads in 32 8; do
     for n in 4096 32768; do
       local lengths

@@ -1,7 +1,7 @@
 """GPU time of each kernel in one fusedattn call (torch.profiler), to see what
 besides the main kernel a call costs.
 
-    python dev/kernel_breakdown.py [--backward] [--shape B,H,N,d] [--causal]
+    python lab/kernel_breakdown.py [--backward] [--shape B,H,N,d] [--causal]
         [--dtype float16] [--calls 10]
 
 Prints each kernel's total and per-call time over --calls calls (after a

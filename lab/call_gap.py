@@ -17,7 +17,7 @@ of the ratio to cuDNN. For each method and shape this prints
   - host: the wall time to issue one call while the GPU is kept busy
     (torch.cuda._sleep first), so nothing waits on the GPU.
 
-    python dev/call_gap.py [--shapes 64:1024:causal,128:1024:none] [--dtype float16]
+    python lab/call_gap.py [--shapes 64:1024:causal,128:1024:none] [--dtype float16]
 
 With --decode the shapes are kv_heads:N:all|varlen, decoding steps of
 `fusedattn bench --decode` (B=8, Hq=32, d=128, one query; varlen: its

@@ -1,4 +1,4 @@
-"""scripts/decode_sweep.py: every set's rate lands in its own row and column.
+"""lab/decode_sweep.py: every set's rate lands in its own row and column.
 
 A stand-in `fusedattn` on PATH writes the bench's JSON with a rate that
 encodes the set (its FUSEDATTN_DECODE_SPLITS, batch and dtype), so a row
@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-SCRIPT = os.path.join(ROOT, "scripts", "decode_sweep.py")
+SCRIPT = os.path.join(ROOT, "decode_sweep.py")
 
 FAKE_BENCH = textwrap.dedent('''\
     #!{python}

@@ -6,7 +6,7 @@ forward_kvcache with and without appends, one and several splits, empty
 caches, float16 and bfloat16, and a sequence whose length does not fit; the
 splits merged both ways (in thread block clusters where sm_90 allows, and
 through global memory).
-Run: compute-sanitizer --tool memcheck python3 scripts/sanitizer_cases.py [GROUP ...]
+Run: compute-sanitizer --tool memcheck python3 lab/sanitizer_cases.py [GROUP ...]
 with GROUP "attention" (forward and backward) or "kvcache" (default: both)."""
 
 import os

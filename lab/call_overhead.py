@@ -7,7 +7,7 @@ host. This times each layer of a call, from the Hugging Face attention function
 down to the operator, back to back with no synchronisation between calls, and
 then profiles the Python of fusedattn's Hugging Face path.
 
-    python dev/call_overhead.py [--device cuda] [--calls 2000]
+    python lab/call_overhead.py [--device cuda] [--calls 2000]
 
 Shapes default to MiniLM's (batch 64, 12 heads, 18 tokens, head dim 32, a bool
 padding mask [B, 1, L, L]).

@@ -1,11 +1,11 @@
-"""scripts/stage_models.py: packages cut into loads of bounded size come back whole."""
+"""lab/stage_models.py: packages cut into loads of bounded size come back whole."""
 
 import importlib.util
 import os
 import sys
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-spec = importlib.util.spec_from_file_location("stage_models", os.path.join(ROOT, "scripts", "stage_models.py"))
+spec = importlib.util.spec_from_file_location("stage_models", os.path.join(ROOT, "stage_models.py"))
 stage_models = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(stage_models)
 

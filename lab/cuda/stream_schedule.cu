@@ -32,7 +32,7 @@
 // real kernel would pay a scan of the lengths on top.
 //
 //   nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-//     dev/cuda/stream_schedule.cu -o /tmp/stream_schedule
+//     lab/cuda/stream_schedule.cu -o /tmp/stream_schedule
 //   /tmp/stream_schedule HEADS N [LENGTH x 8]   (no lengths: every sequence at N)
 #include <algorithm>
 #include <cstdio>
