@@ -4,7 +4,7 @@
 # benchmark, and write logs and JSON into OUTDIR. The lent machine sends back
 # 8 files at most: build.log always, tests.log, sanitizer.log, bench.{json,
 # png,txt}, profile.txt, profile-decode.txt, decode-splits.md, roofline.md,
-# and five JSON from "tables"; pick stages
+# and six JSON from "tables"; pick stages
 # per call so that their files fit. Each stage has a time limit, so that a
 # hang costs one stage, not the whole device call.
 #   lab/gpu_check.sh OUTDIR [extra fusedattn bench arguments]
@@ -12,10 +12,10 @@
 # "profile" runs Nsight Compute on the main kernels, "profile_decode" on the
 # decode kernel, "profile_decode_short" the decode step's kernels at 4K,
 # "profile_decode_vs_cudnn" ours and cuDNN's decode kernels at 32K, "profile_sdpa_decode" on cuDNN's, "profile_forward_vs_cudnn" the forward
-# against cuDNN's at 4K and 8K, "decode_tables" the README's decode tables, "call_gap" times small
+# against cuDNN's at 4K and 8K, "decode_tables" three decode tables (MHA, GQA, d=64), "call_gap" times small
 # forwards' host and GPU time, "decode_splits" the decode table by split count, "roofline" the KV-cache
 # streaming ceilings, "roofline_gqa" the same at GQA 32/8's bytes, "schedule" that ceiling under four
-# schedules, "tables" every benchmark table of the README). On the H200 "build
+# schedules, "tables" the tables of README.md's Performance section). On the H200 "build
 # tests" take about 4 minutes, the sanitizer up to 10 (each tool stops at
 # FUSEDATTN_SANITIZER_TIMEOUT, 300 s) and the benchmark up to
 # FUSEDATTN_BENCH_TIMEOUT (300 s; --backward over the whole grid needs more:
@@ -84,33 +84,30 @@ stage_bench() {
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
-# Not in the default stages: every table the README reports, each against
-# the backends that matter (FlashAttention 2, cuDNN, the sm80 family) so the
-# whole set fits one device call (~8 minutes on the H200): forward and
-# forward + backward at d=128 and d=64, fp16 and bf16, causal and not, N=1K-32K
-# (backward 1K-16K), and decoding. One JSON per table, no plots.
+# Not in the default stages: the tables of README.md's Performance section,
+# with its commands (~5 minutes on an H200): forward and forward + backward at
+# d=128 and d=64 against every SDPA backend, fp16 and bf16, causal and not,
+# then decoding (MHA in both dtypes, GQA 32/8). One JSON per table, named as
+# in docs/bench/readme/; lab/readme_tables.py renders them.
 stage_tables() {
-  local methods=sdpa-flash,sdpa-cudnn,fusedattn-sm80 d
+  local methods=sdpa-flash,sdpa-efficient,sdpa-cudnn d
   for d in 128 64; do
     timeout 240 fusedattn bench --no-progress --methods "$methods" --head-dim "$d" --dtype float16,bfloat16 \
       --json "$out/forward-d$d.json" > /dev/null 2>&1 || { echo "forward d=$d failed"; status=1; }
-    timeout 300 fusedattn bench --no-progress --backward --methods "$methods,fusedattn-deterministic" \
+    timeout 300 fusedattn bench --no-progress --backward --methods "$methods" \
       --head-dim "$d" --dtype float16,bfloat16 --seqlens 1024,2048,4096,8192,16384 \
       --json "$out/backward-d$d.json" > /dev/null 2>&1 || { echo "backward d=$d failed"; status=1; }
   done
-  timeout 120 fusedattn bench --no-progress --decode --json "$out/decode.json" 2>&1 | tail -12
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  python3 - "$out" <<'PY' || status=1
-import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("*ward-d*.json")):
-    rows = json.loads(path.read_text())["rows"]
-    flash = [r["fusedattn_speedup"].get("sdpa-flash") for r in rows if "sdpa-flash" in r["fusedattn_speedup"]]
-    cudnn = [r["fusedattn_speedup"].get("sdpa-cudnn") for r in rows if "sdpa-cudnn" in r["fusedattn_speedup"]]
-    print(f"{path.name}: x flash {min(flash):.2f}-{max(flash):.2f}, x cuDNN {min(cudnn):.2f}-{max(cudnn):.2f}")
-PY
+  timeout 120 fusedattn bench --no-progress --decode --dtype float16,bfloat16 --methods sdpa-cudnn,sdpa-flash \
+    --json "$out/decode-mha.json" > /dev/null 2>&1 || { echo "decode (MHA) failed"; status=1; }
+  timeout 120 fusedattn bench --no-progress --decode --kv-heads 8 --methods sdpa-cudnn,sdpa-flash \
+    --json "$out/decode-gqa.json" > /dev/null 2>&1 || { echo "decode (GQA) failed"; status=1; }
+  python3 lab/readme_tables.py forward "$out"/forward-d128.json "$out"/forward-d64.json || status=1
+  python3 lab/readme_tables.py forward "$out"/backward-d128.json "$out"/backward-d64.json || status=1
+  python3 lab/readme_tables.py decode "$out"/decode-mha.json "$out"/decode-gqa.json || status=1
 }
 
-# Not in the default stages: the README's three decode tables (d=128 fp16 and
+# Not in the default stages: three decode tables (d=128 fp16 and
 # bf16 against cuDNN and FlashAttention, GQA 32/8, d=64), JSON each, ~3
 # minutes; with "roofline roofline_gqa" in the same call they give every row
 # its ceiling on the same machine.
