@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles every CUDA kernel source with nvcc for sm_80 and sm_90a, so a CUDA
 # build break fails CI even on a machine without a GPU or a CUDA build of
-# PyTorch. Kernels include no ATen header (DESIGN.md section 2), which is what
+# PyTorch. Kernels include no ATen header (docs/architecture.md), which is what
 # makes this possible. Also builds and runs tests/native (host-side checks of
 # kernel helpers). Usage: .ci/check_cuda_compiles.sh [build-dir]
 set -euo pipefail
@@ -27,9 +27,9 @@ for src in "${sources[@]}"; do
   fi
   # ptxas C7510-C7519: wgmma serialised (C7514: a non-wgmma instruction
   # touches an accumulator inside a pipeline stage; others: a call, too few
-  # registers, an ill-formed stage). It compiles and runs right, slower: the
-  # idle-warpgroup branch in the sm90 forward got C7514 and ran 22-27% slower,
-  # unnoticed until the H200 measured it (2026-11-30). So it fails the check.
+  # registers, an ill-formed stage). Such code compiles and runs right but
+  # slower (an idle-warpgroup branch in the sm90 forward once cost 22-27%, see
+  # docs/cuda-notes.md), and only a GPU run would show it. So it fails the check.
   if grep -qE "C751[0-9]|wgmma.mma_async instructions are serialized" "$obj.ptxas.log"; then
     grep -E "C751[0-9]|wgmma.mma_async instructions are serialized" "$obj.ptxas.log"
     echo "check_cuda_compiles: $src: wgmma serialised (ptxas C751x)"

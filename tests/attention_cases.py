@@ -1,4 +1,4 @@
-"""Shared test inputs and the tolerance rule of DESIGN.md section 4.
+"""Shared test inputs and the tolerance rule (docs/architecture.md).
 
 Every correctness test compares a kernel against ``fusedattn.reference`` run in
 float64 (the oracle) and allows at most ``factor`` times the error that the

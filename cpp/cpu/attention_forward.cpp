@@ -13,8 +13,9 @@
 namespace fusedattn::cpu {
 namespace {
 
-// Tile sizes measured on a 2-core AMD EPYC (float32, d=64, N=1K-4K): see
-// docs/cpu-notes.md.
+// Tile sizes: 256 queries per task amortise each key tile's transposed copy
+// over more rows, which is what matters; the key tile's width matters less
+// (docs/tuning.md, docs/cpu-notes.md).
 constexpr int64_t kBlockQ = 256;
 constexpr int64_t kBlockK = 256;
 // Blocks of at most this many queries compute S with dot products (see below).

@@ -7,8 +7,9 @@
 // transpose flags and no alpha, the call maps onto brgemm directly.
 // m, n and k are at least 1.
 //
-// Measured on the 2-core AMD EPYC (2026-11-30, one thread, 256x256x64 and
-// 256x64x256): brgemm 114-117 GFLOP/s, at::cpu::addmm_out (MKL) 97.
+// brgemm rather than at::cpu::addmm_out: on an AMD CPU MKL takes its generic
+// code path and packs both operands on every call, which at the kernels'
+// tile shapes makes it the slower of the two (docs/tuning.md).
 #pragma once
 
 #include <cstdint>

@@ -73,8 +73,8 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   // cache_seqlens stays on the device: reading it here would cost a
-  // synchronisation per call, per layer per decoding step (a B=8, H=32,
-  // 4K-key step took 0.162 ms with it and 0.147 without, H200). A sequence whose lengths do not fit the
+  // synchronisation per call, per layer per decoding step, and stop a step
+  // from being captured in a graph. A sequence whose lengths do not fit the
   // cache is not appended to and gets NaN in out and lse instead of an error.
   KVCacheParams p;
   auto outputs = allocate_forward_outputs(in);

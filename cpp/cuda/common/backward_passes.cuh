@@ -19,7 +19,9 @@ namespace fusedattn::cuda {
 // The passes around the key-block kernel move 8 elements per thread with
 // 16-byte loads and stores: out and grad_out rows start on 16 bytes on CUDA
 // (as_kernel_operand), and grad_q, grad_k, grad_v and the float32 sums are
-// fresh, contiguous tensors. Head dims are multiples of 8 (DESIGN.md).
+// fresh, contiguous tensors. Head dims are multiples of 8: the operator
+// layer lets only the instantiated ones (32, 64, 128) reach a kernel
+// (docs/architecture.md).
 template <typename T>
 struct Octet {  // 8 elements of T in one 16-byte word
   uint4 bits;

@@ -85,7 +85,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 // transposed: the P V-shaped product of the sm80 backward (dV += P^T dO,
 // dK += dS^T Q, dQ += dS K). The sm80 forward's P V keeps its own loop (one B
 // fragment serves all its query tiles), and so does decode's (through this
-// helper its d=32/64 SASS changed; not re-measured).
+// helper its d=32/64 SASS changes, and the change is untimed).
 template <typename T, int Cols, int Stride>
 __device__ __forceinline__ void mma_a_times_rows(float (&acc)[Cols / 8][4], const uint32_t (&a)[4], const T* tile,
                                                  int first_row, int lane) {

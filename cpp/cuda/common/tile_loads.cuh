@@ -14,9 +14,8 @@ namespace fusedattn::cuda {
 // D / 8, below 64 columns) is XORed with the row's line index, so the 8 rows
 // an ldmatrix reads at one column hit 8 different bank groups, and a 128-byte
 // line of global memory lands in one 128-byte line of shared memory. With
-// padded rows (D + 8) every other line straddles two, and the cp.async copies
-// of the decode kernel went to L2 as 2.6 requests per line against cuDNN's 1
-// (Nsight Compute, H200, 2026-12-01).
+// padded rows (D + 8) every other line straddles two, and a 16-byte cp.async
+// copy of it reaches L2 as more than one request per line.
 template <int D>
 __host__ __device__ __forceinline__ int swizzled_offset(int r, int col) {
   constexpr int kChunks = D / 8, kGroup = kChunks < 8 ? kChunks : 8, kRowsPerLine = 8 / kGroup;
@@ -79,10 +78,9 @@ __device__ __forceinline__ void load_rows_async(T* smem, const T* head, int64_t 
 // the caller: `src` points at this thread's chunk of its first row (its
 // RowChunk's row and col) and `row_step` is kRowStep rows of the source, so
 // a caller streaming tiles
-// advances one pointer per tile. In the decode kernel the general version's
-// per-row 64-bit multiplies, bounds and constant loads were about half of the
-// loop's instructions (Nsight Compute, H200, 2026-11-30: 563 per warp and
-// tile).
+// advances one pointer per tile: the general version's per-row 64-bit
+// multiplies, bounds tests and constant loads are about half of a streaming
+// loop's instructions.
 template <int Rows, typename Tr, int L2Prefetch = 0, typename T>
 __device__ __forceinline__ void load_full_rows_async(T* smem, const T* src, int64_t row_step, int thread) {
   constexpr int kRowStep = RowChunk<Tr>::kRowStep;

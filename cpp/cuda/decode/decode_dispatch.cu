@@ -22,32 +22,23 @@ decltype(auto) dispatch_decode(const KVCacheParams& p, F&& f) {
   return dispatch_instantiation<32, 64, 128>("decode kernel", p.attn.dtype, p.attn.shape.head_dim, f);
 }
 
-// Measured on the H200 (docs/cuda-notes.md): a split should stream at least
-// kMinTilesPerSplit tiles once the GPU is full (each block's start and end
-// cost about two tiles of streaming), and at most kMaxTilesPerSplit (with
-// fewer, longer blocks the slowest ones leave a tail: 128K keys ran 4.3 TB/s
-// in 1 split per head and 4.45 in 16; at 32K, 8 splits of 64 tiles against
-// 4 of 128 read GQA 32/8 with lengths 1..N 1.03x, MHA 1.01x, GQA 1.00x, in
-// two calls, 2026-12-01, d13; 128K unchanged at 1.00x), as far as
-// kMaxSplitsPerResidentBlock allows. Within those bounds,
-// FlashAttention 2's rule: the fewest splits whose last wave is at least 85%
-// as full as the best choice's.
+// Once the GPU is full a split streams at least kMinTilesPerSplit tiles
+// (a block's start and end cost about two tiles of streaming) and at most
+// kMaxTilesPerSplit (in one long wave the slowest blocks leave a tail), as far
+// as kMaxSplitsPerResidentBlock allows. Within those bounds, FlashAttention
+// 2's rule: the fewest splits whose last wave is at least 85% as full as the
+// best choice's. Figures behind the constants: docs/tuning.md.
 constexpr int64_t kMinTilesPerSplit = 16;
 constexpr int64_t kMaxTilesPerSplit = 64;
 // The host knows the cache's capacity, not cache_seqlens, and the kernel
-// divides each sequence's actual keys among the splits: in a cache of 128K
-// positions holding 4K, the 32 splits of kMaxTilesPerSplit made blocks of
-// 128 keys (4K read 1.84 TB/s there, against 4.38 in a cache of 4K; GQA
-// 32/8 1.66 against 3.76; H200, 2026-12-01 14:23, docs/cuda-notes.md d15).
-// So the tile cap forces at most this many splits per block an SM holds. A
-// block that holds its SM alone (d=128) idles it at its start and end, and
-// at 128K 8 splits read as 32 did (MHA 4.68 / 4.68, GQA 4.57 / 4.57; lengths
-// 1..N 4.69 / 4.67, GQA 4.49 / 4.53; 14:22). Where two blocks share an SM
-// (d=64) one streams while the other starts or ends, and MHA 128K read 4.64
-// in 16 splits against 4.55 in 8 (14:30). Longer caches still take splits of
-// at most kMaxTilesPerLongSplit (16K keys): at 512K GQA 32/8 read 4.46, 4.49
-// and 4.56 in 8, 16 and 32 splits, lengths 1..N 4.40, 4.49 and 4.52 (15:02,
-// 15:04). Filling a wave may ask for more.
+// divides each sequence's actual keys among the splits, so a cache much longer
+// than its lengths would get many short splits: the tile cap forces at most
+// this many splits per block an SM holds. More splits pay their start, end and
+// merge without reading faster; where two blocks share an SM one streams
+// while the other starts or ends, so the cap scales with blocks per SM.
+// Caches longer still take splits of at most kMaxTilesPerLongSplit (16K
+// keys), beyond which a split leaves a tail again. Filling a wave may ask
+// for more.
 constexpr int64_t kMaxSplitsPerResidentBlock = 8;
 constexpr int64_t kMaxTilesPerLongSplit = 256;
 

@@ -41,41 +41,31 @@ namespace fusedattn::cuda {
 
 template <int HeadDim, int Warps>
 struct DecodeTraits {
-  // 8 warps, 128-key tiles. At d <= 64 that is 2 blocks per SM; against 4
-  // warps (3 blocks per SM) on the H200, 2026-12-01 (two calls,
-  // docs/cuda-notes.md d10): d=64 4K 1.08x (level with cuDNN, was 0.93x), GQA
-  // 4K 1.03x, 32K-128K 1.00-1.01x, but GQA with lengths 1..N at 32K 0.93x
-  // (fewer, longer splits: 264 block slots, not 396). At d=128 the ring takes
-  // 192 KB, one block per SM: the bytes in flight of two 4-warp blocks with
-  // half the splits to merge. Against 4 warps and 2 blocks per SM (one A/B
-  // call, 2026-12-01 12:47, docs/cuda-notes.md d13): GQA 4K 1.04x (2 splits
-  // merged in clusters of 2, not 4 through global memory), lengths 1..N at 4K
-  // 1.08-1.09x, GQA 1..N 32K 1.03x, GQA 32K 0.99x, the rest 1.00x.
-  // (decode_warps picks 8 or, where a block cannot hold 8 warps' ring, 4.)
+  // 8 warps, 128-key tiles: a wait, a sync and a softmax step per 32 KB of K
+  // and V instead of per 16 KB. At d <= 64 that is 2 blocks per SM; at d=128
+  // the ring takes 192 KB, one block per SM holding the bytes in flight of
+  // two 4-warp blocks, with half the splits to merge. (decode_warps picks 8
+  // or, where a block cannot hold 8 warps' ring, 4.) The figures behind
+  // these traits: docs/tuning.md.
   static constexpr int kWarps = Warps;
   static constexpr int kMinBlocksPerSm = HeadDim * Warps <= 512 ? 2 : 1;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockM = kDecodeBlockM;  // query rows: one MMA tile, shared by the warps
   static constexpr int kBlockN = 16 * kWarps;  // keys per tile, 16 per warp
   static_assert(kBlockM == 16 && kBlockN % kDecodeBlockN == 0);
-  // Tiles in the ring: kStages - 1 in flight while one is computed on. With
-  // 4 warps at d=128 (64-key tiles, 2 blocks per SM), 2 stages (3 blocks)
-  // and 4 stages (1 block) streamed 2.4-2.9 TB/s against 4.0-4.4 for 3 (H200,
-  // docs/cuda-notes.md); 8 warps and 128-key tiles read the same there, with
-  // a kernel that still merged its splits in a second kernel. Also no better:
-  // 2 warps, 32-key tiles and 4 or 6 stages; prefetching later tiles into L2
-  // (prefetch.global.L2), which cost 10-35%.
+  // Tiles in the ring: kStages - 1 in flight while one is computed on. 2
+  // stages keep too few bytes in flight per block, and 4 leave room for only
+  // one block per SM, which cannot keep the SM's share in flight.
   static constexpr int kStages = 3;
-  // Each 16-byte cp.async asks L2 for the surrounding 128 bytes: +2-3%.
-  // (Bulk copies per row into the ring, with an mbarrier per stage, ran 1-9%
-  // slower on the H200 than cp.async, 2026-11-30, docs/cuda-notes.md.)
+  // Each 16-byte cp.async asks L2 for the surrounding 128 bytes (the
+  // .L2::128B hint), which reads slightly faster. Per-row bulk copies into
+  // the ring read slower than cp.async, and prefetches of later tiles into L2
+  // compete with the real requests.
   static constexpr int kL2Prefetch = 128;
-  // Shared-memory rows are unpadded and swizzled (swizzled_offset): with
-  // 16-byte padding the copies reached L2 as 2.6 requests per 128-byte line,
-  // and swizzling read 1.05-1.07x on the H200 (2026-12-01). The figures
-  // above were measured with padded rows; cuDNN's single-buffer pipeline,
-  // a block in lockstep and slab-ordered copies, tried that day, were not
-  // faster either (docs/cuda-notes.md, d7).
+  // Shared-memory rows are unpadded and swizzled (swizzled_offset): a
+  // 128-byte line of the cache lands in one line of shared memory, so its
+  // copies reach L2 as one request per line (padded rows split every other
+  // line in two).
   static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
   // A tile as the copies (a warp's share: 32 threads) and ldmatrix see it.
   struct Layout {
@@ -105,9 +95,9 @@ constexpr int decode_smem_bytes() {
 }
 
 // As many blocks per SM as the ring's shared memory allows: 2 at d <= 64 and
-// with 4 warps at d=128, 1 with 8 warps at d=128 (210-215 registers there, no
-// spills). The hint of 2 came with a 4-warp draft that spilled at 168
-// registers on sm_90a without it.
+// with 4 warps at d=128, 1 with 8 warps at d=128. The hint of 2 keeps the
+// 4-warp kernel from spilling: without it ptxas holds that kernel to 168
+// registers on sm_90a.
 template <int HeadDim, int Warps, typename T, bool IsCausal>
 __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
                                   DecodeTraits<HeadDim, Warps>::kMinBlocksPerSm)
@@ -385,9 +375,8 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
 
   // Count this split in; the last of the (sequence, kv head, row tile)'s
   // num_splits blocks to finish merges their partials, while the others
-  // still stream (a combine kernel after this one took 5.5 of a 4K GQA
-  // step's 43 us under Nsight Compute; merging here read 1.05-1.10x at 4K
-  // GQA, H200, 2026-12-01, docs/cuda-notes.md d8).
+  // still stream: a combine kernel after this one would add its own launch
+  // and pass to every step.
   int* last = reinterpret_cast<int*>(sL + kWarps * kBlockM);
   __threadfence();  // this block's partials reach L2 before its count
   __syncthreads();
@@ -416,7 +405,7 @@ bool configure_decode_kernel() {
 }
 
 // The warps of a decode block on the current device: 8, except at d=128
-// where a block cannot hold their ring (192 KB: an A100 gives a block 163
+// where a block cannot hold their ring (192 KB; sm_80 gives a block 163
 // KB), which takes 4 (64-key tiles, 100 KB, 2 blocks per SM). At d=128,
 // FUSEDATTN_DECODE_WARPS=4 or 8 picks one (tests and benchmarks; other head
 // dims have 8 only and do not read it); it is read at the first d=128 decode

@@ -32,14 +32,13 @@ struct ForwardTraits {
   static constexpr int kThreads = 32 * kWarps;
   // 16-row MMA tiles per warp. Two would let every K/V fragment read from
   // shared memory feed two MMAs, but the registers they take cost occupancy,
-  // which is what this kernel is bound by: at d=64 two tiles ran 78-103
-  // TFLOP/s, one 172-193 (H200, 2026-11-30, docs/cuda-notes.md).
+  // which is what this kernel is bound by (docs/tuning.md).
   static constexpr int kMTiles = 1;
   // Blocks per SM the register allocation must allow (the launch bound; 0 =
-  // none): 4 fits d <= 64 in 128 registers for sm_90 (what the H200 runs);
-  // sm_80's code spilled 40 bytes there (CUDA 13.0), so it gets 3 blocks and
-  // 168. d=128 unbounded takes 162-168, which allows 3 blocks; a bound of 3
-  // spilled and a bound of 1 took 196.
+  // none): 4 fits d <= 64 in 128 registers for sm_90; sm_80's code spills
+  // there, so it gets 3 blocks and 168. d=128 unbounded takes 162-168
+  // registers, which allows 3 blocks; a bound of 3 spills and a bound of 1
+  // takes 196 (2 blocks).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   static constexpr int kMinBlocksPerSM = HeadDim <= 64 ? 3 : 0;
 #else

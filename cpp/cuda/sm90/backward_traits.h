@@ -14,21 +14,20 @@ struct Sm90BackwardTraits {
   static constexpr int kConsumers = 2;                      // warpgroups of 64 keys
   static constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer
   static constexpr int kBlockN = 64 * kConsumers;          // keys per block
-  // Queries per step. At d=64 a step of 64 queries was too little work for
-  // its fixed costs (barriers, the mbarrier round trip, dQ's reductions):
-  // 0.83-0.95x FlashAttention 2 forward + backward from N=2K on the H200
-  // (2026-11-30), against 1.17-1.31x at d=128. 128 queries halve those costs
-  // per FLOP and still fit 240 registers (S^T and dP^T are 64 + 64 of them):
-  // +19-23% from N=4K, 1.04-1.15x FlashAttention 2 there.
+  // Queries per step. At d=64 a step of 64 queries is too little work for
+  // its fixed costs (barriers, the mbarrier round trip, dQ's reductions);
+  // 128 queries halve those costs per FLOP and still fit 240 registers (S^T
+  // and dP^T are 64 + 64 of them). At d=128 a 64-query step's products are
+  // twice as large for the same fixed costs (docs/tuning.md).
   static constexpr int kBlockM = HeadDim == 64 ? 128 : 64;
   static constexpr int kStages = 2;                         // of Q, dO, lse, delta
   static constexpr int kSlabs = HeadDim / 64;               // 64-column swizzled slabs per row
   static constexpr int kKVTileBytes = kBlockN * HeadDim * 2;
   static constexpr int kQTileBytes = kBlockM * HeadDim * 2;
   static constexpr int kDsBytes = kBlockM * kBlockN * 2;
-  // lse and delta come as 1-D boxes, whose start must sit on 16 bytes (a
-  // start at float 33 stopped the H200 with an illegal instruction): each box
-  // starts at the multiple of 4 floats at or below the step's first row, so
+  // lse and delta come as 1-D boxes, whose start must sit on 16 bytes (any
+  // other start is an illegal instruction on Hopper): each box starts at the
+  // multiple of 4 floats at or below the step's first row, so
   // holds 4 more; a ring slot is 2 kBlockM floats, which holds the box and
   // keeps every box 128-byte aligned.
   static constexpr int kRowsBox = kBlockM + 4;

@@ -89,9 +89,9 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
   // Every item starts its tiles at stage 0 of both rings, so that stages
   // (and the wgmma descriptors made from them) follow from j alone, which
   // the compiler keeps in uniform registers (continuing the rings across
-  // items moved that work to the vector pipe: 3.4x the R2UR moves, and 3-5%
-  // slower, H200 2026-11-30). A stage's phase parity then depends on the
-  // items before: bit s of `phases` is that of stage s at the item's start.
+  // items moves that work to the vector pipe, with many more R2UR moves,
+  // and runs slower). A stage's phase parity then depends on the items
+  // before: bit s of `phases` is that of stage s at the item's start.
   // Q is released with the item's last K tile, so the next item's first
   // tiles cannot be needed earlier than the stage they wait for.
   uint32_t phases = 0;

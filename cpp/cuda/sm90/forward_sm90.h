@@ -11,7 +11,7 @@ namespace fusedattn::cuda {
 // Head dims this family is instantiated for.
 inline constexpr int kSm90HeadDims[] = {64, 128};
 // The head dim it takes attn_mask at: d=64's three consumer warpgroups have
-// no registers left for the mask reads (ptxas spilled ~650 bytes).
+// no registers left for the mask reads (ptxas spills).
 inline constexpr int kSm90MaskedHeadDim = 128;
 
 // Whether this build has the sm90 kernels (compiled for sm_90a) and the

@@ -13,13 +13,10 @@ namespace fusedattn::cuda {
 
 // Keys per K/V tile. 176 at d=128 without attn_mask (FA3's tile there: a
 // third fewer softmax rounds, barriers and turns per key; S takes 88
-// registers); 128 elsewhere: with a mask the consumers spill (ptxas, 680
-// bytes). Causal calls take 176 from kSm90CausalWideTileKeys keys on: below,
-// the diagonal's partly hidden tiles (up to 176 + 127 keys of a block, against
-// 128 + 127) cost more than the rounds saved. Measured on the H200
-// (2026-11-30 19:05 UTC, 20 repeats, docs/cuda-notes.md): causal with 176
-// against 128 read 1.04 / 1.02 (fp16 / bf16) at 32K, 1.00 / 1.07 at 16K,
-// 1.00 at 8K, 0.98 / 1.01 at 4K and 0.80-1.00 at 1K-2K.
+// registers); 128 elsewhere: with a mask the consumers spill (ptxas). Causal
+// calls take 176 from kSm90CausalWideTileKeys keys on: below, the diagonal's
+// partly hidden tiles (up to 176 + 127 keys of a block, against 128 + 127)
+// cost more than the rounds saved (docs/tuning.md).
 inline constexpr int64_t kSm90CausalWideTileKeys = 16384;
 constexpr int sm90_forward_block_n(int head_dim, bool is_causal, bool has_mask, int64_t seqlen_k) {
   if (head_dim != 128 || has_mask) return 128;
@@ -28,12 +25,10 @@ constexpr int sm90_forward_block_n(int head_dim, bool is_causal, bool has_mask, 
 
 // Blocks that stay resident and take work items until none are left
 // (forward_kernel.cuh) at d=128, and at d=64 under causal; else a block per
-// item. Measured on the H200 (2026-11-30 19:37 UTC, 20 repeats,
-// docs/cuda-notes.md): persistent d=128 read 1.01-1.09x at 2K-16K. At d=64
-// causal (2026-12-01 00:03 UTC, 10 repeats): 1.25 / 1.09 (fp16 / bf16) at
-// 1K, 1.04-1.09 at 2K-4K, 0.95-1.01 from 8K, within that call's noise;
-// non-causal d=64 persistent spills 40 bytes (ptxas) and keeps a block per
-// item.
+// item. A persistent block's producer loads the next item's Q and first
+// tiles while the consumers finish the last one, which pays most where items
+// are short (d=64 causal); non-causal d=64 persistent spills (ptxas) and
+// keeps a block per item. Figures: docs/tuning.md.
 template <int HeadDim, bool IsCausal>
 inline constexpr bool kSm90Persistent = HeadDim == 128 || IsCausal;
 
