@@ -17,7 +17,7 @@ mapfile -t sources < <(find cpp/cuda -name '*.cu' | sort)
 echo "check_cuda_compiles: $(nvcc --version | tail -1); ${#sources[@]} source(s)"
 for src in "${sources[@]}"; do
   obj="$out/$(echo "$src" | tr '/' '_').o"
-  nvcc -std=c++17 -O3 --use_fast_math -Icpp/include \
+  nvcc --threads 2 -std=c++17 -O3 --use_fast_math -Icpp/include \
     -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a \
     -Xptxas -v -c "$src" -o "$obj" 2> "$obj.ptxas.log" || { cat "$obj.ptxas.log"; exit 1; }
   # Spills are a performance bug on the GPU: reported here, to be fixed.

@@ -53,6 +53,7 @@ def test_bench_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = cli.main(["bench", "--device", "cpu", "--seqlens", "64,128", "--dtype", "float32",
                    "--causal", "both", "--heads", "2", "--head-dim", "16", "--repeats", "2",
+                   "--methods", "naive,sdpa",
                    "--no-progress", "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     result = json.loads(out_json.read_text())
@@ -72,6 +73,12 @@ def test_bench_json_and_plot(tmp_path, capsys):
     # --from-json prints the same table from the file, running nothing.
     assert cli.main(["bench", "--from-json", str(out_json)]) == 0
     assert bench.format_table(result) in capsys.readouterr().out
+
+
+def test_cpu_default_compares_with_sdpa_only():
+    """The naive path costs seconds per call from N=4K on the CPU: it is opt-in there."""
+    cfg = bench.default_config(torch.device("cpu"))
+    assert list(bench.select_methods(bench.methods(cfg.device), cfg.methods)) == ["sdpa", "fusedattn"]
 
 
 def test_bench_rejects_unknown_dtype(capsys, no_run):
