@@ -519,6 +519,25 @@ def test_bench_decode_methods_on_cuda(tmp_path):
     assert set(row["results"]) == {"sdpa-cudnn", "fusedattn"}
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backward", [False, True])
+def test_bench_forward_on_cuda(tmp_path, backward):
+    """The forward (and --backward) bench on a named CUDA device: times, rates and ratios, JSON and plots."""
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", "--device", "cuda:0", "--batch", "1", "--heads", "2", "--head-dim", "64",
+            "--seqlens", "256,512", "--dtype", "float16", "--repeats", "2", "--warmup", "1",
+            "--methods", "sdpa-flash", "--no-progress", "--json", str(out), "--plot", str(png)]
+    assert cli.main(argv + (["--backward"] if backward else [])) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["backward"] is backward and len(result["rows"]) == 4
+    for row in result["rows"]:
+        for name in ("sdpa-flash", "fusedattn"):
+            cell = row["results"][name]
+            assert cell["status"] == "ok" and cell["seconds"] > 0 and cell["tflops"] > 0
+        assert row["fusedattn_speedup"]["sdpa-flash"] > 0
+    assert png.stat().st_size > 1000 and (tmp_path / "bench-speedup.png").stat().st_size > 1000
+
+
 def test_engine_checks_the_architecture_before_the_load(tmp_path, monkeypatch):
     from fusedattn import engine
 

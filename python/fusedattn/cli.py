@@ -8,6 +8,7 @@ use) ends the command before any long work starts, with one line on stderr,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -79,6 +80,11 @@ def _device(text: str | None, op: str, default_cuda: bool) -> torch.device:
         if problem:
             raise UsageError(f"--device {text or 'cuda'}: {problem}")
     return device
+
+
+def _on(device: torch.device):
+    """The timing events and sleeps go to the current CUDA device: make it the benchmarked one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _positive(args, names: tuple[str, ...], least: int = 1) -> None:
@@ -242,7 +248,8 @@ def _bench_decode(args) -> int:
     except UsageError as e:
         raise UsageError(f"--decode needs CUDA: {str(e).split(': ', 1)[1]}") from None
     _cuda_takes(cfg.device, cfg.dtypes, cfg.head_dim)
-    result = bench_decode.run(cfg, progress=not args.no_progress)
+    with _on(cfg.device):
+        result = bench_decode.run(cfg, progress=not args.no_progress)
     print(bench_decode.format_table(result, wide=args.wide))
     _write_json(result, args.json)
     return 0
@@ -301,7 +308,8 @@ def _bench(args) -> int:
     cfg.backward = args.backward
     _apply_methods(cfg, args, lambda: bench.methods(device, cfg.backward))
 
-    result = bench.run(cfg, progress=not args.no_progress)
+    with _on(device):
+        result = bench.run(cfg, progress=not args.no_progress)
     print(bench.format_table(result, wide=args.wide))
     _write_json(result, args.json)  # before the plot: a plot that fails keeps the results
     if args.plot:
@@ -426,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--causal", choices=["yes", "no", "both"])
     b.add_argument("--repeats", type=int, help="timed runs per cell (the median is reported)")
     b.add_argument("--methods", help="comma-separated columns to time, e.g. sdpa-flash,sdpa-cudnn "
-                                     "(fusedattn always runs; default: all this device has)")
+                                     "(fusedattn always runs; default: every column this device has; "
+                                     "on the CPU sdpa only)")
     b.add_argument("--warmup", type=int)
     b.add_argument("--json", metavar="PATH", help="write the results as JSON")
     b.add_argument("--plot", metavar="PATH.png",
