@@ -388,8 +388,8 @@ TABLE_WIDTH = 120
 # methods fit TABLE_WIDTH; the caption spells out those that differ.
 SHORT_NAMES = {"sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-cudnn": "cudnn",
                "fusedattn-sm80": "fa-sm80", "fusedattn-deterministic": "fa-determ"}
-_LEGEND = {"flash": "flash, efficient, cudnn: SDPA held to that backend",
-           "naive-cuda": "naive-cuda: fusedattn's naive CUDA kernel (materialises S)",
+_SDPA_BACKENDS = ("flash", "efficient", "cudnn")
+_LEGEND = {"naive-cuda": "naive-cuda: fusedattn's naive CUDA kernel (materialises S)",
            "fa-sm80": "fa-sm80: fusedattn's sm80 kernels",
            "fa-determ": "fa-determ: fusedattn under torch.use_deterministic_algorithms"}
 
@@ -440,7 +440,9 @@ def compact_table(title: str, key_header: list[str], keys: list[list[str]], name
     the title gains the legend of the labels used."""
     labels = [short_name(m) for m in names]
     others = [short_name(m) for m in names if m != "fusedattn"]
-    legend = [text for label, text in _LEGEND.items() if label in labels]
+    backends = [label for label in _SDPA_BACKENDS if label in labels]
+    legend = [f"{', '.join(backends)}: SDPA held to that backend"] if backends else []
+    legend += [text for label, text in _LEGEND.items() if label in labels]
     title = title + ("\n" + _wrap("; ".join(legend)) if legend else "")
     one = markdown_table(key_header + [f"{l} ms" for l in labels] + [rate_header] + [f"x {l}" for l in others],
                          [k + t + [r] + x for k, t, r, x in zip(keys, times, rates, ratios)])
