@@ -598,10 +598,10 @@ def _speedup_scale(axes, drawn: list[float]) -> None:
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     lo, hi = min(drawn + [1.0]), max(drawn + [1.0])
-    ticks = [t for t in (0.1, 0.2, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 5, 10, 20, 50, 100, 200, 500, 1000)
+    ticks = [t for t in (0.1, 0.2, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4, 5, 10, 20, 50, 100, 200, 500, 1000)
              if lo / 1.15 <= t <= hi * 1.15]
     if hi / lo > 8:  # a wide range: the finer ticks would crowd
-        ticks = [t for t in ticks if t not in (0.75, 1.25, 1.5, 3, 0.25)]
+        ticks = [t for t in ticks if t not in (0.75, 1.25, 1.5, 3, 4, 0.25)]
     for ax in axes:
         ax.set_yscale("log")
         ax.set_ylim(lo / 1.25, hi * 1.25)
