@@ -357,8 +357,10 @@ def _fmt_bytes(b) -> str:
 
 def fmt3(x: float) -> str:
     """x to about 3 significant digits without an exponent: 0.0123, 0.123, 1.23, 12.3, 123, 1234."""
-    if x == 0 or not math.isfinite(x):
-        return f"{x:.0f}" if x == 0 else str(x)
+    if x == 0:
+        return "0"
+    if not math.isfinite(x):
+        return str(x)
     decimals = max(0, 2 - math.floor(math.log10(abs(x))))
     return f"{x:.{decimals}f}"
 
@@ -414,10 +416,15 @@ def _wrap(text: str) -> str:
     return "\n".join(textwrap.wrap(text, TABLE_WIDTH, break_on_hyphens=False))
 
 
+def run_line(result: dict) -> str:
+    """The first line of a table's title: where and when the result was measured."""
+    return _wrap(f"{result['device']}, torch {result['torch']}, {result['date']}")
+
+
 def _title(result: dict) -> str:
     cfg = result["config"]
     what = "forward + backward (FLOPs: 3.5x the forward)" if cfg.get("backward") else "forward"
-    return (_wrap(f"{result['device']}, torch {result['torch']}, {result['date']}") + "\n"
+    return (run_line(result) + "\n"
             + _wrap(f"{what}, B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']}, median of "
                     f"{cfg['repeats']} calls per cell; x m = time of m / time of fusedattn "
                     f"(> 1: fusedattn is faster)"))
@@ -427,7 +434,7 @@ def _row_key(row: dict) -> list[str]:
     return [row["dtype"], "yes" if row["causal"] else "no", str(row["seqlen"])]
 
 
-def _ratio_cells(row: dict, others: list[str]) -> list[str]:
+def ratio_cells(row: dict, others: list[str]) -> list[str]:
     return [fmt_ratio(row["fusedattn_speedup"][m]) if m in row["fusedattn_speedup"] else "-" for m in others]
 
 
@@ -472,7 +479,7 @@ def format_table(result: dict, wide: bool = False) -> str:
         [[cell(row["results"][m], lambda r: fmt3(r["seconds"] * 1e3)) for m in names] for row in rows],
         f"fusedattn {unit}",
         [cell(row["results"]["fusedattn"], lambda r: fmt3(r["tflops"] * mult)) for row in rows],
-        [_ratio_cells(row, others) for row in rows])
+        [ratio_cells(row, others) for row in rows])
 
 
 def format_wide(result: dict) -> str:
@@ -492,7 +499,7 @@ def format_wide(result: dict) -> str:
             _row_key(row)
             + [cell(res[m], lambda r: fmt3(r["seconds"] * 1e3)) for m in names]
             + [cell(res[m], lambda r: fmt3(r["tflops"] * mult)) for m in names]
-            + _ratio_cells(row, others)
+            + ratio_cells(row, others)
             + [cell(res[m], lambda r: _fmt_bytes(r["peak_bytes"])) for m in names]
             + [f"{row['arithmetic_intensity']:.0f}",
                f"{row['fusedattn_pct_of_matmul']:.0f}%" if "fusedattn_pct_of_matmul" in row else "-"]

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from .bench import (DTYPES, _sdpa_backend, _time_once, _wrap, cell, compact_table, describe_device, fmt3,
-                    fmt_ratio, interleaved_medians, markdown_table, not_available, select_methods, speedups)
+                    interleaved_medians, markdown_table, not_available, ratio_cells, run_line, select_methods,
+                    speedups)
 
 
 # Calls per timed interval: a step over a 4K cache takes about 0.1 ms, close to
@@ -175,13 +176,20 @@ def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict
     return {name: results[name] for name in table}
 
 
+def capacity_problem(cfg: DecodeConfig) -> str | None:
+    """Why cfg.capacity cannot hold the table's caches, or None where it can."""
+    if cfg.capacity is not None and cfg.capacity < max(cfg.seqlens):
+        return f"--capacity must be at least every N (the largest is {max(cfg.seqlens)}), got {cfg.capacity}"
+    return None
+
+
 def run(cfg: DecodeConfig, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     # The command line checks both before it calls run().
-    if cfg.capacity is not None and cfg.capacity < max(cfg.seqlens):
-        raise ValueError(f"fusedattn bench --decode: --capacity must be at least every N (the largest is "
-                         f"{max(cfg.seqlens)}), got {cfg.capacity}")
+    problem = capacity_problem(cfg)
+    if problem:
+        raise ValueError(f"fusedattn bench --decode: {problem}")
     if cfg.device.type != "cuda":
         raise ValueError("fusedattn bench --decode: the decode benchmark needs a CUDA device")
     table = select_methods(methods(cfg), cfg.methods)
@@ -211,11 +219,10 @@ def format_table(result: dict, wide: bool = False) -> str:
     rows = result["rows"]
     keys = [[row["dtype"], "1..N" if row["varlen"] else "N", str(row["seqlen"])] for row in rows]
     times = [[cell(row["results"][m], lambda r: fmt3(r["seconds"] * 1e3)) for m in names] for row in rows]
-    ratios = [[fmt_ratio(row["fusedattn_speedup"][m]) if m in row["fusedattn_speedup"] else "-" for m in others]
-              for row in rows]
+    ratios = [ratio_cells(row, others) for row in rows]
     cfg = result["config"]
     caches = f", caches of {cfg['capacity']} positions" if cfg.get("capacity") else ""
-    title = (_wrap(f"{result['device']}, torch {result['torch']}, {result['date']}") + "\n" + _wrap(
+    title = (run_line(result) + "\n" + _wrap(
         f"decode: B={cfg['batch']} Hq={cfg['heads']} Hkv={cfg['kv_heads']} d={cfg['head_dim']}, "
         f"1 query per sequence{caches}, median of {cfg['repeats']} intervals of {CALLS_PER_TIMING} calls "
         f"({'the host launching them' if cfg.get('launch_gaps') else 'queued while the GPU slept'}); "

@@ -91,8 +91,7 @@ def _positive(args, names: tuple[str, ...], least: int = 1) -> None:
     for name in names:
         value = getattr(args, name)
         if value is not None and value < least:
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} must be at least {least}, got {value}")
+            raise UsageError(f"{_flag(name)} must be at least {least}, got {value}")
 
 
 def _cuda_takes(device: torch.device, dtypes: list[str], head_dim: int) -> None:
@@ -232,35 +231,27 @@ def _bench_decode(args) -> int:
     if cfg.heads % cfg.kv_heads:
         raise UsageError(f"--heads {cfg.heads} must be a multiple of --kv-heads {cfg.kv_heads} "
                          f"(each key/value head serves a group of query heads)")
-    if args.capacity is not None and args.capacity < max(cfg.seqlens):
-        raise UsageError(f"--capacity must be at least every N (the largest is {max(cfg.seqlens)}), "
-                         f"got {args.capacity}")
     if args.lengths:
         cfg.varlen = {"full": [False], "varlen": [True], "both": [False, True]}[args.lengths]
     cfg.launch_gaps = args.launch_gaps
     cfg.capacity = args.capacity
+    problem = bench_decode.capacity_problem(cfg)
+    if problem:
+        raise UsageError(problem)
     _apply_methods(cfg, args, lambda: bench_decode.methods(cfg))
-    if args.device is not None and _is_device(args.device) and torch.device(args.device).type == "cpu":
-        raise UsageError("--decode: the decode benchmark needs a CUDA device (it times CUDA kernels), "
-                         "not --device cpu")
     try:
         cfg.device = _device(args.device, "forward_kvcache", default_cuda=True)
     except UsageError as e:
         raise UsageError(f"--decode needs CUDA: {str(e).split(': ', 1)[1]}") from None
+    if cfg.device.type == "cpu":
+        raise UsageError("--decode: the decode benchmark needs a CUDA device (it times CUDA kernels), "
+                         "not --device cpu")
     _cuda_takes(cfg.device, cfg.dtypes, cfg.head_dim)
     with _on(cfg.device):
         result = bench_decode.run(cfg, progress=not args.no_progress)
     print(bench_decode.format_table(result, wide=args.wide))
     _write_json(result, args.json)
     return 0
-
-
-def _is_device(text: str | None) -> bool:
-    try:
-        torch.device(text)
-        return True
-    except (RuntimeError, TypeError):
-        return False
 
 
 def _from_json(args) -> int:

@@ -84,10 +84,10 @@ def gguf_metadata(path: str, keys: tuple[str, ...] = ("general.architecture",)) 
         # reads its version byte-swapped.
         order = "<" if struct.unpack("<I", head[4:])[0] < 0x10000 else ">"
         version = struct.unpack(order + "I", head[4:])[0]
-        count = order + ("I" if version == 1 else "Q")
+        count = "I" if version == 1 else "Q"
 
         def read(fmt: str):
-            fmt = order + fmt if fmt[0] not in "<>" else fmt
+            fmt = order + fmt
             data = f.read(struct.calcsize(fmt))
             if len(data) < struct.calcsize(fmt):
                 raise ValueError(f"{path}: the GGUF header ends early")
