@@ -10,8 +10,10 @@
 # builds every tree under .ab in turn against that machine's torch and, with
 # each build, times `fusedattn bench --no-progress ARGS` once per argument set
 # (`--and` separates the sets, e.g. `--head-dim 128 --and --head-dim 64`, so
-# one build serves every table; a NAME=value word sets that set's
-# environment, e.g. FUSEDATTN_DECODE_SPLITS=1). It writes OUTDIR/<name>-<set>.json and
+# one build serves every table; a set holds bench arguments only: fusedattn
+# reads no environment variables, and a NAME=value word is refused, since the
+# versions before that change would read it and the others not, comparing two
+# settings under one name). It writes OUTDIR/<name>-<set>.json and
 # OUTDIR/ab.md: fusedattn's TFLOP/s (TB/s with --decode) per version and row,
 # the ratio to the first version, the first version's other columns (pass
 # --methods to keep them short; e.g. sdpa-cudnn gives the bar) and "best x
@@ -50,6 +52,10 @@ shift
 # The argument sets, one string each (bench arguments have no spaces).
 sets=("")
 for arg in "$@"; do
+  if [[ $arg =~ ^[A-Z_][A-Z0-9_]*= ]]; then
+    echo "ab_bench: '$arg': a set holds bench arguments only (fusedattn reads no environment variables)"
+    exit 2
+  fi
   if [ "$arg" = --and ]; then sets+=(""); else sets[-1]+="${sets[-1]:+ }$arg"; fi
 done
 mkdir -p "$out"
@@ -71,14 +77,9 @@ for dir in .ab/*/; do
   for i in "${!sets[@]}"; do
     json="$out/$name-$((i + 1)).json"
     rm -f "$json"
-    # A set's NAME=value words set the environment of its bench (e.g.
-    # FUSEDATTN_DECODE_SPLITS=1), the others are bench arguments.
-    envs=()
-    args=()
-    for word in ${sets[$i]}; do
-      if [[ $word =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$word"); else args+=("$word"); fi
-    done
-    if ! timeout "${FUSEDATTN_BENCH_TIMEOUT:-300}" env "${envs[@]}" fusedattn bench --no-progress --json "$json" "${args[@]}" > /dev/null; then
+    # shellcheck disable=SC2206  # the set's arguments, split on purpose (they have no spaces)
+    args=(${sets[$i]})
+    if ! timeout "${FUSEDATTN_BENCH_TIMEOUT:-300}" fusedattn bench --no-progress --json "$json" "${args[@]}" > /dev/null; then
       echo "ab_bench: $name: bench failed (set $((i + 1)): ${sets[$i]})"
       ok=0
       status=1

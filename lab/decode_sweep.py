@@ -2,20 +2,23 @@
 
     python3 lab/decode_sweep.py OUTDIR [common bench args] -- SET [-- SET ...]
 
-Each SET is a space-separated string of NAME=value words (the bench's
-environment, e.g. "FUSEDATTN_DECODE_SPLITS=2 FUSEDATTN_DECODE_CLUSTER_MERGE=0")
-and bench arguments (e.g. "--batch 16"); "auto" is an empty set. Every set
-runs `fusedattn bench --decode --methods fusedattn` once, with the common
+Each SET is a space-separated string of bench arguments (e.g. "--batch 16",
+"--capacity 131072 --lengths full"); "auto" is an empty set. Every set runs
+`fusedattn bench --decode --methods fusedattn` once, with the common
 arguments first. OUTDIR gets one JSON per set and sweep.md: TB/s per row and
 set, and each row's best set. The ab_bench.sh habit for one build: the
-settings of a rule (splits, merge path, batch) measured in the same minutes.
+settings of a rule (batch, heads, capacity) measured in the same minutes.
+fusedattn reads no environment variables, and the bench has no option that
+forces the decode kernel's split count, merge path or warps (the op's
+num_splits, merge_in_cluster and warps arguments), so a set of NAME=value
+words is refused rather than silently measuring the planner's choice.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -27,26 +30,21 @@ def parse(argv: list[str]) -> tuple[pathlib.Path, list[str], list[str]]:
     split = argv.index("--")
     common = argv[1:split]
     sets = [s for s in argv[split + 1:] if s != "--"]
+    for words in [" ".join(common), *sets]:
+        if setting := next((w for w in words.split() if re.match(r"[A-Z_][A-Z0-9_]*=", w)), None):
+            sys.exit(f"decode_sweep: {setting!r}: sets are bench arguments only (fusedattn reads no "
+                     "environment variables, and `fusedattn bench --decode` has no option forcing the split "
+                     "count, merge path or warps)")
     return out, common, sets or ["auto"]
 
 
 def run_set(out: pathlib.Path, index: int, common: list[str], words: str) -> dict | None:
-    # A FUSEDATTN_DECODE_* setting of this shell would make "auto" something else.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDATTN_DECODE_")}
-    args = []
-    for word in words.split():
-        if word == "auto":
-            continue
-        name, eq, value = word.partition("=")
-        if eq and name.isupper():
-            env[name] = value
-        else:
-            args.append(word)
+    args = [word for word in words.split() if word != "auto"]
     path = out / f"set-{index}.json"
     cmd = ["fusedattn", "bench", "--decode", "--no-progress", "--methods", "fusedattn", "--json", str(path),
            *common, *args]
     try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
         print(f"set {index} ({words}) ran past 300 s", file=sys.stderr)
         return None
@@ -54,10 +52,6 @@ def run_set(out: pathlib.Path, index: int, common: list[str], words: str) -> dic
         print(f"set {index} ({words}) failed:\n{done.stderr[-2000:]}", file=sys.stderr)
         return None
     return json.loads(path.read_text())
-
-
-def label(words: str) -> str:
-    return words.replace("FUSEDATTN_DECODE_", "")
 
 
 def main() -> int:
@@ -81,7 +75,7 @@ def main() -> int:
             res = r["results"]["fusedattn"]
             if res.get("status", "ok") == "ok":
                 rates.setdefault(key, {})[i] = res["tb_per_s"]
-    names = {i: f"{i}: {label(words)}" for i, words, _ in runs}
+    names = {i: f"{i}: {words}" for i, words, _ in runs}
     lines = [f"{first['device']}, torch {first['torch']}, {first['date']}; fusedattn TB/s; "
              f"common arguments: {' '.join(common) or '-'}", "",
              "| dtype | B | Hq | Hkv | d | lengths | N | " + " | ".join(names.values()) + " | best |",

@@ -209,10 +209,10 @@ stage_profile_decode_vs_cudnn() {
   local who
   for who in "" --sdpa-cudnn; do
     echo "== ${who:-fusedattn}"
-    FUSEDATTN_DECODE_SPLITS=1 timeout 120 ncu --clock-control none -k regex:"decode_kernel|cudnn" \
+    timeout 120 ncu --clock-control none -k regex:"decode_kernel|cudnn" \
       --launch-skip 1 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum,lts__t_sector_hit_rate.pct,lts__t_requests_srcunit_tex_op_read.sum,dram__cycles_elapsed.avg.per_second,gpc__cycles_elapsed.avg.per_second \
-      python3 lab/profile_cases.py --decode --seqlen 32768 $who 2>&1 || status=1
+      python3 lab/profile_cases.py --decode --seqlen 32768 --num-splits 1 $who 2>&1 || status=1
   done > "$out/profile-decode-vs-cudnn.txt"
   grep -E "^== |^  [A-Za-z_0-9].*\(|Duration|Frequency|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Mem Busy|Max Bandwidth|dram__|lts__|gpc__" \
     "$out/profile-decode-vs-cudnn.txt" | head -60
@@ -226,7 +226,7 @@ stage_call_gap() {
 }
 
 # Not in the default stages: the decode table with the split count forced
-# (FUSEDATTN_DECODE_SPLITS) to each of DECODE_SPLITS, against the dispatcher's
+# (--num-splits) to each of DECODE_SPLITS, against the planner's
 # own choice (the first rows); DECODE_SPLITS_ARGS are the bench's arguments
 # (default: 32K and 128K, full caches, B=8 H=32 d=128); ~2 minutes.
 stage_decode_splits() {
@@ -238,8 +238,8 @@ stage_decode_splits() {
     for s in auto ${DECODE_SPLITS:-4 8 16 24 32 33 48 64}; do
       echo "== splits $s"
       forced=()
-      [ "$s" = auto ] || forced=("FUSEDATTN_DECODE_SPLITS=$s")
-      env "${forced[@]}" timeout 120 fusedattn bench --no-progress --decode "${args[@]}" \
+      [ "$s" = auto ] || forced=(--num-splits "$s")
+      timeout 120 fusedattn bench --no-progress --decode "${args[@]}" "${forced[@]}" \
         --methods sdpa-cudnn > /tmp/decode-splits.txt 2>&1 || { status=1; tail -3 /tmp/decode-splits.txt; }
       grep -E '^\| +(dtype|float16|bfloat16)' /tmp/decode-splits.txt
     done

@@ -6,8 +6,11 @@ decode bench's shape: B=8, Hq=32, Hkv=--kv-heads, d=128, float16, a cache of
 --seqlen keys, all full or, with --varlen, the bench's per-sequence lengths)
 after a warm-up one; with --decode --sdpa-cudnn the same shape through SDPA's
 cuDNN backend (q of 1 token against the whole cache: what its kernels do at
-the decode table's row). Run under ncu, e.g. lab/gpu_check.sh's profile and
-profile_decode stages."""
+the decode table's row). The planner chooses unless told: --family sm80|sm90
+forces the forward's and backward's kernel family, --num-splits,
+--merge-in-cluster yes|no and --warps 4|8 the decode kernel's (the operators'
+family, num_splits, merge_in_cluster and warps arguments). Run under ncu,
+e.g. lab/gpu_check.sh's profile and profile_decode stages."""
 
 import argparse
 
@@ -26,7 +29,13 @@ parser.add_argument("--kv-heads", type=int, default=32, help="--decode: key/valu
 parser.add_argument("--varlen", action="store_true", help="--decode: the bench's per-sequence lengths in [1, N]")
 parser.add_argument("--sdpa-cudnn", action="store_true", help="SDPA's cuDNN backend instead (forward only)")
 parser.add_argument("--forward-only", action="store_true")
+parser.add_argument("--family", choices=["sm80", "sm90"], help="the forward's and backward's kernel family")
+parser.add_argument("--num-splits", type=int, dest="num_splits", help="--decode: splits of each sequence's keys")
+parser.add_argument("--merge-in-cluster", choices=["yes", "no"], dest="merge_in_cluster",
+                    help="--decode: merge the splits in thread block clusters (yes: required) or never")
+parser.add_argument("--warps", type=int, choices=[4, 8], help="--decode: warps per decode block")
 args = parser.parse_args()
+merge_in_cluster = None if args.merge_in_cluster is None else args.merge_in_cluster == "yes"
 sdpa_cudnn = _sdpa_backend("cudnn")  # f(q, k, v, causal)
 
 if args.decode:
@@ -39,7 +48,8 @@ if args.decode:
         if args.sdpa_cudnn:
             sdpa_cudnn(q, k_cache, v_cache, False)
         else:
-            torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lengths, None, None, True, None)
+            torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lengths, None, None, True, None,
+                                                args.num_splits, merge_in_cluster, args.warps)
     torch.cuda.synchronize()
     raise SystemExit(0)
 
@@ -50,7 +60,7 @@ for _ in range(2):
     if args.sdpa_cudnn:
         sdpa_cudnn(q, k, v, args.causal)
         continue
-    out, lse = torch.ops.fusedattn.forward(q, k, v, None, args.causal, None)
+    out, lse = torch.ops.fusedattn.forward(q, k, v, None, args.causal, None, args.family)
     if not args.forward_only:
-        torch.ops.fusedattn.backward(grad, q, k, v, out, lse, None, args.causal, None)
+        torch.ops.fusedattn.backward(grad, q, k, v, out, lse, None, args.causal, None, args.family)
 torch.cuda.synchronize()

@@ -5,19 +5,20 @@ several work items per persistent block;
 forward_kvcache with and without appends, one and several splits, empty
 caches, float16 and bfloat16, and a sequence whose length does not fit; the
 splits merged both ways (in thread block clusters where sm_90 allows, and
-through global memory).
+through global memory), and at d=128 with blocks of 4 warps forced as well
+as the planner's (8 on H100 and H200); the op's num_splits, merge_in_cluster
+and warps arguments choose.
 Run: compute-sanitizer --tool memcheck python3 lab/sanitizer_cases.py [GROUP ...]
 with GROUP "attention" (forward and backward) or "kvcache" (default: both)."""
 
-import os
 import sys
 
 import torch
 
 sys.path.insert(0, "tests")
 import fusedattn  # noqa: E402,F401
-from attention_cases import Case, make_inputs  # noqa: E402
-from test_kvcache import make_cache  # noqa: E402
+from helpers.attention_cases import Case, make_inputs  # noqa: E402
+from helpers.kvcache_cases import make_cache  # noqa: E402
 
 GROUPS = ("attention", "kvcache")
 groups = sys.argv[1:] or list(GROUPS)
@@ -59,23 +60,20 @@ def attention_cases():
 
 
 def kvcache_cases():
-    # FUSEDATTN_DECODE_CLUSTER_MERGE: "1" requires the splits to merge in
-    # clusters (sm_90; these small grids fit), "0" merges through global memory.
-    cluster = "1" if torch.cuda.get_device_capability() >= (9, 0) else None
-    for head_dim in (32, 64, 128):
-        for splits, merge in (("1", None), ("4", cluster), ("4", "0")):
-            os.environ["FUSEDATTN_DECODE_SPLITS"] = splits
-            os.environ.pop("FUSEDATTN_DECODE_CLUSTER_MERGE", None)
-            if merge is not None:
-                os.environ["FUSEDATTN_DECODE_CLUSTER_MERGE"] = merge
+    # merge_in_cluster: True requires the splits to merge in clusters (sm_90;
+    # these small grids fit), False merges through global memory.
+    cluster = True if torch.cuda.get_device_capability() >= (9, 0) else None
+    for head_dim, warps in ((32, None), (64, None), (128, None), (128, 4)):
+        for splits, merge in ((1, None), (4, cluster), (4, False)):
+            choices = {"num_splits": splits, "merge_in_cluster": merge, "warps": warps}
             for nq, n_new, heads, dtype in ((1, 1, (4, 4), torch.float16), (3, 3, (8, 2), torch.bfloat16),
                                             (2, 0, (6, 1), torch.float16)):
                 args = [t if t is None else t.cuda()
                         for t in make_cache(B=3, Hq=heads[0], Hkv=heads[1], d=head_dim, max_len=333, nq=nq,
                                             n_new=n_new, dtype=dtype)]
-                torch.ops.fusedattn.forward_kvcache(*args, True, None)
+                torch.ops.fusedattn.forward_kvcache(*args, True, None, **choices)
                 args[3][1] = 400  # max_len is 333: does not fit: NaN for sequence 1, no append
-                torch.ops.fusedattn.forward_kvcache(*args, False, None)
+                torch.ops.fusedattn.forward_kvcache(*args, False, None, **choices)
 
 
 if "attention" in groups:

@@ -1,11 +1,10 @@
 import os
-import sys
 
 import pytest
 import torch
 from hypothesis import settings
 
-sys.path.insert(0, os.path.dirname(__file__))
+import fusedattn
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=15, deadline=None)
@@ -30,3 +29,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def forced_family(family: str):
+    """A fixture body: the family forced (fusedattn.backends.force) for the
+    test; sm90 is skipped where this build or GPU lacks it."""
+    from helpers.cuda import sm90_available
+
+    if family == "sm90" and not sm90_available():
+        pytest.skip("this build or GPU has no sm90 kernels")
+    with fusedattn.backends.force(family):
+        yield family
+
+
+@pytest.fixture(params=["sm80", "sm90"])
+def cuda_family(request):
+    """Each CUDA kernel family in turn: a test that takes it runs on both, and
+    its checks assert the plan (helpers.cuda.check_cuda)."""
+    yield from forced_family(request.param)
+
+
+@pytest.fixture
+def sm90():
+    yield from forced_family("sm90")

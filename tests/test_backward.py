@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fusedattn
-from attention_cases import MASK_KINDS, Case, check_backward, make_inputs
+from helpers.attention_cases import MASK_KINDS, Case, check_backward, make_inputs
 from test_forward import DTYPES, cases
 
 

@@ -2,7 +2,6 @@
 `fusedattn generate` and `bench` refuse a user error up front, in one line."""
 
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -10,10 +9,10 @@ import sys
 import pytest
 import torch
 
+import fusedattn
 from fusedattn import bench, bench_decode, cli
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_results import GPU_METHODS, decode_result, gpu_result  # noqa: E402
+from helpers.bench_results import GPU_METHODS, decode_result, gpu_result
 
 
 def usage_error(capsys, argv: list[str]) -> str:
@@ -45,6 +44,7 @@ def no_run(monkeypatch):
 def fake_cuda(monkeypatch):
     """A build with CUDA kernels and one visible device, as far as the CLI's checks see."""
     monkeypatch.setattr(cli, "has_kernel", lambda op, device_type: True)
+    monkeypatch.setattr(fusedattn.ops, "cuda_head_dims", lambda kernel="sm80_forward": (32, 64, 128))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
@@ -144,33 +144,37 @@ def test_bench_interleaves_the_methods_timed_calls():
     assert all(results[m]["status"] == "ok" and results[m]["seconds"] > 0 for m in "abc")
 
 
-def test_bench_holds_a_methods_setting_through_forward_and_backward(monkeypatch):
+def test_bench_holds_a_methods_setting_through_forward_and_backward():
     """A kernel-family or deterministic column holds its setting through the
     backward too (it runs after the method returns), then restores it."""
     from fusedattn import bench
 
-    monkeypatch.setenv("FUSEDATTN_KERNEL_FAMILY", "auto")
     seen = []
 
     def recording(method):
         def call(q, k, v, causal):
-            seen.append((os.environ["FUSEDATTN_KERNEL_FAMILY"], torch.are_deterministic_algorithms_enabled()))
+            seen.append((_forced_family(), torch.are_deterministic_algorithms_enabled()))
             return _RecordingBackward.apply(method(q, k, v, causal), seen)
         call.setting = method.setting
         return call
 
     cfg = bench.Config(torch.device("cpu"), batch=1, heads=2, head_dim=16, seqlens=[32], dtypes=["float32"],
                        causal=[False], repeats=1, warmup=0, backward=True)
-    cell = bench.measure(cfg, "float32", False, 32, "fusedattn-sm80", recording(bench._kernel_family("sm80")))
+    # The CPU's only family stands in for sm80 (a CUDA column): the setting is held the same way.
+    cell = bench.measure(cfg, "float32", False, 32, "fusedattn-cpu", recording(bench._kernel_family("cpu")))
     assert cell["status"] == "ok"
-    assert seen and set(seen) == {("sm80", False), ("sm80 (backward)", False)}
-    assert os.environ["FUSEDATTN_KERNEL_FAMILY"] == "auto"
+    assert seen and set(seen) == {("cpu", False), ("cpu (backward)", False)}
+    assert _forced_family() == "auto"
     seen.clear()
     cell = bench.measure(cfg, "float32", False, 32, "fusedattn-deterministic",
                          recording(bench._Fusedattn(bench._deterministic_algorithms)))
     assert cell["status"] == "ok"
     assert set(seen) == {("auto", True), ("auto (backward)", True)}
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def _forced_family() -> str:
+    return fusedattn.backends.forced().family or "auto"
 
 
 class _RecordingBackward(torch.autograd.Function):
@@ -181,8 +185,7 @@ class _RecordingBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.seen.append((os.environ["FUSEDATTN_KERNEL_FAMILY"] + " (backward)",
-                         torch.are_deterministic_algorithms_enabled()))
+        ctx.seen.append((_forced_family() + " (backward)", torch.are_deterministic_algorithms_enabled()))
         return grad, None
 
 
@@ -248,6 +251,7 @@ def test_device_cuda_on_a_build_without_cuda_kernels(capsys, no_run, command):
 @pytest.mark.parametrize("command", [["bench"], ["generate", "Hello"]])
 def test_device_cuda_without_a_device(capsys, no_run, monkeypatch, command):
     monkeypatch.setattr(cli, "has_kernel", lambda op, device_type: True)
+    monkeypatch.setattr(fusedattn.ops, "cuda_head_dims", lambda kernel="sm80_forward": (32, 64, 128))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert usage_error(capsys, [*command, "--device", "cuda"]) == (
         "--device cuda: no CUDA device is visible (torch.cuda.is_available() is False: check the driver "

@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers", reason="needs the models extr
 pytest.importorskip("gguf", reason="needs the models extra: pip install .[models]")
 
 from fusedattn import cli  # noqa: E402
-from hf_tokenizers import pad_on_the_left  # noqa: E402
+from helpers.hf_tokenizers import pad_on_the_left  # noqa: E402
 from fusedattn.engine import Engine, SamplingParams, smollm2_path  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Attention is all you",

@@ -3,31 +3,11 @@
 import pytest
 import torch
 from hypothesis import given
-from hypothesis import strategies as st
 
-from attention_cases import MASK_KINDS, Case, check_forward, make_inputs
+from helpers.attention_cases import DTYPES, MASK_KINDS, Case, cases, check_forward, make_inputs
 from fusedattn.memory import cpu_peak_bytes
 
 AWKWARD = [1, 7, 97, 113, 256, 257, 1025]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@st.composite
-def cases(draw, max_len=300):
-    heads_kv = draw(st.integers(1, 3))
-    return Case(
-        batch=draw(st.integers(1, 3)),
-        heads_kv=heads_kv,
-        heads_q=heads_kv * draw(st.sampled_from([1, 2, 3])),
-        seqlen_q=draw(st.one_of(st.sampled_from([1, 7, 97, 113]), st.integers(1, max_len))),
-        seqlen_k=draw(st.one_of(st.sampled_from([1, 7, 97, 113]), st.integers(1, max_len))),
-        head_dim=draw(st.sampled_from([1, 3, 8, 16, 32, 40, 64, 80, 96, 128, 256])),
-        dtype=draw(st.sampled_from(DTYPES)),
-        mask=draw(st.sampled_from(MASK_KINDS)),
-        is_causal=draw(st.booleans()),
-        scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
-        seed=draw(st.integers(0, 2**16)),
-    )
 
 
 @given(cases())

@@ -5,36 +5,21 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fusedattn
-from attention_cases import MASK_KINDS, Case, check_forward, make_inputs
-from test_forward import cases
+from helpers.attention_cases import MASK_KINDS, Case, cases, check_forward, make_inputs
+from helpers.cuda import GPU_DTYPES, HEAD_DIMS, at_odd_offset, check_cuda, poison_allocator
 
 pytestmark = pytest.mark.gpu
-GPU_DTYPES = [torch.float16, torch.bfloat16]
-HEAD_DIMS = [32, 64, 128]
 
 
-def poison_allocator(*shapes_and_dtypes) -> None:
-    """Frees NaN-filled blocks of exactly the outputs' sizes, so the caching
-    allocator hands them to the next call's outputs: an element the kernel
-    never writes then fails the NaN check."""
-    blocks = [torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-              for shape, dtype in shapes_and_dtypes]
-    del blocks
-
-
-def check_cuda(case: Case):
-    q, k, v, mask = make_inputs(case, "cuda")
-    poison_allocator((q.shape, q.dtype), (q.shape[:3], torch.float32))
-    out, lse = torch.ops.fusedattn.forward(q, k, v, mask, case.is_causal, case.scale)
-    return check_forward(case, device="cuda", out=out, lse=lse)
-
-
+# Tests that take `cuda_family` run on each family, forced; a family that does
+# not take a case must refuse it (helpers.cuda.check_cuda).
 @given(cases(max_len=1100), st.sampled_from(GPU_DTYPES), st.sampled_from(HEAD_DIMS))
-def test_cuda_random_cases(case, dtype, head_dim):
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the family holds for every example
+def test_cuda_random_cases(case, dtype, head_dim, cuda_family):
     """The CPU suite's random cases, moved to the dtypes and head dims CUDA takes."""
     check_cuda(dataclasses.replace(case, dtype=dtype, head_dim=head_dim))
 
@@ -43,7 +28,7 @@ def test_cuda_random_cases(case, dtype, head_dim):
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_cuda_every_mask_kind(mask, is_causal, dtype, head_dim):
+def test_cuda_every_mask_kind(mask, is_causal, dtype, head_dim, cuda_family):
     # Nk = 800 reaches past the key_block_holes mask's hidden tiles.
     check_cuda(Case(seqlen_q=113, seqlen_k=800, head_dim=head_dim, dtype=dtype, mask=mask,
                     is_causal=is_causal))
@@ -52,7 +37,7 @@ def test_cuda_every_mask_kind(mask, is_causal, dtype, head_dim):
 @pytest.mark.parametrize("scale", [0.0, -0.7, 1e-39, 1e-4, 3.0])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_cuda_any_finite_scale(scale, is_causal, head_dim):
+def test_cuda_any_finite_scale(scale, is_causal, head_dim, cuda_family):
     """The sm90 forward folds a scale of at least FLT_MIN into its exponent;
     other scales (1e-39 is a float32 denormal) take the sm80 kernel. Each gives
     the reference's answer."""
@@ -64,21 +49,21 @@ def test_cuda_any_finite_scale(scale, is_causal, head_dim):
                                    (129, 64), (1025, 1025), (2048, 1000)])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_cuda_awkward_lengths(nq, nk, is_causal, head_dim):
+def test_cuda_awkward_lengths(nq, nk, is_causal, head_dim, cuda_family):
     check_cuda(Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=nq, seqlen_k=nk, head_dim=head_dim,
                     dtype=torch.float16, is_causal=is_causal))
 
 
 @pytest.mark.parametrize("heads", [(8, 1), (6, 2), (4, 4)], ids=["mqa", "gqa", "mha"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-def test_cuda_grouped_query_heads(heads, dtype):
+def test_cuda_grouped_query_heads(heads, dtype, cuda_family):
     check_cuda(Case(heads_q=heads[0], heads_kv=heads[1], seqlen_q=300, seqlen_k=520,
                     head_dim=64, dtype=dtype, is_causal=True, mask="key_padding"))
 
 
 @pytest.mark.parametrize("n", [4096, 8192])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_cuda_long_sequences(n, is_causal):
+def test_cuda_long_sequences(n, is_causal, cuda_family):
     check_cuda(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=n, seqlen_k=n, head_dim=128,
                     dtype=torch.bfloat16, is_causal=is_causal))
 
@@ -109,15 +94,6 @@ def test_cuda_arbitrary_strides_and_misaligned_data():
     v_off = torch.cat([torch.randn_like(v[..., :1]), v], dim=-1)[..., 1:]  # 2-byte offset rows
     out, lse = torch.ops.fusedattn.forward(q_t, k_wide, v_off, mask, False, None)
     check_forward(case, device="cuda", out=out, lse=lse)
-
-
-def at_odd_offset(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of t whose data starts one element past a 16-byte
-    boundary (contiguous() of it is itself: the operators must copy it)."""
-    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    view = flat[1:].view(t.shape).copy_(t)
-    assert view.is_contiguous() and view.data_ptr() % 16 != 0
-    return view
 
 
 def test_cuda_contiguous_inputs_at_odd_offsets():

@@ -5,29 +5,21 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fusedattn
-from attention_cases import MASK_KINDS, Case, check_backward, make_inputs
-from test_forward import cases
-from test_gpu import GPU_DTYPES, HEAD_DIMS, at_odd_offset, poison_allocator
+from helpers.attention_cases import MASK_KINDS, Case, cases, check_backward, make_inputs
+from helpers.cuda import GPU_DTYPES, HEAD_DIMS, at_odd_offset, check_cuda_backward, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
 
-def check_cuda_backward(case: Case):
-    """check_backward on CUDA with NaN-filled blocks of the gradients' and
-    workspaces' sizes freed just before, so an element never written fails."""
-    q_shape = (case.batch, case.heads_q, case.seqlen_q, case.head_dim)
-    kv_shape = (case.batch, case.heads_kv, case.seqlen_k, case.head_dim)
-    poison_allocator(*[(q_shape, case.dtype)] * 3, *[(kv_shape, case.dtype)] * 2, (q_shape, torch.float32),
-                     (q_shape[:3], torch.float32))
-    check_backward(case, device="cuda")
-
-
+# Tests that take `cuda_family` run on each family, forced; a family that does
+# not take a case must refuse it (helpers.cuda.check_cuda_backward).
 @given(cases(max_len=400), st.sampled_from(GPU_DTYPES), st.sampled_from(HEAD_DIMS))
-def test_cuda_backward_random_cases(case, dtype, head_dim):
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the family holds for every example
+def test_cuda_backward_random_cases(case, dtype, head_dim, cuda_family):
     check_cuda_backward(dataclasses.replace(case, dtype=dtype, head_dim=head_dim))
 
 
@@ -35,7 +27,7 @@ def test_cuda_backward_random_cases(case, dtype, head_dim):
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_cuda_backward_every_mask_kind(mask, is_causal, dtype, head_dim):
+def test_cuda_backward_every_mask_kind(mask, is_causal, dtype, head_dim, cuda_family):
     check_cuda_backward(Case(seqlen_q=113, seqlen_k=800, head_dim=head_dim, dtype=dtype, mask=mask,
                              is_causal=is_causal))
 
@@ -44,14 +36,14 @@ def test_cuda_backward_every_mask_kind(mask, is_causal, dtype, head_dim):
                                    (1025, 1025), (2048, 1000)])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_cuda_backward_awkward_lengths(nq, nk, is_causal, head_dim):
+def test_cuda_backward_awkward_lengths(nq, nk, is_causal, head_dim, cuda_family):
     check_cuda_backward(Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=nq, seqlen_k=nk, head_dim=head_dim,
                              dtype=torch.float16, is_causal=is_causal))
 
 
 @pytest.mark.parametrize("heads", [(8, 1), (6, 2), (4, 4)], ids=["mqa", "gqa", "mha"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-def test_cuda_backward_grouped_query_heads(heads, dtype):
+def test_cuda_backward_grouped_query_heads(heads, dtype, cuda_family):
     check_cuda_backward(Case(heads_q=heads[0], heads_kv=heads[1], seqlen_q=300, seqlen_k=520, head_dim=64,
                              dtype=dtype, is_causal=True, mask="key_padding"))
 

@@ -1,47 +1,81 @@
 """forward_kvcache on CUDA (the split-KV decode kernels) against the float64
-reference (marker `gpu`)."""
+reference (marker `gpu`). A test that means to cover a path (a split count,
+the cluster or the global merge, 4 or 8 warps) asserts that the plan of its
+call says that path."""
 
-import os
-import subprocess
-import sys
+import re
 
 import pytest
 import torch
 
 import fusedattn
-from test_gpu import GPU_DTYPES, HEAD_DIMS, at_odd_offset, poison_allocator
-from test_kvcache import check_against_reference, make_cache
+from helpers.cuda import GPU_DTYPES, HEAD_DIMS, at_odd_offset, poison_allocator
+from helpers.kvcache_cases import check_against_reference, make_cache
 
 pytestmark = pytest.mark.gpu
 op = torch.ops.fusedattn.forward_kvcache
 
-# Both ways the splits of a row tile merge: in a thread block cluster ("1":
+# Both ways the splits of a row tile merge: in a thread block cluster (True:
 # required, so the call raises if it cannot; sm_90, 2-8 splits, every cluster
 # of the grid at once, as in these tests' small grids), or through global
-# memory ("0": the last split to arrive merges).
-merge_paths = pytest.mark.parametrize("merge", ["1", "0"], ids=["cluster-merge", "global-merge"])
+# memory (False: the last split to arrive merges).
+merge_paths = pytest.mark.parametrize("merge", [True, False], ids=["cluster-merge", "global-merge"])
+
+# A decode block of 8 warps at d=128 needs this much shared memory (its Q tile
+# and a ring of three 128-key K and V tiles): H100 and H200 give a block that
+# much, an A100 163 KB, where the planner takes 4 warps.
+EIGHT_WARPS_AT_D128 = 200704
 
 
-def set_merge_path(monkeypatch, merge):
-    """merge None: the automatic choice, whatever the environment said."""
-    if merge == "1" and torch.cuda.get_device_capability() < (9, 0):
+def planned_warps(head_dim):
+    """The planner's warps per decode block: 8 where a block holds them, else 4 (d=128 only)."""
+    fits = head_dim <= 64 or torch.cuda.get_device_properties(0).shared_memory_per_block_optin >= EIGHT_WARPS_AT_D128
+    return 8 if fits else 4
+
+
+def head_dims_and_warps():
+    """Every head dim with the planner's warps, and d=128 with 4 and with 8
+    forced (other head dims have 8 warps only)."""
+    cases = [pytest.param(d, None, id=str(d)) for d in HEAD_DIMS]
+    if 128 in HEAD_DIMS:
+        cases += [pytest.param(128, w, id=f"128-{w}-warps") for w in (4, 8)]
+    return cases
+
+
+def skip_unless_runnable(merge=None, warps=None):
+    """A forced cluster merge needs sm_90, forced 8 warps at d=128 a block
+    that holds them; elsewhere the call raises (the error tests cover that)."""
+    if merge and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("thread block clusters need sm_90")
-    if merge is None:
-        monkeypatch.delenv("FUSEDATTN_DECODE_CLUSTER_MERGE", raising=False)
-    else:
-        monkeypatch.setenv("FUSEDATTN_DECODE_CLUSTER_MERGE", merge)
+    if warps == 8 and planned_warps(128) != 8:
+        pytest.skip("a decode block of 8 warps at d=128 does not fit this device")
+
+
+def plan_of(q, k_cache, v_cache, num_splits=None, merge_in_cluster=None, warps=None):
+    """The plan of op(q, k_cache, v_cache, ..., num_splits=, merge_in_cluster=,
+    warps=): plan_kvcache with the same choices (the last two through force())."""
+    with fusedattn.backends.force(decode_warps=warps, decode_merge_in_cluster=merge_in_cluster):
+        return fusedattn.plan_kvcache(q, k_cache, v_cache, num_splits=num_splits)
+
+
+def check_plan(args, choices, **expected):
+    """The plan of a call on args (q, k_cache, v_cache, ...) with `choices` says `expected`."""
+    plan = plan_of(*args[:3], **choices)
+    assert {key: plan[key] for key in expected} == expected, plan
+    return plan
 
 
 def cuda_cache(**kwargs):
     return [t if t is None else t.cuda() for t in make_cache(**kwargs)]
 
 
-def run_checked(q, k_cache, v_cache, lens, k_new, v_new, is_causal):
-    """One call, with the outputs poisoned, the append and the untouched rest of the caches checked."""
+def run_checked(q, k_cache, v_cache, lens, k_new, v_new, is_causal, **choices):
+    """One call (with `choices`: num_splits, merge_in_cluster, warps), with the
+    outputs poisoned, the append and the untouched rest of the caches checked."""
     n_new = 0 if k_new is None else k_new.shape[2]
     k_before, v_before = k_cache.clone(), v_cache.clone()
     poison_allocator((q.shape, q.dtype), (q.shape[:3], torch.float32))
-    out, lse = op(q, k_cache, v_cache, lens, k_new, v_new, is_causal, None)
+    out, lse = op(q, k_cache, v_cache, lens, k_new, v_new, is_causal, None, **choices)
     for b in range(q.shape[0]):
         start, end = int(lens[b]), int(lens[b]) + n_new
         if n_new:
@@ -57,97 +91,152 @@ def run_checked(q, k_cache, v_cache, lens, k_new, v_new, is_causal):
 @pytest.mark.parametrize("nq", [1, 2, 7])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("head_dim,warps", head_dims_and_warps())
 @pytest.mark.parametrize("is_causal", [True, False])
-@pytest.mark.parametrize("splits", ["1", None], ids=["one-split", "auto-splits"])
-def test_cuda_kvcache_matches_reference(monkeypatch, nq, heads, dtype, head_dim, is_causal, splits):
+@pytest.mark.parametrize("splits", [1, None], ids=["one-split", "auto-splits"])
+def test_cuda_kvcache_matches_reference(nq, heads, dtype, head_dim, warps, is_causal, splits):
     """Both output paths: one split (the decode kernel writes out and lse) and
-    the automatic count (about 10 splits here, merged by the last block of each head)."""
-    if splits:
-        monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
+    the automatic count (about 10 splits here, merged), each with the
+    planner's warps per block and, at d=128, with 4 and 8 forced (8 warps'
+    ring fits a block on H100 and H200, not on an A100)."""
+    skip_unless_runnable(warps=warps)
     # max_len 700: several 64-key tiles, lengths from 0 (empty) to full.
     args = cuda_cache(B=4, Hq=heads[0], Hkv=heads[1], d=head_dim, max_len=700, nq=nq, n_new=nq,
                       dtype=dtype, seed=nq + head_dim)
-    run_checked(*args, is_causal)
+    choices = {"num_splits": splits, "warps": warps}
+    plan = check_plan(args, choices, warps=warps or planned_warps(head_dim))
+    assert (plan["num_splits"] > 1) == (splits is None), plan
+    run_checked(*args, is_causal, **choices)
 
 
-@pytest.mark.parametrize("splits", ["1", "3", "64"])
-def test_cuda_kvcache_forced_splits(monkeypatch, splits):
-    """Every split count gives the reference's answer, also splits with no keys."""
-    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
+@pytest.mark.parametrize("splits", [1, 3, 64])
+def test_cuda_kvcache_forced_splits(splits):
+    """Every split count gives the reference's answer, also splits with no
+    keys; a count above one split per 64 cache positions is cut to that (64
+    to 24 here)."""
     args = cuda_cache(B=3, Hq=8, Hkv=2, d=64, max_len=1500, nq=2, n_new=2, dtype=torch.float16)
-    run_checked(*args, True)
+    check_plan(args, {"num_splits": splits}, num_splits=min(splits, 24))  # 24 = ceil(1500 / 64)
+    run_checked(*args, True, num_splits=splits)
 
 
-@pytest.mark.parametrize("merge", [None, "0"], ids=["cluster-merge-where-it-fits", "global-merge"])
-def test_cuda_kvcache_split_merge_is_exact(monkeypatch, merge):
+@merge_paths
+def test_cuda_kvcache_split_merge_is_exact(merge):
     """Merging splits equals one pass up to float32 rounding. With q = 0 every
     score is 0 and every probability exactly 1, so no split rounds P
     differently (with random scores P is rounded to float16 against each
     split's own running max, a difference within the tolerance rule that the
-    forced-splits test covers); v holds small integers, whose sums are exact."""
-    q, k_cache, v_cache, lens, _, _ = cuda_cache(B=3, Hq=8, Hkv=8, d=128, max_len=4096, nq=1, n_new=0,
+    forced-splits test covers); v holds small integers, whose sums are exact.
+    5 splits merge as forced; 32 are more than a cluster holds and merge
+    globally either way; one split merges nothing (forcing the cluster merge
+    there is no error)."""
+    skip_unless_runnable(merge=merge)
+    q, k_cache, v_cache, lens, _, _ = cuda_cache(B=3, Hq=4, Hkv=4, d=128, max_len=4096, nq=1, n_new=0,
                                                  dtype=torch.float16)
     q.zero_()
     v_cache.copy_(torch.randint(1, 9, v_cache.shape, device="cuda"))
-    set_merge_path(monkeypatch, merge)
     results = {}
-    for splits in ("1", "5", "32"):
-        monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
-        results[splits] = op(q, k_cache, v_cache, lens, None, None, True, None)
-    one_out, one_lse = results["1"]
+    for splits in (1, 5, 32):
+        choices = {"num_splits": splits, "merge_in_cluster": merge and splits <= 8}
+        check_plan((q, k_cache, v_cache), choices, num_splits=splits, merge_in_cluster=merge and 1 < splits <= 8)
+        results[splits] = op(q, k_cache, v_cache, lens, None, None, True, None, **choices)
+    one_out, one_lse = results[1]
     for b in range(q.shape[0]):  # the mean of each sequence's values, in float64
         expected = v_cache[b, :, :lens[b]].double().mean(dim=1, keepdim=True)
         if lens[b] > 0:
             torch.testing.assert_close(one_out[b].double(), expected, atol=0, rtol=2**-10)
-    for splits in ("5", "32"):
+    for splits in (5, 32):
         out, lse = results[splits]
         torch.testing.assert_close(out, one_out, atol=0, rtol=2**-10)  # one float16 rounding apart at most
         torch.testing.assert_close(lse, one_lse, atol=0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("splits", ["2", "3", "4", "8"])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_cuda_kvcache_cluster_and_global_merge_agree(monkeypatch, splits, head_dim):
-    """FUSEDATTN_DECODE_CLUSTER_MERGE=1 makes the splits of a row tile merge
-    in a thread block cluster from each other's shared memory (and raises
-    where they cannot: so this fails if the cluster path is not taken);
-    =0 makes the last split merge through global memory. Both merge the same
-    float32 partials with the same code, so they agree bit for bit, and match
-    the reference (Nq = 7 with 4 heads a group gives two row tiles; at 8
-    splits some splits have no keys). Below sm_90 only the global merge runs,
-    against the reference."""
-    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
+@pytest.mark.parametrize("splits", [2, 3, 4, 8])
+@pytest.mark.parametrize("head_dim,warps", head_dims_and_warps())
+def test_cuda_kvcache_cluster_and_global_merge_agree(splits, head_dim, warps):
+    """merge_in_cluster=True makes the splits of a row tile merge in a thread
+    block cluster from each other's shared memory (and raises where they
+    cannot); False makes the last split merge through global memory. Both
+    merge the same float32 partials with the same code, so they agree bit for
+    bit, and match the reference (Nq = 7 with 4 heads a group gives two row
+    tiles; at 8 splits some splits have no keys), with blocks of 8 warps and
+    of 4. Below sm_90 the global merge runs against the reference and the
+    forced cluster merge raises."""
+    skip_unless_runnable(warps=warps)
     args = cuda_cache(B=3, Hq=8, Hkv=2, d=head_dim, max_len=1500, nq=7, n_new=7, dtype=torch.float16,
-                      seed=int(splits))
-    set_merge_path(monkeypatch, "0")
-    global_out, global_lse = run_checked(*args, True)
+                      seed=splits)
+    by_path = {merge: {"num_splits": splits, "merge_in_cluster": merge, "warps": warps} for merge in (True, False)}
+    check_plan(args, by_path[False], num_splits=splits, merge_in_cluster=False)
+    global_out, global_lse = run_checked(*args, True, **by_path[False])
     if torch.cuda.get_device_capability() < (9, 0):
+        with pytest.raises(RuntimeError, match="the decode kernel has no sm_90 code for this device"):
+            op(*args, True, None, **by_path[True])
         return
-    set_merge_path(monkeypatch, "1")
-    out, lse = op(*args, True, None)  # appends the same rows at the same places again
+    check_plan(args, by_path[True], num_splits=splits, merge_in_cluster=True)
+    out, lse = op(*args, True, None, **by_path[True])  # appends the same rows at the same places again
     assert torch.equal(out, global_out) and torch.equal(lse, global_lse)
 
 
-@pytest.mark.parametrize("value,splits,message", [
-    ("yes", "4", "must be 0, 1 or unset, got 'yes'"),
-    ("yes", "1", "must be 0, 1 or unset, got 'yes'"),  # checked on every call
-    ("1", "16", "it has 16"),
-])
-def test_cuda_kvcache_cluster_merge_setting_errors(monkeypatch, value, splits, message):
-    """A bad FUSEDATTN_DECODE_CLUSTER_MERGE, or =1 where the splits cannot
-    merge in clusters (16 splits: more than a cluster holds), raises instead
-    of silently taking the other path. (One split merges nothing: =1 has
-    nothing to refuse there.)"""
-    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
-    monkeypatch.setenv("FUSEDATTN_DECODE_CLUSTER_MERGE", value)
+@pytest.mark.parametrize("choices,message", [
+    ({"num_splits": 0}, "num_splits must be None or in [1, 64], got 0"),
+    ({"num_splits": 65}, "num_splits must be None or in [1, 64], got 65"),
+    ({"num_splits": 1, "warps": 5}, "warps must be None, 4 or 8, got 5"),  # checked with one split too
+    ({"warps": 4}, "fusedattn: decode blocks of 4 warps were forced, but at head dim 64 this device runs 8 only"),
+    ({"num_splits": 16, "merge_in_cluster": True},
+     "fusedattn: the merge in clusters was forced, but this call's splits cannot merge in clusters: "
+     "it has 16 splits, a cluster holds 2-8"),
+], ids=["no-splits", "65-splits", "5-warps", "4-warps-at-d64", "16-splits-in-clusters"])
+def test_cuda_kvcache_choice_errors(choices, message):
+    """A choice out of range, or one this call cannot take (4 warps at d=64;
+    16 splits in clusters: more than a cluster holds), raises from the call
+    and from its plan alike, instead of silently taking another path."""
     q, k_cache, v_cache, lens, _, _ = cuda_cache(B=2, Hq=8, Hkv=2, d=64, max_len=1500, nq=1, n_new=0,
                                                  dtype=torch.float16)
-    # The kernel layer throws std::invalid_argument; which Python type that
-    # becomes through torch.ops is torch's choice (this passed on the H200,
-    # 2026-12-01, as one of the two).
-    with pytest.raises((ValueError, RuntimeError), match=message):
-        op(q, k_cache, v_cache, lens, None, None, True, None)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        op(q, k_cache, v_cache, lens, None, None, True, None, **choices)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        torch.ops.fusedattn.plan_kvcache(q, k_cache, v_cache, True, None, **choices)
+
+
+def test_cuda_kvcache_forced_choices_this_device_cannot_run():
+    """The cluster merge forced on a grid of more clusters than the GPU runs
+    at once (512 here) raises: clusters are scheduled whole, and in waves they
+    would be slower than the global merge, which the planner takes there.
+    Below sm_90 it raises for want of clusters. 8 warps forced at d=128 raise
+    where a block cannot hold them (an A100)."""
+    q = torch.zeros(64, 8, 1, 64, device="cuda", dtype=torch.float16)
+    cache = torch.zeros(64, 8, 1024, 64, device="cuda", dtype=torch.float16)
+    lens = torch.zeros(64, dtype=torch.int32, device="cuda")
+    why = (r"its grid has 512 clusters, the GPU runs \d+ at once" if torch.cuda.get_device_capability() >= (9, 0)
+           else "the decode kernel has no sm_90 code for this device")
+    with pytest.raises(RuntimeError, match="the merge in clusters was forced, but this call's splits cannot merge "
+                                           "in clusters: " + why):
+        op(q, cache, cache, lens, None, None, True, None, num_splits=4, merge_in_cluster=True)
+    check_plan((q, cache, cache), {"num_splits": 4}, num_splits=4, merge_in_cluster=False)
+    if planned_warps(128) == 4:
+        q = torch.zeros(2, 8, 1, 128, device="cuda", dtype=torch.float16)
+        cache = torch.zeros(2, 8, 256, 128, device="cuda", dtype=torch.float16)
+        with pytest.raises(RuntimeError, match="decode blocks of 8 warps were forced, but at head dim 128"):
+            op(q, cache, cache, lens[:2], None, None, True, None, warps=8)
+
+
+def test_cuda_kvcache_force_reaches_attention_with_kvcache():
+    """fusedattn.backends.force() hands its decode warps and merge path to
+    attention_with_kvcache and plan_kvcache (a torch.ops call takes them as
+    arguments instead): inside it the plan says them and the call equals the
+    op given them, bit for bit; outside it the planner chooses again; a forced
+    choice the call cannot take raises from attention_with_kvcache too."""
+    q, k_cache, v_cache, lens, _, _ = cuda_cache(B=3, Hq=8, Hkv=2, d=128, max_len=1500, nq=1, n_new=0,
+                                                 dtype=torch.float16)
+    with fusedattn.backends.force(decode_warps=4, decode_merge_in_cluster=False):
+        plan = fusedattn.plan_kvcache(q, k_cache, v_cache, lens, num_splits=3)
+        out = fusedattn.attention_with_kvcache(q, k_cache, v_cache, lens, num_splits=3)
+    assert (plan["warps"], plan["num_splits"], plan["merge_in_cluster"]) == (4, 3, False), plan
+    expected, _ = op(q, k_cache, v_cache, lens, num_splits=3, merge_in_cluster=False, warps=4)
+    assert torch.equal(out, expected)
+    assert fusedattn.plan_kvcache(q, k_cache, v_cache)["warps"] == planned_warps(128)
+    q, cache = (torch.zeros(1, 2, n, 64, device="cuda", dtype=torch.float16) for n in (1, 64))
+    with fusedattn.backends.force(decode_warps=4), pytest.raises(RuntimeError, match="decode blocks of 4 warps"):
+        fusedattn.attention_with_kvcache(q, cache, cache, torch.zeros(1, dtype=torch.int32, device="cuda"))
 
 
 def test_cuda_kvcache_reads_what_the_kernel_before_wrote():
@@ -171,18 +260,19 @@ def test_cuda_kvcache_reads_what_the_kernel_before_wrote():
 
 
 @merge_paths
-def test_cuda_kvcache_back_to_back_calls_agree(monkeypatch, merge):
+def test_cuda_kvcache_back_to_back_calls_agree(merge):
     """Decode kernels one after another with no kernel between them: each may
     be scheduled while the one before ends, and, merging globally, reuses its
     arrival counters (and, through the caching allocator, its partial
     buffers). Every call gives the first one's answer bit for bit."""
-    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", "4")
-    set_merge_path(monkeypatch, merge)
+    skip_unless_runnable(merge=merge)
     q, k_cache, v_cache, lens, _, _ = cuda_cache(B=3, Hq=8, Hkv=2, d=128, max_len=4096, nq=1, n_new=0,
                                                  dtype=torch.float16)
-    expected = op(q, k_cache, v_cache, lens, None, None, True, None)
+    choices = {"num_splits": 4, "merge_in_cluster": merge}
+    check_plan((q, k_cache, v_cache), choices, num_splits=4, merge_in_cluster=merge)
+    expected = op(q, k_cache, v_cache, lens, None, None, True, None, **choices)
     torch.cuda.synchronize()
-    results = [op(q, k_cache, v_cache, lens, None, None, True, None) for _ in range(16)]
+    results = [op(q, k_cache, v_cache, lens, None, None, True, None, **choices) for _ in range(16)]
     torch.cuda.synchronize()
     for out, lse in results:
         assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
@@ -197,41 +287,44 @@ def test_cuda_kvcache_long_caches(lengths):
     run_checked(q, k_cache, v_cache, lens, None, None, True)
 
 
-def test_cuda_kvcache_split_count_follows_the_capacity_up_to_the_cap(monkeypatch):
-    """The host's split rule sees the cache's capacity. Where the heads fill
-    the GPU (B=8, Hkv=32) the tile cap asks for a split per 64 tiles of 64
-    keys, but forces no more than 8 per block an SM holds: caches of 64K and
-    128K positions get one count, under the 32 that 128K got before the cap.
-    Longer caches still get splits of at most 16K keys. 4K takes one split; a
-    single head takes more to fill a wave; and FUSEDATTN_DECODE_SPLITS forces
-    a count. Only shapes matter, so the caches are one position expanded
-    (stride 0)."""
-    monkeypatch.delenv("FUSEDATTN_DECODE_SPLITS", raising=False)
+def test_cuda_kvcache_split_count_follows_the_capacity_up_to_the_cap():
+    """The planner's split rule sees the cache's capacity. Where the heads
+    fill the GPU (B=8, Hkv=32) the tile cap asks for a split per 64 tiles of
+    64 keys, but forces no more than 8 per block an SM holds: caches of 64K
+    and 128K positions get one count, under the 32 that 128K got before the
+    cap. Longer caches still get splits of at most 16K keys. 4K takes one
+    split; a single head takes more to fill a wave; num_splits forces a
+    count, cut to one split per 64 positions. Only shapes matter, so the
+    caches are one position expanded (stride 0)."""
 
-    def splits(batch, heads, capacity):
+    def splits(batch, heads, capacity, num_splits=None):
         q = torch.zeros(batch, heads, 1, 128, device="cuda", dtype=torch.float16)
         cache = torch.zeros(batch, heads, 1, 128, device="cuda", dtype=torch.float16)
-        return torch.ops.fusedattn.decode_num_splits(q, cache.expand(batch, heads, capacity, 128))
+        cache = cache.expand(batch, heads, capacity, 128)
+        return fusedattn.plan_kvcache(q, cache, cache, num_splits=num_splits)["num_splits"]
 
     assert splits(8, 32, 65536) == splits(8, 32, 131072) < 32
     assert splits(8, 32, 524288) > splits(8, 32, 131072) and 524288 // splits(8, 32, 524288) <= 16384
     assert splits(8, 32, 4096) == 1
     assert splits(1, 1, 131072) > splits(8, 32, 131072)
-    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", "3")
-    assert splits(8, 32, 131072) == 3
+    assert splits(8, 32, 131072, num_splits=3) == 3
+    assert splits(8, 32, 1000, num_splits=64) == 16  # ceil(1000 / 64)
 
 
 @pytest.mark.parametrize("narrowed", [False, True], ids=["whole-cache", "narrowed-view"])
 def test_cuda_kvcache_cache_far_longer_than_its_lengths(narrowed):
     """A cache of 64K positions holding a few hundred: the split count follows
-    the capacity, and each split reads its share of the actual keys. A view
-    narrowed to the positions in use (the README's advice for such caches)
-    reads and appends in place, and leaves the rest of the cache alone."""
+    the capacity (more splits than for the narrowed view), and each split
+    reads its share of the actual keys. A view narrowed to the positions in
+    use (the README's advice for such caches) reads and appends in place, and
+    leaves the rest of the cache alone."""
     q, k_cache, v_cache, _, k_new, v_new = cuda_cache(B=2, Hq=8, Hkv=2, d=128, max_len=65536, nq=1, n_new=1,
                                                       dtype=torch.float16)
     lengths = (300, 1000)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     k, v = (k_cache[:, :, :1024], v_cache[:, :, :1024]) if narrowed else (k_cache, v_cache)
+    if narrowed:
+        assert plan_of(q, k, v)["num_splits"] < plan_of(q, k_cache, v_cache)["num_splits"]
     k_rest, v_rest = k_cache[:, :, 1024:].clone(), v_cache[:, :, 1024:].clone()
     run_checked(q, k, v, lens, k_new, v_new, True)
     assert torch.equal(k_cache[:, :, 1024:], k_rest) and torch.equal(v_cache[:, :, 1024:], v_rest)
@@ -277,75 +370,51 @@ def test_cuda_kvcache_graph_capture_and_replay():
 
 
 @merge_paths
-def test_cuda_kvcache_graphs_and_eager_calls_on_one_stream(monkeypatch, merge):
+def test_cuda_kvcache_graphs_and_eager_calls_on_one_stream(merge):
     """The global split merge counts arrivals in counters that each call must
     find zeroed. Graphs captured one after another on one stream, replayed in
     the other order with eager calls on that stream before each replay, all
     give the eager answer bit for bit (the merge adds the splits in a fixed
     order); the same with the cluster merge (a cluster launch under capture)."""
-    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", "4")  # every item merges
-    set_merge_path(monkeypatch, merge)
+    skip_unless_runnable(merge=merge)
     q, k_cache, v_cache, lens, _, _ = cuda_cache(B=3, Hq=8, Hkv=2, d=64, max_len=700, nq=1, n_new=0,
                                                  dtype=torch.float16)
-    expected = op(q, k_cache, v_cache, lens, None, None, True, None)
+    choices = {"num_splits": 4, "merge_in_cluster": merge}  # every item merges
+    check_plan((q, k_cache, v_cache), choices, num_splits=4, merge_in_cluster=merge)
+    expected = op(q, k_cache, v_cache, lens, None, None, True, None, **choices)
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()  # no call ran on it before the captures
     graphs = []
     for _ in range(2):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            outputs = op(q, k_cache, v_cache, lens, None, None, True, None)
+            outputs = op(q, k_cache, v_cache, lens, None, None, True, None, **choices)
         graphs.append((graph, outputs))
     for graph, (out, lse) in reversed(graphs):
         with torch.cuda.stream(stream):
-            eager = op(q, k_cache, v_cache, lens, None, None, True, None)
+            eager = op(q, k_cache, v_cache, lens, None, None, True, None, **choices)
         graph.replay()
         torch.cuda.synchronize()
         for got in ((out, lse), eager):
             assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-@pytest.mark.parametrize("splits,merge", [("1", None), ("2", "1"), ("2", "0")],
+@pytest.mark.parametrize("splits,merge", [(1, None), (2, True), (2, False)],
                          ids=["one-split", "cluster-merge", "global-merge"])
-def test_cuda_kvcache_out_of_range_lengths(monkeypatch, splits, merge):
+def test_cuda_kvcache_out_of_range_lengths(splits, merge):
     """A sequence whose lengths do not fit gets NaN and no append; the others are unaffected.
     (CUDA does not read cache_seqlens on the host, so there is no exception.)"""
-    monkeypatch.setenv("FUSEDATTN_DECODE_SPLITS", splits)
-    set_merge_path(monkeypatch, merge)
+    skip_unless_runnable(merge=merge)
     q, k_cache, v_cache, lens, k_new, v_new = cuda_cache(B=3, Hq=4, Hkv=2, d=64, max_len=100, nq=1,
                                                          n_new=1, dtype=torch.float16)
+    choices = {"num_splits": splits, "merge_in_cluster": merge}
+    check_plan((q, k_cache, v_cache), choices, num_splits=splits, merge_in_cluster=bool(merge))
     before = k_cache.clone()
     bad = torch.tensor([10, 100, -1], dtype=torch.int32, device="cuda")
-    out, lse = op(q, k_cache, v_cache, bad, k_new, v_new)
+    out, lse = op(q, k_cache, v_cache, bad, k_new, v_new, **choices)
     assert out[1:].isnan().all() and lse[1:].isnan().all()
     assert not out[0].isnan().any()
     assert torch.equal(k_cache[1:], before[1:]) and torch.equal(k_cache[0, :, 10], k_new[0, :, 0])
-
-
-def run_this_file_with(env, *pytest_args):
-    """This file's tests in a subprocess with `env` added (and no inherited
-    PYTEST_ADDOPTS, which could name this run's report file): the decode
-    block's warps are chosen at the first decode call of a process."""
-    child_env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, *pytest_args],
-                          cwd=os.path.dirname(__file__), env={**child_env, **env}, capture_output=True,
-                          text=True, timeout=900)
-
-
-def test_cuda_kvcache_four_warp_blocks_at_d128():
-    """At d=128 a decode block has 8 warps where it can hold their 192 KB
-    ring (H100, H200) and 4 where it cannot (an A100 gives a block 163 KB).
-    FUSEDATTN_DECODE_WARPS=4 runs this whole file through the 4-warp blocks
-    on any GPU (other head dims have 8 warps only); =5 raises, and so does =8
-    where 8 warps do not fit."""
-    done = run_this_file_with({"FUSEDATTN_DECODE_WARPS": "4"}, "-x", "-k", "not four_warp_blocks")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout
-    bad = run_this_file_with({"FUSEDATTN_DECODE_WARPS": "5"}, "-x", "-k", "matches_reference and 128")
-    assert bad.returncode != 0 and "must be 4, 8 or unset, got '5'" in bad.stdout
-    if torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 200704:  # 8 warps' Q and ring
-        eight = run_this_file_with({"FUSEDATTN_DECODE_WARPS": "8"}, "-x", "-k", "matches_reference and 128")
-        assert eight.returncode != 0 and "8 warps need 200704 bytes at d=128" in eight.stdout
 
 
 def test_cuda_kvcache_layout_errors():
@@ -374,8 +443,9 @@ def test_cuda_kvcache_layout_errors():
 def test_cuda_kvcache_opcheck_and_compile():
     q, k_cache, v_cache, lens, k_new, v_new = cuda_cache(B=2, Hq=4, Hkv=2, d=64, max_len=200, nq=2,
                                                          n_new=2, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.fusedattn.forward_kvcache.default,
-                          (q, k_cache.clone(), v_cache.clone(), lens, k_new, v_new, True, None))
+    for choices in ((), (2, False, None)):  # the planner's choices, then num_splits, merge_in_cluster, warps
+        torch.library.opcheck(torch.ops.fusedattn.forward_kvcache.default,
+                              (q, k_cache.clone(), v_cache.clone(), lens, k_new, v_new, True, None, *choices))
     torch._dynamo.reset()
     expected_k = k_cache.clone()
     expected, _ = op(q, expected_k, v_cache.clone(), lens, k_new, v_new)

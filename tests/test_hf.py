@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers", reason="needs the models extr
 pytest.importorskip("gguf", reason="needs the models extra: pip install .[models]")
 
 import fusedattn.hf  # noqa: E402
-from hf_tokenizers import pad_on_the_left  # noqa: E402
+from helpers.hf_tokenizers import pad_on_the_left  # noqa: E402
 
 fusedattn.hf.register()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

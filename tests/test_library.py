@@ -6,7 +6,7 @@ import torch
 import torch._dynamo
 
 import fusedattn
-from attention_cases import Case, check_forward, make_inputs
+from helpers.attention_cases import Case, check_forward, make_inputs
 
 OPCHECK_CASES = [
     Case(),

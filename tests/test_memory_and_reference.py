@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention_cases import MASK_KINDS, Case, make_inputs
+from helpers.attention_cases import MASK_KINDS, Case, make_inputs
 from fusedattn import reference
 from fusedattn.memory import cpu_peak_bytes
 

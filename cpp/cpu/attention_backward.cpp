@@ -17,8 +17,8 @@
 namespace fusedattn::cpu {
 namespace {
 
-constexpr int64_t kBlockQ = 64;
-constexpr int64_t kBlockK = 128;
+constexpr int64_t kBlockQ = kBackwardBlockQ;
+constexpr int64_t kBlockK = kBackwardBlockK;
 
 // Per-thread float32 buffers for one (query block, key block) tile.
 struct TileBuffers {

@@ -6,8 +6,11 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cstdint>
+
 #include "fusedattn/dispatch.h"
 #include "fusedattn/params.h"
+#include "fusedattn/plan.h"
 
 namespace fusedattn::cpu {
 
@@ -16,6 +19,24 @@ template <DType D>
 using scalar_of = std::conditional_t<
     D == DType::Float32, float,
     std::conditional_t<D == DType::Float16, c10::Half, c10::BFloat16>>;
+
+// Tile sizes. Forward: 256 queries per task amortise each key tile's
+// transposed copy over more rows, which is what matters; the key tile's width
+// matters less (docs/tuning.md, docs/cpu-notes.md).
+inline constexpr int64_t kForwardBlockQ = 256;
+inline constexpr int64_t kForwardBlockK = 256;
+inline constexpr int64_t kBackwardBlockQ = 64;
+inline constexpr int64_t kBackwardBlockK = 128;
+
+// The CPU kernels' plan: one family, fixed tiles.
+inline Plan plan(bool backward) {
+  Plan p;
+  p.family = Family::Cpu;
+  p.backward = backward;
+  p.block_m = static_cast<int>(backward ? kBackwardBlockQ : kForwardBlockQ);
+  p.block_n = static_cast<int>(backward ? kBackwardBlockK : kForwardBlockK);
+  return p;
+}
 
 // Writes p.out and p.lse.
 void forward(const ForwardParams& p);

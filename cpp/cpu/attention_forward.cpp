@@ -13,11 +13,8 @@
 namespace fusedattn::cpu {
 namespace {
 
-// Tile sizes: 256 queries per task amortise each key tile's transposed copy
-// over more rows, which is what matters; the key tile's width matters less
-// (docs/tuning.md, docs/cpu-notes.md).
-constexpr int64_t kBlockQ = 256;
-constexpr int64_t kBlockK = 256;
+constexpr int64_t kBlockQ = kForwardBlockQ;
+constexpr int64_t kBlockK = kForwardBlockK;
 // Blocks of at most this many queries compute S with dot products (see below).
 constexpr int64_t kDotRows = 16;
 

@@ -1,5 +1,5 @@
-// CUDA kernels of the fusedattn operators: checks and parameters here, tiles
-// in cpp/cuda. Launched on the current stream of the inputs' device.
+// CUDA kernels of the fusedattn operators: checks, the plan's workspaces and the
+// launch here; every choice in cpp/cuda/plan.cu. On the current stream of the inputs' device.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -8,13 +8,11 @@
 
 #include <ATen/Context.h>
 
-#include <algorithm>
-#include <cstdlib>
-#include <iterator>
-#include <limits>
 #include <string>
+#include <vector>
 
 #include "../cuda/naive/softmax_rows.h"
+#include "../cuda/plan.h"
 #include "../cuda/sm80/backward_sm80.h"
 #include "../cuda/sm80/forward_sm80.h"
 #include "../cuda/sm90/backward_sm90.h"
@@ -24,141 +22,106 @@
 namespace fusedattn::ops {
 namespace {
 
+// sm80, every call's fallback, serves the head dims both its forward and
+// backward are instantiated for.
 const DeviceSupport& cuda_support() {
-  static const DeviceSupport support{
-      "CUDA",
-      {at::kHalf, at::kBFloat16},
-      std::vector<int64_t>(std::begin(cuda::kSm80HeadDims), std::end(cuda::kSm80HeadDims)),
-      /*aligned_rows=*/true};
+  static const DeviceSupport support{"CUDA", {at::kHalf, at::kBFloat16}, cuda::instantiated_head_dims("sm80_forward"),
+                                     /*aligned_rows=*/true};
   return support;
 }
 
-// The kernel family for a call: sm90 (TMA, wgmma) where this build and the
-// device have it and it takes the call, else sm80. FUSEDATTN_KERNEL_FAMILY=
-// sm80 or sm90 forces one for forward and backward (for tests and benchmarks);
-// forcing sm90 where it cannot run is an error.
-std::string kernel_family() {
-  const char* forced = std::getenv("FUSEDATTN_KERNEL_FAMILY");
-  const std::string family = forced ? forced : "auto";
-  TORCH_CHECK(family == "auto" || family == "sm80" || family == "sm90",
-              "fusedattn: FUSEDATTN_KERNEL_FAMILY must be auto, sm80 or sm90, got '", family, "'");
-  return family;
+PlanRequest family_request(const char* op, const std::optional<c10::string_view>& family, const at::Tensor& q) {
+  PlanRequest r;
+  r.family = parse_family(op, family, q);
+  return r;
 }
 
-bool forced_family_is(const char* family) { return kernel_family() == family; }
-
-// `takes`: whether the sm90 kernel serves this call; `refusal()` says what it
-// serves, for the error when sm90 is forced on a call it does not take.
-template <typename Refusal>
-bool use_sm90(bool takes, Refusal refusal) {
-  const std::string family = kernel_family();
-  if (family == "sm80") return false;
-  const bool available = cuda::sm90_available();
-  if (family == "sm90") {
-    TORCH_CHECK(available, "fusedattn: FUSEDATTN_KERNEL_FAMILY=sm90, but this build or device has no sm90 "
-                "kernels (they need compute capability 9.0 and a build for 9.0a)");
-    TORCH_CHECK(takes, "fusedattn: FUSEDATTN_KERNEL_FAMILY=sm90, but ", refusal());
+void run_forward(ForwardParams& p, const Plan& plan, const at::Tensor& q, cudaStream_t stream) {
+  if (plan.family == Family::Sm90) {
+    const at::Tensor work_counter = at::empty({1}, q.options().dtype(at::kInt));  // the launch zeroes it
+    p.work_counter = reinterpret_cast<unsigned*>(work_counter.data_ptr<int>());
+    cuda::forward_sm90(p, plan, stream);
+  } else {
+    cuda::forward_sm80(p, stream);
   }
-  return available && takes;
 }
 
-template <size_t N>
-bool one_of(int64_t head_dim, const int (&dims)[N]) {
-  return std::find(std::begin(dims), std::end(dims), head_dim) != std::end(dims);
-}
-
-// Without attn_mask the sm90 forward folds the scale into its exponent,
-// which needs a scale of at least FLT_MIN: below it the kernels' fast math
-// flushes the scale to 0, and 0 times a hidden score's -inf is NaN. Other
-// scales take sm80, which scales before it masks.
-bool use_sm90_forward(const ForwardParams& p) {
-  const bool masked = p.mask.kind != MaskKind::None;
-  const bool takes = one_of(p.shape.head_dim, cuda::kSm90HeadDims) &&
-                     (!masked || p.shape.head_dim == cuda::kSm90MaskedHeadDim) &&
-                     (masked || p.scale >= std::numeric_limits<float>::min());
-  return use_sm90(takes, [&] {
-    return c10::str("the sm90 forward takes head dims 64 and 128, attn_mask at head dim ",
-                    cuda::kSm90MaskedHeadDim, " only, and without a mask a scale of at least ",
-                    std::numeric_limits<float>::min(), "; got head dim ", p.shape.head_dim,
-                    masked ? " with a mask" : c10::str(", scale ", p.scale));
-  });
-}
-
-bool use_sm90_backward(const BackwardParams& p) {
-  const bool takes = p.fwd.mask.kind == MaskKind::None && !p.deterministic &&
-                     one_of(p.fwd.shape.head_dim, cuda::kSm90BackwardHeadDims);
-  return use_sm90(takes, [&] {
-    return "the sm90 backward takes no attn_mask, no deterministic mode and head dims 64 and 128 only; got head dim " +
-           std::to_string(p.fwd.shape.head_dim) + (p.fwd.mask.kind != MaskKind::None ? " with a mask" : "") +
-           (p.deterministic ? " in deterministic mode" : "");
-  });
-}
-
-std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& v,
-                                                const std::optional<at::Tensor>& attn_mask,
-                                                bool is_causal, std::optional<double> scale) {
-  PreparedInputs in =
-      prepare_forward("fusedattn.forward", q, k, v, attn_mask, is_causal, scale, cuda_support());
+std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const std::optional<at::Tensor>& attn_mask, bool is_causal,
+                                                std::optional<double> scale,
+                                                std::optional<c10::string_view> family) {
+  const char* op = "fusedattn.forward";
+  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support());
   const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
   auto outputs = allocate_forward_outputs(in);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  // The sm90 kernel declines operands its tensor maps cannot describe (a
-  // stride of 0, say); the sm80 kernel takes those.
-  bool on_sm90 = false;
-  if (use_sm90_forward(in.params)) {
-    const at::Tensor work_counter = at::empty({1}, q.options().dtype(at::kInt));  // the launch zeroes it
-    in.params.work_counter = reinterpret_cast<unsigned*>(work_counter.data_ptr<int>());
-    on_sm90 = cuda::forward_sm90(in.params, stream);
-  }
-  if (!on_sm90) {
-    TORCH_CHECK(!forced_family_is("sm90"), "fusedattn: FUSEDATTN_KERNEL_FAMILY=sm90, but the tensor memory "
-                "accelerator cannot describe these q, k, v layouts (strides of 0 or not multiples of 16 bytes), or a "
-                "sequence is longer than 2^30");
-    cuda::forward_sm80(in.params, stream);
-  }
+  const Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, family_request(op, family, q)); });
+  run_forward(in.params, plan, q, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return outputs;
 }
+
+// The backward's workspaces, as its plan needs them: delta always; the
+// float32 dQ accumulator unless deterministic; the dK/dV sums of the query
+// heads' splits when there are any.
+struct BackwardWorkspaces {
+  at::Tensor delta, grad_q_accum, grad_kv_accum;
+  BackwardWorkspaces(BackwardParams& p, const Plan& plan, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& lse) {
+    delta = at::empty(lse.sizes(), lse.options().dtype(at::kFloat));
+    p.delta = delta.data_ptr<float>();
+    if (!p.deterministic) {
+      grad_q_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+      p.grad_q_accum = grad_q_accum.data_ptr<float>();
+    }
+    p.head_splits = plan.head_splits;
+    if (plan.head_splits > 1) {
+      grad_kv_accum = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, q.options().dtype(at::kFloat));
+      p.grad_kv_accum = grad_kv_accum.data_ptr<float>();
+    }
+  }
+};
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-    bool is_causal, std::optional<double> scale) {
-  PreparedBackward b = prepare_backward("fusedattn.backward", grad_out, q, k, v, out, lse, attn_mask,
-                                        is_causal, scale, cuda_support());
+    bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family) {
+  const char* op = "fusedattn.backward";
+  PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, cuda_support());
   const c10::cuda::CUDAGuard guard(q.device());
   // torch.use_deterministic_algorithms(True): grad_q from its own pass, in a
   // fixed order, instead of float32 atomics.
   b.params.deterministic = at::globalContext().deterministicAlgorithms();
-  const at::Tensor delta = at::empty(lse.sizes(), lse.options().dtype(at::kFloat));
-  at::Tensor grad_q_accum;
-  if (!b.params.deterministic) {
-    grad_q_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-    b.params.grad_q_accum = grad_q_accum.data_ptr<float>();
-  }
-  b.params.delta = delta.data_ptr<float>();
-  // The group's query heads split over blocks when a family's key blocks
-  // alone would leave SMs idle; their float32 dK/dV sums need a workspace.
-  at::Tensor grad_kv_accum;
-  auto split_heads_for = [&](int keys_per_block, int blocks_per_sm) {
-    b.params.head_splits = cuda::backward_head_splits(b.params, keys_per_block, blocks_per_sm);
-    if (b.params.head_splits > 1 && !grad_kv_accum.defined()) {
-      grad_kv_accum = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, q.options().dtype(at::kFloat));
-      b.params.grad_kv_accum = grad_kv_accum.data_ptr<float>();
-    }
-  };
+  const Plan plan = with_torch_errors([&] { return cuda::plan_backward(b.params, family_request(op, family, q)); });
+  const BackwardWorkspaces workspaces(b.params, plan, q, k, lse);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  if (use_sm90_backward(b.params)) {
-    split_heads_for(cuda::kSm90BackwardBlockN, cuda::kSm90BackwardBlocksPerSm);
-    if (cuda::backward_sm90(b.params, stream)) return {b.grad_q, b.grad_k, b.grad_v};
-    // Declined: its tensor maps cannot describe the operands. sm80 takes them.
-    TORCH_CHECK(!forced_family_is("sm90"), "fusedattn: FUSEDATTN_KERNEL_FAMILY=sm90, but the tensor memory "
-                "accelerator cannot describe these q, k, v, grad_out layouts (strides of 0 or not multiples of 16 "
-                "bytes), or the call is past its int coordinates (B x Hq x Nq or Nk of 2^31)");
-  }
-  split_heads_for(cuda::kBackwardBlockN, cuda::kBackwardBlocksPerSm);
-  cuda::backward_sm80(b.params, stream);
+  if (plan.family == Family::Sm90)
+    cuda::backward_sm90(b.params, stream);
+  else
+    cuda::backward_sm80(b.params, stream);
   return {b.grad_q, b.grad_k, b.grad_v};
+}
+
+// The plan of forward (or backward) for these arguments. The backward's
+// grad_out is contiguous (fusedattn's autograd makes it so) and its lse the
+// forward's, so aligned stand-ins take their place; nothing is read.
+std::string plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
+                      std::optional<c10::string_view> family, bool backward) {
+  const char* op = "fusedattn.plan";
+  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support());
+  const c10::cuda::CUDAGuard guard(q.device());
+  const PlanRequest request = family_request(op, family, q);
+  if (!backward) return with_torch_errors([&] { return cuda::plan_forward(in.params, request); }).describe();
+  BackwardParams b;
+  b.fwd = in.params;
+  b.fwd.lse = reinterpret_cast<float*>(uintptr_t(256));
+  b.grad_out = reinterpret_cast<const void*>(uintptr_t(256));
+  b.grad_out_strides = {q.size(1) * q.size(2) * q.size(3), q.size(2) * q.size(3), q.size(3)};
+  b.deterministic = at::globalContext().deterministicAlgorithms();
+  return with_torch_errors([&] { return cuda::plan_backward(b, request); }).describe();
+}
+
+std::vector<int64_t> instantiated_head_dims(c10::string_view kernel) {
+  return with_torch_errors([&] { return cuda::instantiated_head_dims(std::string(kernel)); });
 }
 
 // Seed 2: S = Q K^T (cuBLAS through ATen), one fused scale + mask + softmax
@@ -193,7 +156,13 @@ at::Tensor naive_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at
 TORCH_LIBRARY_IMPL(fusedattn, CUDA, m) {
   m.impl("forward", &forward_cuda);
   m.impl("backward", &backward_cuda);
+  m.impl("plan", &plan_cuda);
   m.impl("naive_forward", &naive_forward_cuda);
+}
+
+// No tensor argument to dispatch on: one kernel for every key.
+TORCH_LIBRARY_IMPL(fusedattn, CompositeImplicitAutograd, m) {
+  m.impl("instantiated_head_dims", &instantiated_head_dims);
 }
 
 }  // namespace fusedattn::ops

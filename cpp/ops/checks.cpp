@@ -225,4 +225,35 @@ PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, co
   return b;
 }
 
+PlanRequest::FamilyChoice parse_family(const char* op, const std::optional<c10::string_view>& family,
+                                       const at::Tensor& q) {
+  using Choice = PlanRequest::FamilyChoice;
+  const std::string name = family ? std::string(*family) : "auto";
+  if (name == "auto") return Choice::Auto;
+  if (q.is_cuda()) {
+    if (name == "sm80") return Choice::Sm80;
+    if (name == "sm90") return Choice::Sm90;
+    TORCH_CHECK(false, op, ": family must be None, 'auto', 'sm80' or 'sm90' for CUDA tensors, got '", name, "'");
+  }
+  TORCH_CHECK(name == "cpu", op, ": family must be None, 'auto' or 'cpu' for ", q.device().type(),
+              " tensors, got '", name, "'");
+  return Choice::Auto;
+}
+
+PlanRequest decode_request(const char* op, std::optional<int64_t> num_splits,
+                           std::optional<bool> merge_in_cluster, std::optional<int64_t> warps) {
+  PlanRequest r;
+  if (num_splits) {
+    TORCH_CHECK(*num_splits >= 1 && *num_splits <= kMaxDecodeSplits, op, ": num_splits must be None or in [1, ",
+                kMaxDecodeSplits, "], got ", *num_splits);
+    r.num_splits = static_cast<int>(*num_splits);
+  }
+  if (merge_in_cluster) r.merge_in_cluster = *merge_in_cluster ? 1 : 0;
+  if (warps) {
+    TORCH_CHECK(*warps == 4 || *warps == 8, op, ": warps must be None, 4 or 8, got ", *warps);
+    r.warps = static_cast<int>(*warps);
+  }
+  return r;
+}
+
 }  // namespace fusedattn::ops

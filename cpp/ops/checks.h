@@ -3,12 +3,15 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "fusedattn/params.h"
+#include "fusedattn/plan.h"
 
 namespace fusedattn::ops {
 
@@ -67,5 +70,27 @@ void set_forward_outputs(ForwardParams& params, const at::Tensor& out, const at:
 
 // Allocates out (q's dtype) and lse (float32 [B, Hq, Nq]) and points params at them.
 std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(PreparedInputs& in);
+
+// f(), with host code's std::invalid_argument (the planner's: a forced
+// choice that cannot serve the call) turned into a torch error.
+template <typename F>
+auto with_torch_errors(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+// The operators' `family` argument: None or "auto" leaves the family to the
+// planner; on CUDA tensors "sm80" or "sm90" force one, on CPU tensors "cpu"
+// names the only one. Anything else is an error naming what q's device takes.
+PlanRequest::FamilyChoice parse_family(const char* op, const std::optional<c10::string_view>& family,
+                                       const at::Tensor& q);
+
+// The decode operators' overrides: num_splits None or in [1,
+// kMaxDecodeSplits], merge_in_cluster None/False/True, warps None, 4 or 8.
+PlanRequest decode_request(const char* op, std::optional<int64_t> num_splits,
+                           std::optional<bool> merge_in_cluster, std::optional<int64_t> warps);
 
 }  // namespace fusedattn::ops

@@ -9,12 +9,12 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <iterator>
 #include <map>
 #include <mutex>
 #include <utility>
 
 #include "../cuda/decode/forward_kvcache.h"
+#include "../cuda/plan.h"
 #include "checks.h"
 #include "kvcache.h"
 
@@ -22,12 +22,15 @@ namespace fusedattn::ops {
 namespace {
 
 const DeviceSupport& decode_support() {
-  static const DeviceSupport support{
-      "CUDA",
-      {at::kHalf, at::kBFloat16},
-      std::vector<int64_t>(std::begin(cuda::kDecodeHeadDims), std::end(cuda::kDecodeHeadDims)),
-      /*aligned_rows=*/true};
+  static const DeviceSupport support{"CUDA", {at::kHalf, at::kBFloat16}, cuda::instantiated_head_dims("decode"),
+                                     /*aligned_rows=*/true};
   return support;
+}
+
+Plan plan_decode(const char* op, const KVCacheParams& p, std::optional<int64_t> num_splits,
+                 std::optional<bool> merge_in_cluster, std::optional<int64_t> warps) {
+  const PlanRequest request = decode_request(op, num_splits, merge_in_cluster, warps);
+  return with_torch_errors([&] { return cuda::plan_decode(p, request); });
 }
 
 // The decode kernel's arrival counters (KVCacheParams::split_arrivals): at
@@ -60,7 +63,8 @@ at::Tensor arrival_counters(const at::Tensor& like, int64_t count, cudaStream_t 
 std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
-    const std::optional<at::Tensor>& v_new, bool is_causal, std::optional<double> scale) {
+    const std::optional<at::Tensor>& v_new, bool is_causal, std::optional<double> scale,
+    std::optional<int64_t> num_splits, std::optional<bool> merge_in_cluster, std::optional<int64_t> warps) {
   const char* op = "fusedattn.forward_kvcache";
   const int64_t n_new = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new);
   PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale,
@@ -91,8 +95,9 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     p.k_new_strides = strides_of(k_append);
     p.v_new_strides = strides_of(v_append);
   }
-  p.num_splits = cuda::decode_num_splits(p);
-  p.merge_in_cluster = cuda::decode_merges_in_cluster(p);  // also checks FUSEDATTN_DECODE_CLUSTER_MERGE
+  const Plan plan = plan_decode(op, p, num_splits, merge_in_cluster, warps);
+  p.num_splits = plan.num_splits;
+  p.merge_in_cluster = plan.merge_in_cluster;
   at::Tensor partial_out, partial_lse, split_arrivals;
   if (p.num_splits > 1 && !p.merge_in_cluster) {
     partial_out = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2), q.size(3)},
@@ -103,24 +108,26 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     p.partial_lse = partial_lse.data_ptr<float>();
     p.split_arrivals = split_arrivals.data_ptr<int32_t>();
   }
-  cuda::forward_kvcache(p, stream);
+  cuda::forward_kvcache(p, plan, stream);
   return outputs;
 }
 
-int64_t decode_num_splits_cuda(const at::Tensor& q, const at::Tensor& k_cache) {
-  const PreparedInputs in = prepare_forward("fusedattn.decode_num_splits", q, k_cache, k_cache, std::nullopt,
-                                            /*is_causal=*/true, std::nullopt, decode_support());
+std::string plan_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              bool is_causal, std::optional<double> scale, std::optional<int64_t> num_splits,
+                              std::optional<bool> merge_in_cluster, std::optional<int64_t> warps) {
+  const char* op = "fusedattn.plan_kvcache";
+  const PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, decode_support());
   const c10::cuda::CUDAGuard guard(q.device());
   KVCacheParams p;
   p.attn = in.params;
-  return cuda::decode_num_splits(p);
+  return plan_decode(op, p, num_splits, merge_in_cluster, warps).describe();
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fusedattn, CUDA, m) {
   m.impl("forward_kvcache", &forward_kvcache_cuda);
-  m.impl("decode_num_splits", &decode_num_splits_cuda);
+  m.impl("plan_kvcache", &plan_kvcache_cuda);
 }
 
 }  // namespace fusedattn::ops

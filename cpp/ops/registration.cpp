@@ -4,24 +4,36 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(fusedattn, m) {
+  // family: None (the planner decides) or a family to force, for tests and
+  // benchmarks (fusedattn.backends.force); it names the backward's too.
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, "
-      "float? scale=None) -> (Tensor out, Tensor lse)");
+      "float? scale=None, str? family=None) -> (Tensor out, Tensor lse)");
   m.def(
       "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor? attn_mask=None, bool is_causal=False, float? scale=None) "
+      "Tensor? attn_mask=None, bool is_causal=False, float? scale=None, str? family=None) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // Decoding against a preallocated KV cache: k_new/v_new (if given) are written
   // into the caches at cache_seqlens[b] (in place), then q attends to the first
-  // cache_seqlens[b] + Nnew positions of sequence b.
+  // cache_seqlens[b] + Nnew positions of sequence b. num_splits: None (the
+  // planner's count) or the blocks each sequence's keys are split over on
+  // CUDA; merge_in_cluster and warps force the decode kernel's other choices.
   m.def(
       "forward_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
-      "Tensor? k_new=None, Tensor? v_new=None, bool is_causal=True, float? scale=None) "
-      "-> (Tensor out, Tensor lse)");
-  // The split count forward_kvcache's CUDA kernel would take for this q and
-  // cache (the host's rule: it sees the cache's capacity, not cache_seqlens),
-  // for tests and tuning. CUDA only.
-  m.def("decode_num_splits(Tensor q, Tensor k_cache) -> int");
+      "Tensor? k_new=None, Tensor? v_new=None, bool is_causal=True, float? scale=None, "
+      "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None) -> (Tensor out, Tensor lse)");
+  // The plan the call with these arguments would run (forward, or with
+  // backward=True the backward), as "key=value ..." words; nothing is launched.
+  m.def(
+      "plan(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, float? scale=None, "
+      "str? family=None, bool backward=False) -> str");
+  // The plan of forward_kvcache with these arguments (it depends on the
+  // cache's capacity, not on cache_seqlens).
+  m.def(
+      "plan_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, bool is_causal=True, float? scale=None, "
+      "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None) -> str");
+  // The head dims a CUDA kernel is instantiated for (cpp/generate_kernels.py's table).
+  m.def("instantiated_head_dims(str kernel) -> int[]");
   // Seed 2's naive path (materialises S), the baseline of the GPU benchmark. CUDA only.
   m.def(
       "naive_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, "

@@ -39,10 +39,10 @@
 #include <cstdlib>
 #include <string>
 
-#include "../../cpp/cuda/common/bulk_copy.cuh"
+#include "../../cpp/cuda/hopper/bulk_copy.cuh"
 #include "../../cpp/cuda/common/device_math.cuh"
 #include "../../cpp/cuda/sm90/tensor_maps.h"
-#include "../../cpp/cuda/sm90/tma.cuh"
+#include "../../cpp/cuda/hopper/tma.cuh"
 
 using namespace fusedattn;
 using namespace fusedattn::cuda;

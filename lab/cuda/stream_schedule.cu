@@ -40,8 +40,8 @@
 #include <utility>
 #include <vector>
 
-#include "../../cpp/cuda/common/bulk_copy.cuh"
-#include "../../cpp/cuda/common/dependent_launch.cuh"
+#include "../../cpp/cuda/hopper/bulk_copy.cuh"
+#include "../../cpp/cuda/hopper/dependent_launch.cuh"
 #include "../../cpp/cuda/common/device_math.cuh"
 
 using namespace fusedattn::cuda;

@@ -1,8 +1,9 @@
 """lab/decode_sweep.py: every set's rate lands in its own row and column.
 
 A stand-in `fusedattn` on PATH writes the bench's JSON with a rate that
-encodes the set (its FUSEDATTN_DECODE_SPLITS, batch and dtype), so a row
-taken from the wrong set, or one dtype written over another, shows.
+encodes the set (its --capacity, batch and dtype), so a row taken from the
+wrong set, or one dtype written over another, shows. A set of NAME=value
+words (the environment settings fusedattn no longer reads) is refused.
 """
 
 import os
@@ -22,11 +23,13 @@ FAKE_BENCH = textwrap.dedent('''\
         return a[a.index(name) + 1] if name in a else default
     if os.environ.get("FAKE_FAIL") and "--batch" in a:
         sys.exit(3)
-    splits = int(os.environ.get("FUSEDATTN_DECODE_SPLITS", "0"))  # 0: the automatic count
+    if os.environ.get("FAKE_RAN"):
+        open(os.environ["FAKE_RAN"], "a").write(" ".join(a[1:]) + "\\n")
+    capacity = int(arg("--capacity", "0")) // 65536  # 0: each cache holds its N
     batch = int(arg("--batch", "8"))
     dtypes = arg("--dtype", "float16").split(",")
     rows = [{{"dtype": dt, "varlen": v, "seqlen": n,
-              "results": {{"fusedattn": {{"tb_per_s": splits + batch / 100 + (0.5 if dt == "bfloat16" else 0)
+              "results": {{"fusedattn": {{"tb_per_s": capacity + batch / 100 + (0.5 if dt == "bfloat16" else 0)
                                           + (0.25 if v else 0)}}}}}}
             for dt in dtypes for v in (False, True) for n in (4096,)]
     config = {{"batch": batch, "heads": 32, "kv_heads": int(arg("--kv-heads", "32")), "head_dim": 128}}
@@ -53,15 +56,14 @@ def table(tmp_path):
 
 def test_sets_side_by_side(tmp_path):
     done = run_sweep(tmp_path, "--dtype", "float16,bfloat16", "--", "auto", "--",
-                     "FUSEDATTN_DECODE_SPLITS=2", "--", "FUSEDATTN_DECODE_SPLITS=3 --batch 16",
-                     FUSEDATTN_DECODE_SPLITS="9")  # the shell's setting must not reach "auto"
+                     "--capacity 131072", "--", "--capacity 196608 --batch 16")
     assert done.returncode == 0, done.stderr
     rows = {tuple(r[:7]): r[7:] for r in table(tmp_path)}
-    # dtype, B, Hq, Hkv, d, lengths, N -> auto, splits 2, splits 3 at B=16, best
-    assert rows[("float16", "8", "32", "32", "128", "all N", "4096")] == ["0.08", "2.08", "-", "2: SPLITS=2"]
-    assert rows[("bfloat16", "8", "32", "32", "128", "1..N", "4096")] == ["0.83", "2.83", "-", "2: SPLITS=2"]
+    # dtype, B, Hq, Hkv, d, lengths, N -> auto, capacity 128K, capacity 192K at B=16, best
+    assert rows[("float16", "8", "32", "32", "128", "all N", "4096")] == ["0.08", "2.08", "-", "2: --capacity 131072"]
+    assert rows[("bfloat16", "8", "32", "32", "128", "1..N", "4096")] == ["0.83", "2.83", "-", "2: --capacity 131072"]
     assert rows[("float16", "16", "32", "32", "128", "all N", "4096")] == [
-        "-", "-", "3.16", "3: SPLITS=3 --batch 16"]
+        "-", "-", "3.16", "3: --capacity 196608 --batch 16"]
     assert len(rows) == 8
 
 
@@ -70,3 +72,16 @@ def test_a_failed_set_fails_the_sweep(tmp_path):
     assert done.returncode == 1
     assert "set 2 (--batch 4) failed" in done.stderr
     assert len(table(tmp_path)) == 2  # the set that ran is still reported
+
+
+def test_an_environment_setting_is_refused_before_any_set_runs(tmp_path):
+    """FUSEDATTN_DECODE_SPLITS=2 once forced the split count; passed to the
+    bench as an argument now it would fail one set late, or be dropped and
+    time the planner's count under the set's name."""
+    ran = tmp_path / "ran.txt"
+    for args in (["--", "auto", "--", "FUSEDATTN_DECODE_SPLITS=2 --batch 16"],
+                 ["FUSEDATTN_DECODE_WARPS=4", "--", "auto"]):
+        done = run_sweep(tmp_path, *args, FAKE_RAN=str(ran))
+        assert done.returncode == 1
+        assert "FUSEDATTN_DECODE_" in done.stderr and "sets are bench arguments only" in done.stderr
+    assert not ran.exists() and not (tmp_path / "out").exists()

@@ -22,8 +22,8 @@ def _load_library() -> None:
 
 _load_library()
 
-from . import nn, ops, reference  # noqa: E402  (ops registers fake functions and autograd)
-from .ops import attention, attention_with_kvcache  # noqa: E402
+from . import backends, nn, ops, reference  # noqa: E402  (ops registers fake functions and autograd)
+from .ops import attention, attention_with_kvcache, plan, plan_kvcache  # noqa: E402
 
-__all__ = ["attention", "attention_with_kvcache", "nn", "ops", "reference"]
+__all__ = ["attention", "attention_with_kvcache", "backends", "nn", "ops", "plan", "plan_kvcache", "reference"]
 __version__ = "0.1.0"

@@ -13,7 +13,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import platform
 import statistics
 import time
@@ -23,7 +22,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import reference
+from . import backends, reference
+from .ops import attention
 from .memory import peak_bytes
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -91,21 +91,7 @@ class _Fusedattn:
         self.setting = setting
 
     def __call__(self, q, k, v, causal):
-        return torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
-
-
-@contextlib.contextmanager
-def _environment(variables: dict[str, str]):
-    before = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
+        return attention(q, k, v, is_causal=causal)
 
 
 @contextlib.contextmanager
@@ -119,7 +105,7 @@ def _deterministic_algorithms():
 
 
 def _kernel_family(family: str) -> _Fusedattn:
-    return _Fusedattn(lambda: _environment({"FUSEDATTN_KERNEL_FAMILY": family}))
+    return _Fusedattn(lambda: backends.force(family))
 
 
 def methods(device: torch.device, backward: bool = False) -> dict[str, Callable]:

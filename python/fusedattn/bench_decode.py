@@ -50,6 +50,7 @@ class DecodeConfig:
     # Positions the caches hold (max_len), at least every N; None: each row's N.
     # forward_kvcache chooses its split count from this, not from the lengths.
     capacity: int | None = None
+    num_splits: int | None = None  # fusedattn's split count (1-64); None: the planner's
 
 
 def cache_lengths(cfg: DecodeConfig, n: int, varlen: bool) -> torch.Tensor:
@@ -69,7 +70,7 @@ def methods(cfg: DecodeConfig) -> dict:
     """Name -> f(q, k_cache, v_cache, lengths); the SDPA ones read all of k and v."""
     table = {f"sdpa-{name}": _sdpa(name) for name in ("flash", "efficient", "cudnn")}
     table["fusedattn"] = lambda q, k, v, lengths: torch.ops.fusedattn.forward_kvcache(
-        q, k, v, lengths, None, None, True, None)[0]
+        q, k, v, lengths, None, None, True, None, cfg.num_splits)[0]
     return table
 
 
@@ -204,7 +205,7 @@ def run(cfg: DecodeConfig, progress: bool = True) -> dict:
         "torch": torch.__version__,
         "config": {"batch": cfg.batch, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
                    "head_dim": cfg.head_dim, "repeats": cfg.repeats, "launch_gaps": cfg.launch_gaps,
-                   "capacity": cfg.capacity},
+                   "capacity": cfg.capacity, "num_splits": cfg.num_splits},
         "methods": list(table),
         "rows": rows,
     }

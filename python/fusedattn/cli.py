@@ -94,10 +94,10 @@ def _positive(args, names: tuple[str, ...], least: int = 1) -> None:
             raise UsageError(f"{_flag(name)} must be at least {least}, got {value}")
 
 
-def _cuda_takes(device: torch.device, dtypes: list[str], head_dim: int) -> None:
+def _cuda_takes(device: torch.device, dtypes: list[str], head_dim: int, kernel: str = "sm80_forward") -> None:
     """Refuses a dtype or head dim that fusedattn's CUDA kernels do not take
     (its column would read n/a after the whole run)."""
-    from .ops import CUDA_DTYPES, CUDA_HEAD_DIMS
+    from .ops import CUDA_DTYPES, cuda_head_dims
 
     if device.type != "cuda":
         return
@@ -105,9 +105,9 @@ def _cuda_takes(device: torch.device, dtypes: list[str], head_dim: int) -> None:
     for name in dtypes:
         if name not in taken:
             raise UsageError(f"--dtype {name}: fusedattn's CUDA kernels take {', '.join(taken)}")
-    if head_dim not in CUDA_HEAD_DIMS:
+    if head_dim not in cuda_head_dims(kernel):
         raise UsageError(f"--head-dim {head_dim}: fusedattn's CUDA kernels take head dims "
-                         f"{', '.join(map(str, CUDA_HEAD_DIMS))}")
+                         f"{', '.join(map(str, cuda_head_dims(kernel)))}")
 
 
 def _dtypes() -> dict:
@@ -142,8 +142,9 @@ def _check_plot(path: str) -> None:
 
 # Options that choose what a run measures; none applies to --from-json.
 _RUN_OPTIONS = ("device", "batch", "heads", "head_dim", "seqlens", "dtype", "causal", "repeats", "methods",
-                "warmup", "json", "decode", "backward", "kv_heads", "lengths", "capacity", "launch_gaps")
-_DECODE_ONLY = ("kv_heads", "lengths", "capacity", "launch_gaps")
+                "warmup", "json", "decode", "backward", "kv_heads", "lengths", "capacity", "launch_gaps",
+                "num_splits")
+_DECODE_ONLY = ("kv_heads", "lengths", "capacity", "launch_gaps", "num_splits")
 
 
 def _flag(name: str) -> str:
@@ -170,7 +171,9 @@ def _check_bench(args) -> None:
         for name in _DECODE_ONLY:
             if _given(args, name):
                 raise UsageError(f"{_flag(name)} needs --decode")
-    _positive(args, ("batch", "heads", "head_dim", "repeats", "kv_heads", "capacity"))
+    _positive(args, ("batch", "heads", "head_dim", "repeats", "kv_heads", "capacity", "num_splits"))
+    if args.num_splits is not None and args.num_splits > 64:
+        raise UsageError(f"--num-splits must be at most 64, got {args.num_splits}")
     _positive(args, ("warmup",), least=0)
     if args.seqlens is not None:
         if not args.seqlens:
@@ -235,6 +238,7 @@ def _bench_decode(args) -> int:
         cfg.varlen = {"full": [False], "varlen": [True], "both": [False, True]}[args.lengths]
     cfg.launch_gaps = args.launch_gaps
     cfg.capacity = args.capacity
+    cfg.num_splits = args.num_splits
     problem = bench_decode.capacity_problem(cfg)
     if problem:
         raise UsageError(problem)
@@ -246,7 +250,7 @@ def _bench_decode(args) -> int:
     if cfg.device.type == "cpu":
         raise UsageError("--decode: the decode benchmark needs a CUDA device (it times CUDA kernels), "
                          "not --device cpu")
-    _cuda_takes(cfg.device, cfg.dtypes, cfg.head_dim)
+    _cuda_takes(cfg.device, cfg.dtypes, cfg.head_dim, "decode")
     with _on(cfg.device):
         result = bench_decode.run(cfg, progress=not args.no_progress)
     print(bench_decode.format_table(result, wide=args.wide))
@@ -332,7 +336,7 @@ def _model_path(args) -> str:
 
 def _check_model(path: str, flag: str, device: torch.device, max_new_tokens: int) -> None:
     from .engine import gguf_metadata
-    from .ops import CUDA_HEAD_DIMS
+    from .ops import cuda_head_dims
 
     keys = ("general.architecture", "llama.embedding_length", "llama.attention.head_count",
             "llama.context_length")
@@ -349,9 +353,9 @@ def _check_model(path: str, flag: str, device: torch.device, max_new_tokens: int
                          f"GGUF files only" if arch else f"{flag}: its header names no architecture "
                          f"(general.architecture); fusedattn's engine runs llama-architecture GGUF files only")
     hidden, heads = meta.get("llama.embedding_length"), meta.get("llama.attention.head_count")
-    if device.type == "cuda" and hidden and heads and hidden // heads not in CUDA_HEAD_DIMS:
+    if device.type == "cuda" and hidden and heads and hidden // heads not in cuda_head_dims():
         raise UsageError(f"{flag}: its head dim is {hidden // heads}; fusedattn's CUDA kernels take "
-                         f"{', '.join(map(str, CUDA_HEAD_DIMS))} (use --device cpu)")
+                         f"{', '.join(map(str, cuda_head_dims()))} (use --device cpu)")
     context = meta.get("llama.context_length")
     if context and max_new_tokens >= context:
         raise UsageError(f"--max-new-tokens {max_new_tokens}: the model's context is {context} positions, "
@@ -456,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--capacity", type=int,
                    help="--decode: positions each cache holds (at least every N; default: N). The split "
                         "count follows it, not the lengths; SDPA, which reads the whole cache, is skipped")
+    b.add_argument("--num-splits", type=int, dest="num_splits",
+                   help="--decode: fusedattn's split count, 1-64 (default: the planner's; fusedattn.plan_kvcache)")
     b.add_argument("--launch-gaps", action="store_true", dest="launch_gaps",
                    help="--decode: time the host's launches too (default: the GPU sleeps while the host "
                         "enqueues each timed interval's 10 calls, so only the GPU's time counts)")

@@ -8,20 +8,34 @@ adds what torch.library expects from Python.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-__all__ = ["attention", "attention_with_kvcache", "has_kernel", "supports"]
+from . import backends
+
+__all__ = ["attention", "attention_with_kvcache", "cuda_head_dims", "has_kernel", "plan", "plan_kvcache",
+           "supports"]
 
 # What the CUDA kernels take; the CPU kernels take float32, float16 and
 # bfloat16 at any head dim.
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
-CUDA_HEAD_DIMS = (32, 64, 128)
 
 
 def has_kernel(op: str, device_type: str) -> bool:
     """Whether ``fusedattn::<op>`` has a kernel for ``device_type`` ("cpu", "cuda") in this build."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"fusedattn::{op}", device_type.upper())
+
+
+@functools.cache
+def cuda_head_dims(kernel: str = "sm80_forward") -> tuple[int, ...]:
+    """The head dims a CUDA kernel of this build is instantiated for (the table
+    in ``cpp/generate_kernels.py``); () in a build without CUDA kernels. The
+    default, sm80's forward, is every CUDA call's fallback: the head dims CUDA serves."""
+    if not has_kernel("forward", "cuda"):
+        return ()
+    return tuple(torch.ops.fusedattn.instantiated_head_dims(kernel))
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -30,25 +44,26 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     if device.type == "cpu":
         return dtype in (torch.float32, torch.float16, torch.bfloat16)
     if device.type == "cuda":
-        return dtype in CUDA_DTYPES and head_dim in CUDA_HEAD_DIMS and has_kernel("forward", "cuda")
+        return (dtype in CUDA_DTYPES and head_dim in cuda_head_dims("sm80_forward")
+                and head_dim in cuda_head_dims("sm80_backward"))
     return False
 
 
 @torch.library.register_fake("fusedattn::forward")
-def _forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None):
+def _forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, family=None):
     out = q.new_empty(q.shape)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     return out, lse
 
 
 @torch.library.register_fake("fusedattn::backward")
-def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None):
+def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, family=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("fusedattn::forward_kvcache")
 def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, is_causal=True,
-                          scale=None):
+                          scale=None, num_splits=None, merge_in_cluster=None, warps=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -58,7 +73,7 @@ def _naive_forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, is_causal, scale = inputs
+    q, k, v, attn_mask, is_causal, scale, family = inputs
     out, lse = output
     if attn_mask is not None and attn_mask.requires_grad:
         raise RuntimeError(
@@ -68,17 +83,18 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.is_causal = is_causal
     ctx.scale = scale
+    ctx.family = family
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     if grad_out is None:  # only lse was used downstream; lse is not differentiable
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     grad_q, grad_k, grad_v = torch.ops.fusedattn.backward(
-        grad_out.contiguous(), q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale
+        grad_out.contiguous(), q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale, ctx.family
     )
-    return grad_q, grad_k, grad_v, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None
 
 
 torch.library.register_autograd("fusedattn::forward", _backward, setup_context=_setup_context)
@@ -108,7 +124,7 @@ def attention(
         ``[B, Hq, Nq, d]`` in q's dtype. Rows whose keys are all masked are 0.
         Differentiable with respect to q, k and v.
     """
-    out, _ = torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale)
+    out, _ = torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale, backends.forced().family)
     return out
 
 
@@ -121,6 +137,7 @@ def attention_with_kvcache(
     v_new: Tensor | None = None,
     is_causal: bool = True,
     scale: float | None = None,
+    num_splits: int | None = None,
 ) -> Tensor:
     """Attention of a few new queries per sequence against a preallocated KV cache.
 
@@ -136,10 +153,65 @@ def attention_with_kvcache(
         is_causal: bottom-right aligned per sequence: query i of sequence b sees
             cache position j when ``j <= i + L_b - Nq`` with
             ``L_b = cache_seqlens[b] + Nnew``.
+        num_splits: on CUDA, how many thread blocks split each sequence's keys
+            (1 to 64, at most one per 64 cached positions); None lets the
+            planner choose (``plan_kvcache`` shows its choice). The CPU ignores it.
 
     Returns:
         ``[B, Hq, Nq, d]``. Not differentiable (an inference operator).
     """
-    out, _ = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                                 is_causal, scale)
+    forced = backends.forced()
+    out, _ = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, is_causal, scale,
+                                                 num_splits, forced.decode_merge_in_cluster, forced.decode_warps)
     return out
+
+
+def _parse_plan(words: str) -> dict:
+    def value(text: str):
+        if text in ("true", "false"):
+            return text == "true"
+        return int(text) if text.lstrip("-").isdigit() else text
+
+    return {key: value(v) for key, v in (word.split("=", 1) for word in words.split())}
+
+
+def plan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    backward: bool = False,
+) -> dict:
+    """The plan :func:`attention` would run for these arguments (with
+    ``backward=True``, its backward's), without running it: a dict with
+    ``"family"`` ("cpu", "sm80", "sm90"), ``"block_m"`` and ``"block_n"``
+    (queries and keys per tile), ``"warps"``, and per family ``"persistent"``
+    (sm90), ``"head_splits"`` and ``"deterministic"`` (backward). Choices
+    forced with :func:`fusedattn.backends.force` apply; the same errors as the
+    call's are raised for bad arguments."""
+    return _parse_plan(torch.ops.fusedattn.plan(q, k, v, attn_mask, is_causal, scale, backends.forced().family,
+                                                backward))
+
+
+def plan_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor | None = None,
+    k_new: Tensor | None = None,
+    v_new: Tensor | None = None,
+    is_causal: bool = True,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> dict:
+    """The plan :func:`attention_with_kvcache` would run for these arguments:
+    on CUDA ``"family": "decode"`` with ``"num_splits"``,
+    ``"merge_in_cluster"``, ``"warps"``, ``"block_m"`` and ``"block_n"``. It
+    depends on the caches' capacity, not on ``cache_seqlens`` or the new keys
+    (accepted so that the call's arguments can be passed as they are)."""
+    forced = backends.forced()
+    return _parse_plan(torch.ops.fusedattn.plan_kvcache(q, k_cache, v_cache, is_causal, scale, num_splits,
+                                                        forced.decode_merge_in_cluster, forced.decode_warps))

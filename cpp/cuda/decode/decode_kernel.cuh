@@ -6,7 +6,7 @@
 // share of the sequence's cache_seqlens[b] + n_new, stream through a ring of
 // kStages shared-memory buffers with cp.async: kStages - 1 tiles are always in
 // flight, which is what a memory-bound kernel needs. Each warp (8, or 4 at
-// d=128 where a block cannot hold 8 warps' ring: decode_warps) takes 16 keys
+// d=128 where a block cannot hold 8 warps' ring: the planner's choice) takes 16 keys
 // of every tile (128 or 64 keys), copies them itself
 // (its own share of the ring: no block-wide sync per tile, so a warp runs
 // ahead of a slower one) and keeps its own online softmax (m_i, l_i, acc);
@@ -22,17 +22,16 @@
 
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
-#include <string_view>
 #include <type_traits>
 
-#include "../common/dependent_launch.cuh"
+#include "../hopper/dependent_launch.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_loads.cuh"
+#include "../tile_size.h"
 #include "forward_kvcache.h"
 #include "kvcache_common.cuh"
 #include "merge_splits.cuh"
@@ -44,14 +43,14 @@ struct DecodeTraits {
   // 8 warps, 128-key tiles: a wait, a sync and a softmax step per 32 KB of K
   // and V instead of per 16 KB. At d <= 64 that is 2 blocks per SM; at d=128
   // the ring takes 192 KB, one block per SM holding the bytes in flight of
-  // two 4-warp blocks, with half the splits to merge. (decode_warps picks 8
+  // two 4-warp blocks, with half the splits to merge. (The planner picks 8
   // or, where a block cannot hold 8 warps' ring, 4.) The figures behind
   // these traits: docs/tuning.md.
   static constexpr int kWarps = Warps;
   static constexpr int kMinBlocksPerSm = HeadDim * Warps <= 512 ? 2 : 1;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockM = kDecodeBlockM;  // query rows: one MMA tile, shared by the warps
-  static constexpr int kBlockN = 16 * kWarps;  // keys per tile, 16 per warp
+  static constexpr int kBlockN = decode_block_n(kWarps);  // keys per tile, 16 per warp
   static_assert(kBlockM == 16 && kBlockN % kDecodeBlockN == 0);
   // Tiles in the ring: kStages - 1 in flight while one is computed on. 2
   // stages keep too few bytes in flight per block, and 4 leave room for only
@@ -404,44 +403,25 @@ bool configure_decode_kernel() {
          }) == kDependent;
 }
 
-// The warps of a decode block on the current device: 8, except at d=128
-// where a block cannot hold their ring (192 KB; sm_80 gives a block 163
-// KB), which takes 4 (64-key tiles, 100 KB, 2 blocks per SM). At d=128,
-// FUSEDATTN_DECODE_WARPS=4 or 8 picks one (tests and benchmarks; other head
-// dims have 8 only and do not read it); it is read at the first d=128 decode
-// call on each device, so that the split rule's block slots and the launches
-// agree.
+// Whether the current device gives a block of `warps` warps the shared
+// memory of its ring (8 warps at d=128 take 192 KB; sm_80 gives a block 163 KB).
 template <int HeadDim, typename T>
-int decode_warps() {
-  if constexpr (HeadDim <= 64) {
-    return 8;
-  } else {
-    static std::atomic<int> known[kMaxCachedDevices];
-    return once_per_device(known, [](int device) {
-      int optin = 0;
-      FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-      const bool eight_fit = optin >= decode_smem_bytes<HeadDim, 8, T>();
-      const char* env = std::getenv("FUSEDATTN_DECODE_WARPS");
-      const std::string_view forced = env ? env : "";
-      if (forced.empty()) return eight_fit ? 8 : 4;
-      if (forced == "4") return 4;
-      if (forced == "8" && eight_fit) return 8;
-      throw std::invalid_argument(
-          forced == "8" ? "fusedattn: FUSEDATTN_DECODE_WARPS=8, but this device gives a block " + std::to_string(optin) +
-                              " bytes of shared memory, 8 warps need " +
-                              std::to_string(decode_smem_bytes<HeadDim, 8, T>()) + " bytes at d=128"
-                        : "fusedattn: FUSEDATTN_DECODE_WARPS (read at d=128) must be 4, 8 or unset, got '" +
-                              std::string(forced) + "'");
-    });
-  }
+bool decode_warps_fit(int warps) {
+  if (warps != 8 && !(warps == 4 && HeadDim > 64)) return false;  // the instantiated counts
+  int device = 0, optin = 0;
+  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+  FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return optin >= (warps == 8 ? decode_smem_bytes<HeadDim, 8, T>() : decode_smem_bytes<HeadDim, 4, T>());
 }
 
-// f(std::integral_constant<int, warps>{}) for decode_warps' answer.
-template <int HeadDim, typename T, typename F>
-decltype(auto) with_decode_warps(F&& f) {
-  if (decode_warps<HeadDim, T>() == 8) return f(std::integral_constant<int, 8>{});
-  if constexpr (HeadDim > 64) return f(std::integral_constant<int, 4>{});
-  throw std::logic_error("fusedattn: decode_warps: only 8 warps at d <= 64");
+// f(std::integral_constant<int, warps>{}): 8 warps everywhere, 4 at d=128 too.
+template <int HeadDim, typename F>
+decltype(auto) with_decode_warps(int warps, F&& f) {
+  if (warps == 8) return f(std::integral_constant<int, 8>{});
+  if constexpr (HeadDim > 64) {
+    if (warps == 4) return f(std::integral_constant<int, 4>{});
+  }
+  throw_planner_bug("no decode block of " + std::to_string(warps) + " warps at head dim " + std::to_string(HeadDim));
 }
 
 template <int HeadDim, int Warps, typename T, bool IsCausal>
@@ -461,8 +441,8 @@ void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
 }
 
 template <int HeadDim, typename Element>
-void launch_decode(const KVCacheParams& p, cudaStream_t stream) {
-  with_decode_warps<HeadDim, Element>([&](auto warps) {
+void launch_decode(const KVCacheParams& p, int warps, cudaStream_t stream) {
+  with_decode_warps<HeadDim>(warps, [&](auto warps) {
     if (p.attn.is_causal)
       launch_decode_kernel<HeadDim, warps, Element, true>(p, stream);
     else
@@ -471,17 +451,22 @@ void launch_decode(const KVCacheParams& p, cudaStream_t stream) {
 }
 
 // Both causal variants share traits and registers closely enough that one
-// occupancy answer serves both.
+// occupancy answer serves both. Asked of the driver once per device (at
+// least 1: once_per_device keeps no zero answer).
 template <int HeadDim, typename Element>
-int decode_blocks_per_sm() {
-  return with_decode_warps<HeadDim, Element>([](auto warps) {
-    using Tr = DecodeTraits<HeadDim, warps>;
-    configure_decode_kernel<HeadDim, warps, Element, true>();
-    int blocks = 0;
-    FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &blocks, decode_kernel<HeadDim, warps, Element, true>, Tr::kThreads,
-        decode_smem_bytes<HeadDim, warps, Element>()));
-    return blocks;
+int decode_blocks_per_sm(int warps) {
+  return with_decode_warps<HeadDim>(warps, [](auto warps) {
+    constexpr int kWarps = decltype(warps)::value;
+    using Tr = DecodeTraits<HeadDim, kWarps>;
+    static std::atomic<int> known[kMaxCachedDevices];
+    return once_per_device(known, [](int) {
+      configure_decode_kernel<HeadDim, kWarps, Element, true>();
+      int blocks = 0;
+      FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &blocks, decode_kernel<HeadDim, kWarps, Element, true>, Tr::kThreads,
+          decode_smem_bytes<HeadDim, kWarps, Element>()));
+      return std::max(blocks, 1);
+    });
   });
 }
 
@@ -489,8 +474,8 @@ int decode_blocks_per_sm() {
 // and 215 registers: 1 block per SM either way). Cached per device and split
 // count (plus one: once_per_device keeps no zero answer).
 template <int HeadDim, typename Element>
-int decode_max_active_clusters(int splits) {
-  return with_decode_warps<HeadDim, Element>([splits](auto warps) {
+int decode_max_active_clusters(int warps, int splits) {
+  return with_decode_warps<HeadDim>(warps, [splits](auto warps) {
     constexpr int kWarps = decltype(warps)::value;
     using Tr = DecodeTraits<HeadDim, kWarps>;
     if (splits < 2 || splits > kMaxClusterSplits || !configure_decode_kernel<HeadDim, kWarps, Element, true>())

@@ -12,7 +12,7 @@
 
 #include <cmath>
 
-#include "../common/cluster.cuh"
+#include "../hopper/cluster.cuh"
 #include "../common/device_math.cuh"
 #include "forward_kvcache.h"
 #include "kvcache_common.cuh"
@@ -49,7 +49,7 @@ struct ClusterPartials {
 // the partial rows in groups of kInFlight loads: at a short cache's end the
 // merge is the kernel's tail, and one L2 round trip per split was most of it.
 constexpr bool decode_head_dims_fit_a_warp() {
-  for (int d : kDecodeHeadDims)
+  for (int d : DecodeHeadDims::values)
     if (d > 4 * 32) return false;
   return true;
 }

@@ -29,6 +29,7 @@
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_loads.cuh"
+#include "../tile_size.h"
 #include "backward_dq_kernel.cuh"
 #include "backward_sm80.h"
 
@@ -36,14 +37,11 @@ namespace fusedattn::cuda {
 
 template <int HeadDim>
 struct BackwardTraits {
-  static constexpr int kWarps = 4;
+  static constexpr int kWarps = kSm80Warps;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBlockN = kBackwardBlockN;  // keys per block, 16 per warp
+  static constexpr int kBlockN = kSm80BackwardBlockN;  // keys per block, 16 per warp
   static_assert(kBlockN == 16 * kWarps);
-  // Queries per step. S^T, dP^T (2 x kBlockM/2 registers) and dQ's share
-  // come on top of dK and dV (HeadDim / 2 registers each per thread): at
-  // d=128 a 64-query step would not fit in 255 registers.
-  static constexpr int kBlockM = HeadDim <= 64 ? 64 : 32;
+  static constexpr int kBlockM = sm80_backward_block_m(HeadDim);  // queries per step
   static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
   static constexpr int kChunksPerRow = HeadDim / 8;
   static constexpr int kDsStride = kBlockM + 8;  // dS^T rows [key][query], padded

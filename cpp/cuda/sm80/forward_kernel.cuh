@@ -22,13 +22,14 @@
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_loads.cuh"
+#include "../tile_size.h"
 #include "forward_sm80.h"
 
 namespace fusedattn::cuda {
 
 template <int HeadDim>
 struct ForwardTraits {
-  static constexpr int kWarps = 4;
+  static constexpr int kWarps = kSm80Warps;
   static constexpr int kThreads = 32 * kWarps;
   // 16-row MMA tiles per warp. Two would let every K/V fragment read from
   // shared memory feed two MMAs, but the registers they take cost occupancy,
@@ -45,7 +46,8 @@ struct ForwardTraits {
   static constexpr int kMinBlocksPerSM = HeadDim <= 64 ? 4 : 0;
 #endif
   static constexpr int kBlockM = 16 * kMTiles * kWarps;
-  static constexpr int kBlockN = 64;
+  static constexpr int kBlockN = kSm80ForwardBlockN;
+  static_assert(kBlockM == kSm80ForwardBlockM, "tile_size.h reports this tile");
   static constexpr int kStride = HeadDim + 8;  // elements per shared-memory row (16-byte pad)
   static constexpr int kChunksPerRow = HeadDim / 8;  // 16-byte chunks
   static constexpr int kSmemElements = (kBlockM + 2 * kBlockN) * kStride;  // Q, K, V

@@ -8,11 +8,8 @@
 
 namespace fusedattn::cuda {
 
-// Head dims this family is instantiated for.
-inline constexpr int kSm80HeadDims[] = {32, 64, 128};
-
 // Writes p.out and p.lse on `stream`. p.dtype must be Float16 or BFloat16 and
-// p.shape.head_dim one of kSm80HeadDims. Throws std::runtime_error on a CUDA error.
+// p.shape.head_dim one of Sm80ForwardHeadDims (instantiations.h). Throws std::runtime_error on a CUDA error.
 void forward_sm80(const ForwardParams& p, cudaStream_t stream);
 
 // One instantiation per (head dim, element type), each in its own file.

@@ -25,15 +25,15 @@
 #include <cmath>
 
 #include "../common/backward_passes.cuh"
-#include "../common/bulk_copy.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/online_softmax.cuh"
+#include "../hopper/bulk_copy.cuh"
+#include "../hopper/tma.cuh"
+#include "../hopper/warpgroup.cuh"
+#include "../hopper/wgmma.cuh"
 #include "backward_sm90.h"
 #include "backward_traits.h"
-#include "tma.cuh"
-#include "warpgroup.cuh"
-#include "wgmma.cuh"
 
 namespace fusedattn::cuda {
 

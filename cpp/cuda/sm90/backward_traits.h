@@ -5,21 +5,18 @@
 #include <cuda.h>
 
 #include "../common/block_order.h"
+#include "../tile_size.h"
 #include "fusedattn/params.h"
 
 namespace fusedattn::cuda {
 
 template <int HeadDim>
 struct Sm90BackwardTraits {
-  static constexpr int kConsumers = 2;                      // warpgroups of 64 keys
-  static constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer
-  static constexpr int kBlockN = 64 * kConsumers;          // keys per block
-  // Queries per step. At d=64 a step of 64 queries is too little work for
-  // its fixed costs (barriers, the mbarrier round trip, dQ's reductions);
-  // 128 queries halve those costs per FLOP and still fit 240 registers (S^T
-  // and dP^T are 64 + 64 of them). At d=128 a 64-query step's products are
-  // twice as large for the same fixed costs (docs/tuning.md).
-  static constexpr int kBlockM = HeadDim == 64 ? 128 : 64;
+  static constexpr int kConsumers = kSm90BackwardConsumers;  // warpgroups of 64 keys
+  static constexpr int kThreads = 128 * (1 + kConsumers);    // + the producer
+  static constexpr int kBlockN = kSm90BackwardBlockN;        // keys per block
+  static_assert(kBlockN == 64 * kConsumers);
+  static constexpr int kBlockM = sm90_backward_block_m(HeadDim);  // queries per step (tile_size.h)
   static constexpr int kStages = 2;                         // of Q, dO, lse, delta
   static constexpr int kSlabs = HeadDim / 64;               // 64-column swizzled slabs per row
   static constexpr int kKVTileBytes = kBlockN * HeadDim * 2;

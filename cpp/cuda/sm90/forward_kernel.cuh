@@ -16,7 +16,7 @@
 // packing helpers of the sm80 kernel apply unchanged. attn_mask is read where
 // the scores are, by a separate instantiation (no tile is skipped for it: the
 // producer loads every tile).
-// At d=128, and at d=64 under causal (kSm90Persistent), the blocks are
+// At d=128, and at d=64 under causal (sm90_forward_persistent), the blocks are
 // persistent, one per SM: each takes work items (a query block
 // of one head, in the launch's BlockOrder) from a counter until none are left,
 // so the producer loads the next item's Q and first tiles while the
@@ -28,16 +28,17 @@
 #include <algorithm>
 #include <cmath>
 
-#include "../common/bulk_copy.cuh"
 #include "../common/device_math.cuh"
+#include "../common/instantiation_dispatch.h"
 #include "../common/launch_check.h"
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
+#include "../hopper/bulk_copy.cuh"
+#include "../hopper/tma.cuh"
+#include "../hopper/warpgroup.cuh"
+#include "../hopper/wgmma.cuh"
 #include "forward_sm90.h"
 #include "forward_traits.h"
-#include "tma.cuh"
-#include "warpgroup.cuh"
-#include "wgmma.cuh"
 
 namespace fusedattn::cuda {
 
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
   using Tr = Sm90ForwardTraits<HeadDim, BlockN>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages;
   constexpr int kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
-  constexpr bool kPersistent = kSm90Persistent<HeadDim, IsCausal>;
+  constexpr bool kPersistent = sm90_forward_persistent(HeadDim, IsCausal);
 
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -385,7 +386,7 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
   // second block), each taking items from the counter, zeroed here; else a
   // block per item.
   int64_t blocks = launch_args.order.blocks();
-  if constexpr (kSm90Persistent<HeadDim, IsCausal>) {
+  if constexpr (sm90_forward_persistent(HeadDim, IsCausal)) {
     const int sms = current_device_sms();
     if (blocks > sms) {
       blocks = sms;
@@ -396,36 +397,40 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
-// The tile width follows sm90_forward_block_n, which the host's K/V tensor
-// maps were encoded with (sm90_dispatch.cu).
-template <int HeadDim, typename Element>
-void launch_forward_sm90(const Sm90ForwardArgs& args, cudaStream_t stream) {
-  const ForwardParams& p = args.p;
-  const bool masked = p.mask.kind != MaskKind::None;
-  if constexpr (kSm90MaskedHeadDim == HeadDim) {
-    if (masked) {
-      constexpr int kMaskedN = sm90_forward_block_n(HeadDim, false, true, 0);
-      static_assert(kMaskedN == sm90_forward_block_n(HeadDim, true, true, kSm90CausalWideTileKeys));
-      if (p.is_causal)
-        launch_sm90_forward_kernel<HeadDim, kMaskedN, Element, true, true>(args, stream);
-      else
-        launch_sm90_forward_kernel<HeadDim, kMaskedN, Element, false, true>(args, stream);
-      return;
-    }
-  } else if (masked) {
-    throw std::invalid_argument("fusedattn: the sm90 forward takes attn_mask at head dim 128 only");
-  }
-  if (!p.is_causal) {
-    launch_sm90_forward_kernel<HeadDim, sm90_forward_block_n(HeadDim, false, false, 0), Element, false, false>(args,
-                                                                                                           stream);
-    return;
-  }
-  constexpr int kShortN = sm90_forward_block_n(HeadDim, true, false, 0);
-  constexpr int kLongN = sm90_forward_block_n(HeadDim, true, false, kSm90CausalWideTileKeys);
-  if (sm90_forward_block_n(HeadDim, true, false, p.shape.seqlen_k) == kLongN)
-    launch_sm90_forward_kernel<HeadDim, kLongN, Element, true, false>(args, stream);
+// The plan's tile width and persistence (plan.cu chose them with tile_size.h,
+// and encoded the K/V tensor maps' boxes for that width); a plan with no
+// instantiation here is a planner bug.
+template <int HeadDim, typename Element, bool IsCausal, bool HasMask>
+void launch_planned_sm90_forward(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
+  constexpr int kShortN = sm90_forward_block_n(HeadDim, IsCausal, HasMask, 0);
+  constexpr int kLongN = sm90_forward_block_n(HeadDim, IsCausal, HasMask, kSm90CausalWideTileKeys);
+  if (plan.persistent != sm90_forward_persistent(HeadDim, IsCausal))
+    throw_planner_bug("the sm90 forward's persistence is fixed per head dim and causality");
+  if (plan.block_n == kLongN)
+    launch_sm90_forward_kernel<HeadDim, kLongN, Element, IsCausal, HasMask>(args, stream);
+  else if (plan.block_n == kShortN)
+    launch_sm90_forward_kernel<HeadDim, kShortN, Element, IsCausal, HasMask>(args, stream);
   else
-    launch_sm90_forward_kernel<HeadDim, kShortN, Element, true, false>(args, stream);
+    throw_planner_bug("no sm90 forward of " + std::to_string(plan.block_n) + "-key tiles");
+}
+
+template <int HeadDim, typename Element>
+void launch_forward_sm90(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
+  const ForwardParams& p = args.p;
+  if (p.mask.kind != MaskKind::None) {
+    if constexpr (instantiated(Sm90ForwardMaskedHeadDims{}, HeadDim)) {
+      if (p.is_causal)
+        launch_planned_sm90_forward<HeadDim, Element, true, true>(args, plan, stream);
+      else
+        launch_planned_sm90_forward<HeadDim, Element, false, true>(args, plan, stream);
+    } else {
+      throw_planner_bug("the sm90 forward has no attn_mask variant at head dim " + std::to_string(HeadDim));
+    }
+  } else if (p.is_causal) {
+    launch_planned_sm90_forward<HeadDim, Element, true, false>(args, plan, stream);
+  } else {
+    launch_planned_sm90_forward<HeadDim, Element, false, false>(args, plan, stream);
+  }
 }
 
 }  // namespace fusedattn::cuda

@@ -7,36 +7,16 @@
 #include <cstdint>
 
 #include "../common/block_order.h"
+#include "../tile_size.h"
 #include "fusedattn/params.h"
 
 namespace fusedattn::cuda {
 
-// Keys per K/V tile. 176 at d=128 without attn_mask (FA3's tile there: a
-// third fewer softmax rounds, barriers and turns per key; S takes 88
-// registers); 128 elsewhere: with a mask the consumers spill (ptxas). Causal
-// calls take 176 from kSm90CausalWideTileKeys keys on: below, the diagonal's
-// partly hidden tiles (up to 176 + 127 keys of a block, against 128 + 127)
-// cost more than the rounds saved (docs/tuning.md).
-inline constexpr int64_t kSm90CausalWideTileKeys = 16384;
-constexpr int sm90_forward_block_n(int head_dim, bool is_causal, bool has_mask, int64_t seqlen_k) {
-  if (head_dim != 128 || has_mask) return 128;
-  return !is_causal || seqlen_k >= kSm90CausalWideTileKeys ? 176 : 128;
-}
-
-// Blocks that stay resident and take work items until none are left
-// (forward_kernel.cuh) at d=128, and at d=64 under causal; else a block per
-// item. A persistent block's producer loads the next item's Q and first
-// tiles while the consumers finish the last one, which pays most where items
-// are short (d=64 causal); non-causal d=64 persistent spills (ptxas) and
-// keeps a block per item. Figures: docs/tuning.md.
-template <int HeadDim, bool IsCausal>
-inline constexpr bool kSm90Persistent = HeadDim == 128 || IsCausal;
-
+// Tile sizes, tile_size.h: consumer warpgroups (sm90_forward_consumers),
+// keys per tile (sm90_forward_block_n), persistent blocks (sm90_forward_persistent).
 template <int HeadDim, int BlockN>
 struct Sm90ForwardTraits {
-  // Consumer warpgroups of 64 queries each: FA3's counts, 3 at d=64 (whose
-  // S, P and O fit in 160 registers), 2 at d=128.
-  static constexpr int kConsumers = HeadDim == 64 ? 3 : 2;
+  static constexpr int kConsumers = sm90_forward_consumers(HeadDim);  // of 64 queries each
   static constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = BlockN;

@@ -1,5 +1,5 @@
-// Runtime (dtype, head dim) -> the compile-time instantiation, and whether
-// this build and device can run the family at all.
+// The sm90 family's host side: whether this build and device can run it, and
+// a plan (plan.cu's) into tensor maps and the compile-time instantiation.
 #include <algorithm>
 #include <mutex>
 #include <stdexcept>
@@ -73,37 +73,26 @@ bool sm90_available() {
   return known[device] == 1;
 }
 
-bool forward_sm90(const ForwardParams& p, cudaStream_t stream) {
+void forward_sm90(const ForwardParams& p, const Plan& plan, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
-  if (sh.batch * sh.heads_q == 0 || sh.seqlen_q == 0) return true;
+  if (sh.batch * sh.heads_q == 0 || sh.seqlen_q == 0) return;
   if (p.work_counter == nullptr) throw std::invalid_argument("fusedattn: forward_sm90 needs p.work_counter");
-  // The kernel does row arithmetic in int (and TMA coordinates are int).
-  if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30)) return false;
-  bool launched = false;
-  dispatch_instantiation<64, 128>("sm90 forward", p.dtype, sh.head_dim, [&](auto head_dim, auto element) {
+  dispatch_instantiation(Sm90ForwardHeadDims{}, "sm90 forward", p.dtype, sh.head_dim, [&](auto head_dim, auto element) {
     constexpr int kHeadDim = decltype(head_dim)::value;
     Sm90ForwardArgs args{};
     args.p = p;
-    if (!encode_operand_maps(args, Sm90ForwardTraits<kHeadDim, 128>::kBlockM,
-                             sm90_forward_block_n(kHeadDim, p.is_causal, p.mask.kind != MaskKind::None, sh.seqlen_k)))
-      return;
-    launch_forward_sm90<kHeadDim, decltype(element)>(args, stream);
-    launched = true;
+    if (plan.block_m != Sm90ForwardTraits<kHeadDim, 128>::kBlockM || !encode_operand_maps(args, plan.block_m, plan.block_n))
+      throw_planner_bug("the sm90 forward's tensor maps cannot describe q, k or v as planned");
+    launch_forward_sm90<kHeadDim, decltype(element)>(args, plan, stream);
   });
-  return launched;
 }
 
-bool backward_sm90(const BackwardParams& p, cudaStream_t stream) {
+void backward_sm90(const BackwardParams& p, cudaStream_t stream) {
   if (p.fwd.mask.kind != MaskKind::None || p.deterministic)
-    throw std::invalid_argument("fusedattn: the sm90 backward takes no attn_mask and no deterministic mode yet");
+    throw_planner_bug("the sm90 backward takes no attn_mask and no deterministic mode");
   const AttentionShape& sh = p.fwd.shape;
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
-  // The kernel's TMA coordinates are int: rows of lse and delta included.
-  if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31)) return false;
-  static_assert(Sm90BackwardTraits<64>::kBlockN == kSm90BackwardBlockN &&
-                Sm90BackwardTraits<128>::kBlockN == kSm90BackwardBlockN);
-  bool launched = false;
-  dispatch_instantiation<64, 128>("sm90 backward", p.fwd.dtype, sh.head_dim, [&](auto head_dim, auto element) {
+  dispatch_instantiation(Sm90BackwardHeadDims{}, "sm90 backward", p.fwd.dtype, sh.head_dim, [&](auto head_dim, auto element) {
     using Tr = Sm90BackwardTraits<decltype(head_dim)::value>;
     Sm90BackwardArgs args{};
     args.p = p;
@@ -116,11 +105,9 @@ bool backward_sm90(const BackwardParams& p, cudaStream_t stream) {
           encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, Tr::kRowsBox) &&
           encode_rows_tensor_map(&args.delta_map, p.delta, rows, Tr::kRowsBox))) &&
         encode_key_value_maps(p.fwd, &args.k_map, &args.v_map, Tr::kBlockN);
-    if (!encoded) return;
+    if (!encoded) throw_planner_bug("the sm90 backward's tensor maps cannot describe its operands as planned");
     launch_backward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);
-    launched = true;
   });
-  return launched;
 }
 
 }  // namespace fusedattn::cuda

@@ -24,33 +24,49 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
-}  // namespace
-
-bool encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* base, int64_t batch, int64_t heads,
-                            int64_t rows, int64_t head_dim, const TensorStrides& strides, int box_rows) {
-  const auto encode = encode_tiled();
-  if (encode == nullptr || (dtype != DType::Float16 && dtype != DType::BFloat16)) return false;
+// The operand's (row, head, batch) strides in bytes. A dimension of extent 1
+// is never stepped: it gets a stride the driver accepts whatever the tensor
+// says (PyTorch reports any value there).
+struct ByteStrides {
+  cuuint64_t bytes[3];
+};
+ByteStrides byte_strides_of(int64_t batch, int64_t heads, int64_t rows, int64_t head_dim,
+                            const TensorStrides& strides) {
   constexpr int64_t kElementBytes = 2;
-  // A dimension of extent 1 is never stepped: give it a stride the driver
-  // accepts whatever the tensor says (PyTorch reports any value there).
   auto stride_bytes = [](int64_t extent, int64_t stride, int64_t fallback) {
     return static_cast<cuuint64_t>((extent > 1 ? stride : fallback) * kElementBytes);
   };
+  return {{stride_bytes(rows, strides.row, head_dim), stride_bytes(heads, strides.head, rows * head_dim),
+           stride_bytes(batch, strides.batch, heads * rows * head_dim)}};
+}
+
+}  // namespace
+
+bool head_tensor_map_fits(const void* base, int64_t batch, int64_t heads, int64_t rows, int64_t head_dim,
+                          const TensorStrides& strides) {
+  // The driver takes strides that are multiples of 16 bytes below 2^40, and extents below 2^32.
+  constexpr cuuint64_t kMaxStride = cuuint64_t(1) << 40;
+  constexpr int64_t kMaxExtent = int64_t(1) << 32;
+  if (encode_tiled() == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  for (cuuint64_t s : byte_strides_of(batch, heads, rows, head_dim, strides).bytes)
+    if (s == 0 || s % 16 != 0 || s >= kMaxStride) return false;
+  return batch < kMaxExtent && heads < kMaxExtent && rows < kMaxExtent;
+}
+
+bool encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* base, int64_t batch, int64_t heads,
+                            int64_t rows, int64_t head_dim, const TensorStrides& strides, int box_rows) {
+  if ((dtype != DType::Float16 && dtype != DType::BFloat16) ||
+      !head_tensor_map_fits(base, batch, heads, rows, head_dim, strides))
+    return false;
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(heads), cuuint64_t(batch)};
-  const cuuint64_t row_bytes = stride_bytes(rows, strides.row, head_dim);
-  const cuuint64_t head_bytes = stride_bytes(heads, strides.head, rows * head_dim);
-  const cuuint64_t batch_bytes = stride_bytes(batch, strides.batch, heads * rows * head_dim);
-  const cuuint64_t byte_strides[3] = {row_bytes, head_bytes, batch_bytes};
-  for (cuuint64_t s : byte_strides)
-    if (s == 0 || s % 16 != 0) return false;
-  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  const ByteStrides byte_strides = byte_strides_of(batch, heads, rows, head_dim, strides);
   const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, dtype == DType::Float16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                          : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                            4, const_cast<void*>(base), dims, byte_strides, box, element_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode_tiled()(map, dtype == DType::Float16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                                    4, const_cast<void*>(base), dims, byte_strides.bytes, box, element_strides,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
 

@@ -16,6 +16,11 @@ namespace fusedattn::cuda {
 // false, leaving *map unspecified, when the tensor memory accelerator cannot
 // express the operand (its base or a stride not a multiple of 16 bytes, a
 // stride the driver refuses).
+// Whether encode_head_tensor_map can describe the operand (the planner asks
+// before it picks the sm90 family, so that its launchers never decline).
+bool head_tensor_map_fits(const void* base, int64_t batch, int64_t heads, int64_t rows, int64_t head_dim,
+                          const TensorStrides& strides);
+
 bool encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* base, int64_t batch, int64_t heads,
                             int64_t rows, int64_t head_dim, const TensorStrides& strides, int box_rows);
 

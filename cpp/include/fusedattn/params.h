@@ -94,6 +94,9 @@ struct BackwardParams {
   float* grad_kv_accum = nullptr;
 };
 
+// Upper bound of KVCacheParams::num_splits (the merge holds two split LSEs per lane).
+inline constexpr int kMaxDecodeSplits = 64;
+
 // Decoding against a preallocated KV cache (forward_kvcache): a few queries per
 // sequence, each sequence at its own length.
 struct KVCacheParams {

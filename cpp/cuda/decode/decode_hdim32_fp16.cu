@@ -1,9 +1,0 @@
-// One instantiation per file so the build compiles them in parallel.
-#include "decode_kernel.cuh"
-
-namespace fusedattn::cuda {
-template void launch_decode<32, __half>(const KVCacheParams&, cudaStream_t);
-template int decode_blocks_per_sm<32, __half>();
-template int decode_warps<32, __half>();
-template int decode_max_active_clusters<32, __half>(int);
-}  // namespace fusedattn::cuda

@@ -1,0 +1,277 @@
+#include "plan.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "common/instantiation_dispatch.h"
+#include "common/launch_check.h"
+#include "decode/forward_kvcache.h"
+#include "sm90/forward_sm90.h"
+#include "sm90/tensor_maps.h"
+#include "tile_size.h"
+
+namespace fusedattn::cuda {
+namespace {
+
+template <int... HeadDims>
+std::vector<int64_t> values_of(HeadDimList<HeadDims...>) {
+  return {HeadDims...};
+}
+
+template <typename List>
+std::string dims_text(List list) {
+  std::string s;
+  for (int64_t d : values_of(list)) s += (s.empty() ? "[" : ", ") + std::to_string(d);
+  return s + "]";
+}
+
+// The family for a call: sm90 where this build and device have it and
+// refusal() (why sm90 cannot take the call; empty when it can) is empty,
+// else sm80; a forced sm90 that cannot run is an error.
+template <typename Refusal>
+Family choose_family(PlanRequest::FamilyChoice choice, Refusal refusal) {
+  using Choice = PlanRequest::FamilyChoice;
+  if (choice == Choice::Sm80) return Family::Sm80;
+  const bool available = sm90_available();
+  if (choice == Choice::Sm90) {
+    if (!available)
+      throw std::invalid_argument("fusedattn: family sm90 was forced, but this build or device has no sm90 kernels "
+                                  "(they need compute capability 9.0 and a build for sm_90a)");
+    const std::string why = refusal();
+    if (!why.empty()) throw std::invalid_argument("fusedattn: family sm90 was forced, but " + why);
+    return Family::Sm90;
+  }
+  return available && refusal().empty() ? Family::Sm90 : Family::Sm80;
+}
+
+bool operand_fits(const void* base, const AttentionShape& sh, int64_t heads, int64_t rows, const TensorStrides& s) {
+  return head_tensor_map_fits(base, sh.batch, heads, rows, sh.head_dim, s);
+}
+
+bool key_value_fit(const ForwardParams& p) {
+  const AttentionShape& sh = p.shape;
+  return sh.seqlen_k == 0 ||  // no key tile is ever loaded
+         (operand_fits(p.k, sh, sh.heads_kv, sh.seqlen_k, p.k_strides) &&
+          operand_fits(p.v, sh, sh.heads_kv, sh.seqlen_k, p.v_strides));
+}
+
+constexpr const char* kLayoutRefusal =
+    "the tensor memory accelerator cannot describe these operands' layouts (strides of 0 or not multiples of 16 "
+    "bytes)";
+
+std::string sm90_forward_refusal(const ForwardParams& p) {
+  const AttentionShape& sh = p.shape;
+  const bool masked = p.mask.kind != MaskKind::None;
+  if (!instantiated(Sm90ForwardHeadDims{}, sh.head_dim))
+    return "the sm90 forward has head dims " + dims_text(Sm90ForwardHeadDims{}) + ", got " +
+           std::to_string(sh.head_dim);
+  if (masked && !instantiated(Sm90ForwardMaskedHeadDims{}, sh.head_dim))
+    return "the sm90 forward takes attn_mask at head dims " + dims_text(Sm90ForwardMaskedHeadDims{}) +
+           ", got head dim " + std::to_string(sh.head_dim);
+  // Without a mask the kernel folds the scale into its exponent: below
+  // FLT_MIN fast math flushes it to 0, and 0 times a hidden score's -inf is
+  // NaN. sm80 scales before it masks.
+  if (!masked && !(p.scale >= FLT_MIN))
+    return "without attn_mask the sm90 forward takes a scale of at least FLT_MIN, got " + std::to_string(p.scale);
+  // The kernel does row arithmetic in int (and TMA coordinates are int).
+  if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30)) return "the sm90 forward takes at most 2^30 keys and queries";
+  if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return {};  // nothing is loaded
+  if (!operand_fits(p.q, sh, sh.heads_q, sh.seqlen_q, p.q_strides) || !key_value_fit(p)) return kLayoutRefusal;
+  return {};
+}
+
+std::string sm90_backward_refusal(const BackwardParams& p) {
+  const AttentionShape& sh = p.fwd.shape;
+  if (p.fwd.mask.kind != MaskKind::None) return "the sm90 backward takes no attn_mask";
+  if (p.deterministic) return "the sm90 backward has no deterministic mode (torch.use_deterministic_algorithms)";
+  if (!instantiated(Sm90BackwardHeadDims{}, sh.head_dim))
+    return "the sm90 backward has head dims " + dims_text(Sm90BackwardHeadDims{}) + ", got " +
+           std::to_string(sh.head_dim);
+  // TMA coordinates are int, the rows of lse and delta included.
+  const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
+  if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31))
+    return "the sm90 backward takes B x Hq x Nq and Nk below 2^31";
+  const bool rows_fit = rows == 0 || (operand_fits(p.fwd.q, sh, sh.heads_q, sh.seqlen_q, p.fwd.q_strides) &&
+                                      operand_fits(p.grad_out, sh, sh.heads_q, sh.seqlen_q, p.grad_out_strides) &&
+                                      reinterpret_cast<uintptr_t>(p.fwd.lse) % 16 == 0);
+  return rows_fit && key_value_fit(p.fwd) ? std::string() : kLayoutRefusal;
+}
+
+// How many blocks share each kv head's query heads per key block (a divisor
+// of Hq / Hkv; 1 when deterministic, as the splits' sums are float32
+// atomics): enough for B x Hkv x key blocks x splits to fill the device's SMs
+// twice, for blocks of keys_per_block keys, blocks_per_sm resident per SM.
+int backward_head_splits(const BackwardParams& p, int keys_per_block, int blocks_per_sm) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int64_t group = sh.heads_q / sh.heads_kv;
+  if (p.deterministic || group == 1) return 1;
+  const int64_t target = 2 * int64_t(blocks_per_sm) * current_device_sms();
+  const int64_t blocks = (sh.seqlen_k + keys_per_block - 1) / keys_per_block * sh.heads_kv * sh.batch;
+  for (int64_t s = 1; s < group; ++s)
+    if (group % s == 0 && blocks * s >= target) return static_cast<int>(s);
+  return static_cast<int>(group);
+}
+
+// Decode splits. Once the GPU is full a split streams at least
+// kMinTilesPerSplit tiles (a block's start and end cost about two tiles of
+// streaming) and at most kMaxTilesPerSplit (in one long wave the slowest
+// blocks leave a tail), as far as kMaxSplitsPerResidentBlock allows. Within
+// those bounds, FlashAttention 2's rule: the fewest splits whose last wave is
+// at least 85% as full as the best choice's.
+constexpr int64_t kMinTilesPerSplit = 16;
+constexpr int64_t kMaxTilesPerSplit = 64;
+// The host knows the cache's capacity, not cache_seqlens, and the kernel
+// divides each sequence's actual keys among the splits, so a cache much longer
+// than its lengths would get many short splits: the tile cap forces at most
+// this many splits per block an SM holds. More splits pay their start, end and
+// merge without reading faster; where two blocks share an SM one streams
+// while the other starts or ends, so the cap scales with blocks per SM.
+// Caches longer still take splits of at most kMaxTilesPerLongSplit (16K
+// keys), beyond which a split leaves a tail again. Filling a wave may ask
+// for more.
+constexpr int64_t kMaxSplitsPerResidentBlock = 8;
+constexpr int64_t kMaxTilesPerLongSplit = 256;
+// A grid already this many waves deep has no long single wave to cut up (and
+// its partials would only cost memory: B x Hq x Nq x d floats per split).
+constexpr int64_t kMaxWaves = 4;
+
+int splits_for_waves(int64_t blocks_per_split, int64_t sms, int64_t per_sm, int64_t tiles) {
+  const int64_t slots = sms * per_sm;
+  // Below a full wave, more (shorter) splits are free parallelism.
+  const int64_t fill = std::max<int64_t>(1, slots / std::max<int64_t>(1, blocks_per_split));
+  const int64_t max_splits = std::clamp<int64_t>(
+      std::min(tiles, std::max(tiles / kMinTilesPerSplit, fill)), 1, kMaxDecodeSplits);
+  auto splits_of = [&](int64_t tiles_per_split) { return (tiles + tiles_per_split - 1) / tiles_per_split; };
+  const int64_t capped = std::max(kMaxSplitsPerResidentBlock * per_sm, splits_of(kMaxTilesPerLongSplit));
+  const int64_t min_splits = blocks_per_split >= kMaxWaves * slots
+                                 ? 1
+                                 : std::clamp<int64_t>(splits_of(kMaxTilesPerSplit), 1, std::min(capped, max_splits));
+  auto efficiency = [&](int64_t s) {
+    const double waves = double(blocks_per_split) * s / double(slots);
+    return waves / std::ceil(waves);
+  };
+  double best = 0.0;
+  for (int64_t s = min_splits; s <= max_splits; ++s) best = std::max(best, efficiency(s));
+  for (int64_t s = min_splits; s <= max_splits; ++s)
+    if (efficiency(s) >= 0.85 * best) return static_cast<int>(s);
+  return static_cast<int>(min_splits);
+}
+
+// 8 warps (128-key tiles) where the device holds their ring; at d=128 on a
+// device that cannot (sm_80's 163 KB per block), 4.
+template <int HeadDim, typename Element>
+int decode_warps_for(int requested) {
+  if (requested == 0) return decode_warps_fit<HeadDim, Element>(8) ? 8 : 4;
+  if (!decode_warps_fit<HeadDim, Element>(requested))
+    throw std::invalid_argument("fusedattn: decode blocks of " + std::to_string(requested) + " warps were forced, "
+                                "but at head dim " + std::to_string(HeadDim) + " this device runs " +
+                                (HeadDim > 64 ? "4 or, where a block's shared memory holds them, 8" : "8 only"));
+  return requested;
+}
+
+// Whether the splits of a row tile merge in a thread block cluster: 2-8
+// splits, the kernel's sm_90 code, and every cluster of the grid running at
+// once (clusters are scheduled whole; in waves they would be correct but
+// slower than the global merge).
+template <int HeadDim, typename Element>
+bool merges_in_cluster(const KVCacheParams& p, const Plan& plan, int requested) {
+  const int64_t clusters = decode_items(p.attn.shape);
+  // One split merges nothing; an empty grid launches nothing.
+  if (requested == 0 || plan.num_splits < 2 || clusters == 0) return false;
+  const int fit = decode_max_active_clusters<HeadDim, Element>(plan.warps, plan.num_splits);
+  const bool merges = clusters <= fit;
+  if (requested == 1 && !merges) {
+    const std::string why =
+        plan.num_splits > kMaxClusterSplits
+            ? "it has " + std::to_string(plan.num_splits) + " splits, a cluster holds 2-" +
+                  std::to_string(kMaxClusterSplits)
+        : fit == 0 ? std::string("the decode kernel has no sm_90 code for this device")
+                   : "its grid has " + std::to_string(clusters) + " clusters, the GPU runs " + std::to_string(fit) +
+                         " at once";
+    throw std::invalid_argument("fusedattn: the merge in clusters was forced, but this call's splits cannot merge "
+                                "in clusters: " + why);
+  }
+  return merges;
+}
+
+}  // namespace
+
+Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
+  const AttentionShape& sh = p.shape;
+  const bool masked = p.mask.kind != MaskKind::None;
+  Plan plan;
+  plan.family = choose_family(request.family, [&] { return sm90_forward_refusal(p); });
+  if (plan.family == Family::Sm90) {
+    const int d = static_cast<int>(sh.head_dim);
+    plan.block_m = 64 * sm90_forward_consumers(d);
+    plan.block_n = sm90_forward_block_n(d, p.is_causal, masked, sh.seqlen_k);
+    plan.warps = 4 * (1 + sm90_forward_consumers(d));
+    plan.persistent = sm90_forward_persistent(d, p.is_causal);
+  } else {
+    plan.block_m = kSm80ForwardBlockM;
+    plan.block_n = kSm80ForwardBlockN;
+    plan.warps = kSm80Warps;
+  }
+  return plan;
+}
+
+Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
+  const int d = static_cast<int>(p.fwd.shape.head_dim);
+  Plan plan;
+  plan.backward = true;
+  plan.deterministic = p.deterministic;
+  plan.family = choose_family(request.family, [&] { return sm90_backward_refusal(p); });
+  int blocks_per_sm = 0;
+  if (plan.family == Family::Sm90) {
+    plan.block_m = sm90_backward_block_m(d);
+    plan.block_n = kSm90BackwardBlockN;
+    plan.warps = 4 * (1 + kSm90BackwardConsumers);
+    blocks_per_sm = kSm90BackwardBlocksPerSm;
+  } else {
+    plan.block_m = sm80_backward_block_m(d);
+    plan.block_n = kSm80BackwardBlockN;
+    plan.warps = kSm80Warps;
+    blocks_per_sm = kSm80BackwardBlocksPerSm;
+  }
+  plan.head_splits = backward_head_splits(p, plan.block_n, blocks_per_sm);
+  return plan;
+}
+
+Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
+  const AttentionShape& sh = p.attn.shape;
+  Plan plan;
+  plan.family = Family::Decode;
+  plan.block_m = kDecodeBlockM;
+  dispatch_instantiation(DecodeHeadDims{}, "decode kernel", p.attn.dtype, sh.head_dim, [&](auto head_dim, auto element) {
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    using Element = decltype(element);
+    plan.warps = decode_warps_for<kHeadDim, Element>(request.warps);
+    plan.block_n = decode_block_n(plan.warps);
+    const int64_t tiles = std::clamp<int64_t>((sh.seqlen_k + kDecodeBlockN - 1) / kDecodeBlockN, 1, kMaxDecodeSplits);
+    plan.num_splits = request.num_splits > 0
+                          ? static_cast<int>(std::min<int64_t>(request.num_splits, tiles))
+                          : splits_for_waves(decode_items(sh), current_device_sms(),
+                                             decode_blocks_per_sm<kHeadDim, Element>(plan.warps),
+                                             (sh.seqlen_k + kDecodeBlockN - 1) / kDecodeBlockN);
+    plan.merge_in_cluster = merges_in_cluster<kHeadDim, Element>(p, plan, request.merge_in_cluster);
+  });
+  return plan;
+}
+
+std::vector<int64_t> instantiated_head_dims(const std::string& kernel) {
+  if (kernel == "sm80_forward") return values_of(Sm80ForwardHeadDims{});
+  if (kernel == "sm80_backward") return values_of(Sm80BackwardHeadDims{});
+  if (kernel == "sm90_forward") return values_of(Sm90ForwardHeadDims{});
+  if (kernel == "sm90_forward_masked") return values_of(Sm90ForwardMaskedHeadDims{});
+  if (kernel == "sm90_backward") return values_of(Sm90BackwardHeadDims{});
+  if (kernel == "decode") return values_of(DecodeHeadDims{});
+  throw std::invalid_argument("fusedattn: no kernel named '" + kernel +
+                              "'; the kernels are sm80_forward, sm80_backward, sm90_forward, sm90_forward_masked, "
+                              "sm90_backward and decode");
+}
+
+}  // namespace fusedattn::cuda

@@ -1,0 +1,36 @@
+// The CUDA planner: the one place that turns a call's parameters, what the
+// caller asked for and the current device into a plan (family, tiles,
+// persistence, splits, cluster merge, warps). Launchers execute plans and
+// decide nothing; the rules' figures are in docs/tuning.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fusedattn/params.h"
+#include "fusedattn/plan.h"
+
+namespace fusedattn::cuda {
+
+// fusedattn.forward: sm90 where this build and device have it and it takes
+// the call, else sm80. Throws std::invalid_argument where a forced family
+// cannot serve the call, saying why.
+Plan plan_forward(const ForwardParams& p, const PlanRequest& request);
+
+// fusedattn.backward (p.deterministic set): the family as for the forward,
+// and the split of each kv head's query heads over blocks.
+Plan plan_backward(const BackwardParams& p, const PlanRequest& request);
+
+// forward_kvcache: warps, split count and cluster merge of the decode kernel
+// for p's shape (p.attn.shape.seqlen_k, the cache's capacity, stands in for
+// the lengths, which only the device knows). Throws std::invalid_argument for
+// a request the device cannot serve.
+Plan plan_decode(const KVCacheParams& p, const PlanRequest& request);
+
+// The head dims a kernel is instantiated for, by generate_kernels.py's names
+// ("sm80_forward", "sm80_backward", "sm90_forward", "sm90_forward_masked",
+// "sm90_backward", "decode"). Throws std::invalid_argument for another name.
+std::vector<int64_t> instantiated_head_dims(const std::string& kernel);
+
+}  // namespace fusedattn::cuda

@@ -1,6 +1,0 @@
-// One instantiation per file so the build compiles them in parallel.
-#include "backward_kernel.cuh"
-
-namespace fusedattn::cuda {
-template void launch_backward_sm80<64, __nv_bfloat16>(const BackwardParams&, cudaStream_t);
-}  // namespace fusedattn::cuda

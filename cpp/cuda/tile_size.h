@@ -1,0 +1,62 @@
+// Tile sizes of every CUDA family as functions of the call's shape: what the
+// kernels' traits take as template arguments and the planner (plan.cu)
+// reports and launches by, host and device alike. The figures behind them:
+// docs/tuning.md.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fusedattn::cuda {
+
+// sm80 forward: 4 warps of 16 query rows, 64-key tiles.
+inline constexpr int kSm80Warps = 4;
+inline constexpr int kSm80ForwardBlockM = 64;
+inline constexpr int kSm80ForwardBlockN = 64;
+// sm80 backward: 64 keys per block (16 per warp); queries per step: S^T, dP^T
+// (2 x block_m / 2 registers) and dQ's share come on top of dK and dV (d / 2
+// registers each per thread): at d=128 a 64-query step would not fit in 255.
+inline constexpr int kSm80BackwardBlockN = 64;
+inline constexpr int kSm80BackwardBlocksPerSm = 2;  // two fit at d=128 (242 registers)
+__host__ __device__ constexpr int sm80_backward_block_m(int head_dim) { return head_dim <= 64 ? 64 : 32; }
+
+// sm90 forward: consumer warpgroups of 64 queries each, FA3's counts: 3 at
+// d=64 (whose S, P and O fit in 160 registers), 2 at d=128.
+__host__ __device__ constexpr int sm90_forward_consumers(int head_dim) { return head_dim == 64 ? 3 : 2; }
+// Keys per K/V tile. 176 at d=128 without attn_mask (FA3's tile there: a
+// third fewer softmax rounds, barriers and turns per key; S takes 88
+// registers); 128 elsewhere: with a mask the consumers spill (ptxas). Causal
+// calls take 176 from kSm90CausalWideTileKeys keys on: below, the diagonal's
+// partly hidden tiles (up to 176 + 127 keys of a block, against 128 + 127)
+// cost more than the rounds saved.
+inline constexpr int64_t kSm90CausalWideTileKeys = 16384;
+__host__ __device__ constexpr int sm90_forward_block_n(int head_dim, bool is_causal, bool has_mask, int64_t seqlen_k) {
+  if (head_dim != 128 || has_mask) return 128;
+  return !is_causal || seqlen_k >= kSm90CausalWideTileKeys ? 176 : 128;
+}
+// Blocks that stay resident and take work items until none are left at
+// d=128, and at d=64 under causal; else a block per item. A persistent
+// block's producer loads the next item's Q and first tiles while the
+// consumers finish the last one, which pays most where items are short (d=64
+// causal); non-causal d=64 persistent spills (ptxas).
+__host__ __device__ constexpr bool sm90_forward_persistent(int head_dim, bool is_causal) { return head_dim == 128 || is_causal; }
+
+// sm90 backward: 2 consumer warpgroups of 64 keys. Queries per step: at d=64
+// a step of 64 queries is too little work for its fixed costs (barriers, the
+// mbarrier round trip, dQ's reductions); 128 halve those costs per FLOP and
+// still fit 240 registers. At d=128 a 64-query step's products are twice as
+// large for the same fixed costs.
+inline constexpr int kSm90BackwardConsumers = 2;
+inline constexpr int kSm90BackwardBlockN = 64 * kSm90BackwardConsumers;
+inline constexpr int kSm90BackwardBlocksPerSm = 1;
+__host__ __device__ constexpr int sm90_backward_block_m(int head_dim) { return head_dim == 64 ? 128 : 64; }
+
+// decode: a block takes kDecodeBlockM (query head, query) rows of one kv head
+// and streams its keys in tiles of 16 keys per warp; the host counts a
+// cache's work in kDecodeBlockN (4 warps' tile).
+inline constexpr int kDecodeBlockM = 16;
+inline constexpr int kDecodeBlockN = 64;
+__host__ __device__ constexpr int decode_block_n(int warps) { return 16 * warps; }
+
+}  // namespace fusedattn::cuda

@@ -1,0 +1,65 @@
+// A plan: which kernel serves a call and how it is cut up. One planner per
+// device decides it (cpp/cuda/plan.h, cpp/cpu/attention_cpu.h); launchers
+// execute it and decide nothing; fusedattn.plan() shows it to Python.
+// Nothing here depends on ATen or CUDA.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace fusedattn {
+
+enum class Family : int { Cpu, Sm80, Sm90, Decode };
+
+inline const char* family_name(Family f) {
+  switch (f) {
+    case Family::Cpu: return "cpu";
+    case Family::Sm80: return "sm80";
+    case Family::Sm90: return "sm90";
+    case Family::Decode: return "decode";
+  }
+  return "unknown";
+}
+
+// What the caller fixes; every field left at its default is the planner's.
+// Users choose num_splits (as FlashAttention 3 does); tests and benchmarks
+// force the rest (fusedattn.backends.force).
+struct PlanRequest {
+  enum class FamilyChoice : int { Auto, Sm80, Sm90 };
+  FamilyChoice family = FamilyChoice::Auto;  // forward and backward
+  int num_splits = 0;                        // decode: 0 = the planner's count
+  int merge_in_cluster = -1;                 // decode: -1 the planner's answer, 0 never, 1 required
+  int warps = 0;                             // decode: 0 = the planner's count, else 4 or 8
+};
+
+struct Plan {
+  Family family = Family::Cpu;
+  int block_m = 0;  // queries per tile (decode: rows of (query head, query) per block)
+  int block_n = 0;  // keys per tile
+  int warps = 0;    // per thread block (CPU: 0)
+  bool persistent = false;        // sm90 forward: resident blocks that take work items
+  bool backward = false;          // a plan of the backward
+  int head_splits = 1;            // backward: blocks sharing a kv head's query heads per key block
+  bool deterministic = false;     // backward: dQ summed in a fixed order
+  int num_splits = 1;             // decode: blocks splitting each sequence's keys
+  bool merge_in_cluster = false;  // decode: the splits merge in a thread block cluster
+
+  // "family=sm90 block_m=128 ...": the fields a family uses, for fusedattn.plan().
+  std::string describe() const {
+    std::string s = std::string("family=") + family_name(family) + " block_m=" + std::to_string(block_m) +
+                    " block_n=" + std::to_string(block_n) + " warps=" + std::to_string(warps);
+    auto flag = [](bool b) { return b ? "true" : "false"; };
+    if (family == Family::Sm90) s += std::string(" persistent=") + flag(persistent);
+    if (family == Family::Decode)
+      s += " num_splits=" + std::to_string(num_splits) + " merge_in_cluster=" + flag(merge_in_cluster);
+    if (backward) s += " head_splits=" + std::to_string(head_splits) + " deterministic=" + flag(deterministic);
+    return s;
+  }
+};
+
+// A launcher handed a plan it cannot run: the planner decided wrongly.
+[[noreturn]] inline void throw_planner_bug(const std::string& what) {
+  throw std::logic_error("fusedattn: planner bug: " + what);
+}
+
+}  // namespace fusedattn

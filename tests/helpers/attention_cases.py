@@ -1,0 +1,191 @@
+"""Shared test inputs and the tolerance rule (docs/architecture.md).
+
+Every correctness test compares a kernel against ``fusedattn.reference`` run in
+float64 (the oracle) and allows at most ``factor`` times the error that the
+same reference makes in the input dtype, plus a small absolute floor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from hypothesis import strategies as st
+
+import fusedattn
+from fusedattn import reference
+
+# Absolute error floors per dtype, in units of the output's magnitude (outputs
+# are convex combinations of v, whose entries are about N(0, 1)).
+FLOOR = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+MASK_KINDS = (
+    "none",
+    "bool",  # full [B, Hq, Nq, Nk]
+    "additive",  # full, float, with some -inf
+    "key_padding",  # bool [B, 1, 1, Nk]
+    "key_padding_additive",  # float [B, 1, 1, Nk] with -inf padding
+    "per_head",  # bool [1, Hq, Nq, Nk]
+    "rows_2d",  # bool [Nq, Nk], broadcast over batch and heads
+    "fully_masked_rows",  # bool with whole query rows hidden
+    "key_block_holes",  # bool [B, 1, 1, Nk] hiding keys 64-191 and 256-767: whole tiles skipped
+)
+
+
+@dataclasses.dataclass
+class Case:
+    batch: int = 2
+    heads_q: int = 4
+    heads_kv: int = 2
+    seqlen_q: int = 33
+    seqlen_k: int = 47
+    head_dim: int = 32
+    dtype: torch.dtype = torch.float32
+    mask: str = "none"
+    is_causal: bool = False
+    scale: float | None = None
+    seed: int = 0
+
+    def __str__(self) -> str:
+        s = (
+            f"B{self.batch}-H{self.heads_q}/{self.heads_kv}-N{self.seqlen_q}x{self.seqlen_k}"
+            f"-d{self.head_dim}-{str(self.dtype)[6:]}-{self.mask}"
+        )
+        return s + ("-causal" if self.is_causal else "") + (f"-s{self.scale}" if self.scale else "")
+
+
+def make_mask(case: Case, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor | None:
+    B, H, Nq, Nk = case.batch, case.heads_q, case.seqlen_q, case.seqlen_k
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=generator)
+
+    kind = case.mask
+    if kind == "none":
+        return None
+    if kind == "bool":
+        return rand(B, H, Nq, Nk) > 0.25
+    if kind == "additive":
+        m = torch.randn(B, H, Nq, Nk, generator=generator)
+        return m.masked_fill(rand(B, H, Nq, Nk) < 0.2, float("-inf")).to(dtype)
+    if kind == "key_padding":
+        keep = rand(B, 1, 1, Nk) > 0.3
+        keep[..., 0] = True
+        return keep
+    if kind == "key_padding_additive":
+        pad = rand(B, 1, 1, Nk) < 0.3
+        pad[..., 0] = False
+        return torch.zeros(B, 1, 1, Nk).masked_fill(pad, float("-inf")).to(dtype)
+    if kind == "per_head":
+        return rand(1, H, Nq, Nk) > 0.5
+    if kind == "rows_2d":
+        return rand(Nq, Nk) > 0.4
+    if kind == "key_block_holes":
+        keep = torch.ones(B, 1, 1, Nk, dtype=torch.bool)
+        keep[..., 64:192] = False
+        keep[..., 256:768] = False
+        return keep
+    if kind == "fully_masked_rows":
+        m = rand(B, H, Nq, Nk) > 0.25
+        m[:, :, ::3, :] = False  # every third query sees nothing
+        return m
+    raise ValueError(kind)
+
+
+def make_inputs(case: Case, device="cpu", requires_grad=False):
+    """q, k, v (random normal, never zeros) and the mask of a case."""
+    g = torch.Generator().manual_seed(case.seed)
+    shape_q = (case.batch, case.heads_q, case.seqlen_q, case.head_dim)
+    shape_kv = (case.batch, case.heads_kv, case.seqlen_k, case.head_dim)
+    q, k, v = (torch.randn(s, generator=g) for s in (shape_q, shape_kv, shape_kv))
+    mask = make_mask(case, g, case.dtype)
+    q, k, v = (t.to(device=device, dtype=case.dtype).requires_grad_(requires_grad) for t in (q, k, v))
+    return q, k, v, (mask.to(device) if mask is not None else None)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_within_rule(name, actual, oracle, low_precision, dtype, factor, scale=1.0):
+    """err(actual) <= factor * err(low_precision reference) + floor."""
+    err = max_err(actual, oracle)
+    ref_err = max_err(low_precision, oracle)
+    bound = factor * ref_err + FLOOR[dtype] * scale
+    assert err <= bound, f"{name}: error {err:.3g} > {factor} x reference error {ref_err:.3g} + floor"
+    assert not actual.isnan().any(), f"{name}: NaN in output"
+
+
+def check_forward(case: Case, device="cpu", out=None, lse=None):
+    """Runs the fused forward (unless out is given) and checks out, and lse
+    unless out was given without it."""
+    q, k, v, mask = make_inputs(case, device)
+    if out is None:
+        out, lse = torch.ops.fusedattn.forward(q, k, v, mask, case.is_causal, case.scale)
+    args = (mask, case.is_causal, case.scale)
+    oracle, oracle_lse = reference.attention_with_lse(q.double(), k.double(), v.double(), *args)
+    low, _ = reference.attention_with_lse(q, k, v, *args)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_within_rule("out", out, oracle, low, case.dtype, factor=2)
+
+    # lse: -inf exactly where the oracle's is, otherwise float32-accurate.
+    hidden = oracle_lse == float("-inf")
+    finite = ~hidden
+    if lse is not None:
+        assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+        assert torch.equal(lse == float("-inf"), hidden.to(lse.device)), "lse: -inf pattern differs"
+    if lse is not None and finite.any():
+        lse_err = max_err(lse[finite], oracle_lse[finite])
+        assert lse_err <= 1e-4 * (1 + oracle_lse[finite].abs().max().item()), f"lse error {lse_err}"
+    if hidden.any():  # fully masked rows are exactly zero
+        assert (out[hidden.to(out.device)] == 0).all(), "fully masked rows must be 0"
+    return out, lse
+
+
+def check_backward(case: Case, device="cpu", grads=None, grad_out=None):
+    """Gradients of q, k, v through fusedattn.attention (or `grads`, computed
+    by the caller from make_inputs(case) and `grad_out`) against autograd of
+    the reference."""
+    q, k, v, mask = make_inputs(case, device, requires_grad=True)
+    if grad_out is None:
+        g = torch.Generator().manual_seed(case.seed + 1)
+        grad_out = torch.randn(q.shape, generator=g).to(device=device, dtype=case.dtype)
+    args = (mask, case.is_causal, case.scale)
+
+    if grads is None:
+        out = fusedattn.attention(q, k, v, *args)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    oracle = torch.autograd.grad(reference.attention(q64, k64, v64, *args), (q64, k64, v64),
+                                 grad_out.double())
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    low = torch.autograd.grad(reference.attention(ql, kl, vl, *args), (ql, kl, vl), grad_out)
+
+    # Gradients grow with sqrt(N) and the scale; the floor follows their size
+    # (the largest of the three: a gradient that is exactly 0 in the oracle,
+    # such as dK where every query sees one key, still carries rounding).
+    magnitude = max([1.0] + [o.abs().max().item() for o in oracle if o.numel()])
+    for name, a, o, lp, like in zip(("dq", "dk", "dv"), grads, oracle, low, (q, k, v)):
+        assert a.shape == like.shape and a.dtype == like.dtype
+        assert_within_rule(name, a, o, lp, case.dtype, factor=3, scale=magnitude)
+
+
+@st.composite
+def cases(draw, max_len=300):
+    heads_kv = draw(st.integers(1, 3))
+    return Case(
+        batch=draw(st.integers(1, 3)),
+        heads_kv=heads_kv,
+        heads_q=heads_kv * draw(st.sampled_from([1, 2, 3])),
+        seqlen_q=draw(st.one_of(st.sampled_from([1, 7, 97, 113]), st.integers(1, max_len))),
+        seqlen_k=draw(st.one_of(st.sampled_from([1, 7, 97, 113]), st.integers(1, max_len))),
+        head_dim=draw(st.sampled_from([1, 3, 8, 16, 32, 40, 64, 80, 96, 128, 256])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        mask=draw(st.sampled_from(MASK_KINDS)),
+        is_causal=draw(st.booleans()),
+        scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
+        seed=draw(st.integers(0, 2**16)),
+    )

@@ -1,0 +1,98 @@
+"""What the CUDA tests share: dtypes, head dims, the families this machine has,
+and inputs that catch unwritten outputs and misaligned operands."""
+
+import functools
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.ops import cuda_head_dims
+
+from .attention_cases import Case, check_backward, check_forward, make_inputs
+
+GPU_DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = list(cuda_head_dims())
+
+
+@functools.cache
+def sm90_available() -> bool:
+    """Whether this build and GPU have the sm90 family (the planner's answer for a call it takes)."""
+    if not torch.cuda.is_available() or not HEAD_DIMS:
+        return False
+    q = torch.zeros(1, 1, 1, 64, device="cuda", dtype=torch.float16)
+    with fusedattn.backends.force(None):
+        return fusedattn.plan(q, q, q)["family"] == "sm90"
+
+
+def poison_allocator(*shapes_and_dtypes) -> None:
+    """Frees NaN-filled blocks of exactly the outputs' sizes, so the caching
+    allocator hands them to the next call's outputs: an element the kernel
+    never writes then fails the NaN check."""
+    blocks = [torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+              for shape, dtype in shapes_and_dtypes]
+    del blocks
+
+
+def at_odd_offset(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t whose data starts one element past a 16-byte
+    boundary (contiguous() of it is itself: the operators must copy it)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = flat[1:].view(t.shape).copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view
+
+
+def forward(q, k, v, attn_mask=None, is_causal=False, scale=None):
+    """torch.ops.fusedattn.forward with the family that fusedattn.backends.force set."""
+    return torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale, fusedattn.backends.forced().family)
+
+
+def backward(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None):
+    """torch.ops.fusedattn.backward with the family that fusedattn.backends.force set."""
+    return torch.ops.fusedattn.backward(grad_out, q, k, v, out, lse, attn_mask, is_causal, scale,
+                                        fusedattn.backends.forced().family)
+
+
+def planned_family(case: Case, q, k, v, mask, backward: bool = False) -> str | None:
+    """The family the planner gives the call: the forced one if one is forced,
+    which the plan must then say. None where a forced family refuses the call;
+    then the call itself must raise, not fall back."""
+    forced = fusedattn.backends.forced().family
+    try:
+        plan = fusedattn.plan(q, k, v, mask, case.is_causal, case.scale, backward=backward)
+    except RuntimeError as e:
+        assert forced is not None and "was forced, but" in str(e), str(e)
+        return None
+    assert plan["family"] == (forced or plan["family"]) and plan["family"] in ("sm80", "sm90"), plan
+    return plan["family"]
+
+
+def check_cuda(case: Case):
+    """check_forward on CUDA, the outputs' memory poisoned first, on the
+    planned (or forced) family; a forced family that refuses must raise."""
+    q, k, v, mask = make_inputs(case, "cuda")
+    if planned_family(case, q, k, v, mask) is None:
+        with pytest.raises(RuntimeError, match="was forced, but"):
+            forward(q, k, v, mask, case.is_causal, case.scale)
+        return None
+    poison_allocator((q.shape, q.dtype), (q.shape[:3], torch.float32))
+    out, lse = forward(q, k, v, mask, case.is_causal, case.scale)
+    return check_forward(case, device="cuda", out=out, lse=lse)
+
+
+def check_cuda_backward(case: Case):
+    """check_backward on CUDA with NaN-filled blocks of the gradients' and
+    workspaces' sizes freed just before, so an element never written fails;
+    the backward's plan as for check_cuda."""
+    q, k, v, mask = make_inputs(case, "cuda")
+    if planned_family(case, q, k, v, mask, backward=True) is None:
+        q.requires_grad_(True)
+        with pytest.raises(RuntimeError, match="was forced, but"):
+            fusedattn.attention(q, k, v, mask, case.is_causal, case.scale).sum().backward()
+        return
+    q_shape = (case.batch, case.heads_q, case.seqlen_q, case.head_dim)
+    kv_shape = (case.batch, case.heads_kv, case.seqlen_k, case.head_dim)
+    poison_allocator(*[(q_shape, case.dtype)] * 3, *[(kv_shape, case.dtype)] * 2, (q_shape, torch.float32),
+                     (q_shape[:3], torch.float32))
+    check_backward(case, device="cuda")

@@ -1,0 +1,172 @@
+"""fusedattn.plan / plan_kvcache (the planner's answer, without running the
+call) and fusedattn.backends.force (what tests and benchmarks may fix)."""
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.ops import cuda_head_dims
+
+from helpers.cuda import sm90_available
+
+
+def qkv(d=16, dtype=torch.float32, device="cpu", nq=5, nk=7):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, nq, d, generator=g).to(device=device, dtype=dtype)
+    k = torch.randn(2, 2, nk, d, generator=g).to(device=device, dtype=dtype)
+    return q, k, torch.randn_like(k)
+
+
+def test_cpu_plan_forward_and_backward():
+    q, k, v = qkv()
+    assert fusedattn.plan(q, k, v) == {"family": "cpu", "block_m": 256, "block_n": 256, "warps": 0}
+    backward = fusedattn.plan(q, k, v, is_causal=True, backward=True)
+    assert backward["family"] == "cpu" and backward["head_splits"] == 1 and backward["deterministic"] is False
+    assert (backward["block_m"], backward["block_n"]) == (64, 128)
+    assert fusedattn.plan_kvcache(q, k, v)["family"] == "cpu"
+
+
+def test_plan_checks_arguments_as_the_call_does():
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match="fusedattn.plan: "):
+        fusedattn.plan(q, k[:, :1].expand(2, 3, 7, 16), v)
+
+
+def test_cpu_refuses_a_cuda_family():
+    q, k, v = qkv()
+    with fusedattn.backends.force("sm80"):
+        with pytest.raises(RuntimeError, match="family must be None, 'auto' or 'cpu' for cpu tensors, got 'sm80'"):
+            fusedattn.attention(q, k, v)
+        with pytest.raises(RuntimeError, match="got 'sm80'"):
+            fusedattn.plan(q, k, v)
+    with pytest.raises(RuntimeError, match="got 'tpu'"):
+        torch.ops.fusedattn.forward(q, k, v, None, False, None, "tpu")
+    with fusedattn.backends.force("cpu"):
+        torch.testing.assert_close(fusedattn.attention(q, k, v), fusedattn.reference.attention(q, k, v),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_force_checks_its_arguments():
+    with pytest.raises(ValueError, match="family must be one of"):
+        with fusedattn.backends.force("sm70"):
+            pass
+    with pytest.raises(ValueError, match="decode_warps must be 4, 8 or None, got 6"):
+        with fusedattn.backends.force(decode_warps=6):
+            pass
+    with pytest.raises(ValueError, match="decode_merge_in_cluster must be True, False or None"):
+        with fusedattn.backends.force(decode_merge_in_cluster=1):
+            pass
+
+
+def test_force_nests_and_is_per_thread():
+    seen = {}
+    with fusedattn.backends.force("sm80", decode_warps=4):
+        with fusedattn.backends.force(decode_merge_in_cluster=False):
+            inner = fusedattn.backends.forced()
+        with fusedattn.backends.force("auto"):
+            auto = fusedattn.backends.forced()
+        thread = threading.Thread(target=lambda: seen.setdefault("other", fusedattn.backends.forced()))
+        thread.start()
+        thread.join()
+        assert fusedattn.backends.forced().family == "sm80"
+    assert (inner.family, inner.decode_warps, inner.decode_merge_in_cluster) == ("sm80", 4, False)
+    assert (auto.family, auto.decode_warps) == (None, 4)
+    assert seen["other"] == fusedattn.backends.Forced()
+    assert fusedattn.backends.forced() == fusedattn.backends.Forced()
+
+
+def test_cpu_decode_overrides_are_checked():
+    q, k, v = qkv()
+    lens = torch.tensor([3, 7], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"num_splits must be None or in \[1, 64\], got 0"):
+        fusedattn.attention_with_kvcache(q, k, v, lens, num_splits=0)
+    with pytest.raises(RuntimeError, match=r"got 65"):
+        fusedattn.plan_kvcache(q, k, v, num_splits=65)
+    with fusedattn.backends.force(decode_merge_in_cluster=True):
+        with pytest.raises(RuntimeError, match="pass None for CPU tensors"):
+            fusedattn.attention_with_kvcache(q, k, v, lens)
+    out = fusedattn.attention_with_kvcache(q, k, v, lens, num_splits=4)  # accepted, ignored
+    torch.testing.assert_close(out, fusedattn.attention_with_kvcache(q, k, v, lens))
+
+
+def generated_table() -> dict[str, tuple[int, ...]]:
+    """The head dims of cpp/generate_kernels.py's table, by kernel."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "cpp" / "generate_kernels.py"
+    spec = importlib.util.spec_from_file_location("generate_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = {kernel: dims for kernel, (_, _, dims, _) in module.KERNELS.items()}
+    table["sm90_forward_masked"] = module.SM90_FORWARD_MASKED
+    return table
+
+
+@pytest.mark.skipif(not fusedattn.ops.has_kernel("forward", "cuda"), reason="this build has no CUDA kernels")
+def test_the_library_reports_the_generated_table():
+    """supports() and the CLI read the head dims from the library, which has them from the table."""
+    for kernel, dims in generated_table().items():
+        assert cuda_head_dims(kernel) == dims, kernel
+    served = set(cuda_head_dims("sm80_forward")) & set(cuda_head_dims("sm80_backward"))
+    for d in range(1, 300):
+        assert fusedattn.ops.supports(torch.device("cuda"), torch.float16, d) == (d in served)
+    assert not fusedattn.ops.supports(torch.device("cuda"), torch.float32, 64)
+    with pytest.raises(RuntimeError, match="no kernel named 'sm70_forward'"):
+        torch.ops.fusedattn.instantiated_head_dims("sm70_forward")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_plans(dtype):
+    """The planner's rules as documented: sm90 on Hopper for head dims 64 and
+    128 (attn_mask at 128 only), 176-key tiles at d=128 without a mask, sm80
+    elsewhere; the backward on sm80 with a mask or in deterministic mode."""
+    def plan(d, mask=False, causal=False, nk=700, backward=False):
+        q, k, v = qkv(d, dtype, "cuda", nq=300, nk=nk)
+        m = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device="cuda") if mask else None
+        return fusedattn.plan(q, k, v, m, causal, backward=backward)
+
+    hopper = sm90_available()
+    for d in cuda_head_dims():
+        takes = hopper and d in cuda_head_dims("sm90_forward")
+        assert plan(d)["family"] == ("sm90" if takes else "sm80")
+        masked = hopper and d in cuda_head_dims("sm90_forward_masked")
+        assert plan(d, mask=True)["family"] == ("sm90" if masked else "sm80")
+        assert plan(d, mask=True, backward=True)["family"] == "sm80"
+        assert plan(d, backward=True)["family"] == ("sm90" if hopper and d in cuda_head_dims("sm90_backward")
+                                                    else "sm80")
+    if hopper:
+        assert plan(128)["block_n"] == 176 and plan(128, mask=True)["block_n"] == 128
+        assert plan(128, causal=True)["block_n"] == 128 and plan(128, causal=True, nk=16384)["block_n"] == 176
+        assert plan(64)["persistent"] is False and plan(64, causal=True)["persistent"] is True
+    with fusedattn.backends.force("sm80"):
+        assert plan(128)["family"] == "sm80" and plan(128)["block_n"] == 64
+    torch.use_deterministic_algorithms(True)
+    try:
+        deterministic = plan(64, backward=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert deterministic["family"] == "sm80" and deterministic["deterministic"] is True
+    assert deterministic["head_splits"] == 1
+
+
+@pytest.mark.gpu
+def test_cuda_decode_plans():
+    q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.float16)
+    cache = torch.randn(8, 8, 32768, 128, device="cuda", dtype=torch.float16)
+    auto = fusedattn.plan_kvcache(q, cache, cache)
+    assert auto["family"] == "decode" and 1 <= auto["num_splits"] <= 64
+    assert auto["block_n"] == 16 * auto["warps"]
+    assert fusedattn.plan_kvcache(q, cache, cache, num_splits=3)["num_splits"] == 3
+    assert fusedattn.plan_kvcache(q, cache[:, :, :100], cache[:, :, :100], num_splits=40)["num_splits"] == 2
+    with fusedattn.backends.force(decode_warps=4):
+        assert fusedattn.plan_kvcache(q, cache, cache)["warps"] == 4
+    with fusedattn.backends.force(decode_merge_in_cluster=False):
+        assert fusedattn.plan_kvcache(q, cache, cache, num_splits=4)["merge_in_cluster"] is False
+    with pytest.raises(RuntimeError, match="decode blocks of 4 warps were forced"):
+        with fusedattn.backends.force(decode_warps=4):
+            small = q[..., :64].contiguous()
+            fusedattn.plan_kvcache(small, cache[..., :64].contiguous(), cache[..., :64].contiguous())
