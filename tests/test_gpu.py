@@ -18,8 +18,9 @@ pytestmark = pytest.mark.gpu
 # Tests that take `cuda_family` run on each family, forced; a family that does
 # not take a case must refuse it (helpers.cuda.check_cuda).
 @given(cases(max_len=1100), st.sampled_from(GPU_DTYPES), st.sampled_from(HEAD_DIMS))
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the family holds for every example
-def test_cuda_random_cases(case, dtype, head_dim, cuda_family):
+# (@given fills the rightmost parameters; the family holds for every example)
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_cuda_random_cases(cuda_family, case, dtype, head_dim):
     """The CPU suite's random cases, moved to the dtypes and head dims CUDA takes."""
     check_cuda(dataclasses.replace(case, dtype=dtype, head_dim=head_dim))
 

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.gpu
 # Tests that take `cuda_family` run on each family, forced; a family that does
 # not take a case must refuse it (helpers.cuda.check_cuda_backward).
 @given(cases(max_len=400), st.sampled_from(GPU_DTYPES), st.sampled_from(HEAD_DIMS))
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the family holds for every example
-def test_cuda_backward_random_cases(case, dtype, head_dim, cuda_family):
+# (@given fills the rightmost parameters; the family holds for every example)
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_cuda_backward_random_cases(cuda_family, case, dtype, head_dim):
     check_cuda_backward(dataclasses.replace(case, dtype=dtype, head_dim=head_dim))
 
 

@@ -210,13 +210,13 @@ def test_cuda_kvcache_forced_choices_this_device_cannot_run():
            else "the decode kernel has no sm_90 code for this device")
     with pytest.raises(RuntimeError, match="the merge in clusters was forced, but this call's splits cannot merge "
                                            "in clusters: " + why):
-        op(q, cache, cache, lens, None, None, True, None, num_splits=4, merge_in_cluster=True)
+        op(q, cache, cache.clone(), lens, None, None, True, None, num_splits=4, merge_in_cluster=True)
     check_plan((q, cache, cache), {"num_splits": 4}, num_splits=4, merge_in_cluster=False)
     if planned_warps(128) == 4:
         q = torch.zeros(2, 8, 1, 128, device="cuda", dtype=torch.float16)
         cache = torch.zeros(2, 8, 256, 128, device="cuda", dtype=torch.float16)
         with pytest.raises(RuntimeError, match="decode blocks of 8 warps were forced, but at head dim 128"):
-            op(q, cache, cache, lens[:2], None, None, True, None, warps=8)
+            op(q, cache, cache.clone(), lens[:2], None, None, True, None, warps=8)
 
 
 def test_cuda_kvcache_force_reaches_attention_with_kvcache():
@@ -236,7 +236,7 @@ def test_cuda_kvcache_force_reaches_attention_with_kvcache():
     assert fusedattn.plan_kvcache(q, k_cache, v_cache)["warps"] == planned_warps(128)
     q, cache = (torch.zeros(1, 2, n, 64, device="cuda", dtype=torch.float16) for n in (1, 64))
     with fusedattn.backends.force(decode_warps=4), pytest.raises(RuntimeError, match="decode blocks of 4 warps"):
-        fusedattn.attention_with_kvcache(q, cache, cache, torch.zeros(1, dtype=torch.int32, device="cuda"))
+        fusedattn.attention_with_kvcache(q, cache, cache.clone(), torch.zeros(1, dtype=torch.int32, device="cuda"))
 
 
 def test_cuda_kvcache_reads_what_the_kernel_before_wrote():
