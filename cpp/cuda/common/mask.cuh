@@ -1,8 +1,10 @@
-// attn_mask as the kernels read it (MaskParams: broadcast with stride 0).
+// attn_mask as the CUDA kernels read it (MaskParams: broadcast with stride 0):
+// the one place that decodes a mask entry of each kind.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "device_math.cuh"
 #include "fusedattn/params.h"
@@ -10,21 +12,44 @@
 
 namespace fusedattn::cuda {
 
-// attn_mask at (row, col) in base-2 score units: 0 or -inf for a bool mask,
-// value * log2(e) for an additive one.
+// attn_mask's entry at offset i as a kind other than None stores it: 0 or
+// -inf for a bool mask, the value for an additive one, times log2(e) with
+// Log2 (the kernels' base-2 scores). Every CUDA family reads masks through it.
+template <MaskKind Kind, typename T, bool Log2 = true>
+__device__ __forceinline__ float mask_entry(const void* ptr, int64_t i) {
+  constexpr float kUnit = Log2 ? kLog2e : 1.0f;
+  static_assert(Kind != MaskKind::None, "no mask has no entries");
+  if constexpr (Kind == MaskKind::Bool) {
+    return static_cast<const uint8_t*>(ptr)[i] ? 0.0f : -INFINITY;
+  } else if constexpr (Kind == MaskKind::AdditiveFloat32) {
+    return static_cast<const float*>(ptr)[i] * kUnit;
+  } else {
+    return to_float(static_cast<const T*>(ptr)[i]) * kUnit;
+  }
+}
+
+// f(std::integral_constant<MaskKind, kind>{}) for a kind other than None: one
+// branch, outside the loops that read the mask.
+template <typename F>
+__device__ __forceinline__ void dispatch_mask_kind(MaskKind kind, F&& f) {
+  switch (kind) {
+    case MaskKind::Bool: f(std::integral_constant<MaskKind, MaskKind::Bool>{}); break;
+    case MaskKind::AdditiveFloat32: f(std::integral_constant<MaskKind, MaskKind::AdditiveFloat32>{}); break;
+    default: f(std::integral_constant<MaskKind, MaskKind::AdditiveInput>{}); break;
+  }
+}
+
+// attn_mask at (row, col) in base-2 score units, the kind decided per entry
+// (0 without a mask).
 template <typename T>
 __device__ __forceinline__ float mask_log2(const MaskParams& m, int64_t base, int64_t row,
                                            int64_t col) {
   const int64_t i = base + row * m.row_stride + col * m.col_stride;
   switch (m.kind) {
-    case MaskKind::Bool:
-      return static_cast<const uint8_t*>(m.ptr)[i] ? 0.0f : -INFINITY;
-    case MaskKind::AdditiveFloat32:
-      return static_cast<const float*>(m.ptr)[i] * kLog2e;
-    case MaskKind::AdditiveInput:
-      return to_float(static_cast<const T*>(m.ptr)[i]) * kLog2e;
-    default:
-      return 0.0f;
+    case MaskKind::Bool: return mask_entry<MaskKind::Bool, T>(m.ptr, i);
+    case MaskKind::AdditiveFloat32: return mask_entry<MaskKind::AdditiveFloat32, T>(m.ptr, i);
+    case MaskKind::AdditiveInput: return mask_entry<MaskKind::AdditiveInput, T>(m.ptr, i);
+    default: return 0.0f;
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
+#include "../common/mask.cuh"
 #include "softmax_rows.h"
 
 namespace fusedattn::cuda {
@@ -56,10 +57,11 @@ __global__ void __launch_bounds__(kThreads) softmax_rows_kernel(const SoftmaxRow
     if (j > last_visible) return -INFINITY;
     float x = to_float(row[j]) * p.scale;
     const int64_t at = mask_row + j * p.mask.col_stride;
+    // A bool mask hides (x stays x where it may attend, even +inf); an additive one adds, in natural units.
     switch (p.mask.kind) {
-      case MaskKind::Bool: return static_cast<const uint8_t*>(p.mask.ptr)[at] ? x : -INFINITY;
-      case MaskKind::AdditiveFloat32: return x + static_cast<const float*>(p.mask.ptr)[at];
-      case MaskKind::AdditiveInput: return x + to_float(static_cast<const T*>(p.mask.ptr)[at]);
+      case MaskKind::Bool: return mask_entry<MaskKind::Bool, T>(p.mask.ptr, at) == 0.0f ? x : -INFINITY;
+      case MaskKind::AdditiveFloat32: return x + mask_entry<MaskKind::AdditiveFloat32, T, false>(p.mask.ptr, at);
+      case MaskKind::AdditiveInput: return x + mask_entry<MaskKind::AdditiveInput, T, false>(p.mask.ptr, at);
       default: return x;
     }
   };

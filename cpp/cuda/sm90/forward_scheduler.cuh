@@ -1,0 +1,59 @@
+// The sm90 forward's tile scheduler. A work item is a query block of one
+// head, in the launch's BlockOrder (common/block_order.h: longest first under
+// causal, heads grouped for L2). A block takes the item of its own index
+// first; persistent blocks (tile_size.h) then take items from the work
+// counter until none are left.
+#pragma once
+
+#include "../common/block_order.h"
+#include "../hopper/warpgroup.cuh"
+#include "fusedattn/params.h"
+
+namespace fusedattn::cuda {
+
+// Rows [row0, row0 + rows) of query head `head` of sequence `batch`, which
+// see keys [0, key_end) in n_tiles tiles.
+struct Sm90ForwardItem {
+  int batch = 0, head = 0, head_kv = 0, row0 = 0, rows = 0, key_end = 0, n_tiles = 0;
+};
+
+template <int BlockM, int BlockN, bool IsCausal>
+struct Sm90ForwardScheduler {
+  const BlockOrder& order;
+  unsigned n_items, heads_q;
+  // Lengths fit in int here (the planner checks): 32-bit row arithmetic
+  // leaves the consumers more of their registers.
+  int group, seqlen_q, seqlen_k, causal_offset;
+
+  __device__ __forceinline__ Sm90ForwardScheduler(const BlockOrder& order, const AttentionShape& sh)
+      : order(order),
+        n_items(static_cast<unsigned>(order.blocks())),
+        heads_q(static_cast<unsigned>(sh.heads_q)),
+        group(static_cast<int>(sh.heads_q / sh.heads_kv)),
+        seqlen_q(static_cast<int>(sh.seqlen_q)),
+        seqlen_k(static_cast<int>(sh.seqlen_k)),
+        causal_offset(seqlen_k - seqlen_q) {}
+
+  __device__ __forceinline__ unsigned first() const { return blockIdx.x; }
+  // The item after this block's last one: a grid smaller than the items
+  // takes the rest from the counter (zeroed at launch).
+  __device__ __forceinline__ unsigned next(unsigned* work_counter) const {
+    return gridDim.x < n_items ? warp_uniform(gridDim.x + atomicAdd(work_counter, 1u), 1u) : n_items;
+  }
+  __device__ __forceinline__ bool done(unsigned index) const { return index >= n_items; }
+
+  __device__ __forceinline__ Sm90ForwardItem item(unsigned index) const {
+    const GridBlock block = order.at<IsCausal>(index);
+    Sm90ForwardItem it;
+    it.batch = static_cast<int>(block.pair / heads_q);
+    it.head = static_cast<int>(block.pair % heads_q);
+    it.head_kv = it.head / group;
+    it.row0 = static_cast<int>(block.block) * BlockM;
+    it.rows = min(BlockM, seqlen_q - it.row0);
+    it.key_end = IsCausal ? max(0, min(seqlen_k, it.row0 + it.rows + causal_offset)) : seqlen_k;
+    it.n_tiles = (it.key_end + BlockN - 1) / BlockN;
+    return it;
+  }
+};
+
+}  // namespace fusedattn::cuda

@@ -1,0 +1,91 @@
+// The sm90 forward's softmax of one score tile, per consumer thread (each
+// warp's accumulators have mma.sync's C layout, so common/online_softmax.cuh
+// applies): hide the keys past the item's end and (causal) above the
+// diagonal, add attn_mask, take the online-softmax step.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../common/device_math.cuh"
+#include "../common/mask.cuh"
+#include "../common/online_softmax.cuh"
+#include "forward_scheduler.cuh"
+#include "fusedattn/params.h"
+
+namespace fusedattn::cuda {
+
+template <int BlockN, typename T, bool IsCausal, bool HasMask>
+struct Sm90ForwardSoftmax {
+  static constexpr int kNTiles = BlockN / 8;
+  const ForwardParams& p;
+  float scale_log2;
+  int warp_row, g, t;  // this warp's first row in its warpgroup's 64; the thread's MMA row and column groups
+  int seqlen_q, causal_offset;
+
+  // attn_mask (base-2 units) added to the visible scores of the tile at col0
+  // of rows from wg_row0: a hidden entry stays -inf whatever the mask holds
+  // there, and rows past the queries read none of it.
+  __device__ __forceinline__ void add_mask(float (&s)[kNTiles][4], const Sm90ForwardItem& it, int wg_row0,
+                                           int col0) const {
+    const int64_t mask_base = it.batch * p.mask.batch_stride + it.head * p.mask.head_stride;
+    int64_t row_offset[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      row_offset[h] = mask_base + int64_t(wg_row0 + warp_row + g + 8 * h) * p.mask.row_stride +
+                      int64_t(col0 + 2 * t) * p.mask.col_stride;
+    const bool row_valid[2] = {wg_row0 + warp_row + g < seqlen_q, wg_row0 + warp_row + g + 8 < seqlen_q};
+    dispatch_mask_kind(p.mask.kind, [&](auto kind) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (row_valid[e >> 1] && s[nt][e] != -INFINITY)
+            s[nt][e] += mask_entry<decltype(kind)::value, T>(p.mask.ptr,
+                                                             row_offset[e >> 1] + (nt * 8 + (e & 1)) * p.mask.col_stride);
+    });
+  }
+
+  // Tile j of the rows from wg_row0; `rescale` gets the factor by which O
+  // must be rescaled. Without attn_mask the scores stay raw until the
+  // exponent, which takes the scale (>= FLT_MIN: the planner checks) in one
+  // FFMA; a mask adds base-2 values, so masked calls scale first.
+  __device__ __forceinline__ void step(float (&s)[kNTiles][4], float (&m_i)[2], float (&l_i)[2], float (&rescale)[2],
+                                       const Sm90ForwardItem& it, int wg_row0, int j) const {
+    const int col0 = j * BlockN;
+    const bool needs_masking =
+        col0 + BlockN > it.key_end || (IsCausal && col0 + BlockN - 1 > wg_row0 + causal_offset);
+    if constexpr (HasMask) {
+      // Scaled first: a scale of 0 must not meet -inf.
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+    }
+    if (needs_masking) {
+      // Row h of this thread sees tile columns [0, visible[h]): the keys
+      // before the end and (causal) on or below the diagonal. Subtracting the
+      // thread's column 2t once leaves compile-time offsets in the loop.
+      int visible[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        visible[h] = it.key_end - col0;
+        if (IsCausal) visible[h] = min(visible[h], wg_row0 + warp_row + g + 8 * h + causal_offset - col0 + 1);
+        visible[h] -= 2 * t;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (nt * 8 + (e & 1) >= visible[e >> 1]) s[nt][e] = -INFINITY;
+    }
+    if constexpr (HasMask) {
+      add_mask(s, it, wg_row0, col0);
+      online_softmax_scores(s, m_i, l_i, rescale);
+    } else {
+      online_softmax_scores</*RawScores=*/true>(s, m_i, l_i, rescale, scale_log2);
+    }
+  }
+};
+
+}  // namespace fusedattn::cuda
