@@ -1,11 +1,14 @@
 // CPU kernels of the fusedattn operators.
 #include <torch/library.h>
 
+#include <ATen/ATen.h>
+
 #include <string>
 
 #include "../cpu/attention_cpu.h"
 #include "checks.h"
 #include "kvcache.h"
+#include "varlen.h"
 
 namespace fusedattn::ops {
 namespace {
@@ -64,6 +67,64 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
       });
 }
 
+// Packed sequences, one dense problem per sequence, written into the packed
+// outputs through [1, H, n, d] views; lse is [Hq, total_q].
+std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                      const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                                      int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+                                                      std::optional<double> scale,
+                                                      std::optional<c10::string_view> family) {
+  const char* op = "fusedattn.forward_varlen";
+  parse_family(op, family, q);
+  const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  for (int64_t b = 0; b < seq.batch; ++b) {
+    const int64_t sq = seq.start_q(b), nq = seq.len_q(b), sk = seq.start_k(b), nk = seq.len_k(b);
+    if (nq == 0) continue;
+    PreparedInputs in = prepare_forward(op, sequence_view(q, sq, nq), sequence_view(k, sk, nk),
+                                        sequence_view(v, sk, nk), std::nullopt, is_causal, scale, cpu_support());
+    const at::Tensor lse_b = at::empty({1, q.size(1), nq}, lse.options());
+    set_forward_outputs(in.params, sequence_view(out, sq, nq), lse_b);
+    cpu::forward(in.params);
+    lse.narrow(1, sq, nq).copy_(lse_b[0]);
+  }
+  return {out, lse};
+}
+
+// Sequences with no queries or no keys keep zero gradients (their outputs
+// are constant in the other side).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family) {
+  const char* op = "fusedattn.backward_varlen";
+  parse_family(op, family, q);
+  const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  TORCH_CHECK(grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(), op,
+              ": grad_out and out must have q's shape ", q.sizes(), ", got ", grad_out.sizes(), " and ", out.sizes());
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0) &&
+                  lse.scalar_type() == at::kFloat,
+              op, ": lse must be float32 [Hq, total_q] = [", q.size(1), ", ", q.size(0), "], got ", lse.scalar_type(),
+              " ", lse.sizes());
+  at::Tensor grad_q = at::zeros(q.sizes(), q.options());
+  at::Tensor grad_k = at::zeros(k.sizes(), k.options());
+  at::Tensor grad_v = at::zeros(v.sizes(), v.options());
+  for (int64_t b = 0; b < seq.batch; ++b) {
+    const int64_t sq = seq.start_q(b), nq = seq.len_q(b), sk = seq.start_k(b), nk = seq.len_k(b);
+    if (nq == 0 || nk == 0) continue;
+    PreparedBackward pb =
+        prepare_backward(op, sequence_view(grad_out, sq, nq), sequence_view(q, sq, nq), sequence_view(k, sk, nk),
+                         sequence_view(v, sk, nk), sequence_view(out, sq, nq), lse.narrow(1, sq, nq).unsqueeze(0),
+                         std::nullopt, is_causal, scale, cpu_support());
+    cpu::backward(pb.params);
+    sequence_view(grad_q, sq, nq).copy_(pb.grad_q);
+    sequence_view(grad_k, sk, nk).copy_(pb.grad_k);
+    sequence_view(grad_v, sk, nk).copy_(pb.grad_v);
+  }
+  return {grad_q, grad_k, grad_v};
+}
+
 std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
                      std::optional<c10::string_view> family, bool backward) {
@@ -89,6 +150,8 @@ TORCH_LIBRARY_IMPL(fusedattn, CPU, m) {
   m.impl("forward", &forward_cpu);
   m.impl("backward", &backward_cpu);
   m.impl("forward_kvcache", &forward_kvcache_cpu);
+  m.impl("forward_varlen", &forward_varlen_cpu);
+  m.impl("backward_varlen", &backward_varlen_cpu);
   m.impl("plan", &plan_cpu);
   m.impl("plan_kvcache", &plan_kvcache_cpu);
 }

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from . import backends
 
-__all__ = ["attention", "attention_with_kvcache", "cuda_head_dims", "has_kernel", "plan", "plan_kvcache",
-           "supports"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "cuda_head_dims", "has_kernel", "plan",
+           "plan_kvcache", "supports"]
 
 # What the CUDA kernels take; the CPU kernels take float32, float16 and
 # bfloat16 at any head dim.
@@ -67,6 +67,18 @@ def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
+@torch.library.register_fake("fusedattn::forward_varlen")
+def _forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,
+                         scale=None, family=None):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.register_fake("fusedattn::backward_varlen")
+def _backward_varlen_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          is_causal=False, scale=None, family=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 @torch.library.register_fake("fusedattn::naive_forward")
 def _naive_forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None):
     return q.new_empty(q.shape)
@@ -100,6 +112,29 @@ def _backward(ctx, grad_out, grad_lse):
 torch.library.register_autograd("fusedattn::forward", _backward, setup_context=_setup_context)
 
 
+def _setup_varlen_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, family = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.is_causal, ctx.scale, ctx.family = is_causal, scale, family
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_varlen(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if grad_out is None:
+        return (None,) * 10
+    grad_q, grad_k, grad_v = torch.ops.fusedattn.backward_varlen(
+        grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.is_causal,
+        ctx.scale, ctx.family
+    )
+    return (grad_q, grad_k, grad_v) + (None,) * 7
+
+
+torch.library.register_autograd("fusedattn::forward_varlen", _backward_varlen, setup_context=_setup_varlen_context)
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -125,6 +160,48 @@ def attention(
         Differentiable with respect to q, k and v.
     """
     out, _ = torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale, backends.forced().family)
+    return out
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention over a batch of sequences of different lengths, packed without padding.
+
+    Args:
+        q: ``[total_q, Hq, d]``, the sequences' queries one after another.
+        k, v: ``[total_k, Hkv, d]``; ``Hq % Hkv == 0``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` on the tensors' device, from 0,
+            non-decreasing, to the total: sequence ``b`` is rows
+            ``cu_seqlens[b] : cu_seqlens[b + 1]`` and attends to its own keys only.
+            A sequence may be empty on either side.
+        max_seqlen_q, max_seqlen_k: bounds on the sequences' lengths, as Python ints
+            (so that ``torch.compile`` traces the call without reading the tensors);
+            None computes them from ``cu_seqlens``, which waits for the device.
+        is_causal: bottom-right aligned per sequence, as :func:`attention`'s.
+        scale: multiplies ``q @ k^T``; defaults to ``1 / sqrt(d)``.
+
+    Returns:
+        ``[total_q, Hq, d]`` in q's dtype; rows that see no key are 0.
+        Differentiable with respect to q, k and v. CPU tensors in this version.
+    """
+    if not torch.compiler.is_compiling() and not has_kernel("forward_varlen", q.device.type):
+        raise NotImplementedError(f"fusedattn.attention_varlen: this version runs packed sequences on the CPU only, "
+                                  f"got {q.device.type} tensors (pad them and use fusedattn.attention there)")
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
+    if max_seqlen_k is None:
+        max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if cu_seqlens_k.numel() > 1 else 0
+    out, _ = torch.ops.fusedattn.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                is_causal, scale, backends.forced().family)
     return out
 
 

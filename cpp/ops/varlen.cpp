@@ -1,0 +1,63 @@
+#include "varlen.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace fusedattn::ops {
+namespace {
+
+// cu_seqlens on the host after its checks; `name` and `rows` (the packed
+// tensor's total) appear in the messages.
+at::Tensor checked_offsets(const char* op, const at::Tensor& cu, const char* name, const at::Tensor& packed,
+                           const char* packed_name, int64_t max_seqlen, const char* max_name) {
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && cu.scalar_type() == at::kInt, op, ": ", name,
+              " must be int32 [B + 1], got ", cu.scalar_type(), " of shape ", cu.sizes());
+  TORCH_CHECK(cu.device() == packed.device(), op, ": ", name, " must be on ", packed_name, "'s device (",
+              packed.device(), "), got ", cu.device());
+  at::Tensor host = cu.to(at::kCPU).contiguous();
+  const int32_t* c = host.data_ptr<int32_t>();
+  const int64_t batch = host.size(0) - 1, total = packed.size(0);
+  TORCH_CHECK(c[0] == 0, op, ": ", name, " must start at 0, got ", c[0]);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(c[b + 1] >= c[b], op, ": ", name, " must not decrease, got ", c[b], " then ", c[b + 1],
+                " at sequence ", b);
+    TORCH_CHECK(c[b + 1] - c[b] <= max_seqlen, op, ": sequence ", b, " has ", c[b + 1] - c[b], " rows, more than ",
+                max_name, " = ", max_seqlen);
+  }
+  TORCH_CHECK(c[batch] == total, op, ": ", name, " must end at the ", total, " rows of ", packed_name, ", got ",
+              c[batch]);
+  return host;
+}
+
+}  // namespace
+
+VarlenLengths check_varlen_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
+              ": q must be [total_q, Hq, d] and k, v [total_k, Hkv, d] (packed sequences), got q ", q.sizes(),
+              ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ",
+              v.sizes());
+  TORCH_CHECK(q.size(2) == k.size(2) && k.size(1) > 0 && q.size(1) % k.size(1) == 0, op,
+              ": q [total_q, Hq, d] and k [total_k, Hkv, d] need the same d and Hq a multiple of Hkv, got q ",
+              q.sizes(), " and k ", k.sizes());
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device() && q.scalar_type() == k.scalar_type() &&
+                  q.scalar_type() == v.scalar_type(),
+              op, ": q, k and v must share dtype and device, got q ", q.scalar_type(), " on ", q.device(), ", k ",
+              k.scalar_type(), " on ", k.device(), ", v ", v.scalar_type(), " on ", v.device());
+  VarlenLengths lengths;
+  lengths.cu_q = checked_offsets(op, cu_seqlens_q, "cu_seqlens_q", q, "q", max_seqlen_q, "max_seqlen_q");
+  lengths.cu_k = checked_offsets(op, cu_seqlens_k, "cu_seqlens_k", k, "k", max_seqlen_k, "max_seqlen_k");
+  TORCH_CHECK(lengths.cu_q.size(0) == lengths.cu_k.size(0), op,
+              ": cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got ",
+              lengths.cu_q.size(0) - 1, " and ", lengths.cu_k.size(0) - 1);
+  lengths.batch = lengths.cu_q.size(0) - 1;
+  return lengths;
+}
+
+at::Tensor sequence_view(const at::Tensor& packed, int64_t start, int64_t n) {
+  return packed.narrow(0, start, n).transpose(0, 1).unsqueeze(0);
+}
+
+}  // namespace fusedattn::ops

@@ -1,0 +1,34 @@
+// attention_varlen's device-independent part: the checks of packed
+// [total, H, d] operands and their cu_seqlens, and a sequence's rows as the
+// [1, H, n, d] view every dense kernel takes.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace fusedattn::ops {
+
+// cu_seqlens_q and cu_seqlens_k on the host, int32 contiguous [B + 1].
+struct VarlenLengths {
+  at::Tensor cu_q, cu_k;
+  int64_t batch = 0;
+  int64_t start_q(int64_t b) const { return cu_q.data_ptr<int32_t>()[b]; }
+  int64_t start_k(int64_t b) const { return cu_k.data_ptr<int32_t>()[b]; }
+  int64_t len_q(int64_t b) const { return start_q(b + 1) - start_q(b); }
+  int64_t len_k(int64_t b) const { return start_k(b + 1) - start_k(b); }
+};
+
+// Checks q [total_q, Hq, d], k and v [total_k, Hkv, d] (one dtype and device,
+// Hq a multiple of Hkv), cu_seqlens_q and cu_seqlens_k (int32 [B + 1] on q's
+// device, 0 first, non-decreasing, the total last) and max_seqlen_* (at
+// least every sequence's length); reads the lengths to the host.
+VarlenLengths check_varlen_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k);
+
+// Rows [start, start + n) of a packed [total, H, d] tensor as [1, H, n, d]
+// (a view: strides H x d, d, 1 and the last dimension contiguous).
+at::Tensor sequence_view(const at::Tensor& packed, int64_t start, int64_t n);
+
+}  // namespace fusedattn::ops

@@ -1,0 +1,125 @@
+"""attention_varlen: packed sequences of different lengths against the
+float64 reference, sequence by sequence (CPU)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fusedattn
+from fusedattn import reference
+from helpers.attention_cases import assert_within_rule
+
+
+def packed(lengths_q, lengths_k, hq=4, hkv=2, d=16, dtype=torch.float32, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=g).to(dtype).requires_grad_(requires_grad)  # noqa: E731
+    q, k, v = rand(sum(lengths_q), hq, d), rand(sum(lengths_k), hkv, d), rand(sum(lengths_k), hkv, d)
+    offsets = lambda lengths: torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)  # noqa: E731
+    return q, k, v, offsets(lengths_q), offsets(lengths_k)
+
+
+def sequence(t, cu, b):
+    """Sequence b of a packed [total, H, d] tensor as [1, H, n, d]."""
+    return t[int(cu[b]):int(cu[b + 1])].transpose(0, 1).unsqueeze(0)
+
+
+def check(lengths_q, lengths_k, is_causal=False, dtype=torch.float32, scale=None, **kwargs):
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, dtype=dtype, **kwargs)
+    out, lse = torch.ops.fusedattn.forward_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), is_causal,
+                                                  scale)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    for b in range(len(lengths_q)):
+        args = (sequence(q, cu_q, b), sequence(k, cu_k, b), sequence(v, cu_k, b))
+        oracle, oracle_lse = reference.attention_with_lse(*(t.double() for t in args), None, is_causal, scale)
+        low, _ = reference.attention_with_lse(*args, None, is_causal, scale)
+        assert_within_rule(f"out of sequence {b}", sequence(out, cu_q, b), oracle, low, dtype, factor=2)
+        got_lse = lse[:, int(cu_q[b]):int(cu_q[b + 1])]
+        hidden = oracle_lse[0] == float("-inf")
+        assert torch.equal(got_lse == float("-inf"), hidden)
+        torch.testing.assert_close(got_lse[~hidden].double(), oracle_lse[0][~hidden], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_varlen_matches_reference(is_causal, dtype):
+    """Empty sequences on either side, one token, Nq != Nk both ways, a long one."""
+    check([5, 0, 1, 40, 3, 17], [5, 9, 1, 33, 0, 70], is_causal=is_causal, dtype=dtype)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_varlen_grouped_heads_and_scale(heads):
+    check([7, 12], [9, 12], is_causal=True, hq=heads[0], hkv=heads[1], d=40, scale=0.3)
+
+
+@given(st.lists(st.tuples(st.integers(0, 70), st.integers(0, 70)), min_size=1, max_size=6), st.booleans(),
+       st.sampled_from([1, 8, 24, 64]))
+def test_varlen_random_lengths(lengths, is_causal, d):
+    check([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, d=d, seed=len(lengths))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_varlen_gradients(is_causal):
+    lengths_q, lengths_k = [6, 0, 19, 1, 4], [6, 5, 11, 0, 30]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, requires_grad=True, seed=3)
+    out = fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=is_causal)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    outs = [reference.attention(sequence(q64, cu_q, b), sequence(k64, cu_k, b), sequence(v64, cu_k, b),
+                                is_causal=is_causal)[0].transpose(0, 1) for b in range(len(lengths_q))]
+    oracle = torch.autograd.grad(torch.cat(outs), (q64, k64, v64), grad_out.double())
+    for name, a, o in zip(("dq", "dk", "dv"), grads, oracle):
+        torch.testing.assert_close(a.double(), o, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_varlen_computes_max_seqlens_and_agrees_with_the_dense_call():
+    """One sequence is the dense call; max_seqlen_* default from cu_seqlens."""
+    q, k, v, cu_q, cu_k = packed([37], [50], seed=5)
+    dense = fusedattn.attention(sequence(q, cu_q, 0), sequence(k, cu_k, 0), sequence(v, cu_k, 0), is_causal=True)
+    torch.testing.assert_close(fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=True),
+                               dense[0].transpose(0, 1), atol=0, rtol=0)
+
+
+def test_varlen_opcheck_and_compile():
+    q, k, v, cu_q, cu_k = packed([4, 0, 9], [6, 3, 9], requires_grad=True, seed=6)
+    torch.library.opcheck(torch.ops.fusedattn.forward_varlen.default, (q, k, v, cu_q, cu_k, 9, 9, True, None))
+    compiled = torch.compile(fusedattn.attention_varlen, fullgraph=True)
+    out = compiled(q, k, v, cu_q, cu_k, 9, 9, True)
+    torch.testing.assert_close(out, fusedattn.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, True))
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+BAD = {
+    "int64 offsets": (lambda q, k, v, cq, ck: (q, k, v, cq.long(), ck), "cu_seqlens_q must be int32 \\[B \\+ 1\\]"),
+    "not from 0": (lambda q, k, v, cq, ck: (q, k, v, cq + 1, ck), "cu_seqlens_q must start at 0, got 1"),
+    "decreasing": (lambda q, k, v, cq, ck: (q, k, v, torch.tensor([0, 5, 3, 9], dtype=torch.int32), ck),
+                   "cu_seqlens_q must not decrease, got 5 then 3 at sequence 1"),
+    "short of the total": (lambda q, k, v, cq, ck: (q[:-1], k, v, cq, ck), "must end at the 8 rows of q, got 9"),
+    "other batch": (lambda q, k, v, cq, ck: (q, k[:-1], v[:-1], cq, ck[:-1]),
+                    "must describe the same number of sequences, got 3 and 2"),
+    "4-D q": (lambda q, k, v, cq, ck: (q.unsqueeze(0), k, v, cq, ck), "q must be \\[total_q, Hq, d\\]"),
+    "heads": (lambda q, k, v, cq, ck: (q[:, :3], k, v, cq, ck), "Hq a multiple of Hkv"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_varlen_bad_input_says_what_was_expected(case):
+    q, k, v, cu_q, cu_k = packed([3, 2, 4], [4, 4, 1])
+    change, message = BAD[case]
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.fusedattn.forward_varlen(*change(q, k, v, cu_q, cu_k), 9, 9)
+
+
+def test_varlen_max_seqlen_below_a_length_is_an_error():
+    q, k, v, cu_q, cu_k = packed([3, 6], [4, 4])
+    with pytest.raises(RuntimeError, match="sequence 1 has 6 rows, more than max_seqlen_q = 5"):
+        fusedattn.attention_varlen(q, k, v, cu_q, cu_k, 5, 4)
+
+
+@pytest.mark.gpu
+def test_varlen_on_cuda_says_it_runs_on_the_cpu():
+    q, k, v, cu_q, cu_k = (t.cuda() for t in packed([3, 2], [4, 4], dtype=torch.float16))
+    with pytest.raises(NotImplementedError, match="runs packed sequences on the CPU only, got cuda tensors"):
+        fusedattn.attention_varlen(q, k, v, cu_q, cu_k)
