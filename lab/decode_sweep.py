@@ -8,10 +8,11 @@ Each SET is a space-separated string of bench arguments (e.g. "--batch 16",
 arguments first. OUTDIR gets one JSON per set and sweep.md: TB/s per row and
 set, and each row's best set. The ab_bench.sh habit for one build: the
 settings of a rule (batch, heads, capacity) measured in the same minutes.
-fusedattn reads no environment variables, and the bench has no option that
-forces the decode kernel's split count, merge path or warps (the op's
-num_splits, merge_in_cluster and warps arguments), so a set of NAME=value
-words is refused rather than silently measuring the planner's choice.
+fusedattn reads no environment variables: a set forces a split count with
+the bench's --num-splits (the merge path and warps are the op's
+merge_in_cluster and warps arguments, which the bench does not take), and a
+set of NAME=value words is refused rather than silently measuring the
+planner's choice.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ def parse(argv: list[str]) -> tuple[pathlib.Path, list[str], list[str]]:
     for words in [" ".join(common), *sets]:
         if setting := next((w for w in words.split() if re.match(r"[A-Z_][A-Z0-9_]*=", w)), None):
             sys.exit(f"decode_sweep: {setting!r}: sets are bench arguments only (fusedattn reads no "
-                     "environment variables, and `fusedattn bench --decode` has no option forcing the split "
-                     "count, merge path or warps)")
+                     "environment variables; `fusedattn bench --decode --num-splits N` forces a split count)")
     return out, common, sets or ["auto"]
 
 

@@ -77,9 +77,9 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
   // NaN. sm80 scales before it masks.
   if (!masked && !(p.scale >= FLT_MIN))
     return "without attn_mask the sm90 forward takes a scale of at least FLT_MIN, got " + std::to_string(p.scale);
+  if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return {};  // nothing is loaded
   // The kernel does row arithmetic in int (and TMA coordinates are int).
   if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30)) return "the sm90 forward takes at most 2^30 keys and queries";
-  if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return {};  // nothing is loaded
   if (!operand_fits(p.q, sh, sh.heads_q, sh.seqlen_q, p.q_strides) || !key_value_fit(p)) return kLayoutRefusal;
   return {};
 }
@@ -109,7 +109,7 @@ int backward_head_splits(const BackwardParams& p, int keys_per_block, int blocks
   const AttentionShape& sh = p.fwd.shape;
   const int64_t group = sh.heads_q / sh.heads_kv;
   if (p.deterministic || group == 1) return 1;
-  const int64_t target = 2 * int64_t(blocks_per_sm) * current_device_sms();
+  const int64_t target = 2 * int64_t(blocks_per_sm) * device_sms();
   const int64_t blocks = (sh.seqlen_k + keys_per_block - 1) / keys_per_block * sh.heads_kv * sh.batch;
   for (int64_t s = 1; s < group; ++s)
     if (group % s == 0 && blocks * s >= target) return static_cast<int>(s);
@@ -165,7 +165,12 @@ int splits_for_waves(int64_t blocks_per_split, int64_t sms, int64_t per_sm, int6
 // device that cannot (sm_80's 163 KB per block), 4.
 template <int HeadDim, typename Element>
 int decode_warps_for(int requested) {
-  if (requested == 0) return decode_warps_fit<HeadDim, Element>(8) ? 8 : 4;
+  if (requested == 0) {
+    if (decode_warps_fit<HeadDim, Element>(8)) return 8;
+    if (HeadDim > 64 && decode_warps_fit<HeadDim, Element>(4)) return 4;
+    throw std::invalid_argument("fusedattn: no decode block fits this device's shared memory per block at head dim " +
+                                std::to_string(HeadDim));
+  }
   if (!decode_warps_fit<HeadDim, Element>(requested))
     throw std::invalid_argument("fusedattn: decode blocks of " + std::to_string(requested) + " warps were forced, "
                                 "but at head dim " + std::to_string(HeadDim) + " this device runs " +
@@ -254,7 +259,7 @@ Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
     const int64_t tiles = std::clamp<int64_t>((sh.seqlen_k + kDecodeBlockN - 1) / kDecodeBlockN, 1, kMaxDecodeSplits);
     plan.num_splits = request.num_splits > 0
                           ? static_cast<int>(std::min<int64_t>(request.num_splits, tiles))
-                          : splits_for_waves(decode_items(sh), current_device_sms(),
+                          : splits_for_waves(decode_items(sh), device_sms(),
                                              decode_blocks_per_sm<kHeadDim, Element>(plan.warps),
                                              (sh.seqlen_k + kDecodeBlockN - 1) / kDecodeBlockN);
     plan.merge_in_cluster = merges_in_cluster<kHeadDim, Element>(p, plan, request.merge_in_cluster);

@@ -8,6 +8,7 @@
 
 #include <ATen/Context.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -24,9 +25,16 @@ namespace {
 
 // sm80, every call's fallback, serves the head dims both its forward and
 // backward are instantiated for.
+std::vector<int64_t> sm80_head_dims() {
+  std::vector<int64_t> dims;
+  const std::vector<int64_t> backward = cuda::instantiated_head_dims("sm80_backward");
+  for (int64_t d : cuda::instantiated_head_dims("sm80_forward"))
+    if (std::find(backward.begin(), backward.end(), d) != backward.end()) dims.push_back(d);
+  return dims;
+}
+
 const DeviceSupport& cuda_support() {
-  static const DeviceSupport support{"CUDA", {at::kHalf, at::kBFloat16}, cuda::instantiated_head_dims("sm80_forward"),
-                                     /*aligned_rows=*/true};
+  static const DeviceSupport support{"CUDA", {at::kHalf, at::kBFloat16}, sm80_head_dims(), /*aligned_rows=*/true};
   return support;
 }
 

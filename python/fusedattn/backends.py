@@ -9,7 +9,8 @@ error, never a silent fallback. The setting is a context variable: each thread
 (and each asyncio task) has its own, and the backward of a call runs what its
 forward was given. Calling ``torch.ops.fusedattn.*`` directly bypasses it: those
 take the same choices as arguments. Inside code that ``torch.compile`` traces the
-planner decides.
+planner decides. The decode choices name CUDA blocks: forced around a call on
+CPU tensors they raise.
 """
 
 from __future__ import annotations

@@ -289,7 +289,6 @@ def select_methods(table: dict[str, Callable], names: list[str] | None) -> dict[
 def run(cfg: Config, progress: bool = True) -> dict:
     from tqdm import tqdm
 
-
     table = select_methods(methods(cfg.device, cfg.backward), cfg.methods)
     matmul_dtypes = {dt: compute_dtype(cfg.device, dt) for dt in cfg.dtypes}
     measured = {dt: matmul_ceiling(cfg, dt) for dt in sorted(set(matmul_dtypes.values()))}

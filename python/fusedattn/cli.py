@@ -353,9 +353,10 @@ def _check_model(path: str, flag: str, device: torch.device, max_new_tokens: int
                          f"GGUF files only" if arch else f"{flag}: its header names no architecture "
                          f"(general.architecture); fusedattn's engine runs llama-architecture GGUF files only")
     hidden, heads = meta.get("llama.embedding_length"), meta.get("llama.attention.head_count")
-    if device.type == "cuda" and hidden and heads and hidden // heads not in cuda_head_dims():
+    served = [d for d in cuda_head_dims() if d in cuda_head_dims("decode")]  # the engine prefills and decodes
+    if device.type == "cuda" and hidden and heads and hidden // heads not in served:
         raise UsageError(f"{flag}: its head dim is {hidden // heads}; fusedattn's CUDA kernels take "
-                         f"{', '.join(map(str, cuda_head_dims()))} (use --device cpu)")
+                         f"{', '.join(map(str, served))} (use --device cpu)")
     context = meta.get("llama.context_length")
     if context and max_new_tokens >= context:
         raise UsageError(f"--max-new-tokens {max_new_tokens}: the model's context is {context} positions, "

@@ -21,7 +21,7 @@ def sm90_available() -> bool:
     if not torch.cuda.is_available() or not HEAD_DIMS:
         return False
     q = torch.zeros(1, 1, 1, 64, device="cuda", dtype=torch.float16)
-    with fusedattn.backends.force(None):
+    with fusedattn.backends.force("auto"):
         return fusedattn.plan(q, q, q)["family"] == "sm90"
 
 

@@ -44,4 +44,10 @@ T once_per_device(std::atomic<T> (&known)[kMaxCachedDevices], Ask ask) {
   return answer;
 }
 
+// The current device's SM count, asked of the driver once per device.
+inline int device_sms() {
+  static std::atomic<int> known[kMaxCachedDevices];
+  return once_per_device(known, [](int) { return current_device_sms(); });
+}
+
 }  // namespace fusedattn::cuda

@@ -408,10 +408,14 @@ bool configure_decode_kernel() {
 template <int HeadDim, typename T>
 bool decode_warps_fit(int warps) {
   if (warps != 8 && !(warps == 4 && HeadDim > 64)) return false;  // the instantiated counts
-  int device = 0, optin = 0;
-  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-  FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return optin >= (warps == 8 ? decode_smem_bytes<HeadDim, 8, T>() : decode_smem_bytes<HeadDim, 4, T>());
+  // Per device: 1 no, 2 yes (once_per_device keeps no zero answer).
+  static std::atomic<int> known[2][kMaxCachedDevices];
+  return once_per_device(known[warps == 8], [warps](int device) {
+           int optin = 0;
+           FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+           return optin >= (warps == 8 ? decode_smem_bytes<HeadDim, 8, T>() : decode_smem_bytes<HeadDim, 4, T>()) ? 2
+                                                                                                                  : 1;
+         }) == 2;
 }
 
 // f(std::integral_constant<int, warps>{}): 8 warps everywhere, 4 at d=128 too.
@@ -428,13 +432,12 @@ template <int HeadDim, int Warps, typename T, bool IsCausal>
 void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   using Tr = DecodeTraits<HeadDim, Warps>;
   // The kernel's sm_90 code runs on this device: it waits for the kernel
-  // before it, and may run in clusters (decode_merges_in_cluster).
+  // before it, and may run in clusters (where the plan says).
   const bool hopper = configure_decode_kernel<HeadDim, Warps, T, IsCausal>();
   const int64_t blocks = decode_items(p.attn.shape) * p.num_splits;
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
-  if (p.merge_in_cluster && !hopper)
-    throw std::invalid_argument("fusedattn: merge_in_cluster needs the decode kernel's sm_90 code on this device");
+  if (p.merge_in_cluster && !hopper) throw_planner_bug("merge_in_cluster needs the decode kernel's sm_90 code");
   launch_dependent(decode_kernel<HeadDim, Warps, T, IsCausal>, hopper, p.merge_in_cluster ? p.num_splits : 1,
                    dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), decode_smem_bytes<HeadDim, Warps, T>(),
                    stream, p);

@@ -48,6 +48,7 @@ bool head_tensor_map_fits(const void* base, int64_t batch, int64_t heads, int64_
   constexpr cuuint64_t kMaxStride = cuuint64_t(1) << 40;
   constexpr int64_t kMaxExtent = int64_t(1) << 32;
   if (encode_tiled() == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  if (batch < 1 || heads < 1 || rows < 1 || head_dim < 1) return false;
   for (cuuint64_t s : byte_strides_of(batch, heads, rows, head_dim, strides).bytes)
     if (s == 0 || s % 16 != 0 || s >= kMaxStride) return false;
   return batch < kMaxExtent && heads < kMaxExtent && rows < kMaxExtent;

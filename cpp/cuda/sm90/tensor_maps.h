@@ -9,18 +9,19 @@
 
 namespace fusedattn::cuda {
 
+// Whether encode_head_tensor_map can describe the operand (the planner asks
+// before it picks the sm90 family, so that its launchers never decline): a
+// base and strides that are multiples of 16 bytes, no stride of 0, and every
+// extent at least 1 (the driver's rules).
+bool head_tensor_map_fits(const void* base, int64_t batch, int64_t heads, int64_t rows, int64_t head_dim,
+                          const TensorStrides& strides);
+
 // Describes a 16-bit [batch, heads, rows, head_dim] operand (last dim
 // contiguous, other strides in elements) as the 4-D grid (head_dim, rows,
 // heads, batch), loaded in boxes of 64 columns x box_rows rows into
 // 128-byte-swizzled shared memory; rows past `rows` read as zeros. Returns
-// false, leaving *map unspecified, when the tensor memory accelerator cannot
-// express the operand (its base or a stride not a multiple of 16 bytes, a
-// stride the driver refuses).
-// Whether encode_head_tensor_map can describe the operand (the planner asks
-// before it picks the sm90 family, so that its launchers never decline).
-bool head_tensor_map_fits(const void* base, int64_t batch, int64_t heads, int64_t rows, int64_t head_dim,
-                          const TensorStrides& strides);
-
+// false, leaving *map unspecified, where head_tensor_map_fits says no or the
+// driver refuses.
 bool encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* base, int64_t batch, int64_t heads,
                             int64_t rows, int64_t head_dim, const TensorStrides& strides, int box_rows);
 

@@ -126,7 +126,7 @@ struct KVCacheParams {
   int32_t* split_arrivals = nullptr;
   // Instead, with 2-8 splits on sm_90, the splits of a row tile may run as
   // one thread block cluster and merge from each other's shared memory
-  // (cuda::decode_merges_in_cluster says where): then the three buffers
+  // (the planner, cuda::plan_decode, says where): then the three buffers
   // above are not used.
   bool merge_in_cluster = false;
 };
