@@ -44,7 +44,7 @@ def no_run(monkeypatch):
 def fake_cuda(monkeypatch):
     """A build with CUDA kernels and one visible device, as far as the CLI's checks see."""
     monkeypatch.setattr(cli, "has_kernel", lambda op, device_type: True)
-    monkeypatch.setattr(fusedattn.ops, "cuda_head_dims", lambda kernel="sm80_forward": (32, 64, 128))
+    monkeypatch.setattr(fusedattn.ops, "cuda_head_dims", lambda kernel=None: (32, 64, 128))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
@@ -251,7 +251,6 @@ def test_device_cuda_on_a_build_without_cuda_kernels(capsys, no_run, command):
 @pytest.mark.parametrize("command", [["bench"], ["generate", "Hello"]])
 def test_device_cuda_without_a_device(capsys, no_run, monkeypatch, command):
     monkeypatch.setattr(cli, "has_kernel", lambda op, device_type: True)
-    monkeypatch.setattr(fusedattn.ops, "cuda_head_dims", lambda kernel="sm80_forward": (32, 64, 128))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert usage_error(capsys, [*command, "--device", "cuda"]) == (
         "--device cuda: no CUDA device is visible (torch.cuda.is_available() is False: check the driver "

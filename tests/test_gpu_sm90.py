@@ -27,9 +27,9 @@ def plan_of(case: Case) -> dict:
 @pytest.mark.parametrize("head_dim,mask", [(64, "none"), (128, "none"), (128, "bool")])
 def test_sm90_blocks_take_many_items(nq, nk, is_causal, head_dim, mask):
     """More query blocks than SMs (3 x 12 heads x 6-16 blocks), so at d=128, and at d=64 under
-    causal, every persistent block takes several work items; under causal with Nq > Nk the first query blocks of each head
-    see no key, and their zero rows sit among the others. Two calls in a row: each starts
-    its own count of the items handed out."""
+    causal, every persistent block takes several work items; under causal with Nq > Nk the
+    first query blocks of each head see no key, and their zero rows sit among the others. Two
+    calls in a row: each starts its own count of the items handed out."""
     case = Case(batch=3, heads_q=12, heads_kv=4, seqlen_q=nq, seqlen_k=nk, head_dim=head_dim,
                 dtype=torch.bfloat16, is_causal=is_causal, mask=mask)
     assert plan_of(case)["persistent"] == (head_dim == 128 or is_causal)

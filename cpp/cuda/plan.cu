@@ -79,7 +79,8 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
     return "without attn_mask the sm90 forward takes a scale of at least FLT_MIN, got " + std::to_string(p.scale);
   if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return {};  // nothing is loaded
   // The kernel does row arithmetic in int (and TMA coordinates are int).
-  if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30)) return "the sm90 forward takes at most 2^30 keys and queries";
+  if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30))
+    return "the sm90 forward takes at most 2^30 keys and queries";
   if (!operand_fits(p.q, sh, sh.heads_q, sh.seqlen_q, p.q_strides) || !key_value_fit(p)) return kLayoutRefusal;
   return {};
 }
@@ -251,17 +252,18 @@ Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
   Plan plan;
   plan.family = Family::Decode;
   plan.block_m = kDecodeBlockM;
-  dispatch_instantiation(DecodeHeadDims{}, "decode kernel", p.attn.dtype, sh.head_dim, [&](auto head_dim, auto element) {
+  dispatch_instantiation(DecodeHeadDims{}, "decode kernel", p.attn.dtype, sh.head_dim, [&](auto head_dim,
+                                                                                            auto element) {
     constexpr int kHeadDim = decltype(head_dim)::value;
     using Element = decltype(element);
     plan.warps = decode_warps_for<kHeadDim, Element>(request.warps);
     plan.block_n = decode_block_n(plan.warps);
-    const int64_t tiles = std::clamp<int64_t>((sh.seqlen_k + kDecodeBlockN - 1) / kDecodeBlockN, 1, kMaxDecodeSplits);
-    plan.num_splits = request.num_splits > 0
-                          ? static_cast<int>(std::min<int64_t>(request.num_splits, tiles))
-                          : splits_for_waves(decode_items(sh), device_sms(),
-                                             decode_blocks_per_sm<kHeadDim, Element>(plan.warps),
-                                             (sh.seqlen_k + kDecodeBlockN - 1) / kDecodeBlockN);
+    const int64_t tiles = (sh.seqlen_k + kDecodeBlockN - 1) / kDecodeBlockN;
+    plan.num_splits =
+        request.num_splits > 0
+            ? static_cast<int>(std::min<int64_t>(request.num_splits, std::clamp<int64_t>(tiles, 1, kMaxDecodeSplits)))
+            : splits_for_waves(decode_items(sh), device_sms(), decode_blocks_per_sm<kHeadDim, Element>(plan.warps),
+                               tiles);
     plan.merge_in_cluster = merges_in_cluster<kHeadDim, Element>(p, plan, request.merge_in_cluster);
   });
   return plan;

@@ -31,7 +31,8 @@ __host__ __device__ constexpr int sm90_forward_consumers(int head_dim) { return 
 // partly hidden tiles (up to 176 + 127 keys of a block, against 128 + 127)
 // cost more than the rounds saved.
 inline constexpr int64_t kSm90CausalWideTileKeys = 16384;
-__host__ __device__ constexpr int sm90_forward_block_n(int head_dim, bool is_causal, bool has_mask, int64_t seqlen_k) {
+__host__ __device__ constexpr int sm90_forward_block_n(int head_dim, bool is_causal, bool has_mask,
+                                                      int64_t seqlen_k) {
   if (head_dim != 128 || has_mask) return 128;
   return !is_causal || seqlen_k >= kSm90CausalWideTileKeys ? 176 : 128;
 }
@@ -40,7 +41,9 @@ __host__ __device__ constexpr int sm90_forward_block_n(int head_dim, bool is_cau
 // block's producer loads the next item's Q and first tiles while the
 // consumers finish the last one, which pays most where items are short (d=64
 // causal); non-causal d=64 persistent spills (ptxas).
-__host__ __device__ constexpr bool sm90_forward_persistent(int head_dim, bool is_causal) { return head_dim == 128 || is_causal; }
+__host__ __device__ constexpr bool sm90_forward_persistent(int head_dim, bool is_causal) {
+  return head_dim == 128 || is_causal;
+}
 
 // sm90 backward: 2 consumer warpgroups of 64 keys. Queries per step: at d=64
 // a step of 64 queries is too little work for its fixed costs (barriers, the

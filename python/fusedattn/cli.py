@@ -94,7 +94,7 @@ def _positive(args, names: tuple[str, ...], least: int = 1) -> None:
             raise UsageError(f"{_flag(name)} must be at least {least}, got {value}")
 
 
-def _cuda_takes(device: torch.device, dtypes: list[str], head_dim: int, kernel: str = "sm80_forward") -> None:
+def _cuda_takes(device: torch.device, dtypes: list[str], head_dim: int, kernel: str | None = None) -> None:
     """Refuses a dtype or head dim that fusedattn's CUDA kernels do not take
     (its column would read n/a after the whole run)."""
     from .ops import CUDA_DTYPES, cuda_head_dims

@@ -29,12 +29,16 @@ def has_kernel(op: str, device_type: str) -> bool:
 
 
 @functools.cache
-def cuda_head_dims(kernel: str = "sm80_forward") -> tuple[int, ...]:
+def cuda_head_dims(kernel: str | None = None) -> tuple[int, ...]:
     """The head dims a CUDA kernel of this build is instantiated for (the table
-    in ``cpp/generate_kernels.py``); () in a build without CUDA kernels. The
-    default, sm80's forward, is every CUDA call's fallback: the head dims CUDA serves."""
+    in ``cpp/generate_kernels.py``); () in a build without CUDA kernels. None:
+    those of sm80's forward and backward, every CUDA call's fallback, so the
+    head dims CUDA serves."""
     if not has_kernel("forward", "cuda"):
         return ()
+    if kernel is None:
+        backward = cuda_head_dims("sm80_backward")
+        return tuple(d for d in cuda_head_dims("sm80_forward") if d in backward)
     return tuple(torch.ops.fusedattn.instantiated_head_dims(kernel))
 
 
@@ -44,8 +48,7 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     if device.type == "cpu":
         return dtype in (torch.float32, torch.float16, torch.bfloat16)
     if device.type == "cuda":
-        return (dtype in CUDA_DTYPES and head_dim in cuda_head_dims("sm80_forward")
-                and head_dim in cuda_head_dims("sm80_backward"))
+        return dtype in CUDA_DTYPES and head_dim in cuda_head_dims()
     return False
 
 
@@ -163,6 +166,11 @@ def attention(
     return out
 
 
+def _longest(cu_seqlens: Tensor) -> int:
+    """The longest sequence that cu_seqlens describes (0 for none); reads it on the host."""
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+
+
 def attention_varlen(
     q: Tensor,
     k: Tensor,
@@ -197,9 +205,9 @@ def attention_varlen(
         raise NotImplementedError(f"fusedattn.attention_varlen: this version runs packed sequences on the CPU only, "
                                   f"got {q.device.type} tensors (pad them and use fusedattn.attention there)")
     if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
+        max_seqlen_q = _longest(cu_seqlens_q)
     if max_seqlen_k is None:
-        max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if cu_seqlens_k.numel() > 1 else 0
+        max_seqlen_k = _longest(cu_seqlens_k)
     out, _ = torch.ops.fusedattn.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 is_causal, scale, backends.forced().family)
     return out

@@ -203,7 +203,7 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
   // block per item.
   int64_t blocks = launch_args.order.blocks();
   if constexpr (sm90_forward_persistent(HeadDim, IsCausal)) {
-    const int sms = current_device_sms();
+    const int sms = device_sms();
     if (blocks > sms) {
       blocks = sms;
       FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(args.p.work_counter, 0, sizeof(unsigned), stream));

@@ -20,7 +20,8 @@ struct Sm90ForwardSmem {
   volatile unsigned* item_slot;
 
   __device__ __forceinline__ explicit Sm90ForwardSmem(unsigned char* raw) {
-    unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+    const uintptr_t aligned = (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023);  // the swizzle's period
+    unsigned char* base = reinterpret_cast<unsigned char*>(aligned);
     q = base;
     k = q + Tr::kQBytes;
     v = k + Tr::kStages * Tr::kTileBytes;

@@ -41,8 +41,8 @@ struct Sm90ForwardSoftmax {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           if (row_valid[e >> 1] && s[nt][e] != -INFINITY)
-            s[nt][e] += mask_entry<decltype(kind)::value, T>(p.mask.ptr,
-                                                             row_offset[e >> 1] + (nt * 8 + (e & 1)) * p.mask.col_stride);
+            s[nt][e] += mask_entry<decltype(kind)::value, T>(
+                p.mask.ptr, row_offset[e >> 1] + (nt * 8 + (e & 1)) * p.mask.col_stride);
     });
   }
 
