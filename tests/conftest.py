@@ -42,6 +42,20 @@ def forced_family(family: str):
         yield family
 
 
+@pytest.fixture(params=["cpu", pytest.param("sm80", marks=pytest.mark.gpu),
+                        pytest.param("sm90", marks=pytest.mark.gpu)])
+def backend(request):
+    """The CPU kernel and each CUDA family in turn (helpers.backends.Backend): a
+    feature test that takes it runs on all three, its checks asserting the plan."""
+    from helpers.backends import Backend
+
+    if request.param == "cpu":
+        yield Backend("cpu")
+    else:
+        for _ in forced_family(request.param):
+            yield Backend(request.param)
+
+
 @pytest.fixture(params=["sm80", "sm90"])
 def cuda_family(request):
     """Each CUDA kernel family in turn: a test that takes it runs on both, and

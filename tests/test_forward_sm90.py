@@ -1,7 +1,7 @@
 """What only the sm90 forward has (marker `gpu`; the family forced, skipped
 where the build or GPU lacks it): persistent blocks, 176-key tiles, its
 refusals. The features every family serves are tested per family in
-test_gpu.py."""
+test_forward.py."""
 
 import dataclasses
 

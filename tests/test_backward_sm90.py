@@ -1,7 +1,7 @@
 """What only the sm90 (wgmma) backward has, against autograd of the float64
 reference (marker `gpu`; the family forced, skipped where the build or GPU
 lacks it). The features every family serves are tested per family in
-test_gpu_backward.py."""
+test_backward.py."""
 
 import pytest
 import torch

@@ -1,52 +1,16 @@
-"""The CUDA backward against autograd of the float64 reference (3x rule;
-marker `gpu`)."""
-
-import dataclasses
+"""What only the CUDA backward has (marker `gpu`), against autograd of the
+float64 reference (3x rule): strided and misaligned operands, empty sides,
+agreement with the CPU, opcheck and torch.compile, the deterministic mode.
+Features every backend serves are in test_backward.py."""
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import fusedattn
-from helpers.attention_cases import MASK_KINDS, Case, cases, check_backward, make_inputs
-from helpers.cuda import GPU_DTYPES, HEAD_DIMS, at_odd_offset, check_cuda_backward, poison_allocator
+from helpers.attention_cases import Case, check_backward, make_inputs
+from helpers.cuda import HEAD_DIMS, at_odd_offset, poison_allocator
 
 pytestmark = pytest.mark.gpu
-
-
-# Tests that take `cuda_family` run on each family, forced; a family that does
-# not take a case must refuse it (helpers.cuda.check_cuda_backward).
-@given(cases(max_len=400), st.sampled_from(GPU_DTYPES), st.sampled_from(HEAD_DIMS))
-# (@given fills the rightmost parameters; the family holds for every example)
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_cuda_backward_random_cases(cuda_family, case, dtype, head_dim):
-    check_cuda_backward(dataclasses.replace(case, dtype=dtype, head_dim=head_dim))
-
-
-@pytest.mark.parametrize("mask", MASK_KINDS)
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_cuda_backward_every_mask_kind(mask, is_causal, dtype, head_dim, cuda_family):
-    check_cuda_backward(Case(seqlen_q=113, seqlen_k=800, head_dim=head_dim, dtype=dtype, mask=mask,
-                             is_causal=is_causal))
-
-
-@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1025), (7, 300), (300, 7), (97, 113), (129, 64),
-                                   (1025, 1025), (2048, 1000)])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_cuda_backward_awkward_lengths(nq, nk, is_causal, head_dim, cuda_family):
-    check_cuda_backward(Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=nq, seqlen_k=nk, head_dim=head_dim,
-                             dtype=torch.float16, is_causal=is_causal))
-
-
-@pytest.mark.parametrize("heads", [(8, 1), (6, 2), (4, 4)], ids=["mqa", "gqa", "mha"])
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-def test_cuda_backward_grouped_query_heads(heads, dtype, cuda_family):
-    check_cuda_backward(Case(heads_q=heads[0], heads_kv=heads[1], seqlen_q=300, seqlen_k=520, head_dim=64,
-                             dtype=dtype, is_causal=True, mask="key_padding"))
 
 
 def test_cuda_backward_strided_inputs():

@@ -1,0 +1,79 @@
+"""The backends a feature test runs on: the CPU kernel and each CUDA kernel
+family (forced through fusedattn.backends.force, so the plan must say it).
+Tests take the `backend` fixture (conftest.py) and check through it; a case
+the backend does not take (a dtype or head dim it lacks) is skipped, saying why."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fusedattn
+
+from .attention_cases import DTYPES, Case, check_backward, check_forward, make_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str  # "cpu", "sm80" or "sm90"
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.name == "cpu" else "cuda"
+
+    @property
+    def dtypes(self) -> list[torch.dtype]:
+        from .cuda import GPU_DTYPES
+
+        return DTYPES if self.name == "cpu" else GPU_DTYPES
+
+    def require(self, case: Case) -> None:
+        """Skips the test where this backend's device does not take the case's dtype or head dim."""
+        if case.dtype not in self.dtypes:
+            pytest.skip(f"{self.device} takes {[str(d)[6:] for d in self.dtypes]}, not {str(case.dtype)[6:]}")
+        if self.device == "cuda":
+            from .cuda import HEAD_DIMS
+
+            if case.head_dim not in HEAD_DIMS:
+                pytest.skip(f"cuda takes head dims {HEAD_DIMS}, not {case.head_dim}")
+
+    def check_forward(self, case: Case):
+        """The forward of the case on this backend against the reference, its plan asserted."""
+        self.require(case)
+        if self.device == "cuda":
+            from .cuda import check_cuda
+
+            return check_cuda(case)
+        q, k, v, mask = make_inputs(case)
+        assert fusedattn.plan(q, k, v, mask, case.is_causal, case.scale)["family"] == "cpu"
+        return check_forward(case)
+
+    def check_backward(self, case: Case):
+        """The backward of the case on this backend against autograd of the reference, its plan asserted."""
+        self.require(case)
+        if self.device == "cuda":
+            from .cuda import check_cuda_backward
+
+            return check_cuda_backward(case)
+        q, k, v, mask = make_inputs(case)
+        assert fusedattn.plan(q, k, v, mask, case.is_causal, case.scale, backward=True)["family"] == "cpu"
+        return check_backward(case)
+
+    def forward(self, q, k, v, attn_mask=None, is_causal=False, scale=None):
+        """torch.ops.fusedattn.forward on this backend (a CUDA family forced, as an argument)."""
+        family = None if self.name == "cpu" else self.name
+        return torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale, family)
+
+    def require_plan(self, q, k, v, attn_mask=None, is_causal=False, scale=None, backward=False) -> None:
+        """Skips the test where this backend's family refuses the call, with the planner's reason
+        (that a forced family refuses, rather than falls back, helpers.cuda's checks test)."""
+        try:
+            fusedattn.plan(q, k, v, attn_mask, is_causal, scale, backward=backward)
+        except RuntimeError as e:
+            pytest.skip(str(e).splitlines()[0])
+
+    def inputs(self, case: Case, requires_grad=False):
+        self.require(case)
+        return make_inputs(case, self.device, requires_grad=requires_grad)
