@@ -92,11 +92,10 @@ std::string sm90_backward_refusal(const BackwardParams& p) {
   if (!instantiated(Sm90BackwardHeadDims{}, sh.head_dim))
     return "the sm90 backward has head dims " + dims_text(Sm90BackwardHeadDims{}) + ", got " +
            std::to_string(sh.head_dim);
-  // TMA coordinates are int, the rows of lse and delta included; the kernel
-  // does position arithmetic in int.
+  // TMA coordinates are int, the rows of lse and delta included.
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
-  if (rows >= (int64_t(1) << 31) || std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30))
-    return "the sm90 backward takes B x Hq x Nq below 2^31 and at most 2^30 keys and queries";
+  if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31))
+    return "the sm90 backward takes B x Hq x Nq and Nk below 2^31";
   const bool rows_fit = rows == 0 || (operand_fits(p.fwd.q, sh, sh.heads_q, sh.seqlen_q, p.fwd.q_strides) &&
                                       operand_fits(p.grad_out, sh, sh.heads_q, sh.seqlen_q, p.grad_out_strides) &&
                                       reinterpret_cast<uintptr_t>(p.fwd.lse) % 16 == 0);

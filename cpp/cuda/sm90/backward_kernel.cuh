@@ -1,23 +1,25 @@
-// The sm90 backward: FlashAttention 2's walk (the sm80 kernel's;
-// common/backward_passes.cuh runs the kernels around it and holds the walk
-// itself, KeyBlockWalk: the tile scheduler's block order, longest first under
-// causal) with every product on Hopper's warpgroup MMA and the loads on the
-// tensor memory accelerator, in roles. A block owns 128 keys and is three
-// warpgroups:
-//   producer (warpgroup 0, one thread): the mainloop's load
-//     (backward_mainloop.cuh): K and V once, then per step (kBlockM queries
-//     of one query head: 64 at d=128, 128 at d=64) Q, dO, lse and delta into
-//     a two-stage ring (backward_pipeline.cuh); it gives its registers to the
-//     consumers (setmaxnreg).
-//   consumers (warpgroups 1, 2): 64 keys each; per step the mainloop's mma
-//     S^T = K Q^T and dP^T = V dO^T, the softmax step (backward_softmax.cuh:
-//     P^T, dS^T and the masks), dS^T stored transposed as this warpgroup's
-//     half of a [query][128 keys] tile, dV += P^T dO and dK += dS^T Q, then
-//     dQ = dS K over all 128 keys for a 64 x 64 quarter, which the epilogue
-//     (backward_epilogue.cuh) adds to the float32 accumulator.
+// The sm90 backward's key-block kernel: FlashAttention 2's walk (the sm80
+// kernel's; common/backward_passes.cuh runs the kernels around it) with
+// every product on Hopper's warpgroup MMA and the loads on the tensor memory
+// accelerator. A block owns 128 keys and is three warpgroups:
+//   producer (warpgroup 0): one thread loads K and V once, then per step
+//     (kBlockM queries of one query head: 64 at d=128, 128 at d=64) Q, dO, lse and delta into a two-stage
+//     ring ("full" mbarrier: the bytes landed; "empty": every consumer warp is
+//     done); it gives its registers to the consumers (setmaxnreg).
+//   consumers (warpgroups 1, 2): 64 keys each, and per step
+//     S^T  = K Q^T,  dP^T = V dO^T        wgmma m64n{kBlockM}k16, operands in shared memory
+//     P^T  = 2^(S^T scale log2 e - lse log2 e),  dS^T = P^T (dP^T - delta)
+//     dV  += P^T dO,  dK += dS^T Q        wgmma m64n{d}k16, P^T and dS^T from the
+//                                         accumulators, Q and dO read transposed
+//     dQ   = dS K                         dS^T stored transposed (stmatrix) as its
+//                                         half of a K-major [query][128 keys] tile;
+//                                         each consumer takes a 64 x 64 quarter of
+//                                         dQ (64 columns of d at d=128, 64 queries
+//                                         at d=64) over all 128 keys; added to the
+//                                         float32 accumulator with 8-byte reductions.
 // dK and dV stay in registers across the walk (GQA's sum costs nothing).
 // Not yet: overlap between the products of one step and the next,
-// attn_mask and the deterministic mode (the planner sends those to sm80).
+// attn_mask and the deterministic mode (the dispatcher sends those to sm80).
 #pragma once
 
 #include <cmath>
@@ -25,14 +27,12 @@
 #include "../common/backward_passes.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
+#include "../common/online_softmax.cuh"
 #include "../hopper/bulk_copy.cuh"
+#include "../hopper/tma.cuh"
 #include "../hopper/warpgroup.cuh"
 #include "../hopper/wgmma.cuh"
-#include "backward_epilogue.cuh"
-#include "backward_mainloop.cuh"
-#include "backward_pipeline.cuh"
 #include "backward_sm90.h"
-#include "backward_softmax.cuh"
 #include "backward_traits.h"
 
 namespace fusedattn::cuda {
@@ -42,20 +42,42 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     sm90_backward_kernel(const __grid_constant__ Sm90BackwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma, stmatrix and setmaxnreg exist only in sm_90a code
   using Tr = Sm90BackwardTraits<HeadDim>;
-  using Walk = KeyBlockWalk<Tr::kBlockN, Tr::kBlockM, IsCausal>;
-  constexpr int kBlockM = Tr::kBlockM, kMTiles = kBlockM / 8, kDTiles = HeadDim / 8;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages;
+  constexpr int kMTiles = kBlockM / 8;  // n-tiles of S^T (queries)
+  constexpr int kDTiles = HeadDim / 8;
 
   extern __shared__ unsigned char smem_raw[];
-  const Sm90BackwardSmem<Tr> smem(smem_raw);
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* sK = smem;                           // [128 keys][d], 64-column slabs of 128 rows
+  unsigned char* sV = sK + Tr::kKVTileBytes;
+  unsigned char* sQ = sV + Tr::kKVTileBytes;          // stage i at i * kQTileBytes, [kBlockM queries][d]
+  unsigned char* sdO = sQ + kStages * Tr::kQTileBytes;
+  unsigned char* sdS = sdO + kStages * Tr::kQTileBytes;  // buffer b at b * kDsBytes: [kBlockM queries][128 keys]
+  float* sLse = reinterpret_cast<float*>(smem + Tr::kFloatsOffset);  // stage i at i * kRowsSlot, natural log
+  float* sDelta = sLse + kStages * Tr::kRowsSlot;
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(sDelta + kStages * Tr::kRowsSlot);
+  uint64_t* step_full = kv_full + 1;
+  uint64_t* step_empty = step_full + kStages;
+
   const BackwardParams& p = args.p;
-  const AttentionShape& sh = p.fwd.shape;
-  const Walk walk(p, args.order);
+  const ForwardParams& f = p.fwd;
+  const AttentionShape& sh = f.shape;
+  const KeyBlockWalk<kBlockN, kBlockM, IsCausal> walk(p, args.order);
+  auto stage_of = [](int s) { return s % kStages; };
+  auto phase_of = [](int s) { return static_cast<uint32_t>((s / kStages) & 1); };
   // A step's first row in the flat [B x Hq x Nq] lse and delta.
   auto flat_row = [&](int64_t head, int64_t m0) {
     return static_cast<int>((walk.batch * sh.heads_q + head) * sh.seqlen_q + m0);
   };
 
-  if (threadIdx.x == 0) smem.init_barriers();
+  if (threadIdx.x == 0) {
+    mbarrier_init(kv_full, 1);
+    for (int i = 0; i < kStages; ++i) {
+      mbarrier_init(&step_full[i], 1);
+      mbarrier_init(&step_empty[i], 4 * Tr::kConsumers);  // every consumer warp
+    }
+    mbarrier_init_fence();
+  }
   __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
@@ -63,10 +85,32 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     // ---------------- producer ----------------
     warpgroup_release_registers<Tr::kProducerRegisters>();
     if (threadIdx.x != 0 || walk.steps == 0) return;
-    const Sm90BackwardLoad<Tr, Walk> load{args, smem, walk};
-    load.prefetch_maps();
-    load.key_block();
-    for (int s = 0; s < walk.steps; ++s) load.step(s, flat_row(walk.head(s), walk.m0(s)));
+    for (const CUtensorMap* map : {&args.q_map, &args.k_map, &args.v_map, &args.do_map, &args.lse_map, &args.delta_map})
+      prefetch_tensor_map(map);
+    const int key0 = static_cast<int>(walk.key0), batch = static_cast<int>(walk.batch);
+    mbarrier_arrive_expect_bytes(kv_full, 2 * Tr::kKVTileBytes);
+    for (int slab = 0; slab < Tr::kSlabs; ++slab) {
+      tma_load_box(sK + slab * kBlockN * 128, &args.k_map, 64 * slab, key0, static_cast<int>(walk.head_kv), batch, kv_full);
+      tma_load_box(sV + slab * kBlockN * 128, &args.v_map, 64 * slab, key0, static_cast<int>(walk.head_kv), batch, kv_full);
+    }
+    for (int s = 0; s < walk.steps; ++s) {
+      const int stage = stage_of(s);
+      mbarrier_wait(&step_empty[stage], phase_of(s) ^ 1);  // the first round finds it free
+      mbarrier_arrive_expect_bytes(&step_full[stage], 2 * Tr::kQTileBytes + 2 * Tr::kRowsBox * 4);
+      const int head = static_cast<int>(walk.head(s)), m0 = static_cast<int>(walk.m0(s));
+      for (int slab = 0; slab < Tr::kSlabs; ++slab) {
+        tma_load_box(sQ + stage * Tr::kQTileBytes + slab * kBlockM * 128, &args.q_map, 64 * slab, m0, head, batch,
+                     &step_full[stage]);
+        tma_load_box(sdO + stage * Tr::kQTileBytes + slab * kBlockM * 128, &args.do_map, 64 * slab, m0, head, batch,
+                     &step_full[stage]);
+      }
+      // lse and delta are flat: from the 16-byte boundary at or below the
+      // step's first row (traits' kRowsBox), then (past the queries) the next
+      // head's rows or zeros, which the consumers mask.
+      const int row = flat_row(head, m0) & ~3;
+      tma_load_row(sLse + stage * Tr::kRowsSlot, &args.lse_map, row, &step_full[stage]);
+      tma_load_row(sDelta + stage * Tr::kRowsSlot, &args.delta_map, row, &step_full[stage]);
+    }
     return;
   }
 
@@ -77,55 +121,137 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const int g = lane / 4, t = lane % 4;
   const int warp_row = warp * 16;  // this warp's accumulator rows: keys of S^T, queries of dQ (after query0)
   const int64_t my_key0 = walk.key0 + 64 * consumer;  // this warpgroup's 64 keys
-  using Mma = Sm90BackwardMma<HeadDim, T, Tr>;
-  const Mma mma{smem, consumer};
+  const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;  // query i sees key j iff j <= i + offset
+  const float scale_log2 = f.scale * kLog2e;
+  const unsigned char* k_mine = sK + consumer * 64 * 128;  // rows 64c.. of every slab
+  const unsigned char* v_mine = sV + consumer * 64 * 128;
 
   float dk[kDTiles][4] = {}, dv[kDTiles][4] = {};
   float (&dk_flat)[kDTiles * 4] = reinterpret_cast<float (&)[kDTiles * 4]>(dk);
   float (&dv_flat)[kDTiles * 4] = reinterpret_cast<float (&)[kDTiles * 4]>(dv);
-  if (walk.steps > 0) mbarrier_wait(smem.kv_full, 0);
+  if (walk.steps > 0) mbarrier_wait(kv_full, 0);
 
   for (int s = 0; s < walk.steps; ++s) {
-    const int stage = smem.stage(s);
-    mbarrier_wait(&smem.step_full[stage], smem.phase(s));
+    const int stage = stage_of(s);
+    mbarrier_wait(&step_full[stage], phase_of(s));
     const int64_t head = walk.head(s), m0 = walk.m0(s);
+    const unsigned char* q_tile = sQ + stage * Tr::kQTileBytes;
+    const unsigned char* do_tile = sdO + stage * Tr::kQTileBytes;
     const int row_skew = flat_row(head, m0) & 3;  // where the step's rows start in the boxes
-    const float* lse = smem.lse + stage * Tr::kRowsSlot + row_skew;
-    const float* delta = smem.delta + stage * Tr::kRowsSlot + row_skew;
+    const float* lse = sLse + stage * Tr::kRowsSlot + row_skew;
+    const float* delta = sDelta + stage * Tr::kRowsSlot + row_skew;
+    unsigned char* ds_tile = sdS + (s % 2) * Tr::kDsBytes;
 
+    // S^T = K Q^T and dP^T = V dO^T: rows = this warpgroup's keys, columns = the step's queries.
     float st[kMTiles][4], dpt[kMTiles][4];
     float (&st_flat)[kMTiles * 4] = reinterpret_cast<float (&)[kMTiles * 4]>(st);
     float (&dpt_flat)[kMTiles * 4] = reinterpret_cast<float (&)[kMTiles * 4]>(dpt);
-    mma.scores(st_flat, dpt_flat, stage);
+    fence_registers(st_flat);
+    fence_registers(dpt_flat);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HeadDim / 16; ++kk)
+      wgmma_ss<T, kBlockM>(st_flat, k_major_descriptor(k_mine, kBlockN, kk), k_major_descriptor(q_tile, kBlockM, kk),
+                           kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < HeadDim / 16; ++kk)
+      wgmma_ss<T, kBlockM>(dpt_flat, k_major_descriptor(v_mine, kBlockN, kk), k_major_descriptor(do_tile, kBlockM, kk),
+                           kk > 0);
+    wgmma_commit();
     wgmma_wait<0>();
     fence_registers(st_flat);
     fence_registers(dpt_flat);
 
-    backward_probabilities<kBlockM, IsCausal>(st, dpt, lse, delta, static_cast<int>(sh.seqlen_q),
-                                              static_cast<int>(sh.seqlen_k), p.fwd.scale * kLog2e,
-                                              static_cast<int>(my_key0), static_cast<int>(m0),
-                                              warp_row + g, t);
+    // P^T and dS^T, element (key row g + 8h, query column 2t + e) of each n-tile.
+    const bool needs_masking = my_key0 + 64 > sh.seqlen_k || m0 + kBlockM > sh.seqlen_q ||
+                               (IsCausal && my_key0 + 63 > m0 + causal_offset);
+#pragma unroll
+    for (int nt = 0; nt < kMTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = warp_row + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
+        // A hidden entry is 0 in P^T and dS^T outright: past the queries, lse
+        // and delta are the next head's, and a NaN there must not reach dK.
+        bool hidden = false;
+        if (needs_masking) {
+          const int64_t key = my_key0 + r, query = m0 + c;
+          hidden = key >= sh.seqlen_k || query >= sh.seqlen_q || (IsCausal && key > query + causal_offset);
+        }
+        const float prob = hidden ? 0.0f : exp2f(st[nt][e] * scale_log2 - lse_in_log2(lse[c]));
+        st[nt][e] = prob;
+        dpt[nt][e] = hidden ? 0.0f : prob * (dpt[nt][e] - delta[c]);
+      }
+    }
     uint32_t p_a[kBlockM / 16][4], ds_a[kBlockM / 16][4];
-    pack_probabilities<kBlockM, T>(p_a, ds_a, st, dpt);
-    mma.stage_ds(ds_a, s % 2, warp, lane);
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq) {
+      probabilities_as_a<T>(p_a[kq], st, kq);
+      probabilities_as_a<T>(ds_a[kq], dpt, kq);
+    }
 
-    mma.key_gradients(dv_flat, dk_flat, p_a, ds_a, stage);
+    // dS = (dS^T)^T, [query][key]: this warpgroup's 64 keys are slab
+    // `consumer` of the tile. The A fragment of k-step kq holds the four 8x8
+    // matrices (queries (2 kq + i / 2) * 8.., this warp's keys (i % 2) * 8..)
+    // that a transposing stmatrix writes as 16-byte rows of dS.
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq) {
+      const int i = lane / 8, query = (2 * kq + i / 2) * 8 + lane % 8, key_chunk = 2 * warp + i % 2;
+      stmatrix_x4_trans(ds_a[kq], ds_tile + consumer * kBlockM * 128 + swizzled_chunk_offset(query, key_chunk, kBlockM));
+    }
+    fence_proxy_async_shared();  // dS: written through the generic proxy, read by wgmma
+
+    // dV += P^T dO, dK += dS^T Q (scaled at the end); Q and dO are B operands
+    // stored [query][d], read transposed.
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq) {
+      fence_registers(p_a[kq]);
+      fence_registers(ds_a[kq]);
+    }
+    fence_registers(dv_flat);
+    fence_registers(dk_flat);
+    wgmma_fence();
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq)
+      wgmma_rs<T, HeadDim>(dv_flat, p_a[kq], mn_major_descriptor(do_tile, kBlockM, kq), true);
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq)
+      wgmma_rs<T, HeadDim>(dk_flat, ds_a[kq], mn_major_descriptor(q_tile, kBlockM, kq), true);
+    wgmma_commit();
     // Waiting here frees P^T's and dS^T's registers for dQ's, and the stage.
     wgmma_wait<0>();
     fence_registers(dv_flat);
     fence_registers(dk_flat);
-    if (lane == 0) mbarrier_arrive(&smem.step_empty[stage]);
+    if (lane == 0) mbarrier_arrive(&step_empty[stage]);
     // Both warpgroups' dS written (and fenced). It also orders this buffer's
     // next use, two steps on, after both warpgroups' dQ of this step.
     named_barrier_sync(Tr::kDsWrittenBarrier, 128 * Tr::kConsumers);
 
+    // dQ = dS K over all 128 keys for this warpgroup's quarter: 64 queries
+    // (this warp's 16) from query0 by 64 columns of d from column0. The dS
+    // rows start query0 rows into each key slab, K's columns at slab column0 / 64.
+    const int query0 = Tr::kDqQueryOffset * consumer, column0 = Tr::kDqColumnOffset * consumer;
+    const unsigned char* ds_a_tile = ds_tile + query0 * 128;
+    const unsigned char* k_b_tile = sK + column0 / 64 * kBlockN * 128;
     float dq[8][4];
     float (&dq_flat)[32] = reinterpret_cast<float (&)[32]>(dq);
-    mma.dq(dq_flat, s % 2);
+    fence_registers(dq_flat);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      wgmma_ss<T, 64, true>(dq_flat, k_major_descriptor(ds_a_tile, kBlockM, kk), mn_major_descriptor(k_b_tile, kBlockN, kk),
+                            kk > 0);
+    wgmma_commit();
     wgmma_wait<0>();
     fence_registers(dq_flat);
-    add_query_gradient<HeadDim>(p, walk.batch, head, m0, Mma::query0(consumer) + warp_row + g, Mma::column0(consumer),
-                                t, dq);
+    float* accum = p.grad_q_accum + ((int64_t(walk.batch) * sh.heads_q + head) * sh.seqlen_q + m0) * HeadDim + column0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = query0 + warp_row + g + 8 * h;  // the query, within the step
+      if (m0 + r >= sh.seqlen_q) continue;
+#pragma unroll
+      for (int dt = 0; dt < 8; ++dt)
+        red_add_float2(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h], dq[dt][2 * h + 1]);
+    }
   }
   store_key_gradients<HeadDim, T>(p, walk.batch, walk.head_kv, my_key0 + warp_row, dk, dv);
 #else
