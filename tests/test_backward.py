@@ -49,7 +49,7 @@ def test_backward_awkward_lengths(backend, nq, nk, is_causal, head_dim):
         pytest.skip("2048 x 1000 runs on CUDA only: the float64 reference on the CPU is slow")
     batch, heads_q, heads_kv = (1, 2, 1) if backend.device == "cpu" else (2, 4, 2)
     backend.check_backward(Case(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=nq, seqlen_k=nk,
-                                head_dim=head_dim, dtype=torch.float16, is_causal=is_causal))
+                                head_dim=head_dim, dtype=backend.primary_dtype, is_causal=is_causal))
 
 
 @pytest.mark.parametrize("heads", [(8, 1), (6, 2), (4, 4)], ids=["mqa", "gqa", "mha"])
@@ -61,12 +61,12 @@ def test_backward_grouped_query_heads(backend, heads, dtype):
 
 @pytest.mark.parametrize("head_dim", [1, 24, 32, 64, 128, 256])
 def test_backward_head_dims(backend, head_dim):
-    backend.check_backward(Case(head_dim=head_dim, seqlen_q=65, seqlen_k=130, dtype=torch.float16,
+    backend.check_backward(Case(head_dim=head_dim, seqlen_q=65, seqlen_k=130, dtype=backend.primary_dtype,
                                 mask="additive"))
 
 
 def test_fully_masked_rows_get_zero_gradient(backend):
-    case = Case(mask="fully_masked_rows", dtype=torch.bfloat16, head_dim=64, seqlen_q=130, seqlen_k=200)
+    case = Case(mask="fully_masked_rows", dtype=backend.primary_dtype, head_dim=64, seqlen_q=130, seqlen_k=200)
     q, k, v, mask = backend.inputs(case, requires_grad=True)
     backend.require_plan(q, k, v, mask, backward=True)
     fusedattn.attention(q, k, v, mask).backward(torch.randn_like(q))

@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import fusedattn
 from helpers.attention_cases import DTYPES, MASK_KINDS, Case, cases, check_forward
 
 FEATURE_HEAD_DIMS = [32, 64, 128]
@@ -33,15 +34,14 @@ def test_random_cases(backend, data):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", FEATURE_HEAD_DIMS)
 def test_every_mask_kind(backend, mask, is_causal, dtype, head_dim):
-    backend.check_forward(Case(seqlen_q=113, seqlen_k=97, head_dim=head_dim, dtype=dtype, mask=mask,
-                               is_causal=is_causal))
-    # Long enough for key_block_holes to hide whole tiles (keys 256-767).
-    backend.check_forward(Case(batch=1, seqlen_q=300, seqlen_k=900, head_dim=head_dim, dtype=dtype, mask=mask,
-                               is_causal=is_causal))
+    # Nk >= 800 reaches past the key_block_holes mask's hidden tiles (keys 256-767).
+    for batch, nq, nk in ((2, 113, 97), (2, 113, 800), (1, 300, 900)):
+        backend.check_forward(Case(batch=batch, seqlen_q=nq, seqlen_k=nk, head_dim=head_dim, dtype=dtype, mask=mask,
+                                   is_causal=is_causal))
 
 
-@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1025), (7, 300), (300, 7), (97, 113), (128, 128), (129, 64),
-                                   (256, 259), (257, 128), (1025, 1025), (2048, 1000)])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1025), (7, 10), (7, 300), (300, 7), (97, 113), (113, 56), (128, 128),
+                                   (129, 64), (256, 259), (257, 128), (1025, 512), (1025, 1025), (2048, 1000)])
 @pytest.mark.parametrize("mask", ["none", "key_padding"])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", FEATURE_HEAD_DIMS)
@@ -53,12 +53,13 @@ def test_awkward_lengths(backend, nq, nk, mask, is_causal, head_dim):
         pytest.skip("2048 x 1000 runs on CUDA only: the float64 reference on the CPU is slow")
     batch, heads_q, heads_kv = (1, 2, 1) if backend.device == "cpu" else (2, 4, 2)
     backend.check_forward(Case(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=nq, seqlen_k=nk,
-                               head_dim=head_dim, dtype=torch.float16, mask=mask, is_causal=is_causal))
+                               head_dim=head_dim, dtype=backend.primary_dtype, mask=mask, is_causal=is_causal))
 
 
 @pytest.mark.parametrize("head_dim", [1, 2, 5, 31, 32, 64, 100, 128, 200, 256])
 def test_head_dims(backend, head_dim):
-    backend.check_forward(Case(head_dim=head_dim, seqlen_q=70, seqlen_k=300, dtype=torch.float16, mask="bool"))
+    backend.check_forward(Case(head_dim=head_dim, seqlen_q=70, seqlen_k=300, dtype=backend.primary_dtype,
+                               mask="bool"))
 
 
 @pytest.mark.parametrize("heads", [(8, 1), (6, 2), (4, 4)], ids=["mqa", "gqa", "mha"])
@@ -71,7 +72,7 @@ def test_grouped_query_heads(backend, heads, dtype):
 def test_causal_is_bottom_right(backend):
     # Nq < Nk: the last query sees every key; Nq > Nk: the first Nq - Nk rows see nothing.
     for nq, nk in [(5, 300), (300, 5), (257, 256)]:
-        _, lse = backend.check_forward(Case(seqlen_q=nq, seqlen_k=nk, head_dim=64, dtype=torch.bfloat16,
+        _, lse = backend.check_forward(Case(seqlen_q=nq, seqlen_k=nk, head_dim=64, dtype=backend.primary_dtype,
                                             is_causal=True))
         assert lse.isinf().any() == (nq > nk)
 
@@ -79,14 +80,14 @@ def test_causal_is_bottom_right(backend):
 @pytest.mark.parametrize("scale", [0.0, -0.7, 1e-39, 1e-4, 3.0])
 @pytest.mark.parametrize("mask", ["none", "bool"])
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", FEATURE_HEAD_DIMS)
 def test_any_finite_scale(backend, scale, mask, is_causal, head_dim):
     """A scale of 0 gives every visible key the same weight; a negative one
     favours the lowest scores; 1e-39 is a float32 denormal (the sm90 forward
     folds a scale of at least FLT_MIN into its exponent and refuses the rest).
     Hidden keys stay hidden whatever the scale."""
     backend.check_forward(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=150, seqlen_k=333, head_dim=head_dim,
-                               dtype=torch.bfloat16, mask=mask, is_causal=is_causal, scale=scale))
+                               dtype=backend.primary_dtype, mask=mask, is_causal=is_causal, scale=scale))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -131,14 +132,15 @@ def test_finfo_min_mask_counts_as_minus_inf(backend):
     assert (out_min[:, :, 0] == 0).all() and (lse_min[:, :, 0] == float("-inf")).all()
 
 
-def test_arbitrary_strides(backend):
-    """q in [B, N, H, d] memory, k rows 256 elements apart, v on rows off by
-    one element (2 bytes: copied on CUDA) and v with its last dim strided."""
-    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=130, head_dim=128, dtype=torch.float16,
-                mask="bool")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_arbitrary_strides(backend, head_dim):
+    """q in [B, N, H, d] memory, k rows 2d elements apart, v on rows off by one
+    element (2 bytes at 16 bits: copied on CUDA) and v with its last dim strided."""
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=130, head_dim=head_dim,
+                dtype=backend.primary_dtype, mask="bool")
     q, k, v, mask = backend.inputs(case)
     q_t = q.transpose(1, 2).contiguous().transpose(1, 2)
-    k_wide = torch.cat([k, torch.randn_like(k)], dim=-1)[..., :128]
+    k_wide = torch.cat([k, torch.randn_like(k)], dim=-1)[..., :head_dim]
     v_off = torch.cat([torch.randn_like(v[..., :1]), v], dim=-1)[..., 1:]
     v_cols = v.transpose(-1, -2).contiguous().transpose(-1, -2)
     for v_strided in (v_off, v_cols):
@@ -147,10 +149,14 @@ def test_arbitrary_strides(backend):
 
 
 def test_batch_broadcast_with_stride_0(backend):
-    """k and v broadcast over the batch (stride 0) read the same rows for every batch entry."""
+    """k and v broadcast over the batch (stride 0) read the same rows for every
+    batch entry; a tensor map takes no stride 0, so the planner gives them to sm80."""
+    q, k, v, _ = backend.inputs(Case(batch=2, seqlen_q=77, seqlen_k=130, head_dim=64, dtype=backend.primary_dtype))
+    k_b, v_b = k[:1].expand_as(k), v[:1].expand_as(v)
     if backend.name == "sm90":
-        pytest.skip("a tensor map takes no stride 0 (test_forward_sm90.py: the planner declines it)")
-    q, k, v, _ = backend.inputs(Case(batch=2, seqlen_q=77, seqlen_k=130, head_dim=64, dtype=torch.float16))
-    out, _ = backend.forward(q, k[:1].expand_as(k), v[:1].expand_as(v), None, False, None)
+        with fusedattn.backends.force("auto"):
+            assert fusedattn.plan(q, k_b, v_b)["family"] == "sm80"
+        return
+    out, _ = backend.forward(q, k_b, v_b, None, False, None)
     out1, _ = backend.forward(q[1:], k[:1], v[:1], None, False, None)
     torch.testing.assert_close(out[1:], out1, atol=0, rtol=0)

@@ -29,6 +29,12 @@ class Backend:
 
         return DTYPES if self.name == "cpu" else GPU_DTYPES
 
+    @property
+    def primary_dtype(self) -> torch.dtype:
+        """The dtype of a test that takes one: float32 on the CPU (the tightest floor, and
+        the CPU's in-place strided reads), float16 on CUDA."""
+        return torch.float32 if self.name == "cpu" else torch.float16
+
     def require(self, case: Case) -> None:
         """Skips the test where this backend's device does not take the case's dtype or head dim."""
         if case.dtype not in self.dtypes:
