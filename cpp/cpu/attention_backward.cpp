@@ -99,14 +99,13 @@ struct Backward {
     std::fill(dk.begin(), dk.end(), 0.0f);
     std::fill(dv.begin(), dv.end(), 0.0f);
 
-    // Under the causal rule, queries before col0 - offset see none of these keys.
-    const int64_t first_row =
-        f.is_causal ? std::clamp<int64_t>(col0 - sh.causal_offset(), 0, sh.seqlen_q) : 0;
+    // Queries outside the band (is_causal, the window) see none of these keys.
+    const auto [first_row, row_end] = visible_queries(f, col0, cols);
     for (int64_t g = 0; g < sh.group_size(); ++g) {
       const int64_t head = head_kv * sh.group_size() + g;
       const auto* q = head_ptr<const scalar_t>(f.q, f.q_strides, batch, head);
       const auto* dout = head_ptr<const scalar_t>(p.grad_out, p.grad_out_strides, batch, head);
-      for (int64_t row0 = first_row / kBlockQ * kBlockQ; row0 < sh.seqlen_q; row0 += kBlockQ) {
+      for (int64_t row0 = first_row / kBlockQ * kBlockQ; row0 < row_end; row0 += kBlockQ) {
         const Tile t{row0, std::min(kBlockQ, sh.seqlen_q - row0), col0, cols};
         const Matrix Qs = copy_rows(q, f.q_strides.row, row0, t.rows, d, f.scale * kLog2e, buf.q_scores);
         const Matrix dO = view_rows(dout, p.grad_out_strides.row, row0, t.rows, d, buf.dout);
@@ -140,7 +139,7 @@ struct Backward {
     std::fill(dq.begin(), dq.end(), 0.0f);
 
     const int64_t key_end = visible_key_end(f, row0, rows);
-    for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
+    for (int64_t col0 = visible_key_begin(f, row0); col0 < key_end; col0 += kBlockK) {
       const Tile t{row0, rows, col0, std::min(kBlockK, key_end - col0)};
       const Matrix Kt = copy_rows_transposed(k, f.k_strides.row, col0, t.cols, d, kBlockK, buf.kt);
       const Matrix Vt = copy_rows_transposed(v, f.v_strides.row, col0, t.cols, d, kBlockK, buf.vt);

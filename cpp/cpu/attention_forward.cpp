@@ -50,7 +50,7 @@ void forward_typed(const ForwardParams& p) {
       std::fill(l_i.begin(), l_i.end(), 0.0f);
 
       const int64_t key_end = visible_key_end(p, row0, rows);
-      for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
+      for (int64_t col0 = visible_key_begin(p, row0); col0 < key_end; col0 += kBlockK) {
         const Tile t{row0, rows, col0, std::min(kBlockK, key_end - col0)};
         if (!mask_tile_visible<scalar_t>(p.mask, batch, head, t)) continue;
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "blas.h"
@@ -82,9 +83,32 @@ void store_rows(scalar_t* head, int64_t row_stride, int64_t row0, int64_t rows, 
   }
 }
 
-// Whether the causal rule hides some (row, key) pair of the tile.
-inline bool tile_crosses_diagonal(const Tile& t, int64_t causal_offset) {
-  return t.col0 + t.cols - 1 > t.row0 + causal_offset;
+// The band of keys query i sees under is_causal and the window: [begin, end),
+// clamped to the keys. Both ends grow with i.
+inline int64_t window_right(const ForwardParams& p) { return p.is_causal ? 0 : p.window_right; }
+
+inline int64_t row_key_begin(const ForwardParams& p, int64_t i) {
+  if (p.window_left < 0) return 0;
+  return std::clamp<int64_t>(i + p.shape.causal_offset() - p.window_left, 0, p.shape.seqlen_k);
+}
+
+inline int64_t row_key_end(const ForwardParams& p, int64_t i) {
+  const int64_t right = window_right(p);
+  if (right < 0) return p.shape.seqlen_k;
+  return std::clamp<int64_t>(i + p.shape.causal_offset() + right + 1, 0, p.shape.seqlen_k);
+}
+
+// The queries that see some key of [col0, col0 + cols): [begin, end).
+inline std::pair<int64_t, int64_t> visible_queries(const ForwardParams& p, int64_t col0, int64_t cols) {
+  const int64_t offset = p.shape.causal_offset(), right = window_right(p), nq = p.shape.seqlen_q;
+  const int64_t begin = right < 0 ? 0 : std::clamp<int64_t>(col0 - offset - right, 0, nq);
+  const int64_t end = p.window_left < 0 ? nq : std::clamp<int64_t>(col0 + cols - offset + p.window_left, 0, nq);
+  return {begin, std::max(begin, end)};
+}
+
+// Whether the band hides some (row, key) pair of the tile.
+inline bool tile_crosses_band(const ForwardParams& p, const Tile& t) {
+  return t.col0 < row_key_begin(p, t.row0 + t.rows - 1) || t.col0 + t.cols > row_key_end(p, t.row0);
 }
 
 template <typename mask_t>
@@ -139,8 +163,8 @@ void apply_mask(float* s, int64_t lds, const MaskParams& m, int64_t batch, int64
   }
 }
 
-// Applies the causal rule (when the tile crosses the diagonal) and attn_mask
-// to a tile of base-2 scores: hidden entries become -inf.
+// Applies attn_mask and the band (is_causal and the window, where the tile
+// crosses its edges) to a tile of base-2 scores: hidden entries become -inf.
 template <typename scalar_t>
 void mask_scores(float* s, int64_t lds, const ForwardParams& p, int64_t batch, int64_t head,
                  const Tile& t) {
@@ -150,26 +174,27 @@ void mask_scores(float* s, int64_t lds, const ForwardParams& p, int64_t batch, i
     case MaskKind::AdditiveFloat32: apply_mask<float>(s, lds, p.mask, batch, head, t); break;
     case MaskKind::AdditiveInput: apply_mask<scalar_t>(s, lds, p.mask, batch, head, t); break;
   }
-  const int64_t offset = p.shape.causal_offset();
-  if (p.is_causal && tile_crosses_diagonal(t, offset)) {
+  if (tile_crosses_band(p, t)) {
     for (int64_t r = 0; r < t.rows; ++r) {
-      // Keys j > i + offset are hidden from query i.
-      const int64_t first_hidden = std::max<int64_t>(t.row0 + r + offset + 1 - t.col0, 0);
-      std::fill(s + r * lds + std::min(first_hidden, t.cols), s + r * lds + t.cols, kNegInf);
+      // Query i sees keys [row_key_begin(i), row_key_end(i)) only.
+      float* s_row = s + r * lds;
+      const int64_t lo = std::clamp<int64_t>(row_key_begin(p, t.row0 + r) - t.col0, 0, t.cols);
+      const int64_t hi = std::clamp<int64_t>(row_key_end(p, t.row0 + r) - t.col0, lo, t.cols);
+      std::fill(s_row, s_row + lo, kNegInf);
+      std::fill(s_row + hi, s_row + t.cols, kNegInf);
     }
   }
 }
 
 // Whether the tile needs mask_scores at all.
 inline bool tile_needs_masking(const ForwardParams& p, const Tile& t) {
-  return p.mask.kind != MaskKind::None ||
-         (p.is_causal && tile_crosses_diagonal(t, p.shape.causal_offset()));
+  return p.mask.kind != MaskKind::None || tile_crosses_band(p, t);
 }
 
-// One past the last key any query of rows [row0, row0 + rows) may see.
+// The keys any query of rows [row0, row0 + rows) may see: [begin, end).
+inline int64_t visible_key_begin(const ForwardParams& p, int64_t row0) { return row_key_begin(p, row0); }
 inline int64_t visible_key_end(const ForwardParams& p, int64_t row0, int64_t rows) {
-  if (!p.is_causal) return p.shape.seqlen_k;
-  return std::clamp<int64_t>(row0 + rows + p.shape.causal_offset(), 0, p.shape.seqlen_k);
+  return row_key_end(p, row0 + rows - 1);
 }
 
 }  // namespace fusedattn::cpu

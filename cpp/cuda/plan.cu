@@ -204,11 +204,21 @@ bool merges_in_cluster(const KVCacheParams& p, const Plan& plan, int requested) 
   return merges;
 }
 
+// The CUDA kernels have no window yet (the CPU serves it): a clear refusal,
+// not a kernel that would read past the window's edges.
+void refuse_window(const ForwardParams& p) {
+  if (p.has_window())
+    throw std::invalid_argument("fusedattn: the CUDA kernels take no window yet (got window [" +
+                                std::to_string(p.window_left) + ", " + std::to_string(p.window_right) +
+                                "] after folding in is_causal); run windowed attention on the CPU");
+}
+
 }  // namespace
 
 Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
   const AttentionShape& sh = p.shape;
   const bool masked = p.mask.kind != MaskKind::None;
+  refuse_window(p);
   Plan plan;
   plan.family = choose_family(request.family, [&] { return sm90_forward_refusal(p); });
   if (plan.family == Family::Sm90) {
@@ -227,6 +237,7 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
 
 Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
   const int d = static_cast<int>(p.fwd.shape.head_dim);
+  refuse_window(p.fwd);
   Plan plan;
   plan.backward = true;
   plan.deterministic = p.deterministic;
@@ -249,6 +260,7 @@ Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
 
 Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
   const AttentionShape& sh = p.attn.shape;
+  refuse_window(p.attn);
   Plan plan;
   plan.family = Family::Decode;
   plan.block_m = kDecodeBlockM;

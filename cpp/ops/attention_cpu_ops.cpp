@@ -30,10 +30,12 @@ void check_no_decode_overrides(const char* op, std::optional<int64_t> num_splits
 std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const std::optional<at::Tensor>& attn_mask, bool is_causal,
                                                std::optional<double> scale,
-                                               std::optional<c10::string_view> family) {
+                                               std::optional<c10::string_view> family,
+                                               at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.forward";
   parse_family(op, family, q);
   PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support());
+  apply_window(op, in.params, window);
   auto outputs = allocate_forward_outputs(in);
   cpu::forward(in.params);
   return outputs;
@@ -42,10 +44,12 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q, const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-    bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family) {
+    bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family,
+    at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.backward";
   parse_family(op, family, q);
   PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, cpu_support());
+  apply_window(op, b.params.fwd, window);
   cpu::backward(b.params);
   return {b.grad_q, b.grad_k, b.grad_v};
 }
@@ -54,7 +58,8 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
     const std::optional<at::Tensor>& v_new, bool is_causal, std::optional<double> scale,
-    std::optional<int64_t> num_splits, std::optional<bool> merge_in_cluster, std::optional<int64_t> warps) {
+    std::optional<int64_t> num_splits, std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
+    at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.forward_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
   return forward_kvcache_by_sequence(
@@ -62,6 +67,7 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
       [&](const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
           const at::Tensor& out_b, const at::Tensor& lse_b) {
         PreparedInputs in = prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cpu_support());
+        apply_window(op, in.params, window);
         set_forward_outputs(in.params, out_b, lse_b);
         cpu::forward(in.params);
       });
@@ -127,20 +133,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
 
 std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
-                     std::optional<c10::string_view> family, bool backward) {
+                     std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.plan";
   parse_family(op, family, q);
-  prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support());  // the call's checks
+  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support());  // the call's checks
+  apply_window(op, in.params, window);
   return cpu::plan(backward).describe();
 }
 
 // The CPU runs forward_kvcache as one forward per sequence.
 std::string plan_kvcache_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              bool is_causal, std::optional<double> scale, std::optional<int64_t> num_splits,
-                             std::optional<bool> merge_in_cluster, std::optional<int64_t> warps) {
+                             std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
+                             at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.plan_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
-  prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, cpu_support());
+  PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, cpu_support());
+  apply_window(op, in.params, window);
   return cpu::plan(/*backward=*/false).describe();
 }
 

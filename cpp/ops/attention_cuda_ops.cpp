@@ -57,9 +57,11 @@ void run_forward(ForwardParams& p, const Plan& plan, const at::Tensor& q, cudaSt
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const std::optional<at::Tensor>& attn_mask, bool is_causal,
                                                 std::optional<double> scale,
-                                                std::optional<c10::string_view> family) {
+                                                std::optional<c10::string_view> family,
+                                                at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.forward";
   PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support());
+  apply_window(op, in.params, window);
   const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
   auto outputs = allocate_forward_outputs(in);
   const Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, family_request(op, family, q)); });
@@ -91,9 +93,11 @@ struct BackwardWorkspaces {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-    bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family) {
+    bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family,
+    at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.backward";
   PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, cuda_support());
+  apply_window(op, b.params.fwd, window);
   const c10::cuda::CUDAGuard guard(q.device());
   // torch.use_deterministic_algorithms(True): grad_q from its own pass, in a
   // fixed order, instead of float32 atomics.
@@ -113,9 +117,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
 // forward's, so aligned stand-ins take their place; nothing is read.
 std::string plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
-                      std::optional<c10::string_view> family, bool backward) {
+                      std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.plan";
   PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support());
+  apply_window(op, in.params, window);
   const c10::cuda::CUDAGuard guard(q.device());
   const PlanRequest request = family_request(op, family, q);
   if (!backward) return with_torch_errors([&] { return cuda::plan_forward(in.params, request); }).describe();

@@ -177,6 +177,17 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
   return in;
 }
 
+void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef window) {
+  if (!window) return;
+  const c10::IntArrayRef w = *window;
+  TORCH_CHECK(w.size() == 2 && w[0] >= -1 && w[1] >= -1, op,
+              ": window must be two ints [left, right], each >= -1 (-1: no bound on that side), got ", w);
+  p.window_left = w[0];
+  // The right side at 0 is the causal rule; under it, any right side is.
+  if (w[1] == 0) p.is_causal = true;
+  p.window_right = p.is_causal ? -1 : w[1];
+}
+
 std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(PreparedInputs& in) {
   const AttentionShape& sh = in.params.shape;
   at::Tensor out = at::empty({sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim}, in.q.options());

@@ -35,6 +35,11 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
                                bool is_causal, std::optional<double> scale,
                                const DeviceSupport& support);
 
+// Sets p's window from the operator's `window` argument ([left, right], each
+// >= -1), folding into is_causal what is_causal means: a window whose right
+// side is 0, or any right side when is_causal is set, is the causal rule.
+void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef window);
+
 // The last dimension made contiguous (copying if it is not), other strides
 // kept; where the device needs it, also a copy when the data or a stride is not
 // a multiple of 16 bytes.

@@ -6,12 +6,15 @@
 TORCH_LIBRARY(fusedattn, m) {
   // family: None (the planner decides) or a family to force, for tests and
   // benchmarks (fusedattn.backends.force); it names the backward's too.
+  // window: None or [left, right], a sliding window bottom-right aligned as
+  // is_causal (query i sees key j iff i + Nk - Nq - left <= j <= i + Nk - Nq +
+  // right; -1 leaves a side open), combined with is_causal and attn_mask.
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, "
-      "float? scale=None, str? family=None) -> (Tensor out, Tensor lse)");
+      "float? scale=None, str? family=None, int[]? window=None) -> (Tensor out, Tensor lse)");
   m.def(
       "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor? attn_mask=None, bool is_causal=False, float? scale=None, str? family=None) "
+      "Tensor? attn_mask=None, bool is_causal=False, float? scale=None, str? family=None, int[]? window=None) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // Decoding against a preallocated KV cache: k_new/v_new (if given) are written
   // into the caches at cache_seqlens[b] (in place), then q attends to the first
@@ -21,7 +24,8 @@ TORCH_LIBRARY(fusedattn, m) {
   m.def(
       "forward_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
       "Tensor? k_new=None, Tensor? v_new=None, bool is_causal=True, float? scale=None, "
-      "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None) -> (Tensor out, Tensor lse)");
+      "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None, int[]? window=None) "
+      "-> (Tensor out, Tensor lse)");
   // Packed sequences: q [total_q, Hq, d], k and v [total_k, Hkv, d]; sequence
   // b is rows cu_seqlens[b] : cu_seqlens[b + 1] (int32 [B + 1]) and attends
   // to its own keys only, causal bottom-right per sequence. lse is float32
@@ -37,12 +41,12 @@ TORCH_LIBRARY(fusedattn, m) {
   // backward=True the backward), as "key=value ..." words; nothing is launched.
   m.def(
       "plan(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, float? scale=None, "
-      "str? family=None, bool backward=False) -> str");
+      "str? family=None, bool backward=False, int[]? window=None) -> str");
   // The plan of forward_kvcache with these arguments (it depends on the
   // cache's capacity, not on cache_seqlens).
   m.def(
       "plan_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, bool is_causal=True, float? scale=None, "
-      "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None) -> str");
+      "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None, int[]? window=None) -> str");
   // The head dims a CUDA kernel is instantiated for (cpp/generate_kernels.py's table).
   m.def("instantiated_head_dims(str kernel) -> int[]");
   // Seed 2's naive path (materialises S), the baseline of the GPU benchmark. CUDA only.

@@ -53,20 +53,21 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 
 
 @torch.library.register_fake("fusedattn::forward")
-def _forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, family=None):
+def _forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, family=None, window=None):
     out = q.new_empty(q.shape)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     return out, lse
 
 
 @torch.library.register_fake("fusedattn::backward")
-def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, family=None):
+def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, family=None,
+                   window=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("fusedattn::forward_kvcache")
 def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, is_causal=True,
-                          scale=None, num_splits=None, merge_in_cluster=None, warps=None):
+                          scale=None, num_splits=None, merge_in_cluster=None, warps=None, window=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -88,7 +89,7 @@ def _naive_forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, is_causal, scale, family = inputs
+    q, k, v, attn_mask, is_causal, scale, family, window = inputs
     out, lse = output
     if attn_mask is not None and attn_mask.requires_grad:
         raise RuntimeError(
@@ -99,17 +100,18 @@ def _setup_context(ctx, inputs, output):
     ctx.is_causal = is_causal
     ctx.scale = scale
     ctx.family = family
+    ctx.window = window
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     if grad_out is None:  # only lse was used downstream; lse is not differentiable
-        return None, None, None, None, None, None, None
+        return (None,) * 8
     grad_q, grad_k, grad_v = torch.ops.fusedattn.backward(
-        grad_out.contiguous(), q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale, ctx.family
+        grad_out.contiguous(), q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale, ctx.family, ctx.window
     )
-    return grad_q, grad_k, grad_v, None, None, None, None
+    return (grad_q, grad_k, grad_v) + (None,) * 5
 
 
 torch.library.register_autograd("fusedattn::forward", _backward, setup_context=_setup_context)
@@ -145,6 +147,7 @@ def attention(
     attn_mask: Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
 ) -> Tensor:
     """Exact scaled dot-product attention, fused (the N x N scores never reach memory).
 
@@ -157,12 +160,17 @@ def attention(
         is_causal: hide key ``j`` from query ``i`` when ``j > i + (Nk - Nq)``
             (bottom-right alignment; equal to SDPA's rule when ``Nq == Nk``).
         scale: multiplies ``q @ k^T``; defaults to ``1 / sqrt(d)``.
+        window: ``(left, right)``, a sliding window aligned as ``is_causal``: query ``i``
+            sees key ``j`` only when ``i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right``;
+            -1 leaves that side unbounded (FlashAttention's ``window_size``).
+            ``is_causal=True`` is the window ``(-1, 0)``; window, ``is_causal`` and
+            ``attn_mask`` combine. CPU tensors in this version.
 
     Returns:
         ``[B, Hq, Nq, d]`` in q's dtype. Rows whose keys are all masked are 0.
         Differentiable with respect to q, k and v.
     """
-    out, _ = torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale, backends.forced().family)
+    out, _ = torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale, backends.forced().family, window)
     return out
 
 
@@ -223,6 +231,7 @@ def attention_with_kvcache(
     is_causal: bool = True,
     scale: float | None = None,
     num_splits: int | None = None,
+    window: tuple[int, int] | None = None,
 ) -> Tensor:
     """Attention of a few new queries per sequence against a preallocated KV cache.
 
@@ -241,13 +250,17 @@ def attention_with_kvcache(
         num_splits: on CUDA, how many thread blocks split each sequence's keys
             (1 to 64, at most one per 64 cached positions); None lets the
             planner choose (``plan_kvcache`` shows its choice). The CPU ignores it.
+        window: ``(left, right)`` as :func:`attention`'s, per sequence against its
+            ``L_b`` positions (so ``(W - 1, 0)`` lets a query see its last W positions).
+            CPU tensors in this version.
 
     Returns:
         ``[B, Hq, Nq, d]``. Not differentiable (an inference operator).
     """
     forced = backends.forced()
     out, _ = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, is_causal, scale,
-                                                 num_splits, forced.decode_merge_in_cluster, forced.decode_warps)
+                                                 num_splits, forced.decode_merge_in_cluster, forced.decode_warps,
+                                                 window)
     return out
 
 
@@ -269,6 +282,7 @@ def plan(
     scale: float | None = None,
     *,
     backward: bool = False,
+    window: tuple[int, int] | None = None,
 ) -> dict:
     """The plan :func:`attention` would run for these arguments (with
     ``backward=True``, its backward's), without running it: a dict with
@@ -278,7 +292,7 @@ def plan(
     forced with :func:`fusedattn.backends.force` apply; the same errors as the
     call's are raised for bad arguments."""
     return _parse_plan(torch.ops.fusedattn.plan(q, k, v, attn_mask, is_causal, scale, backends.forced().family,
-                                                backward))
+                                                backward, window))
 
 
 def plan_kvcache(
@@ -291,6 +305,7 @@ def plan_kvcache(
     is_causal: bool = True,
     scale: float | None = None,
     num_splits: int | None = None,
+    window: tuple[int, int] | None = None,
 ) -> dict:
     """The plan :func:`attention_with_kvcache` would run for these arguments:
     on CUDA ``"family": "decode"`` with ``"num_splits"``,
@@ -299,4 +314,4 @@ def plan_kvcache(
     (accepted so that the call's arguments can be passed as they are)."""
     forced = backends.forced()
     return _parse_plan(torch.ops.fusedattn.plan_kvcache(q, k_cache, v_cache, is_causal, scale, num_splits,
-                                                        forced.decode_merge_in_cluster, forced.decode_warps))
+                                                        forced.decode_merge_in_cluster, forced.decode_warps, window))

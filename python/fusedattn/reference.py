@@ -9,7 +9,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["attention", "attention_with_lse", "causal_mask"]
+__all__ = ["attention", "attention_with_lse", "causal_mask", "window_mask"]
 
 
 def causal_mask(n_q: int, n_k: int, device=None) -> Tensor:
@@ -19,6 +19,20 @@ def causal_mask(n_q: int, n_k: int, device=None) -> Tensor:
     return j <= i + (n_k - n_q)
 
 
+def window_mask(n_q: int, n_k: int, window: tuple[int, int], device=None) -> Tensor:
+    """Bool ``[Nq, Nk]``, True where query i may see key j under ``window = (left, right)``:
+    ``i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right``, -1 leaving that side unbounded."""
+    left, right = window
+    i = torch.arange(n_q, device=device).unsqueeze(1) + (n_k - n_q)
+    j = torch.arange(n_k, device=device).unsqueeze(0)
+    visible = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= j >= i - left
+    if right >= 0:
+        visible &= j <= i + right
+    return visible
+
+
 def attention_with_lse(
     q: Tensor,
     k: Tensor,
@@ -26,6 +40,7 @@ def attention_with_lse(
     attn_mask: Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(out, lse)`` computed in q's dtype (use float64 for an oracle).
 
@@ -48,6 +63,8 @@ def attention_with_lse(
             s = s + attn_mask.to(s.dtype)
     if is_causal:
         s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    if window is not None:
+        s = s.masked_fill(~window_mask(q.shape[2], k.shape[2], window, q.device), float("-inf"))
 
     # The softmax runs in float32 at least (as torch.softmax does for float16
     # and bfloat16 inputs) and P is rounded to v's dtype for the PV product.
@@ -75,6 +92,7 @@ def attention(
     attn_mask: Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
 ) -> Tensor:
     """Naive attention, same arguments and semantics as :func:`fusedattn.attention`."""
-    return attention_with_lse(q, k, v, attn_mask, is_causal, scale)[0]
+    return attention_with_lse(q, k, v, attn_mask, is_causal, scale, window)[0]

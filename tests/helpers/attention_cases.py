@@ -46,6 +46,7 @@ class Case:
     mask: str = "none"
     is_causal: bool = False
     scale: float | None = None
+    window: tuple[int, int] | None = None  # (left, right), -1 unbounded
     seed: int = 0
 
     def __str__(self) -> str:
@@ -53,7 +54,8 @@ class Case:
             f"B{self.batch}-H{self.heads_q}/{self.heads_kv}-N{self.seqlen_q}x{self.seqlen_k}"
             f"-d{self.head_dim}-{str(self.dtype)[6:]}-{self.mask}"
         )
-        return s + ("-causal" if self.is_causal else "") + (f"-s{self.scale}" if self.scale else "")
+        return (s + ("-causal" if self.is_causal else "") + (f"-s{self.scale}" if self.scale else "")
+                + (f"-w{self.window[0]},{self.window[1]}" if self.window else ""))
 
 
 def make_mask(case: Case, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor | None:
@@ -124,8 +126,8 @@ def check_forward(case: Case, device="cpu", out=None, lse=None):
     unless out was given without it."""
     q, k, v, mask = make_inputs(case, device)
     if out is None:
-        out, lse = torch.ops.fusedattn.forward(q, k, v, mask, case.is_causal, case.scale)
-    args = (mask, case.is_causal, case.scale)
+        out, lse = torch.ops.fusedattn.forward(q, k, v, mask, case.is_causal, case.scale, window=case.window)
+    args = (mask, case.is_causal, case.scale, case.window)
     oracle, oracle_lse = reference.attention_with_lse(q.double(), k.double(), v.double(), *args)
     low, _ = reference.attention_with_lse(q, k, v, *args)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -153,7 +155,7 @@ def check_backward(case: Case, device="cpu", grads=None, grad_out=None):
     if grad_out is None:
         g = torch.Generator().manual_seed(case.seed + 1)
         grad_out = torch.randn(q.shape, generator=g).to(device=device, dtype=case.dtype)
-    args = (mask, case.is_causal, case.scale)
+    args = (mask, case.is_causal, case.scale, case.window)
 
     if grads is None:
         out = fusedattn.attention(q, k, v, *args)
@@ -182,20 +184,27 @@ def stored_output_error(q64, k64, v64, grad_out64, args, dtype) -> tuple[float, 
     carries that rounding: dq moves by -scale (delta' - delta) P K and dk by
     -scale P^T ((delta' - delta) q). Measured in float64, as max errors of dq,
     dk, dv (dv does not read delta)."""
-    mask, is_causal, scale = args
+    mask, is_causal, scale, window = args
     scale = 1.0 / q64.shape[-1] ** 0.5 if scale is None else scale
     with torch.no_grad():
-        out = reference.attention(q64, k64, v64, mask, is_causal, scale)
+        out = reference.attention(q64, k64, v64, mask, is_causal, scale, window)
         shift = (grad_out64 * (out.to(dtype).double() - out)).sum(-1, keepdim=True)  # delta' - delta
-        dq = scale * shift * reference.attention(q64, k64, k64, mask, is_causal, scale)
+        dq = scale * shift * reference.attention(q64, k64, k64, mask, is_causal, scale, window)
     v_probe = v64.detach().clone().requires_grad_()
-    (dk,) = torch.autograd.grad(reference.attention(q64.detach(), k64.detach(), v_probe, mask, is_causal, scale),
+    (dk,) = torch.autograd.grad(reference.attention(q64.detach(), k64.detach(), v_probe, mask, is_causal, scale,
+                                                    window),
                                 (v_probe,), scale * shift * q64.detach())  # P^T (shift q), summed per kv head
     return max_err(dq, torch.zeros_like(dq)), max_err(dk, torch.zeros_like(dk)), 0.0
 
 
+def windows(max_len: int):
+    """(left, right) windows: each side unbounded (-1), 0, or up to max_len (wider than N too)."""
+    side = st.one_of(st.just(-1), st.just(0), st.integers(1, max_len + 10))
+    return st.tuples(side, side)
+
+
 @st.composite
-def cases(draw, max_len=300):
+def cases(draw, max_len=300, with_windows=False):
     heads_kv = draw(st.integers(1, 3))
     return Case(
         batch=draw(st.integers(1, 3)),
@@ -208,5 +217,6 @@ def cases(draw, max_len=300):
         mask=draw(st.sampled_from(MASK_KINDS)),
         is_causal=draw(st.booleans()),
         scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
+        window=draw(st.one_of(st.none(), windows(max_len))) if with_windows else None,
         seed=draw(st.integers(0, 2**16)),
     )

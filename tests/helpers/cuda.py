@@ -43,9 +43,10 @@ def at_odd_offset(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def forward(q, k, v, attn_mask=None, is_causal=False, scale=None):
+def forward(q, k, v, attn_mask=None, is_causal=False, scale=None, window=None):
     """torch.ops.fusedattn.forward with the family that fusedattn.backends.force set."""
-    return torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale, fusedattn.backends.forced().family)
+    return torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale, fusedattn.backends.forced().family,
+                                       window)
 
 
 def backward(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None):
@@ -60,7 +61,7 @@ def planned_family(case: Case, q, k, v, mask, backward: bool = False) -> str | N
     then the call itself must raise, not fall back."""
     forced = fusedattn.backends.forced().family
     try:
-        plan = fusedattn.plan(q, k, v, mask, case.is_causal, case.scale, backward=backward)
+        plan = fusedattn.plan(q, k, v, mask, case.is_causal, case.scale, backward=backward, window=case.window)
     except RuntimeError as e:
         assert forced is not None and "was forced, but" in str(e), str(e)
         return None
@@ -74,10 +75,10 @@ def check_cuda(case: Case):
     q, k, v, mask = make_inputs(case, "cuda")
     if planned_family(case, q, k, v, mask) is None:
         with pytest.raises(RuntimeError, match="was forced, but"):
-            forward(q, k, v, mask, case.is_causal, case.scale)
+            forward(q, k, v, mask, case.is_causal, case.scale, case.window)
         return None
     poison_allocator((q.shape, q.dtype), (q.shape[:3], torch.float32))
-    out, lse = forward(q, k, v, mask, case.is_causal, case.scale)
+    out, lse = forward(q, k, v, mask, case.is_causal, case.scale, case.window)
     return check_forward(case, device="cuda", out=out, lse=lse)
 
 
@@ -89,7 +90,7 @@ def check_cuda_backward(case: Case):
     if planned_family(case, q, k, v, mask, backward=True) is None:
         q.requires_grad_(True)
         with pytest.raises(RuntimeError, match="was forced, but"):
-            fusedattn.attention(q, k, v, mask, case.is_causal, case.scale).sum().backward()
+            fusedattn.attention(q, k, v, mask, case.is_causal, case.scale, case.window).sum().backward()
         return
     q_shape = (case.batch, case.heads_q, case.seqlen_q, case.head_dim)
     kv_shape = (case.batch, case.heads_kv, case.seqlen_k, case.head_dim)

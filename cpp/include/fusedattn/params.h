@@ -63,7 +63,16 @@ struct ForwardParams {
 
   float scale = 1.0f;
   bool is_causal = false;
+  // A sliding window (FlashAttention's window_size, bottom-right aligned as
+  // is_causal): query i sees key j only if
+  //   i + causal_offset - window_left <= j <= i + causal_offset + window_right,
+  // -1 leaving that side open. is_causal is the right side at 0 on top of it;
+  // the operators fold a window of (-1, 0) into is_causal.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
   MaskParams mask;
+
+  bool has_window() const { return window_left >= 0 || window_right >= 0; }
 
   // Device workspace for the sm90 forward: one unsigned int, from which its
   // persistent blocks take work items (the launch zeroes it).
