@@ -117,6 +117,27 @@ def test_bad_windows_are_refused(window, given):
         torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lens, window=window)
 
 
+def test_huge_windows_bound_nothing():
+    """A side far wider than the sequences is no bound (position arithmetic must not overflow)."""
+    q, k, v, _ = make_inputs(Case(seqlen_q=70, seqlen_k=50))
+    full = torch.ops.fusedattn.forward(q, k, v)
+    big = 2**63 - 1
+    for window in ([big, big], [-1, big], [big, -1]):
+        out = torch.ops.fusedattn.forward(q, k, v, window=window)
+        for a, b in zip(out, full):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    check_backward(Case(seqlen_q=70, seqlen_k=50, window=(big, 3)))
+    check_backward(Case(seqlen_q=70, seqlen_k=50, window=(big, 0)))
+
+
+def test_bad_window_leaves_the_cache_untouched():
+    q, k_cache, v_cache, lens, k_new, v_new = make_cache(nq=2, n_new=2, seed=5)
+    before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(RuntimeError, match="window must be two ints"):
+        torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lens, k_new, v_new, window=[1, 2, 3])
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
 def test_window_opcheck_and_compile():
     case = Case(seqlen_q=70, seqlen_k=90, mask="bool", window=(9, 2))
     q, k, v, mask = make_inputs(case)

@@ -209,8 +209,9 @@ bool merges_in_cluster(const KVCacheParams& p, const Plan& plan, int requested) 
 void refuse_window(const ForwardParams& p) {
   if (p.has_window())
     throw std::invalid_argument("fusedattn: the CUDA kernels take no window yet (got window [" +
-                                std::to_string(p.window_left) + ", " + std::to_string(p.window_right) +
-                                "] after folding in is_causal); run windowed attention on the CPU");
+                                std::to_string(p.window_left) + ", " +
+                                std::to_string(p.is_causal ? 0 : p.window_right) +
+                                "]); run windowed attention on the CPU");
 }
 
 }  // namespace

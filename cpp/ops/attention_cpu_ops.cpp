@@ -62,6 +62,7 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
     at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.forward_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
+  check_window(op, window);  // before any sequence's keys are appended
   return forward_kvcache_by_sequence(
       q, k_cache, v_cache, cache_seqlens, k_new, v_new,
       [&](const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,

@@ -177,15 +177,23 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
   return in;
 }
 
-void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef window) {
+void check_window(const char* op, at::OptionalIntArrayRef window) {
   if (!window) return;
   const c10::IntArrayRef w = *window;
   TORCH_CHECK(w.size() == 2 && w[0] >= -1 && w[1] >= -1, op,
               ": window must be two ints [left, right], each >= -1 (-1: no bound on that side), got ", w);
-  p.window_left = w[0];
+}
+
+void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef window) {
+  check_window(op, window);
+  if (!window) return;
+  // A side wider than Nq + Nk bounds nothing; capped, the kernels' position
+  // arithmetic cannot overflow.
+  const int64_t widest = p.shape.seqlen_q + p.shape.seqlen_k;
+  p.window_left = std::min((*window)[0], widest);
   // The right side at 0 is the causal rule; under it, any right side is.
-  if (w[1] == 0) p.is_causal = true;
-  p.window_right = p.is_causal ? -1 : w[1];
+  if ((*window)[1] == 0) p.is_causal = true;
+  p.window_right = p.is_causal ? -1 : std::min((*window)[1], widest);
 }
 
 std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(PreparedInputs& in) {

@@ -39,6 +39,9 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
 // >= -1), folding into is_causal what is_causal means: a window whose right
 // side is 0, or any right side when is_causal is set, is the causal rule.
 void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef window);
+// apply_window's check alone, for calls that must refuse a bad window before
+// they write anything.
+void check_window(const char* op, at::OptionalIntArrayRef window);
 
 // The last dimension made contiguous (copying if it is not), other strides
 // kept; where the device needs it, also a copy when the data or a stride is not

@@ -22,7 +22,8 @@ def causal_mask(n_q: int, n_k: int, device=None) -> Tensor:
 def window_mask(n_q: int, n_k: int, window: tuple[int, int], device=None) -> Tensor:
     """Bool ``[Nq, Nk]``, True where query i may see key j under ``window = (left, right)``:
     ``i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right``, -1 leaving that side unbounded."""
-    left, right = window
+    widest = n_q + n_k  # a side wider than both sequences bounds nothing (and cannot overflow int64)
+    left, right = (side if side < 0 else min(side, widest) for side in window)
     i = torch.arange(n_q, device=device).unsqueeze(1) + (n_k - n_q)
     j = torch.arange(n_k, device=device).unsqueeze(0)
     visible = torch.ones(n_q, n_k, dtype=torch.bool, device=device)

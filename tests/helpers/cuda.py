@@ -49,10 +49,10 @@ def forward(q, k, v, attn_mask=None, is_causal=False, scale=None, window=None):
                                        window)
 
 
-def backward(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None):
+def backward(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, window=None):
     """torch.ops.fusedattn.backward with the family that fusedattn.backends.force set."""
     return torch.ops.fusedattn.backward(grad_out, q, k, v, out, lse, attn_mask, is_causal, scale,
-                                        fusedattn.backends.forced().family)
+                                        fusedattn.backends.forced().family, window)
 
 
 def planned_family(case: Case, q, k, v, mask, backward: bool = False) -> str | None:
