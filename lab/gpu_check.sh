@@ -39,7 +39,19 @@ status=0
 } 2>&1 | tee "$out/build.log"
 
 stage_build() {
-  local t0=$SECONDS
+  local t0=$SECONDS cache cached want
+  # A build dir configured with another compiler keeps it (CMake caches it):
+  # a build there after a plain `pip install .` on the lent image would reuse
+  # /opt/gcc's objects, whose first formatted error message crashes. Start over.
+  want=$(readlink -f "$(command -v "${CXX:-c++}")")
+  for cache in build/*/CMakeCache.txt; do
+    [ -f "$cache" ] || continue
+    cached=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$cache")
+    if [ "$(readlink -f "$cached")" != "$want" ]; then
+      echo "gpu_check: $(dirname "$cache") was configured with $cached, not $want; removing it"
+      rm -rf "$(dirname "$cache")"
+    fi
+  done
   if ! python3 -m pip install --no-build-isolation --no-deps -v . >> "$out/build.log" 2>&1; then
     tail -40 "$out/build.log"
     echo "gpu_check: BUILD FAILED (see build.log)"
