@@ -85,22 +85,20 @@ void store_rows(scalar_t* head, int64_t row_stride, int64_t row0, int64_t rows, 
 
 // The band of keys query i sees under is_causal and the window: [begin, end),
 // clamped to the keys. Both ends grow with i.
-inline int64_t window_right(const ForwardParams& p) { return p.is_causal ? 0 : p.window_right; }
-
 inline int64_t row_key_begin(const ForwardParams& p, int64_t i) {
   if (p.window_left < 0) return 0;
   return std::clamp<int64_t>(i + p.shape.causal_offset() - p.window_left, 0, p.shape.seqlen_k);
 }
 
 inline int64_t row_key_end(const ForwardParams& p, int64_t i) {
-  const int64_t right = window_right(p);
+  const int64_t right = p.band_right();
   if (right < 0) return p.shape.seqlen_k;
   return std::clamp<int64_t>(i + p.shape.causal_offset() + right + 1, 0, p.shape.seqlen_k);
 }
 
 // The queries that see some key of [col0, col0 + cols): [begin, end).
 inline std::pair<int64_t, int64_t> visible_queries(const ForwardParams& p, int64_t col0, int64_t cols) {
-  const int64_t offset = p.shape.causal_offset(), right = window_right(p), nq = p.shape.seqlen_q;
+  const int64_t offset = p.shape.causal_offset(), right = p.band_right(), nq = p.shape.seqlen_q;
   const int64_t begin = right < 0 ? 0 : std::clamp<int64_t>(col0 - offset - right, 0, nq);
   const int64_t end = p.window_left < 0 ? nq : std::clamp<int64_t>(col0 + cols - offset + p.window_left, 0, nq);
   return {begin, std::max(begin, end)};

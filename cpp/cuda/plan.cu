@@ -210,7 +210,7 @@ void refuse_window(const ForwardParams& p) {
   if (p.has_window())
     throw std::invalid_argument("fusedattn: the CUDA kernels take no window yet (got window [" +
                                 std::to_string(p.window_left) + ", " +
-                                std::to_string(p.is_causal ? 0 : p.window_right) +
+                                std::to_string(p.band_right()) +
                                 "]); run windowed attention on the CPU");
 }
 

@@ -34,8 +34,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q, const at::Te
                                                at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.forward";
   parse_family(op, family, q);
-  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support());
-  apply_window(op, in.params, window);
+  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support(), window);
   auto outputs = allocate_forward_outputs(in);
   cpu::forward(in.params);
   return outputs;
@@ -48,8 +47,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.backward";
   parse_family(op, family, q);
-  PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, cpu_support());
-  apply_window(op, b.params.fwd, window);
+  PreparedBackward b =
+      prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, cpu_support(), window);
   cpu::backward(b.params);
   return {b.grad_q, b.grad_k, b.grad_v};
 }
@@ -67,8 +66,8 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
       q, k_cache, v_cache, cache_seqlens, k_new, v_new,
       [&](const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
           const at::Tensor& out_b, const at::Tensor& lse_b) {
-        PreparedInputs in = prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cpu_support());
-        apply_window(op, in.params, window);
+        PreparedInputs in =
+            prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cpu_support(), window);
         set_forward_outputs(in.params, out_b, lse_b);
         cpu::forward(in.params);
       });
@@ -137,8 +136,7 @@ std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.plan";
   parse_family(op, family, q);
-  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support());  // the call's checks
-  apply_window(op, in.params, window);
+  prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support(), window);  // the call's checks
   return cpu::plan(backward).describe();
 }
 
@@ -149,8 +147,7 @@ std::string plan_kvcache_cpu(const at::Tensor& q, const at::Tensor& k_cache, con
                              at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.plan_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
-  PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, cpu_support());
-  apply_window(op, in.params, window);
+  prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, cpu_support(), window);
   return cpu::plan(/*backward=*/false).describe();
 }
 

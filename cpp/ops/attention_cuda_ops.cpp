@@ -60,8 +60,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 std::optional<c10::string_view> family,
                                                 at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.forward";
-  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support());
-  apply_window(op, in.params, window);
+  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(), window);
   const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
   auto outputs = allocate_forward_outputs(in);
   const Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, family_request(op, family, q)); });
@@ -96,8 +95,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family,
     at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.backward";
-  PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, cuda_support());
-  apply_window(op, b.params.fwd, window);
+  PreparedBackward b =
+      prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, cuda_support(), window);
   const c10::cuda::CUDAGuard guard(q.device());
   // torch.use_deterministic_algorithms(True): grad_q from its own pass, in a
   // fixed order, instead of float32 atomics.
@@ -119,8 +118,7 @@ std::string plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
                       std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.plan";
-  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support());
-  apply_window(op, in.params, window);
+  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(), window);
   const c10::cuda::CUDAGuard guard(q.device());
   const PlanRequest request = family_request(op, family, q);
   if (!backward) return with_torch_errors([&] { return cuda::plan_forward(in.params, request); }).describe();

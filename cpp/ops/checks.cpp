@@ -119,10 +119,34 @@ void check_lse(const char* op, const at::Tensor& lse, const at::Tensor& q) {
               lse.device());
 }
 
+void check_window(const char* op, at::OptionalIntArrayRef window) {
+  if (!window) return;
+  const c10::IntArrayRef w = *window;
+  TORCH_CHECK(w.size() == 2 && w[0] >= -1 && w[1] >= -1, op,
+              ": window must be two ints [left, right], each >= -1 (-1: no bound on that side), got ", w);
+}
+
+namespace {
+
+// p's window from the operator's argument (checked), is_causal folded in.
+void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef window) {
+  check_window(op, window);
+  if (!window) return;
+  // A side wider than Nq + Nk bounds nothing; capped, the kernels' position
+  // arithmetic cannot overflow.
+  const int64_t widest = p.shape.seqlen_q + p.shape.seqlen_k;
+  p.window_left = std::min((*window)[0], widest);
+  // The right side at 0 is the causal rule; under it, any right side is.
+  if ((*window)[1] == 0) p.is_causal = true;
+  p.window_right = p.is_causal ? -1 : std::min((*window)[1], widest);
+}
+
+}  // namespace
+
 PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
                                bool is_causal, std::optional<double> scale,
-                               const DeviceSupport& support) {
+                               const DeviceSupport& support, at::OptionalIntArrayRef window) {
   check_rank4(op, q, "q", "[B, Hq, Nq, d]");
   check_rank4(op, k, "k", "[B, Hkv, Nk, d]");
   check_rank4(op, v, "v", "[B, Hkv, Nk, d]");
@@ -173,27 +197,9 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
   p.v_strides = strides_of(in.v);
   p.scale = static_cast<float>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3))));
   p.is_causal = is_causal;
+  apply_window(op, p, window);
   if (attn_mask) in.mask = prepare_mask(op, *attn_mask, q, k, p.mask);
   return in;
-}
-
-void check_window(const char* op, at::OptionalIntArrayRef window) {
-  if (!window) return;
-  const c10::IntArrayRef w = *window;
-  TORCH_CHECK(w.size() == 2 && w[0] >= -1 && w[1] >= -1, op,
-              ": window must be two ints [left, right], each >= -1 (-1: no bound on that side), got ", w);
-}
-
-void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef window) {
-  check_window(op, window);
-  if (!window) return;
-  // A side wider than Nq + Nk bounds nothing; capped, the kernels' position
-  // arithmetic cannot overflow.
-  const int64_t widest = p.shape.seqlen_q + p.shape.seqlen_k;
-  p.window_left = std::min((*window)[0], widest);
-  // The right side at 0 is the causal rule; under it, any right side is.
-  if ((*window)[1] == 0) p.is_causal = true;
-  p.window_right = p.is_causal ? -1 : std::min((*window)[1], widest);
 }
 
 std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(PreparedInputs& in) {
@@ -214,9 +220,9 @@ PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, co
                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                   const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
                                   bool is_causal, std::optional<double> scale,
-                                  const DeviceSupport& support) {
+                                  const DeviceSupport& support, at::OptionalIntArrayRef window) {
   PreparedBackward b;
-  b.fwd = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, support);
+  b.fwd = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, support, window);
   check_same_layout(op, grad_out, "grad_out", q, "q");
   check_same_layout(op, out, "out", q, "q");
   check_lse(op, lse, q);

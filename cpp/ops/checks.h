@@ -30,17 +30,16 @@ struct PreparedInputs {
   ForwardParams params;  // everything but out and lse
 };
 
+// window: the operator's argument ([left, right], each >= -1), folded into
+// is_causal where it means the causal rule (a right side of 0, or any right
+// side under is_causal).
 PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
                                bool is_causal, std::optional<double> scale,
-                               const DeviceSupport& support);
+                               const DeviceSupport& support, at::OptionalIntArrayRef window = std::nullopt);
 
-// Sets p's window from the operator's `window` argument ([left, right], each
-// >= -1), folding into is_causal what is_causal means: a window whose right
-// side is 0, or any right side when is_causal is set, is the causal rule.
-void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef window);
-// apply_window's check alone, for calls that must refuse a bad window before
-// they write anything.
+// prepare_forward's check of `window` alone, for calls that must refuse a
+// bad window before they write anything.
 void check_window(const char* op, at::OptionalIntArrayRef window);
 
 // The last dimension made contiguous (copying if it is not), other strides
@@ -70,7 +69,7 @@ PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, co
                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                   const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
                                   bool is_causal, std::optional<double> scale,
-                                  const DeviceSupport& support);
+                                  const DeviceSupport& support, at::OptionalIntArrayRef window = std::nullopt);
 
 // Points params at out ([B, Hq, Nq, d], last dim contiguous) and lse
 // (contiguous float32 [B, Hq, Nq]).

@@ -69,8 +69,7 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
   const char* op = "fusedattn.forward_kvcache";
   const int64_t n_new = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new);
   PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale,
-                                      decode_support());
-  apply_window(op, in.params, window);
+                                      decode_support(), window);
   // The caches are written in place: they cannot be replaced by aligned copies.
   TORCH_CHECK(in.k.is_same(k_cache) && in.v.is_same(v_cache), op,
               ": on CUDA k_cache and v_cache need a contiguous last dimension and rows starting "
@@ -119,8 +118,8 @@ std::string plan_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
                               std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
                               at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.plan_kvcache";
-  PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, decode_support());
-  apply_window(op, in.params, window);
+  const PreparedInputs in =
+      prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, decode_support(), window);
   const c10::cuda::CUDAGuard guard(q.device());
   KVCacheParams p;
   p.attn = in.params;

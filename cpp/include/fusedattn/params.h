@@ -73,6 +73,9 @@ struct ForwardParams {
   MaskParams mask;
 
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
+  // The band's right side with is_causal folded in: 0 under is_causal, else
+  // the window's (-1: open).
+  int64_t band_right() const { return is_causal ? 0 : window_right; }
 
   // Device workspace for the sm90 forward: one unsigned int, from which its
   // persistent blocks take work items (the launch zeroes it).
