@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import backends
+from .distributed.routing import routed_attention
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "cuda_head_dims", "has_kernel", "plan",
            "plan_kvcache", "supports"]
@@ -166,10 +167,16 @@ def attention(
             ``is_causal=True`` is the window ``(-1, 0)``; window, ``is_causal`` and
             ``attn_mask`` combine. CPU tensors in this version.
 
+    Inside ``fusedattn.distributed.context_parallel`` the call runs on the ring:
+    q, k and v are this rank's shards of the sequence.
+
     Returns:
         ``[B, Hq, Nq, d]`` in q's dtype. Rows whose keys are all masked are 0.
         Differentiable with respect to q, k and v.
     """
+    routed = routed_attention(q, k, v, attn_mask, is_causal, scale, window)
+    if routed is not None:
+        return routed
     out, _ = torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale, backends.forced().family, window)
     return out
 

@@ -1,0 +1,60 @@
+"""Context parallelism for code written with ``fusedattn.attention``.
+
+Inside ``context_parallel(group, layout)``, every ``fusedattn.attention`` call
+(and so ``fusedattn.nn.MultiheadAttention``) runs :func:`ring_attention` over
+the group: its q, k and v are taken as this rank's shards of the sequence, laid
+out as ``layout`` says (``fusedattn.distributed.shard`` makes them). The ring
+takes no ``attn_mask`` and no ``window`` yet; a call with one raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+import torch
+
+from .layout import check_layout
+from .ring import ring_attention
+
+__all__ = ["context_parallel", "routed_attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    group: object
+    layout: str
+
+
+# A stack in a module global, not a context variable: torch.compile guards on
+# what it reads here, so a compiled model recompiles when it enters or leaves
+# the block instead of silently attending within its shard.
+_ROUTES: list[_Route] = []
+
+
+@contextlib.contextmanager
+def context_parallel(group=None, layout: str = "contiguous") -> Iterator[None]:
+    """Route ``fusedattn.attention`` calls to the ring over ``group`` (default: the world)."""
+    check_layout(layout, "fusedattn.distributed.context_parallel")
+    _ROUTES.append(_Route(group, layout))
+    try:
+        yield
+    finally:
+        _ROUTES.pop()
+
+
+@torch.compiler.disable
+def _ring(q, k, v, is_causal, scale, route: _Route):
+    return ring_attention(q, k, v, is_causal, scale, route.group, route.layout)
+
+
+def routed_attention(q, k, v, attn_mask, is_causal, scale, window):
+    """The ring's answer to an attention call inside ``context_parallel``; None outside one."""
+    if not _ROUTES:
+        return None
+    if attn_mask is not None or window is not None:
+        given = "attn_mask" if attn_mask is not None else f"window={tuple(window)}"
+        raise ValueError(f"fusedattn.distributed.context_parallel: the ring takes no attn_mask or window yet "
+                         f"(got {given}); express the mask with is_causal or leave the call outside the block")
+    return _ring(q, k, v, is_causal, scale, _ROUTES[-1])

@@ -1,0 +1,106 @@
+"""What the processes of the ring-attention tests run (tests/test_distributed.py).
+
+Each worker joins a gloo group, runs every case on its shards, gathers the
+whole outputs and gradients with fusedattn.distributed.unshard, and rank 0
+saves them for the parent to check against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from helpers.attention_cases import Case, make_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class RingCase:
+    case: Case  # the whole sequence: seqlen_q == seqlen_k
+    layout: str
+
+    def __str__(self) -> str:
+        return f"{self.layout}-{self.case}"
+
+
+def grad_out_of(case: Case) -> torch.Tensor:
+    g = torch.Generator().manual_seed(case.seed + 1)
+    shape = (case.batch, case.heads_q, case.seqlen_q, case.head_dim)
+    return torch.randn(shape, generator=g).to(case.dtype)
+
+
+def tiny_model(seed: int) -> torch.nn.Module:
+    """Two causal fusedattn.nn.MultiheadAttention layers with a projection between."""
+    import fusedattn
+
+    torch.manual_seed(seed)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.ModuleList(fusedattn.nn.MultiheadAttention(32, 4, batch_first=True)
+                                            for _ in range(2))
+            self.mix = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            hint = torch.ones(1, 1, dtype=torch.bool)  # nn.MultiheadAttention wants a mask with is_causal
+            for i, attn in enumerate(self.attn):
+                x = x + attn(x, x, x, need_weights=False, attn_mask=hint, is_causal=True)[0]
+                if i == 0:
+                    x = self.mix(x)
+            return x
+
+    return Model()
+
+
+def model_input(world: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(world)
+    n = 2 * world * 21  # 21 rows per zigzag chunk: no tile multiple
+    return torch.randn(2, n, 32, generator=g), torch.randn(2, n, 32, generator=g)
+
+
+def _run_case(rc: RingCase) -> dict[str, torch.Tensor]:
+    from fusedattn import distributed as fd
+
+    c = rc.case
+    q, k, v, _ = make_inputs(c)
+    local = [fd.shard(t, 2, layout=rc.layout).detach().requires_grad_() for t in (q, k, v)]
+    out = fd.ring_attention(*local, is_causal=c.is_causal, scale=c.scale, layout=rc.layout)
+    out.backward(fd.shard(grad_out_of(c), 2, layout=rc.layout))
+    whole = [out.detach()] + [t.grad for t in local]
+    return dict(zip(("out", "dq", "dk", "dv"), (fd.unshard(t, 2, layout=rc.layout) for t in whole)))
+
+
+def _run_model(world: int, layout: str, compiled: bool) -> dict[str, torch.Tensor]:
+    from fusedattn import distributed as fd
+
+    model = tiny_model(seed=world)
+    x, g = model_input(world, layout)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    with fd.context_parallel(layout=layout):
+        out = run(fd.shard(x, 1, layout=layout))
+    (out * fd.shard(g, 1, layout=layout)).sum().backward()
+    result = {"out": fd.unshard(out.detach(), 1, layout=layout)}
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)  # each rank's loss covers its own rows: the whole gradient is the sum
+        result[name] = p.grad
+    return result
+
+
+def work(rank: int, world: int, store: str, cases: list[RingCase], model_runs: list[tuple[str, bool]],
+         result_path: str) -> None:
+    # A lost message fails the test within a minute instead of hanging it.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        import fusedattn  # noqa: F401  (the operators)
+
+        results = {str(rc): _run_case(rc) for rc in cases}
+        for layout, compiled in model_runs:
+            results[f"model-{layout}-{'compiled' if compiled else 'eager'}"] = _run_model(world, layout, compiled)
+        if rank == 0:
+            torch.save(results, result_path)
+    finally:
+        dist.destroy_process_group()
