@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fusedattn
-from fusedattn import bench, bench_decode, cli
+from fusedattn import bench, bench_decode, bench_ring, cli
 
 from helpers.bench_results import GPU_METHODS, decode_result, gpu_result
 
@@ -193,9 +193,9 @@ def test_bench_decode_options_are_checked(capsys, no_run):
     def error(*argv):
         return usage_error(capsys, ["bench", *argv, "--no-progress"])
 
-    assert error("--device", "cpu", "--kv-heads", "8") == "--kv-heads needs --decode"
-    assert error("--device", "cpu", "--launch-gaps") == "--launch-gaps needs --decode"
-    assert error("--device", "cpu", "--capacity", "8192") == "--capacity needs --decode"
+    assert error("--device", "cpu", "--kv-heads", "8") == "--kv-heads needs --decode or --ring"
+    assert error("--device", "cpu", "--launch-gaps") == "--launch-gaps needs --decode or --ring"
+    assert error("--device", "cpu", "--capacity", "8192") == "--capacity needs --decode or --ring"
     assert error("--decode", "--device", "cpu", "--seqlens", "1024,4096", "--capacity", "2048") == (
         "--capacity must be at least every N (the largest is 4096), got 2048")
     assert error("--decode", "--plot", "x.png") == "--plot does not apply to --decode"
@@ -207,6 +207,62 @@ def test_bench_decode_options_are_checked(capsys, no_run):
     # Known column names pass --methods' check and reach the device check.
     assert error("--decode", "--device", "cpu", "--methods", "sdpa-cudnn").startswith(
         "--decode: the decode benchmark needs a CUDA device")
+
+
+def test_bench_ring_options_are_checked(capsys, no_run, monkeypatch):
+    from fusedattn import bench_ring
+
+    monkeypatch.setattr(bench_ring, "run", lambda *a, **k: pytest.fail("the ring ran"))
+
+    def error(*argv):
+        return usage_error(capsys, ["bench", "--ring", *argv, "--no-progress"])
+
+    for env in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(env, raising=False)
+    assert error() == ("--ring runs one process per device under torchrun, e.g. "
+                       "torchrun --nproc-per-node 2 -m fusedattn bench --ring")
+    for flag in ("--backward", "--decode", "--wide", "--launch-gaps"):
+        assert error(flag) == f"{flag} does not apply to --ring"
+    assert error("--plot", "x.png") == "--plot does not apply to --ring"
+    assert usage_error(capsys, ["bench", "--layout", "zigzag"]) == "--layout needs --ring"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    assert error("--device", "cpu", "--seqlens", "600,1000") == (
+        "--seqlens: a zigzag layout over 3 ranks cuts N into 6 equal chunks; 1000 is not a multiple of 6")
+    assert error("--device", "cpu", "--heads", "6", "--kv-heads", "4") == "--heads 6 must be a multiple of --kv-heads 4"
+    assert error("--device", "cuda:1").startswith("--device cuda:1: under --ring each process takes cuda:LOCAL_RANK")
+
+
+def test_bench_ring_under_torchrun(tmp_path):
+    """Two gloo processes: the table on rank 0 only, and JSON that --from-json shows again."""
+    out_json = tmp_path / "ring.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "fusedattn",
+                          "bench", "--ring", "--device", "cpu", "--seqlens", "512,768", "--causal", "both",
+                          "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--repeats", "2", "--no-progress",
+                          "--json", str(out_json)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("ring attention over 2 ranks (gloo, zigzag)") == 1  # printed by rank 0 alone
+    result = json.loads(out_json.read_text())
+    assert result["config"]["world"] == 2 and result["config"]["kv_heads"] == 2
+    assert [(r["causal"], r["seqlen"]) for r in result["rows"]] == [(False, 512), (False, 768), (True, 512),
+                                                                   (True, 768)]
+    for row in result["rows"]:
+        r = row["result"]
+        assert r["status"] == "ok" and r["single_seqlen"] == round(row["seqlen"] / 2 ** 0.5)
+        for phase, suffix in (("fwd", ""), ("train", "_train")):
+            ring_s, compute_s = r["seconds"]["ring" + suffix], r["seconds"]["compute" + suffix]
+            assert r[phase]["overhead"] == pytest.approx(ring_s / compute_s - 1)
+            assert 0 <= r[phase]["hidden"] <= 1
+            assert r[phase]["efficiency"] == pytest.approx(r[phase]["speedup"] / 2)
+            useful = bench_ring.flops(bench_ring.RingConfig(torch.device("cpu"), heads=4, head_dim=32),
+                                      row["seqlen"], row["causal"], phase == "train")
+            assert r[phase]["tflops"] == pytest.approx(useful / ring_s / 1e12)
+    shown = subprocess.run([sys.executable, "-m", "fusedattn", "bench", "--from-json", str(out_json)],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() in run.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine can run --decode")

@@ -143,8 +143,11 @@ def _check_plot(path: str) -> None:
 # Options that choose what a run measures; none applies to --from-json.
 _RUN_OPTIONS = ("device", "batch", "heads", "head_dim", "seqlens", "dtype", "causal", "repeats", "methods",
                 "warmup", "json", "decode", "backward", "kv_heads", "lengths", "capacity", "launch_gaps",
-                "num_splits")
-_DECODE_ONLY = ("kv_heads", "lengths", "capacity", "launch_gaps", "num_splits")
+                "num_splits", "ring", "layout")
+_DECODE_ONLY = ("lengths", "capacity", "launch_gaps", "num_splits")
+# What --ring times is fixed (the ring, compute alone, communication alone, one device; forward and
+# forward+backward): these choose other benchmarks' columns.
+_NOT_RING = ("decode", "backward", "methods", "plot", "wide") + _DECODE_ONLY
 
 
 def _flag(name: str) -> str:
@@ -163,14 +166,20 @@ def _check_bench(args) -> None:
         if given:
             raise UsageError(f"--from-json shows saved results and runs nothing: {given[0]} does not apply")
         return
-    if args.decode:
+    if args.ring:
+        for name in _NOT_RING:
+            if _given(args, name):
+                raise UsageError(f"{_flag(name)} does not apply to --ring")
+    elif args.decode:
         for name in ("causal", "plot", "backward"):
             if _given(args, name):
                 raise UsageError(f"{_flag(name)} does not apply to --decode")
     else:
-        for name in _DECODE_ONLY:
+        for name in _DECODE_ONLY + ("kv_heads",):
             if _given(args, name):
-                raise UsageError(f"{_flag(name)} needs --decode")
+                raise UsageError(f"{_flag(name)} needs --decode or --ring")
+    if args.layout is not None and not args.ring:
+        raise UsageError("--layout needs --ring")
     _positive(args, ("batch", "heads", "head_dim", "repeats", "kv_heads", "capacity", "num_splits"))
     if args.num_splits is not None and args.num_splits > 64:
         raise UsageError(f"--num-splits must be at most 64, got {args.num_splits}")
@@ -258,8 +267,70 @@ def _bench_decode(args) -> int:
     return 0
 
 
+def _ring_device(args) -> torch.device:
+    """The device of this rank: the CPU, or (CUDA) cuda:LOCAL_RANK, one GPU per process."""
+    if args.device is not None and args.device.startswith("cuda:"):
+        raise UsageError(f"--device {args.device}: under --ring each process takes cuda:LOCAL_RANK; "
+                         "pass --device cuda")
+    device = _device(args.device, "backward", default_cuda=False)
+    if device.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise UsageError(f"--ring: this process is LOCAL_RANK {local} but the machine has "
+                             f"{torch.cuda.device_count()} CUDA devices (one process per GPU)")
+        device = torch.device("cuda", local)
+    return device
+
+
+def _bench_ring(args) -> int:
+    import torch.distributed as dist
+
+    from . import bench_ring
+
+    if not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ):
+        raise UsageError("--ring runs one process per device under torchrun, e.g. "
+                         "torchrun --nproc-per-node 2 -m fusedattn bench --ring")
+    device = _ring_device(args)
+    cfg = bench_ring.default_config(device)
+    _apply_options(cfg, args, ("batch", "heads", "kv_heads", "head_dim", "seqlens", "repeats", "warmup",
+                               "layout"))
+    if args.kv_heads is None:
+        cfg.kv_heads = cfg.heads
+    if cfg.heads % cfg.kv_heads:
+        raise UsageError(f"--heads {cfg.heads} must be a multiple of --kv-heads {cfg.kv_heads}")
+    if args.causal is not None:
+        cfg.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
+    _cuda_takes(device, cfg.dtypes, cfg.head_dim)
+    world = int(os.environ["WORLD_SIZE"])
+    step = bench_ring.multiple(world, cfg.layout)
+    bad = [n for n in cfg.seqlens if n % step]
+    if bad:
+        raise UsageError(f"--seqlens: a {cfg.layout} layout over {world} ranks cuts N into {step} equal chunks; "
+                         f"{bad[0]} is not a multiple of {step}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        result = bench_ring.run(cfg, progress=not args.no_progress)
+    finally:
+        dist.destroy_process_group()
+    if int(os.environ["RANK"]) == 0:
+        print(bench_ring.format_table(result))
+        _write_json(result, args.json)
+    return 0
+
+
+def _table(result: dict, wide: bool) -> str:
+    """The table of a saved result, by the benchmark that wrote it."""
+    from . import bench, bench_decode, bench_ring
+
+    if result["config"].get("ring"):
+        return bench_ring.format_table(result)
+    return (bench_decode if bench.is_decode(result) else bench).format_table(result, wide=wide)
+
+
 def _from_json(args) -> int:
-    from . import bench, bench_decode
+    from . import bench
 
     results = []
     for path in args.from_json:
@@ -268,14 +339,14 @@ def _from_json(args) -> int:
         except ValueError as e:
             raise UsageError(f"--from-json {e}") from None
     if args.plot:
-        decode = [path for path, r in zip(args.from_json, results) if bench.is_decode(r)]
-        if decode:
-            raise UsageError(f"--plot: {decode[0]} holds --decode results, which have no plot "
-                             f"(--plot draws the forward and backward bench)")
+        for path, r in zip(args.from_json, results):
+            kind = "--ring" if r["config"].get("ring") else "--decode" if bench.is_decode(r) else None
+            if kind:
+                raise UsageError(f"--plot: {path} holds {kind} results, which have no plot "
+                                 f"(--plot draws the forward and backward bench)")
     try:
-        tables = [(bench_decode if bench.is_decode(r) else bench).format_table(r, wide=args.wide)
-                  for r in results]
-    except (KeyError, TypeError, IndexError) as e:
+        tables = [_table(r, args.wide) for r in results]
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
         raise UsageError(f"--from-json: a file lacks a field of the bench's JSON ({e!r})") from None
     print("\n\n".join(tables))
     if args.plot:
@@ -290,6 +361,8 @@ def _bench(args) -> int:
     _check_bench(args)
     if args.from_json:
         return _from_json(args)
+    if args.ring:
+        return _bench_ring(args)
     if args.decode:
         return _bench_decode(args)
     device = _device(args.device, "forward", default_cuda=False)
@@ -455,7 +528,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--decode", action="store_true",
                    help="decoding instead: 1 query per sequence against a KV cache of N (CUDA; "
                         "defaults B=8 H=32 d=128 N=4K,32K,128K float16), reported in TB/s")
-    b.add_argument("--kv-heads", type=int, dest="kv_heads", help="--decode: key/value heads (default: --heads)")
+    b.add_argument("--ring", action="store_true",
+                   help="ring attention over the processes of torchrun (one per GPU, or gloo on the CPU): "
+                        "forward and forward+backward against compute alone, communication alone and one "
+                        "device; defaults on CUDA B=1 H=16 d=128 N=128K,256K,512K bfloat16 causal")
+    b.add_argument("--layout", choices=["contiguous", "zigzag"], help="--ring: how N is spread over the ranks "
+                                                                      "(default zigzag)")
+    b.add_argument("--kv-heads", type=int, dest="kv_heads",
+                   help="--decode, --ring: key/value heads (default: --heads)")
     b.add_argument("--lengths", choices=["full", "varlen", "both"],
                    help="--decode: every cache at N, per-sequence lengths in [1, N], or both (default)")
     b.add_argument("--capacity", type=int,

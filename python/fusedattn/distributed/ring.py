@@ -25,7 +25,7 @@ __all__ = ["ring_attention"]
 # Tags keep the key/value shards and the gradients travelling with them apart
 # where the backend matches messages by tag (gloo); NCCL matches them in order,
 # which every rank keeps the same.
-_KV_TAG, _GRAD_TAG = 1, 2
+KV_TAG, GRAD_TAG = 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ def ring_forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, s
     kv = (k, v)
     for step in range(ring.world):
         source = (ring.rank - step) % ring.world
-        transfer = ring.pass_on(kv, _KV_TAG) if communicate and step < ring.world - 1 else None
+        transfer = ring.pass_on(kv, KV_TAG) if communicate and step < ring.world - 1 else None
         block = step_block(ring.rank, source, n, layout, is_causal)
         if block is not None:
             part_out, part_lse = torch.ops.fusedattn.forward(
@@ -135,7 +135,7 @@ def ring_backward(ring: Ring, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     incoming = None  # the gradients collected so far for the shard held next
     for step in range(ring.world):
         source = (ring.rank - step) % ring.world
-        transfer = ring.pass_on(kv, _KV_TAG) if communicate and step < ring.world - 1 else None
+        transfer = ring.pass_on(kv, KV_TAG) if communicate and step < ring.world - 1 else None
         grad_kv = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv)
         block = step_block(ring.rank, source, n, layout, is_causal)
         if block is not None:
@@ -147,7 +147,7 @@ def ring_backward(ring: Ring, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
             grad_kv[1][:, :, block.kv] += part_v
         if incoming is not None:
             grad_kv = tuple(mine + theirs for mine, theirs in zip(grad_kv, incoming.wait()))
-        incoming = ring.pass_on(grad_kv, _GRAD_TAG) if communicate else None
+        incoming = ring.pass_on(grad_kv, GRAD_TAG) if communicate else None
         if transfer is not None:
             kv = transfer.wait()
     grad_k, grad_v = incoming.wait() if incoming is not None else grad_kv
