@@ -4,21 +4,18 @@ processes, against the float64 reference over the whole sequence."""
 from __future__ import annotations
 
 import datetime
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fusedattn
 from fusedattn import distributed as fd
 from fusedattn.distributed.ring import step_block
 from helpers.attention_cases import Case, check_backward, check_forward
-from helpers.ring_workers import RingCase, grad_out_of, model_input, tiny_model, work
+from helpers.ring_workers import RingCase, grad_out_of, model_input, spawn_ring, tiny_model
 
 WORLDS = (2, 3, 4)
-SPAWN_DEADLINE_S = 240  # a world's cases take about 10 s on 2 cores
 
 
 def ring_cases(world: int) -> list[RingCase]:
@@ -42,23 +39,6 @@ def ring_cases(world: int) -> list[RingCase]:
 MODEL_RUNS = {2: [("contiguous", False), ("zigzag", False), ("contiguous", True)], 3: [("zigzag", False)], 4: []}
 
 
-def _spawn(world: int, tmp) -> dict | str:
-    """What rank 0 of `world` processes gathered, or why there is nothing."""
-    processes = mp.spawn(work, args=(world, str(tmp / "store"), ring_cases(world), MODEL_RUNS[world],
-                                     str(tmp / "results.pt")), nprocs=world, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    try:
-        while not processes.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in processes.processes:
-                    p.kill()
-                return (f"the {world} ring processes did not finish within {SPAWN_DEADLINE_S} s "
-                        "(a message that never arrives?)")
-    except mp.ProcessRaisedException as e:
-        return f"a ring process raised:\n{e}"
-    return torch.load(tmp / "results.pt")
-
-
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
     """world -> what rank 0 gathered, each world's processes spawned once."""
@@ -66,7 +46,8 @@ def ring_results(tmp_path_factory):
 
     def results(world: int) -> dict:
         if world not in cache:
-            cache[world] = _spawn(world, tmp_path_factory.mktemp(f"ring{world}"))
+            cache[world] = spawn_ring(world, tmp_path_factory.mktemp(f"ring{world}"), ring_cases(world),
+                                      MODEL_RUNS[world])
         if isinstance(cache[world], str):  # a failed world fails each of its tests at once
             pytest.fail(cache[world])
         return cache[world]

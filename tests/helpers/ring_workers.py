@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from helpers.attention_cases import Case, make_inputs
+
+SPAWN_DEADLINE_S = 240  # a world's cases take about 10 s on 2 cores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +65,16 @@ def model_input(world: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, n, 32, generator=g), torch.randn(2, n, 32, generator=g)
 
 
-def _run_case(rc: RingCase) -> dict[str, torch.Tensor]:
+def _run_case(rc: RingCase, device: torch.device) -> dict[str, torch.Tensor]:
     from fusedattn import distributed as fd
 
     c = rc.case
-    q, k, v, _ = make_inputs(c)
+    q, k, v, _ = make_inputs(c, device)
     local = [fd.shard(t, 2, layout=rc.layout).detach().requires_grad_() for t in (q, k, v)]
     out = fd.ring_attention(*local, is_causal=c.is_causal, scale=c.scale, layout=rc.layout)
-    out.backward(fd.shard(grad_out_of(c), 2, layout=rc.layout))
+    out.backward(fd.shard(grad_out_of(c).to(device), 2, layout=rc.layout))
     whole = [out.detach()] + [t.grad for t in local]
-    return dict(zip(("out", "dq", "dk", "dv"), (fd.unshard(t, 2, layout=rc.layout) for t in whole)))
+    return dict(zip(("out", "dq", "dk", "dv"), (fd.unshard(t, 2, layout=rc.layout).cpu() for t in whole)))
 
 
 def _run_model(world: int, layout: str, compiled: bool) -> dict[str, torch.Tensor]:
@@ -90,17 +94,38 @@ def _run_model(world: int, layout: str, compiled: bool) -> dict[str, torch.Tenso
 
 
 def work(rank: int, world: int, store: str, cases: list[RingCase], model_runs: list[tuple[str, bool]],
-         result_path: str) -> None:
+         result_path: str, device_type: str = "cpu") -> None:
+    """One rank: gloo on the CPU, or NCCL with one GPU per rank (device_type "cuda")."""
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     # A lost message fails the test within a minute instead of hanging it.
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         import fusedattn  # noqa: F401  (the operators)
 
-        results = {str(rc): _run_case(rc) for rc in cases}
+        results = {str(rc): _run_case(rc, device) for rc in cases}
         for layout, compiled in model_runs:
             results[f"model-{layout}-{'compiled' if compiled else 'eager'}"] = _run_model(world, layout, compiled)
         if rank == 0:
             torch.save(results, result_path)
     finally:
         dist.destroy_process_group()
+
+
+def spawn_ring(world: int, tmp, cases: list[RingCase], model_runs, device_type: str = "cpu") -> dict | str:
+    """What rank 0 of `world` processes gathered, or why there is nothing."""
+    processes = mp.spawn(work, args=(world, str(tmp / "store"), cases, model_runs, str(tmp / "results.pt"),
+                                     device_type), nprocs=world, join=False)
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    try:
+        while not processes.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in processes.processes:
+                    p.kill()
+                return (f"the {world} ring processes did not finish within {SPAWN_DEADLINE_S} s "
+                        "(a message that never arrives?)")
+    except mp.ProcessRaisedException as e:
+        return f"a ring process raised:\n{e}"
+    return torch.load(tmp / "results.pt")
