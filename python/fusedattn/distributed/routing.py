@@ -33,20 +33,24 @@ class _Route:
 _ROUTES: list[_Route] = []
 
 
+# ring_attention behind torch.compiler.disable (a graph break: the ring's
+# messages cannot be traced), made on first use: the decorator imports
+# torch._dynamo, over a second that `import fusedattn` need not pay.
+_untraced_ring = None
+
+
 @contextlib.contextmanager
 def context_parallel(group=None, layout: str = "contiguous") -> Iterator[None]:
     """Route ``fusedattn.attention`` calls to the ring over ``group`` (default: the world)."""
+    global _untraced_ring
     check_layout(layout, "fusedattn.distributed.context_parallel")
+    if _untraced_ring is None:
+        _untraced_ring = torch.compiler.disable(ring_attention)
     _ROUTES.append(_Route(group, layout))
     try:
         yield
     finally:
         _ROUTES.pop()
-
-
-@torch.compiler.disable
-def _ring(q, k, v, is_causal, scale, route: _Route):
-    return ring_attention(q, k, v, is_causal, scale, route.group, route.layout)
 
 
 def routed_attention(q, k, v, attn_mask, is_causal, scale, window):
@@ -57,4 +61,5 @@ def routed_attention(q, k, v, attn_mask, is_causal, scale, window):
         given = "attn_mask" if attn_mask is not None else f"window={tuple(window)}"
         raise ValueError(f"fusedattn.distributed.context_parallel: the ring takes no attn_mask or window yet "
                          f"(got {given}); express the mask with is_causal or leave the call outside the block")
-    return _ring(q, k, v, is_causal, scale, _ROUTES[-1])
+    route = _ROUTES[-1]
+    return _untraced_ring(q, k, v, is_causal, scale, route.group, route.layout)
