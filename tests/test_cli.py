@@ -1,6 +1,7 @@
 """The command line: `fusedattn bench` writes a table, JSON and a plot;
 `fusedattn generate` and `bench` refuse a user error up front, in one line."""
 
+import io
 import json
 import struct
 import subprocess
@@ -482,7 +483,15 @@ def test_generate_user_errors(capsys, no_run, tmp_path):
     def error(*argv):
         return usage_error(capsys, ["generate", *argv, "--device", "cpu"])
 
-    assert error("") == 'the prompt is empty: give the text to continue, e.g. fusedattn generate "Once upon a time"'
+    assert error("") == 'the prompt is empty: give the text, e.g. fusedattn generate "Once upon a time"'
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    assert error("--prompt-file", str(empty)) == f"--prompt-file {empty}: no prompt in it (one per line)"
+    assert error("--prompt-file", str(tmp_path / "none.txt")) == (
+        f"--prompt-file {tmp_path / 'none.txt'}: cannot read it (No such file or directory)")
+    assert error("Hi", "--prompt-file", str(empty)) == "give a prompt or --prompt-file, not both"
+    assert error("Hi", "--cache-dir", str(tmp_path), "--no-cache") == "give --cache-dir or --no-cache, not both"
+    assert error("Hi", "--cache-dir", str(empty)) == f"--cache-dir {empty}: not a folder"
     assert error("Hi", "--max-new-tokens", "0") == "--max-new-tokens must be at least 1, got 0"
     assert error("Hi", "--batch", "0") == "--batch must be at least 1, got 0"
     assert error("Hi", "--top-p", "0") == "--top-p must be in (0, 1] (1: off), got 0.0"
@@ -501,6 +510,16 @@ def test_generate_user_errors(capsys, no_run, tmp_path):
     _write_gguf(llama, {"general.architecture": "llama", "llama.context_length": 128})
     assert error("Hi", "--gguf", str(llama), "--max-new-tokens", "128") == (
         "--max-new-tokens 128: the model's context is 128 positions, prompt included")
+
+
+def test_generate_without_a_prompt_on_a_terminal_says_where_prompts_come_from(capsys, no_run, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal())
+    assert usage_error(capsys, ["generate", "--device", "cpu"]) == (
+        'give a prompt (fusedattn generate "Once upon a time"), --prompt-file FILE, or prompts on stdin, one per line')
 
 
 def test_generate_refuses_a_cuda_head_dim(capsys, no_run, fake_cuda, tmp_path):

@@ -1,6 +1,8 @@
 """The inference engine: our Llama decoder on fusedattn against transformers' generate."""
 
+import io
 import os
+import re
 
 import pytest
 import torch
@@ -126,9 +128,59 @@ def test_stop_tokens_end_a_sequence(engine):
     assert stopped == greedy[:3]
 
 
-def test_generate_command_line(capsys, engine):
-    assert cli.main(["generate", "The capital of France is", "--max-new-tokens", "5",
-                     "--batch", "2", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One model cache for the command-line tests: the first converts, the others load."""
+    return str(tmp_path_factory.mktemp("model-cache"))
+
+
+def generate(capsys, cache_dir, *argv) -> str:
+    assert cli.main(["generate", *argv, "--device", "cpu", "--cache-dir", cache_dir]) == 0
+    return capsys.readouterr().out
+
+
+def test_generate_command_line_continues_raw_text(capsys, cache_dir):
+    out = generate(capsys, cache_dir, "The capital of France is", "--raw", "--max-new-tokens", "5", "--batch", "2")
     assert out.startswith("The capital of France is") and "--- sequence 1:" in out
     assert "prefill:" in out and "decode:" in out
+
+
+def test_generate_answers_in_the_chat_template_by_default(capsys, cache_dir):
+    out = generate(capsys, cache_dir, "What is the capital of France?", "--max-new-tokens", "16")
+    assert out.startswith("> What is the capital of France?\n")
+    assert "Paris" in out.splitlines()[1], out
+
+
+def test_generate_takes_prompts_from_a_file_and_from_stdin(capsys, cache_dir, tmp_path, monkeypatch):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\n\nName a colour of the rainbow.\n")
+    out = generate(capsys, cache_dir, "--prompt-file", str(prompts), "--max-new-tokens", "8")
+    assert "=== prompt 1 of 2\n> What is the capital of France?" in out
+    assert "=== prompt 2 of 2\n> Name a colour of the rainbow." in out
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n"))
+    piped = generate(capsys, cache_dir, "--max-new-tokens", "8")
+    assert piped.splitlines()[:2] == out.splitlines()[1:3]  # the same greedy answer
+
+
+def test_generate_draws_a_fresh_seed_and_says_which(capsys, cache_dir):
+    """Without --seed each sampled run has its own seed, printed; passing it repeats the run."""
+    argv = ("Tell me a story.", "--temperature", "1.2", "--max-new-tokens", "12")
+    first = generate(capsys, cache_dir, *argv)
+    seed = int(re.search(r"seed (\d+)", first.splitlines()[-1]).group(1))
+    second = generate(capsys, cache_dir, *argv)
+    assert int(re.search(r"seed (\d+)", second.splitlines()[-1]).group(1)) != seed
+    again = generate(capsys, cache_dir, *argv, "--seed", str(seed))
+    assert again.splitlines()[:2] == first.splitlines()[:2]
+
+
+def test_a_cached_model_loads_without_converting_and_decodes_the_same(engine, tmp_path, monkeypatch):
+    from fusedattn import engine as engine_module
+
+    path = smollm2_path()
+    Engine.from_gguf(path, cache_dir=str(tmp_path))  # converts and writes the entry
+    (entry,) = (tmp_path / "models").iterdir()
+    assert (entry / "weights.pt").is_file() and (entry / "tokenizer").is_dir()
+    monkeypatch.setattr(engine_module, "_read_gguf", lambda path: pytest.fail("converted again"))
+    cached = Engine.from_gguf(path, cache_dir=str(tmp_path))
+    assert run(cached, PROMPTS, max_new_tokens=8) == run(engine, PROMPTS, max_new_tokens=8)
+    assert cached.chat_prompt("Hi") == engine.chat_prompt("Hi")

