@@ -467,7 +467,7 @@ def _write_gguf(path, fields: dict) -> None:
 
 
 def test_gguf_metadata_reads_the_header(tmp_path):
-    from fusedattn.engine import gguf_metadata
+    from fusedattn.gguf_models import gguf_metadata
 
     path = tmp_path / "m.gguf"
     _write_gguf(path, {"general.name": "x", "general.architecture": "qwen2", "qwen2.block_count": 2})
@@ -505,7 +505,7 @@ def test_generate_user_errors(capsys, no_run, tmp_path):
     qwen = tmp_path / "qwen.gguf"
     _write_gguf(qwen, {"general.architecture": "qwen2"})
     assert error("Hi", "--gguf", str(qwen)) == (
-        f"--gguf {qwen}: its architecture is 'qwen2'; fusedattn's engine runs llama-architecture GGUF files only")
+        f"--gguf {qwen}: its architecture is 'qwen2'; fusedattn's engine runs llama, gemma3 GGUF files")
     llama = tmp_path / "llama.gguf"
     _write_gguf(llama, {"general.architecture": "llama", "llama.context_length": 128})
     assert error("Hi", "--gguf", str(llama), "--max-new-tokens", "128") == (
@@ -622,8 +622,8 @@ def test_engine_checks_the_architecture_before_the_load(tmp_path, monkeypatch):
 
     if cli._module_missing("transformers"):
         pytest.skip("needs transformers")
-    monkeypatch.setattr(engine, "_read_gguf", lambda path: pytest.fail("loaded before the check"))
+    monkeypatch.setattr(engine, "read_model", lambda path: pytest.fail("loaded before the check"))
     qwen = tmp_path / "qwen.gguf"
     _write_gguf(qwen, {"general.architecture": "qwen2"})
-    with pytest.raises(ValueError, match="expected a llama-architecture GGUF, got 'qwen2'"):
+    with pytest.raises(ValueError, match="its architecture is 'qwen2'; fusedattn's engine runs llama, gemma3"):
         engine.Engine.from_gguf(str(qwen))

