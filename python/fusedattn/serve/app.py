@@ -1,0 +1,169 @@
+"""The HTTP side: an aiohttp application with OpenAI's routes.
+
+GET /health (no key needed; the request pool), GET /v1/models, POST
+/v1/completions and POST /v1/chat/completions, plain or streamed as
+server-sent events that end with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import random
+import time
+import uuid
+
+from aiohttp import web
+
+from ..engine import Engine, SamplingParams
+from .protocol import ApiError, Request, error_body, parse_request
+from .scheduler import Finish, Job, Scheduler
+
+__all__ = ["make_app"]
+
+_SCHEDULER = web.AppKey("scheduler", Scheduler)
+_MODEL = web.AppKey("model", str)
+
+
+def _json(body: dict, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status)
+
+
+def make_app(engine: Engine, model_name: str, api_key: str | None = None) -> web.Application:
+    """The application serving engine under model_name; api_key: the bearer key every /v1 request needs."""
+
+    @web.middleware
+    async def errors_and_key(request: web.Request, handler):
+        if api_key is not None and request.path.startswith("/v1"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _json(ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)").body(), 401)
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return _json(e.body(), e.status)
+        except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method
+            return _json(error_body(e.reason, "invalid_request_error"), e.status)
+
+    app = web.Application(middlewares=[errors_and_key])
+    app[_SCHEDULER] = Scheduler(engine)
+    app[_MODEL] = model_name
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+
+    async def close(app: web.Application) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, app[_SCHEDULER].close)
+
+    app.on_cleanup.append(close)
+    return app
+
+
+async def _health(request: web.Request) -> web.Response:
+    return _json({"status": "ok", "requests": request.app[_SCHEDULER].pool()})
+
+
+async def _models(request: web.Request) -> web.Response:
+    return _json({"object": "list", "data": [
+        {"id": request.app[_MODEL], "object": "model", "created": 0, "owned_by": "fusedattn"}]})
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=False)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=True)
+
+
+def _prompt_ids(engine: Engine, req: Request) -> list[int]:
+    if not req.chat:
+        return engine.tokenizer.encode(req.prompt)
+    if not getattr(engine.tokenizer, "chat_template", None):
+        raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
+    rendered = engine.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+    return engine.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def _job(request: web.Request, req: Request) -> Job:
+    engine = request.app[_SCHEDULER].engine
+    if req.model != request.app[_MODEL]:
+        raise ApiError(404, f"the model '{req.model}' does not exist (this server has '{request.app[_MODEL]}')",
+                       "model", "model_not_found")
+    ids = _prompt_ids(engine, req)
+    context = engine.config.context
+    room = context - len(ids)
+    if room < 1:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens; the model's context is {context}", "messages"
+                       if req.chat else "prompt", "context_length_exceeded")
+    max_tokens = room if req.max_tokens is None else req.max_tokens
+    if max_tokens > room:
+        raise ApiError(400, f"the prompt ({len(ids)} tokens) and max_tokens ({max_tokens}) exceed the model's "
+                       f"context of {context} tokens", "max_tokens", "context_length_exceeded")
+    seed = req.seed if req.seed is not None else random.SystemRandom().randrange(2**63)
+    return Job(ids, max_tokens, SamplingParams(req.temperature, req.top_k, req.top_p, seed), req.stop,
+               asyncio.get_running_loop())
+
+
+async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
+    req = parse_request(await request.read(), chat)
+    job = _job(request, req)
+    scheduler = request.app[_SCHEDULER]
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": req.model}
+    usage = lambda finish: {"prompt_tokens": len(job.ids), "completion_tokens": finish.completion_tokens,  # noqa: E731
+                            "total_tokens": len(job.ids) + finish.completion_tokens}
+    scheduler.submit(job)
+    try:
+        if not req.stream:
+            parts = []
+            while not isinstance(event := await job.events.get(), Finish):
+                parts.append(event)
+            _raise_failed(event)
+            text = "".join(parts)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+                      else {"index": 0, "text": text, "logprobs": None})
+            return _json({**head, "object": "chat.completion" if chat else "text_completion",
+                          "choices": [{**choice, "finish_reason": event.reason}], "usage": usage(event)})
+        return await _stream(request, req, job, head, usage)
+    finally:
+        job.cancelled.set()  # a finished job ignores it; one whose client left stops at its next token
+
+
+def _raise_failed(finish: Finish) -> None:
+    if finish.error is not None:
+        raise ApiError(500, f"the generation failed: {finish.error}")
+
+
+async def _stream(request: web.Request, req: Request, job: Job, head: dict, usage) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    kind = "chat.completion.chunk" if req.chat else "text_completion"
+
+    async def send(choice: dict | None, **extra) -> None:
+        chunk = {**head, "object": kind, "choices": [] if choice is None else [{"index": 0, **choice}], **extra}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+    if req.chat:
+        await send({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+    while not isinstance(event := await job.events.get(), Finish):
+        await send({"delta": {"content": event}, "finish_reason": None} if req.chat
+                   else {"text": event, "logprobs": None, "finish_reason": None})
+    if event.error is not None:  # the status is sent already: an error event, then the end
+        await response.write(f"data: {json.dumps(ApiError(500, event.error).body())}\n\n".encode())
+    else:
+        await send({"delta": {}, "finish_reason": event.reason} if req.chat
+                   else {"text": "", "logprobs": None, "finish_reason": event.reason})
+        if req.include_usage:
+            await send(None, usage=usage(event))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def model_name(path: str) -> str:
+    """The id a GGUF file is served under: its file name without .gguf."""
+    return os.path.basename(path).removesuffix(".gguf")

@@ -1,0 +1,132 @@
+"""The OpenAI API's requests as the server takes them, and its error bodies.
+
+A request body becomes a ``Request`` or raises ``ApiError`` (a 4xx status and
+an OpenAI-style ``{"error": {...}}`` body naming the field at fault). Fields
+the server does not use are ignored, as OpenAI's clients send many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+__all__ = ["ApiError", "Request", "error_body", "parse_request"]
+
+MAX_STOPS = 4  # OpenAI's limit on `stop` strings
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 401:
+            kind = "authentication_error"
+        return error_body(self.message, kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclasses.dataclass
+class Request:
+    chat: bool
+    model: str
+    prompt: str | None  # completions
+    messages: list[dict] | None  # chat completions
+    max_tokens: int | None  # None: the rest of the context
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage counts
+
+
+def _number(body: dict, name: str, default, low: float, high: float, low_open: bool = False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"'{name}' must be a number, got {json.dumps(value)}", name)
+    if not (low < value if low_open else low <= value) or value > high:
+        interval = f"{'(' if low_open else '['}{low}, {high}]"
+        raise ApiError(400, f"'{name}' must be in {interval}, got {value}", name)
+    return value
+
+
+def _integer(body: dict, name: str, default, low: int, high: int | None = None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(value)}", name)
+    if value < low or (high is not None and value > high):
+        bound = f"at least {low}" if high is None else f"in [{low}, {high}]"
+        raise ApiError(400, f"'{name}' must be {bound}, got {value}", name)
+    return value
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}] must have a role of system, user or assistant", "messages")
+        if not isinstance(m.get("content"), str):
+            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        raise ApiError(400, "'prompt' must be one string (this server takes one prompt per request)", "prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
+    return prompt
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+        raise ApiError(400, f"'stop' must be a non-empty string or a list of at most {MAX_STOPS} of them", "stop")
+    return stops
+
+
+def parse_request(raw: bytes, chat: bool) -> Request:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' must name the model (GET /v1/models lists it)", "model")
+    if _integer(body, "n", 1, 1, 1) != 1:
+        raise ApiError(400, "'n' must be 1", "n")
+    max_tokens = _integer(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
+                          None if chat else 16, 1)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"'stream' must be true or false, got {json.dumps(stream)}", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    return Request(
+        chat=chat, model=model, prompt=None if chat else _prompt(body), messages=_messages(body) if chat else None,
+        max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=_integer(body, "top_k", 0, 0),
+        seed=_integer(body, "seed", None, -(2**63), 2**63 - 1), stop=_stop(body), stream=stream,
+        include_usage=bool(options.get("include_usage")))

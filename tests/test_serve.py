@@ -1,0 +1,280 @@
+"""fusedattn serve: the OpenAI-compatible server on SmolLM2 (CPU), driven by
+the openai client, against the engine's own greedy answers."""
+
+import asyncio
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs the models extra: pip install .[models]")
+pytest.importorskip("gguf", reason="needs the models extra: pip install .[models]")
+pytest.importorskip("aiohttp", reason="needs the serve extra: pip install .[serve]")
+openai = pytest.importorskip("openai", reason="needs the serve extra: pip install .[serve]")
+
+from aiohttp import web  # noqa: E402
+
+from fusedattn.engine import Engine, smollm2_path  # noqa: E402
+from fusedattn.serve import make_app, model_name  # noqa: E402
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Attention is all you", "Red, orange, yellow,"]
+KEY = "sk-test-key"
+
+
+class Running:
+    """An app served from a thread of its own on 127.0.0.1 at a free port."""
+
+    def __init__(self, app: web.Application):
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        ready = threading.Event()
+
+        def serve():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.runner.setup())
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            self.loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        assert ready.wait(30)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    try:
+        path = smollm2_path()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    return Engine.from_gguf(path, cache_dir=str(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    running = Running(make_app(engine, model_name(smollm2_path())))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    (only,) = client.models.list().data
+    return only.id
+
+
+class Reply:
+    def __init__(self, status: int, raw: bytes):
+        self.status_code, self.raw = status, raw
+
+    def json(self):
+        return json.loads(self.raw)
+
+
+def get(url: str) -> Reply:
+    return post(url, None)
+
+
+def post(url: str, content: bytes | None = None, json_body=None, headers: dict | None = None) -> Reply:
+    """A plain HTTP request (POST when there is a body), its status and body whatever the status."""
+    if json_body is not None:
+        content = json.dumps(json_body).encode()
+    request = urllib.request.Request(url, data=content, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return Reply(r.status, r.read())
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, e.read())
+
+
+def engine_greedy(engine, ids, max_tokens):
+    out = []
+    for step in engine.generate([ids], max_tokens):
+        if step[0] is not None:
+            out.append(step[0])
+    return engine.tokenizer.decode(out, skip_special_tokens=True)
+
+
+def complete(client, model, prompt, **kw):
+    return client.completions.create(model=model, prompt=prompt, temperature=0, **kw)
+
+
+def test_health_and_models(server, model):
+    health = get(server.url + "/health").json()
+    assert health == {"status": "ok", "requests": {"running": 0, "waiting": 0}}
+    assert model == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_a_completion_is_the_engines_greedy_text_plain_and_streamed(client, model, engine):
+    plain = complete(client, model, PROMPTS[0], max_tokens=10)
+    expected = engine_greedy(engine, engine.tokenizer.encode(PROMPTS[0]), 10)
+    assert plain.choices[0].text == expected and plain.choices[0].finish_reason == "length"
+    assert plain.usage.prompt_tokens == len(engine.tokenizer.encode(PROMPTS[0]))
+    assert plain.usage.completion_tokens == 10 and plain.usage.total_tokens == plain.usage.prompt_tokens + 10
+    chunks = list(complete(client, model, PROMPTS[0], max_tokens=10, stream=True,
+                           stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_in_the_models_template_plain_and_streamed(client, model):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16)
+    answer = plain.choices[0].message.content
+    assert "Paris" in answer and plain.choices[0].message.role == "assistant"
+    assert plain.choices[0].finish_reason == "stop"  # the model ends its turn
+    streamed = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer
+
+
+def test_concurrent_greedy_requests_each_get_their_own_answer(client, model):
+    alone = {p: complete(client, model, p, max_tokens=6).choices[0].text for p in PROMPTS}
+    asked = PROMPTS * 3
+    with concurrent.futures.ThreadPoolExecutor(len(asked)) as pool:
+        together = list(pool.map(lambda p: complete(client, model, p, max_tokens=6).choices[0].text, asked))
+    assert together == [alone[p] for p in asked]
+
+
+def test_a_stop_string_ends_the_text_before_it(client, model):
+    full = complete(client, model, PROMPTS[0], max_tokens=10).choices[0].text
+    assert "." in full
+    cut = complete(client, model, PROMPTS[0], max_tokens=10, stop=["."])
+    assert cut.choices[0].text == full[: full.index(".")] and cut.choices[0].finish_reason == "stop"
+    streamed = complete(client, model, PROMPTS[0], max_tokens=10, stop=["."], stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
+
+
+def test_sampling_follows_the_seed(client, model):
+    def sample(seed):
+        return client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=12, temperature=1.3,
+                                         seed=seed).choices[0].text
+
+    assert sample(5) == sample(5)
+    assert len({sample(5), sample(6), sample(7)}) > 1
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"prompt": "hi"}).encode(), 400, "model"),
+    (json.dumps({"model": "M"}).encode(), 400, "prompt"),
+    (json.dumps({"model": "M", "prompt": "hi", "max_tokens": -3}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "M", "prompt": "hi", "max_tokens": 10**9}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "M", "prompt": "hi " * 9000}).encode(), 400, "prompt"),
+    (json.dumps({"model": "M", "prompt": "hi", "temperature": 5}).encode(), 400, "temperature"),
+    (json.dumps({"model": "M", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop"),
+    (json.dumps({"model": "M", "prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
+    (json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404, "model"),
+])
+def test_bad_requests_get_an_openai_error_and_the_server_serves_on(server, model, body, status, param):
+    response = post(server.url + "/v1/completions", body.replace(b'"M"', json.dumps(model).encode()))
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+    assert get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_chat_requests_are_checked_too(server, model):
+    for messages in ([], [{"role": "robot", "content": "hi"}], [{"role": "user", "content": 3}]):
+        response = post(server.url + "/v1/chat/completions", json_body={"model": model, "messages": messages})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def test_a_thousand_malformed_requests_leave_it_healthy(server, client, model):
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    for i in range(1000):  # one kept-alive connection, as a client in a loop would
+        connection.request("POST", "/v1/completions", body=b"{" * (i % 7 + 1))
+        response = connection.getresponse()
+        assert response.status == 400 and b'"error"' in response.read()
+    connection.close()
+    assert complete(client, model, PROMPTS[0], max_tokens=2).choices[0].text
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_request(server, model):
+    body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 4000, "temperature": 0, "stream": True}
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    connection.close()  # mid-stream
+    deadline = time.monotonic() + 20  # the 4000 tokens would take minutes
+    while get(server.url + "/health").json()["requests"] != {"running": 0, "waiting": 0}:
+        assert time.monotonic() < deadline, "the request kept running after its client left"
+        time.sleep(0.2)
+
+
+def test_an_api_key_is_checked_in_constant_time_on_v1_routes(engine, model):
+    running = Running(make_app(engine, model, api_key=KEY))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=running.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert post(running.url + "/v1/completions", json_body={}).status_code == 401
+        keyed = openai.OpenAI(base_url=running.url + "/v1", api_key=KEY, max_retries=0)
+        assert keyed.models.list().data[0].id == model
+        assert get(running.url + "/health").status_code == 200  # no key needed
+    finally:
+        running.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_serve_command_serves_and_stops_on_sigterm(tmp_path):
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "fusedattn", "serve", "--port", str(port), "--cache-dir",
+                                str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except OSError:  # not listening yet
+                pass
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert f"http://127.0.0.1:{port}/v1" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    (["--api-key", ""], "--api-key is empty: give the key clients must send, or leave the option out"),
+    (["--model", "/no/such.gguf"], "--model /no/such.gguf: no such file"),
+])
+def test_serve_command_line_errors(argv, message):
+    done = subprocess.run([sys.executable, "-m", "fusedattn", "serve", *argv], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"fusedattn serve: error: {message}"]
