@@ -530,6 +530,11 @@ def test_generate_refuses_a_cuda_head_dim(capsys, no_run, fake_cuda, tmp_path):
         f"--gguf {model}: its head dim is 96; fusedattn's CUDA kernels take 32, 64, 128 (use --device cpu)")
 
 
+def test_generate_refuses_float32_on_cuda(capsys, no_run, fake_cuda):
+    assert usage_error(capsys, ["generate", "Hi", "--device", "cuda", "--dtype", "float32"]) == (
+        "--dtype float32: fusedattn's CUDA kernels take float16 and bfloat16")
+
+
 def test_generate_without_the_models_extra(capsys, no_run, monkeypatch):
     """Once `ModuleNotFoundError: No module named 'transformers'` after the checks."""
     monkeypatch.setitem(sys.modules, "transformers", None)

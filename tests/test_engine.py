@@ -151,6 +151,11 @@ def test_generate_answers_in_the_chat_template_by_default(capsys, cache_dir):
     assert "Paris" in out.splitlines()[1], out
 
 
+def test_generate_in_bfloat16_answers_too(capsys, cache_dir):
+    out = generate(capsys, cache_dir, "What is the capital of France?", "--max-new-tokens", "16", "--dtype", "bfloat16")
+    assert "Paris" in out.splitlines()[1], out
+
+
 def test_generate_takes_prompts_from_a_file_and_from_stdin(capsys, cache_dir, tmp_path, monkeypatch):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is the capital of France?\n\nName a colour of the rainbow.\n")

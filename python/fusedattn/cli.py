@@ -457,6 +457,16 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
+def _engine_dtype(args, device: torch.device) -> torch.dtype | None:
+    """--dtype of generate and serve, checked against the device (None: the engine's default)."""
+    if args.dtype is None:
+        return None
+    dtype = _dtypes()[args.dtype]
+    if device.type == "cuda" and dtype == torch.float32:
+        raise UsageError("--dtype float32: fusedattn's CUDA kernels take float16 and bfloat16")
+    return dtype
+
+
 def _check_cache_dir(args) -> None:
     if args.cache_dir is None:
         return
@@ -482,6 +492,7 @@ def _check_generate(args) -> tuple[torch.device, list[str]]:
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (1: off), got {args.top_p}")
     device = _device(args.device, "forward_kvcache", default_cuda=False)
+    _engine_dtype(args, device)
 
     def check_model():
         path = _model_path(args)
@@ -509,7 +520,8 @@ def _generate(args) -> int:
     device, prompts = _check_generate(args)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**63)
     start = time.perf_counter()
-    engine = Engine.from_gguf(args.gguf, device=device, cuda_graph=not args.no_cuda_graph,
+    engine = Engine.from_gguf(args.gguf, device=device, dtype=_engine_dtype(args, device),
+                              cuda_graph=not args.no_cuda_graph,
                               cache_dir=None if args.no_cache else args.cache_dir or default_cache_dir())
     loaded = time.perf_counter() - start
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed)
@@ -577,6 +589,7 @@ def _serve(args) -> int:
         raise UsageError("--api-key is empty: give the key clients must send, or leave the option out")
     _check_cache_dir(args)
     device = _device(args.device, "forward_kvcache", default_cuda=False)
+    _engine_dtype(args, device)
     path, flag = _serve_model(args)
     _check_model(path, flag, device, 0)
     missing = [m for m in ("transformers", "gguf", "aiohttp") if _module_missing(m)]
@@ -589,7 +602,8 @@ def _serve(args) -> int:
     from .engine_cache import default_cache_dir
     from .serve import make_app, model_name
 
-    engine = Engine.from_gguf(path, device=device, cuda_graph=not args.no_cuda_graph,
+    engine = Engine.from_gguf(path, device=device, dtype=_engine_dtype(args, device),
+                              cuda_graph=not args.no_cuda_graph,
                               cache_dir=None if args.no_cache else args.cache_dir or default_cache_dir())
     name = model_name(path)
     print(f"fusedattn serve: {name} on {engine.device}, http://{args.host}:{args.port}/v1 "
@@ -666,6 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64, dest="max_new_tokens")
     g.add_argument("--batch", type=int, default=1, help="decode this many copies of the prompt together")
     g.add_argument("--device", help="cpu or cuda (default: cuda when this build and machine have it)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' and activations' dtype (default: float32 on the CPU, float16 on CUDA; "
+                        "bfloat16 decodes about 1.8x faster on the CPU)")
     g.add_argument("--no-cuda-graph", action="store_true", dest="no_cuda_graph",
                    help="decode eagerly instead of replaying a captured CUDA graph")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -682,6 +699,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key", dest="api_key", help="the bearer key every /v1 request must send")
     v.add_argument("--cache-dir", dest="cache_dir", metavar="DIR", help="as for generate")
     v.add_argument("--no-cache", action="store_true", dest="no_cache", help="convert the model at every start")
+    v.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' and activations' dtype (default: float32 on the CPU, float16 on CUDA; "
+                        "bfloat16 decodes about 1.8x faster on the CPU)")
     v.add_argument("--no-cuda-graph", action="store_true", dest="no_cuda_graph", help="decode eagerly on CUDA")
     return parser
 
