@@ -227,13 +227,15 @@ def _prepare(cfg: Config, inputs, causal: bool, name: str, fn) -> tuple[Callable
     return timed, {"status": "ok", "peak_bytes": memory}
 
 
-def interleaved_medians(timed: dict[str, Callable[[], float]], repeats: int) -> dict[str, float | dict]:
+def interleaved_medians(timed: dict[str, Callable[[], float]], repeats: int,
+                        recover_oom: bool = True) -> dict[str, float | dict]:
     """Median seconds of each timed() over `repeats` rounds, each round calling
     every method once, starting one further along each time; {"status": "OOM"}
     for a method that ran out of memory. A GPU at its power limit clocks by
     what ran just before, so a method timed first in a row reads faster than
     timed second (lab/order_effect.py measures it): interleaving spreads that
-    over every method."""
+    over every method. recover_oom=False lets an OutOfMemoryError through (a
+    distributed benchmark: the other ranks would wait on the failed one)."""
     names = list(timed)
     times: dict[str, list[float]] = {name: [] for name in names}
     failed: dict[str, dict] = {}
@@ -245,6 +247,8 @@ def interleaved_medians(timed: dict[str, Callable[[], float]], repeats: int) -> 
             try:
                 times[name].append(timed[name]())
             except torch.OutOfMemoryError:
+                if not recover_oom:
+                    raise
                 failed[name] = {"status": "OOM"}
     return {name: failed.get(name) or statistics.median(times[name]) for name in names}
 

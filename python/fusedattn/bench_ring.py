@@ -15,13 +15,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from .bench import DTYPES, _wrap, describe_device, fmt3, markdown_table, run_line
+from .bench import DTYPES, _wrap, describe_device, fmt3, interleaved_medians, markdown_table, run_line
 from .distributed.layout import chunks
 from .distributed.ring import GRAD_TAG, KV_TAG, Ring, ring_backward, ring_forward
 
@@ -119,26 +118,15 @@ def _calls(cfg: RingConfig, ring: Ring, dtype: str, causal: bool, n: int) -> dic
     }, single
 
 
-def _interleaved_medians(calls: dict, cfg: RingConfig) -> dict[str, float]:
-    """Median of each call's slowest-rank time, the calls interleaved as in
-    bench.interleaved_medians but with no recovery from running out of memory:
-    the other ranks would wait for the failed one's messages, so an error
-    ends every process (torchrun stops the rest)."""
-    names = list(calls)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(cfg.repeats):
-        for i in range(len(names)):
-            name = names[(r + i) % len(names)]
-            times[name].append(_slowest(calls[name], cfg.device))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def measure_row(cfg: RingConfig, ring: Ring, dtype: str, causal: bool, n: int) -> dict:
     calls, single = _calls(cfg, ring, dtype, causal, n)
     for call in calls.values():
         for _ in range(cfg.warmup):
             call()
-    seconds = _interleaved_medians(calls, cfg)
+    # No recovery from running out of memory: the other ranks would wait for
+    # the failed one's messages, so an error ends every process (torchrun stops the rest).
+    timed = {name: (lambda call=call: _slowest(call, cfg.device)) for name, call in calls.items()}
+    seconds = interleaved_medians(timed, cfg.repeats, recover_oom=False)
     row = {"status": "ok", "seconds": seconds, "single_seqlen": single}
     for phase, backward in (("", False), ("_train", True)):
         ring_s, compute_s, comm_s = (seconds[m + phase] for m in ("ring", "compute", "comm"))

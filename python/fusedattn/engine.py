@@ -127,14 +127,16 @@ class Engine:
                 engine_cache.save(cache_dir, path, dtype, config, weights, tokenizer)
         return cls(config, weights, tokenizer, device, dtype, cuda_graph)
 
-    def chat_prompt(self, text: str) -> list[int]:
-        """The ids of text as the user's message in the model's own chat
-        template, ending where the assistant's answer starts."""
+    def chat_prompt(self, messages: str | list[dict]) -> list[int]:
+        """The ids of a conversation ({role, content} dicts, or one user
+        message as a string) in the model's own chat template, ending where
+        the assistant's answer starts."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("fusedattn.engine: this model's tokenizer has no chat template; "
                              "give the text as a plain prompt")
-        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                      add_generation_prompt=True, tokenize=False)
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     def _rotations(self, positions: Tensor) -> dict[float, Tensor]:

@@ -82,10 +82,10 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 def _prompt_ids(engine: Engine, req: Request) -> list[int]:
     if not req.chat:
         return engine.tokenizer.encode(req.prompt)
-    if not getattr(engine.tokenizer, "chat_template", None):
-        raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
-    rendered = engine.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
-    return engine.tokenizer.encode(rendered, add_special_tokens=False)
+    try:
+        return engine.chat_prompt(req.messages)
+    except ValueError:  # no chat template
+        raise ApiError(400, "this model has no chat template: use /v1/completions", "messages") from None
 
 
 def _job(request: web.Request, req: Request) -> Job:
