@@ -69,13 +69,14 @@ def cuda_cache(**kwargs):
     return [t if t is None else t.cuda() for t in make_cache(**kwargs)]
 
 
-def run_checked(q, k_cache, v_cache, lens, k_new, v_new, is_causal, **choices):
+def run_checked(q, k_cache, v_cache, lens, k_new, v_new, is_causal, window=None, **choices):
     """One call (with `choices`: num_splits, merge_in_cluster, warps), with the
     outputs poisoned, the append and the untouched rest of the caches checked."""
     n_new = 0 if k_new is None else k_new.shape[2]
     k_before, v_before = k_cache.clone(), v_cache.clone()
     poison_allocator((q.shape, q.dtype), (q.shape[:3], torch.float32))
-    out, lse = op(q, k_cache, v_cache, lens, k_new, v_new, is_causal, None, **choices)
+    out, lse = op(q, k_cache, v_cache, lens, k_new, v_new, is_causal, None, **choices,
+                  window=None if window is None else list(window))
     for b in range(q.shape[0]):
         start, end = int(lens[b]), int(lens[b]) + n_new
         if n_new:
@@ -84,7 +85,7 @@ def run_checked(q, k_cache, v_cache, lens, k_new, v_new, is_causal, **choices):
         for cache, before in ((k_cache, k_before), (v_cache, v_before)):
             assert torch.equal(cache[b, :, :start], before[b, :, :start])
             assert torch.equal(cache[b, :, end:], before[b, :, end:])
-    check_against_reference(q, k_cache, v_cache, lens, k_new, v_new, is_causal, out, lse)
+    check_against_reference(q, k_cache, v_cache, lens, k_new, v_new, is_causal, out, lse, window)
     return out, lse
 
 
@@ -285,6 +286,33 @@ def test_cuda_kvcache_long_caches(lengths):
                                               dtype=torch.float16)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     run_checked(q, k_cache, v_cache, lens, None, None, True)
+
+
+@pytest.mark.parametrize("window,is_causal", [((100, 0), True), ((0, 0), True), ((1000, -1), False),
+                                              ((300, 2), False), ((5000, 0), True)], ids=str)
+@pytest.mark.parametrize("splits", [1, None], ids=["one-split", "auto-splits"])
+@merge_paths
+def test_cuda_kvcache_window(window, is_causal, splits, merge):
+    """Decoding with a window: each split reads only the window's tiles (the
+    first ones skipped), with the cluster and the global merge; a window wider
+    than the cache bounds nothing."""
+    skip_unless_runnable(merge=merge)
+    q, k_cache, v_cache, _, k_new, v_new = cuda_cache(B=3, Hq=8, Hkv=2, d=128, max_len=3000, nq=3, n_new=3,
+                                                      dtype=torch.bfloat16, seed=11)
+    lens = torch.tensor([0, 1200, 2997], dtype=torch.int32, device="cuda")
+    choices = {"num_splits": splits if splits else (4 if merge else None), "merge_in_cluster": merge}
+    if splits == 1:
+        choices["merge_in_cluster"] = None
+    run_checked(q, k_cache, v_cache, lens, k_new, v_new, is_causal, window, **choices)
+
+
+def test_cuda_kvcache_window_splits_follow_the_window():
+    """The split count is planned for the keys a window reads, not the cache's capacity."""
+    q, k_cache, v_cache, _, _, _ = cuda_cache(B=1, Hq=8, Hkv=8, d=64, max_len=65536, nq=1, n_new=0,
+                                              dtype=torch.float16)
+    full = fusedattn.plan_kvcache(q, k_cache, v_cache)
+    windowed = fusedattn.plan_kvcache(q, k_cache, v_cache, window=(1023, 0))
+    assert windowed["num_splits"] < full["num_splits"], (windowed, full)
 
 
 def test_cuda_kvcache_split_count_follows_the_capacity_up_to_the_cap():

@@ -1,7 +1,7 @@
 """Sliding windows (window=(left, right), bottom-right aligned as is_causal) on
-every backend, forward, backward and decoding, against the float64 reference.
-The CUDA kernels take no window yet: there a window that hides more than the
-causal rule is skipped by the backend checks, and refused (test below)."""
+every backend, forward, backward and decoding, against the float64 reference;
+on CUDA the banded kernels, which visit only the key tiles a window reaches
+(decoding with a window on CUDA: test_kvcache_cuda.py)."""
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from hypothesis import given
 import fusedattn
 from fusedattn import reference
 from helpers.attention_cases import MASK_KINDS, Case, cases, check_backward, check_forward, make_inputs
+from helpers.cuda import check_cuda, check_cuda_backward, sm90_available
 from helpers.kvcache_cases import make_cache
 
 WINDOWS = [(-1, -1), (0, 0), (3, 0), (0, 5), (16, 16), (-1, 0), (100, -1), (-1, 40), (2000, 2000)]
@@ -157,13 +158,25 @@ def test_window_opcheck_and_compile():
 
 
 @pytest.mark.gpu
-def test_cuda_refuses_a_window():
-    """No CUDA kernel takes a window yet: a clear error, not a fallback that reads the whole row;
-    (-1, 0) is is_causal and runs."""
-    q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=64), "cuda")
-    with pytest.raises(RuntimeError, match=r"the CUDA kernels take no window yet \(got window \[8, 0\]"):
-        fusedattn.attention(q, k, v, window=(8, 0))
-    with pytest.raises(RuntimeError, match="take no window yet"):
-        fusedattn.plan(q, k, v, window=(8, 0))
-    torch.testing.assert_close(fusedattn.attention(q, k, v, window=(-1, 0)), fusedattn.attention(q, k, v, None, True),
-                               atol=0, rtol=0)
+@pytest.mark.parametrize("n,window", [(4096, (1024, 0)), (2048, (200, 300)), (3000, (0, -1)), (1500, (-1, 70))],
+                         ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_long_windows(cuda_family, n, window, head_dim):
+    """Windows far narrower than N, where most key tiles are skipped and the band's
+    edges cross tiles, forward and backward, on each CUDA family (the plan asserted)."""
+    case = Case(batch=1, heads_q=4, heads_kv=2, seqlen_q=n, seqlen_k=n, head_dim=head_dim, dtype=torch.bfloat16,
+                window=window)
+    check_cuda(case)
+    check_cuda_backward(case)
+
+
+@pytest.mark.gpu
+def test_cuda_window_plan():
+    """A window runs the banded kernels' short tiles on sm90 (its items span the window, not Nk)."""
+    q, k, v, _ = make_inputs(Case(seqlen_q=20000, seqlen_k=20000, head_dim=128, dtype=torch.bfloat16, batch=1,
+                                  heads_q=1, heads_kv=1), "cuda")
+    if not sm90_available():
+        pytest.skip("this build or GPU has no sm90 kernels")
+    causal, windowed = fusedattn.plan(q, k, v, is_causal=True), fusedattn.plan(q, k, v, window=(1024, 0))
+    assert (causal["family"], causal["block_n"]) == ("sm90", 176), causal
+    assert (windowed["family"], windowed["block_n"], windowed["persistent"]) == ("sm90", 128, True), windowed

@@ -204,30 +204,22 @@ bool merges_in_cluster(const KVCacheParams& p, const Plan& plan, int requested) 
   return merges;
 }
 
-// The CUDA kernels have no window yet (the CPU serves it): a clear refusal,
-// not a kernel that would read past the window's edges.
-void refuse_window(const ForwardParams& p) {
-  if (p.has_window())
-    throw std::invalid_argument("fusedattn: the CUDA kernels take no window yet (got window [" +
-                                std::to_string(p.window_left) + ", " +
-                                std::to_string(p.band_right()) +
-                                "]); run windowed attention on the CPU");
-}
-
 }  // namespace
 
 Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
   const AttentionShape& sh = p.shape;
   const bool masked = p.mask.kind != MaskKind::None;
-  refuse_window(p);
+  // Causal calls and windows run the banded kernels (common/band.cuh); a
+  // window's items span its width, not Nk, so it takes the short tiles.
+  const bool banded = p.is_causal || p.has_window();
   Plan plan;
   plan.family = choose_family(request.family, [&] { return sm90_forward_refusal(p); });
   if (plan.family == Family::Sm90) {
     const int d = static_cast<int>(sh.head_dim);
     plan.block_m = 64 * sm90_forward_consumers(d);
-    plan.block_n = sm90_forward_block_n(d, p.is_causal, masked, sh.seqlen_k);
+    plan.block_n = sm90_forward_block_n(d, banded, masked, p.has_window() ? 0 : sh.seqlen_k);
     plan.warps = 4 * (1 + sm90_forward_consumers(d));
-    plan.persistent = sm90_forward_persistent(d, p.is_causal);
+    plan.persistent = sm90_forward_persistent(d, banded);
   } else {
     plan.block_m = kSm80ForwardBlockM;
     plan.block_n = kSm80ForwardBlockN;
@@ -238,7 +230,6 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
 
 Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
   const int d = static_cast<int>(p.fwd.shape.head_dim);
-  refuse_window(p.fwd);
   Plan plan;
   plan.backward = true;
   plan.deterministic = p.deterministic;
@@ -261,7 +252,9 @@ Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
 
 Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
   const AttentionShape& sh = p.attn.shape;
-  refuse_window(p.attn);
+  // A window's left side bounds the keys a sequence reads whatever its length.
+  const int64_t keys_read = p.attn.window_left >= 0 ? std::min(sh.seqlen_k, p.attn.window_left + sh.seqlen_q)
+                                                    : sh.seqlen_k;
   Plan plan;
   plan.family = Family::Decode;
   plan.block_m = kDecodeBlockM;
@@ -271,7 +264,7 @@ Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
     using Element = decltype(element);
     plan.warps = decode_warps_for<kHeadDim, Element>(request.warps);
     plan.block_n = decode_block_n(plan.warps);
-    const int64_t tiles = (sh.seqlen_k + kDecodeBlockN - 1) / kDecodeBlockN;
+    const int64_t tiles = (keys_read + kDecodeBlockN - 1) / kDecodeBlockN;
     plan.num_splits =
         request.num_splits > 0
             ? static_cast<int>(std::min<int64_t>(request.num_splits, std::clamp<int64_t>(tiles, 1, kMaxDecodeSplits)))

@@ -15,15 +15,6 @@ import fusedattn
 from .attention_cases import DTYPES, Case, check_backward, check_forward, make_inputs
 
 
-def window_beyond_causal(case: Case) -> bool:
-    """Whether the case's window hides more than is_causal does (the operators
-    fold (-1, 0), and any right side under is_causal, into the causal rule)."""
-    if case.window is None:
-        return False
-    left, right = case.window
-    return left >= 0 or (right >= 1 and not case.is_causal)
-
-
 @dataclasses.dataclass(frozen=True)
 class Backend:
     name: str  # "cpu", "sm80" or "sm90"
@@ -53,8 +44,6 @@ class Backend:
 
             if case.head_dim not in HEAD_DIMS:
                 pytest.skip(f"cuda takes head dims {HEAD_DIMS}, not {case.head_dim}")
-            if window_beyond_causal(case):
-                pytest.skip(f"the CUDA kernels take no window yet, got {case.window}")
 
     def check_forward(self, case: Case):
         """The forward of the case on this backend against the reference, its plan asserted."""

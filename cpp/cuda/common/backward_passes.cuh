@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "band.cuh"
 #include "block_order.h"
 #include "device_math.cuh"
 #include "launch_check.h"
@@ -113,9 +114,9 @@ __global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_
 // d=64 on sm_90a). The grid's order is make_key_block_order's: pairs of
 // (sequence, kv head, head split), key block 0 (the most queries see it)
 // first under causal. A block walks every query block of every query head
-// of its share of the group that can see one of its keys; causal: query i
-// sees key0 once i >= key0 - (Nk - Nq).
-template <int BlockN, int BlockM, bool IsCausal>
+// of its share of the group that can see one of its keys: banded, the
+// queries from band.query_begin(key0) to band.query_end(last key).
+template <int BlockN, int BlockM, bool Banded>
 struct KeyBlockWalk {
   unsigned batch, head_kv;
   int64_t key0, keys;              // the block's keys: [key0, key0 + keys)
@@ -135,9 +136,11 @@ struct KeyBlockWalk {
     first_head = head_kv * group + head_split * split_heads;
     key0 = int64_t(n_block) * BlockN;
     keys = min(int64_t(BlockN), sh.seqlen_k - key0);
-    const int64_t first_query = IsCausal ? max(int64_t(0), key0 - (sh.seqlen_k - sh.seqlen_q)) : 0;
+    const Band band = Band::of(p.fwd);
+    const int64_t first_query = Banded ? band.query_begin(key0) : 0;
+    const int64_t query_end = Banded ? band.query_end(key0 + keys - 1) : sh.seqlen_q;
     m_begin = first_query / BlockM * BlockM;
-    steps_per_head = static_cast<int>(first_query < sh.seqlen_q ? (sh.seqlen_q - m_begin + BlockM - 1) / BlockM : 0);
+    steps_per_head = static_cast<int>(first_query < query_end ? (query_end - m_begin + BlockM - 1) / BlockM : 0);
     steps = steps_per_head * static_cast<int>(split_heads);
   }
   // The query head and first query of step s.

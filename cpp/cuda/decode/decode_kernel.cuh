@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "../hopper/dependent_launch.cuh"
+#include "../common/band.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/online_softmax.cuh"
@@ -97,7 +98,7 @@ constexpr int decode_smem_bytes() {
 // with 4 warps at d=128, 1 with 8 warps at d=128. The hint of 2 keeps the
 // 4-warp kernel from spilling: without it ptxas holds that kernel to 168
 // registers on sm_90a.
-template <int HeadDim, int Warps, typename T, bool IsCausal>
+template <int HeadDim, int Warps, typename T, bool Banded>
 __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
                                   DecodeTraits<HeadDim, Warps>::kMinBlocksPerSm)
     decode_kernel(const __grid_constant__ KVCacheParams p) {
@@ -141,14 +142,18 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
   const int64_t first_row = (int64_t(batch) * sh.heads_q + head_kv * group) * sh.seqlen_q + row0;
 
   const int64_t length = kv_length(p, batch);  // -1: invalid
+  // Banded, query i sees keys [band.key_begin(i), band.key_end(i))
+  // (common/band.cuh); the splits share the tiles from the one holding the
+  // first query's first key, and keys in [unmasked_begin, unmasked_end) are
+  // seen by every row, so only the tiles at the band's edges pay for masking.
+  const Band band = Band::of(a, max(length, int64_t(0)));
+  const int64_t first_tile = Banded ? band.key_begin(0) / kBlockN : 0;
   const int64_t n_tiles = length > 0 ? (length + kBlockN - 1) / kBlockN : 0;
-  const int64_t tiles_per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
-  const int64_t tile_begin = min(n_tiles, split * tiles_per_split);
+  const int64_t tiles_per_split = (n_tiles - first_tile + p.num_splits - 1) / p.num_splits;
+  const int64_t tile_begin = min(n_tiles, first_tile + split * tiles_per_split);
   const int64_t tile_end = min(n_tiles, tile_begin + tiles_per_split);
-  // Query i sees key j when j <= i + causal_offset; keys below unmasked_end
-  // are seen by every row, so only the last tiles pay for masking.
-  const int64_t causal_offset = length - sh.seqlen_q;
-  const int64_t unmasked_end = IsCausal ? causal_offset + 1 : length;
+  const int64_t unmasked_begin = Banded ? band.key_begin(sh.seqlen_q - 1) : 0;
+  const int64_t unmasked_end = Banded ? band.key_end(0) : length;
 
   const T* q = static_cast<const T*>(a.q) + batch * a.q_strides.batch;
   const T* k = static_cast<const T*>(a.k) + batch * a.k_strides.batch + head_kv * a.k_strides.head;
@@ -212,7 +217,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
   for (int kk = 0; kk < HeadDim / 16; ++kk)
     ldmatrix_x4(q_frag[kk], sQ + tile_offset<Layout>(lane % 16, kk * 16 + lane / 16 * 8));
 
-  // The queries of this thread's two rows (g, g + 8), for the causal rule.
+  // The queries of this thread's two rows (g, g + 8), for the band.
   int64_t query[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) query[h] = (row0 + g + 8 * h) % sh.seqlen_q;
@@ -244,21 +249,21 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
     const int64_t key0 = tile * kBlockN + warp * 16;
-    if (key0 + 16 > unmasked_end) {
+    if (key0 < unmasked_begin || key0 + 16 > unmasked_end) {
       // Warp-local bounds as 32-bit ints: key column c is past the sequence
-      // when c >= cols, and hidden from row h by the causal rule when c > diagonal[h].
+      // when c >= cols, and outside row h's band when c < lo[h] or c > hi[h].
       const int cols = static_cast<int>(min(int64_t(16), length - key0));
-      int diagonal[2];
+      int lo[2] = {0, 0}, hi[2] = {16, 16};
+      if constexpr (Banded) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        diagonal[h] = IsCausal ? static_cast<int>(max(int64_t(-1), min(int64_t(16), query[h] + causal_offset - key0)))
-                               : 16;
+        for (int h = 0; h < 2; ++h) band.local(query[h], key0, 17, lo[h], hi[h]);
+      }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = nt * 8 + 2 * t + (e & 1);
-          if (c >= cols || c > diagonal[e >> 1]) s[nt][e] = -INFINITY;
+          if (c >= cols || c < lo[e >> 1] || c > hi[e >> 1]) s[nt][e] = -INFINITY;
         }
     }
     online_softmax_step(s, m_i, l_i, acc);
@@ -391,12 +396,12 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
 // Raises the kernel's dynamic shared memory limit and asks whether it can be
 // a dependent launch, once per device (the attribute is per device; setting
 // it costs a driver call per launch otherwise). Returns that answer.
-template <int HeadDim, int Warps, typename T, bool IsCausal>
+template <int HeadDim, int Warps, typename T, bool Banded>
 bool configure_decode_kernel() {
   enum : int { kPlain = 1, kDependent = 2 };
   static std::atomic<int> configured[kMaxCachedDevices];
   return once_per_device(configured, [](int device) {
-           const auto kernel = decode_kernel<HeadDim, Warps, T, IsCausal>;
+           const auto kernel = decode_kernel<HeadDim, Warps, T, Banded>;
            FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                      decode_smem_bytes<HeadDim, Warps, T>()));
            return waits_for_previous_grid(reinterpret_cast<const void*>(kernel), device) ? kDependent : kPlain;
@@ -428,17 +433,17 @@ decltype(auto) with_decode_warps(int warps, F&& f) {
   throw_planner_bug("no decode block of " + std::to_string(warps) + " warps at head dim " + std::to_string(HeadDim));
 }
 
-template <int HeadDim, int Warps, typename T, bool IsCausal>
+template <int HeadDim, int Warps, typename T, bool Banded>
 void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
   using Tr = DecodeTraits<HeadDim, Warps>;
   // The kernel's sm_90 code runs on this device: it waits for the kernel
   // before it, and may run in clusters (where the plan says).
-  const bool hopper = configure_decode_kernel<HeadDim, Warps, T, IsCausal>();
+  const bool hopper = configure_decode_kernel<HeadDim, Warps, T, Banded>();
   const int64_t blocks = decode_items(p.attn.shape) * p.num_splits;
   if (blocks > 2147483647)
     throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
   if (p.merge_in_cluster && !hopper) throw_planner_bug("merge_in_cluster needs the decode kernel's sm_90 code");
-  launch_dependent(decode_kernel<HeadDim, Warps, T, IsCausal>, hopper, p.merge_in_cluster ? p.num_splits : 1,
+  launch_dependent(decode_kernel<HeadDim, Warps, T, Banded>, hopper, p.merge_in_cluster ? p.num_splits : 1,
                    dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), decode_smem_bytes<HeadDim, Warps, T>(),
                    stream, p);
 }
@@ -446,7 +451,7 @@ void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
 template <int HeadDim, typename Element>
 void launch_decode(const KVCacheParams& p, int warps, cudaStream_t stream) {
   with_decode_warps<HeadDim>(warps, [&](auto warps) {
-    if (p.attn.is_causal)
+    if (p.attn.is_causal || p.attn.has_window())
       launch_decode_kernel<HeadDim, warps, Element, true>(p, stream);
     else
       launch_decode_kernel<HeadDim, warps, Element, false>(p, stream);

@@ -11,6 +11,7 @@
 
 #include <cmath>
 
+#include "../common/band.cuh"
 #include "../common/block_order.h"
 #include "../common/device_math.cuh"
 #include "../common/mask.cuh"
@@ -32,7 +33,7 @@ struct DqTraits {
   static constexpr int kSmemElements = 2 * kBlockM * kStride + 4 * kBlockN * kStride;
 };
 
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool Banded>
 __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
     backward_dq_kernel(const __grid_constant__ BackwardParams p, const BlockOrder order) {
   using Tr = DqTraits<HeadDim>;
@@ -50,16 +51,18 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
-  const GridBlock block = order.at<IsCausal>(blockIdx.x);  // common/block_order.h
+  const GridBlock block = order.at<Banded>(blockIdx.x);  // common/block_order.h
   const unsigned heads_q = static_cast<unsigned>(sh.heads_q);
   const unsigned batch = block.pair / heads_q, head = block.pair % heads_q;
   const unsigned head_kv = head / static_cast<unsigned>(sh.heads_q / sh.heads_kv);
   const int64_t row0 = int64_t(block.block) * kBlockM;
   const int64_t rows = min(int64_t(kBlockM), sh.seqlen_q - row0);
-  const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;
-  int64_t key_end = sh.seqlen_k;
-  if (IsCausal) key_end = max(int64_t(0), min(sh.seqlen_k, row0 + rows + causal_offset));
-  const int64_t n_steps = (key_end + kBlockN - 1) / kBlockN;
+  // Banded: the keys [key_begin, key_end) of common/band.cuh, from the tile holding key_begin.
+  const Band band = Band::of(f);
+  const int64_t key_begin = Banded ? band.key_begin(row0) : 0;
+  const int64_t key_end = Banded ? band.key_end(row0 + rows - 1) : sh.seqlen_k;
+  const int64_t tile0 = key_begin / kBlockN;
+  const int64_t n_steps = key_end > key_begin ? (key_end + kBlockN - 1) / kBlockN - tile0 : 0;
 
   const T* k = static_cast<const T*>(f.k) + batch * f.k_strides.batch + head_kv * f.k_strides.head;
   const T* v = static_cast<const T*>(f.v) + batch * f.v_strides.batch + head_kv * f.v_strides.head;
@@ -71,7 +74,7 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
                                p.grad_out_strides.row, row0, rows);
   auto load_keys = [&](int64_t step) {
     const int buf = step % 2;
-    const int64_t col0 = step * kBlockN;
+    const int64_t col0 = (tile0 + step) * kBlockN;
     load_rows_async<kBlockN, Tr>(sK + buf * kBlockN * kStride, k, f.k_strides.row, col0, key_end - col0);
     load_rows_async<kBlockN, Tr>(sV + buf * kBlockN * kStride, v, f.v_strides.row, col0, key_end - col0);
   };
@@ -103,7 +106,7 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
     cp_async_commit();
     const T* k_tile = sK + step % 2 * kBlockN * kStride;
     const T* v_tile = sV + step % 2 * kBlockN * kStride;
-    const int64_t col0 = step * kBlockN;
+    const int64_t col0 = (tile0 + step) * kBlockN;
 
     // S = Q K^T and dP = dO V^T for this warp's 16 queries.
     float s[kNTiles][4] = {}, dp[kNTiles][4] = {};
@@ -126,8 +129,8 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
     }
 
     // dS = P (dP - delta), in place of S.
-    const bool needs_masking = has_mask || col0 + kBlockN > key_end ||
-                               (IsCausal && col0 + kBlockN - 1 > row0 + causal_offset);
+    const bool needs_masking =
+        has_mask || col0 + kBlockN > key_end || (Banded && band.cuts(row0, kBlockM, col0, kBlockN));
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
@@ -136,7 +139,7 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
         const int64_t query = row0 + warp_row + g + 8 * h, key = col0 + nt * 8 + 2 * t + (e & 1);
         float x = s[nt][e] * scale_log2;  // the forward's score, mask included, then minus lse
         if (needs_masking) {
-          if (key >= key_end || (IsCausal && key > query + causal_offset)) {
+          if (key >= key_end || (Banded && (key - query < band.lower || key - query > band.upper))) {
             x = -INFINITY;
           } else if (has_mask && query < sh.seqlen_q) {
             x += mask_log2<T>(f.mask, mask_base, query, key);

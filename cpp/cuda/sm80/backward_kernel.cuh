@@ -24,6 +24,7 @@
 #include <cmath>
 
 #include "../common/backward_passes.cuh"
+#include "../common/band.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/mask.cuh"
@@ -73,7 +74,7 @@ __device__ __forceinline__ void load_lse_delta_async(float* s_lse, float* s_delt
   }
 }
 
-template <int HeadDim, typename T, bool IsCausal, bool AtomicDq>
+template <int HeadDim, typename T, bool Banded, bool AtomicDq>
 __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     backward_kernel(const __grid_constant__ BackwardParams p, const BlockOrder order) {
   using Tr = BackwardTraits<HeadDim>;
@@ -108,7 +109,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   const int64_t first_head = head_kv * group + head_split * split_heads;
   const int64_t key0 = int64_t(n_block) * kBlockN;
   const int64_t keys = min(int64_t(kBlockN), sh.seqlen_k - key0);
-  const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;  // query i sees key j iff j <= i + offset
+  const Band band = Band::of(f);
 
   const T* k = static_cast<const T*>(f.k) + batch * f.k_strides.batch + head_kv * f.k_strides.head;
   const T* v = static_cast<const T*>(f.v) + batch * f.v_strides.batch + head_kv * f.v_strides.head;
@@ -116,10 +117,12 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   load_rows_async<kBlockN, Tr>(sV, v, f.v_strides.row, key0, keys);
 
   // The steps: every query block of every query head of the block's share of
-  // the group that can see one of these keys. Causal: query i sees key0 once i >= key0 - offset.
-  const int64_t first_query = IsCausal ? max(int64_t(0), key0 - causal_offset) : 0;
+  // the group that can see one of these keys: banded, queries
+  // [first_query, query_end) (common/band.cuh).
+  const int64_t first_query = Banded ? band.query_begin(key0) : 0;
+  const int64_t query_end = Banded ? band.query_end(key0 + keys - 1) : sh.seqlen_q;
   const int64_t m_begin = first_query / kBlockM * kBlockM;
-  const int64_t steps_per_head = first_query < sh.seqlen_q ? (sh.seqlen_q - m_begin + kBlockM - 1) / kBlockM : 0;
+  const int64_t steps_per_head = first_query < query_end ? (query_end - m_begin + kBlockM - 1) / kBlockM : 0;
   const int64_t steps = steps_per_head * split_heads;
 
   // Queues step s's Q, dO, lse and delta into buffer `buf` (cp.async; zeros
@@ -194,8 +197,8 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     keys_times_queries(st, sK, q_tile);
 
     // P^T. Element (key row g + 8h, query column 2t + e) of each n-tile.
-    const bool needs_masking = has_mask || key0 + kBlockN > sh.seqlen_k ||
-                               (IsCausal && key0 + kBlockN - 1 > m0 + causal_offset);
+    const bool needs_masking =
+        has_mask || key0 + kBlockN > sh.seqlen_k || (Banded && band.cuts(m0, kBlockM, key0, kBlockN));
     const int64_t mask_base = batch * f.mask.batch_stride + head * f.mask.head_stride;
 #pragma unroll
     for (int nt = 0; nt < kMTiles; ++nt) {
@@ -205,7 +208,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
         float x = st[nt][e] * scale_log2;  // the forward's score, mask included, then minus lse
         if (needs_masking) {
           const int64_t key = key0 + r, query = m0 + c;
-          if (key >= sh.seqlen_k || (IsCausal && key > query + causal_offset)) {
+          if (key >= sh.seqlen_k || (Banded && (key - query < band.lower || key - query > band.upper))) {
             x = -INFINITY;
           } else if (has_mask && query < sh.seqlen_q) {
             x += mask_log2<T>(f.mask, mask_base, query, key);
@@ -275,47 +278,47 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   store_key_gradients<HeadDim, T>(p, batch, head_kv, key0 + key_row, dk, dv);
 }
 
-template <int HeadDim, typename T, bool IsCausal, bool AtomicDq>
+template <int HeadDim, typename T, bool Banded, bool AtomicDq>
 void launch_backward_kernel(const BackwardParams& p, cudaStream_t stream) {
   using Tr = BackwardTraits<HeadDim>;
-  auto kernel = backward_kernel<HeadDim, T, IsCausal, AtomicDq>;
+  auto kernel = backward_kernel<HeadDim, T, Banded, AtomicDq>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T) + Tr::kSmemFloats * sizeof(float);
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  const BlockOrder order = make_key_block_order(p.fwd.shape, Tr::kBlockN, p.head_splits, sizeof(T), IsCausal);
+  const BlockOrder order = make_key_block_order(p.fwd.shape, Tr::kBlockN, p.head_splits, sizeof(T), Banded);
   kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool Banded>
 void launch_backward_dq_kernel(const BackwardParams& p, cudaStream_t stream) {
   using Tr = DqTraits<HeadDim>;
-  auto kernel = backward_dq_kernel<HeadDim, T, IsCausal>;
+  auto kernel = backward_dq_kernel<HeadDim, T, Banded>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  const BlockOrder order = make_query_block_order(p.fwd.shape, Tr::kBlockM, sizeof(T), IsCausal);
+  const BlockOrder order = make_query_block_order(p.fwd.shape, Tr::kBlockM, sizeof(T), Banded);
   kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
 // The key-block kernel and, deterministic, the dQ pass; run_backward_passes
 // does the rest.
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool Banded>
 void launch_backward_main(const BackwardParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.fwd.shape;
   const bool any_keys = sh.batch * sh.heads_kv * sh.seqlen_k > 0;
   if (!p.deterministic) {
-    if (any_keys) launch_backward_kernel<HeadDim, T, IsCausal, true>(p, stream);
+    if (any_keys) launch_backward_kernel<HeadDim, T, Banded, true>(p, stream);
     return;
   }
   if (p.head_splits != 1) throw std::invalid_argument("fusedattn: a deterministic backward takes head_splits = 1");
-  if (any_keys) launch_backward_kernel<HeadDim, T, IsCausal, false>(p, stream);
-  if (sh.batch * sh.heads_q * sh.seqlen_q > 0) launch_backward_dq_kernel<HeadDim, T, IsCausal>(p, stream);
+  if (any_keys) launch_backward_kernel<HeadDim, T, Banded, false>(p, stream);
+  if (sh.batch * sh.heads_q * sh.seqlen_q > 0) launch_backward_dq_kernel<HeadDim, T, Banded>(p, stream);
 }
 
 template <int HeadDim, typename Element>
 void launch_backward_sm80(const BackwardParams& p, cudaStream_t stream) {
   run_backward_passes<Element>(p, stream, [&] {
-    if (p.fwd.is_causal)
+    if (p.fwd.is_causal || p.fwd.has_window())
       launch_backward_main<HeadDim, Element, true>(p, stream);
     else
       launch_backward_main<HeadDim, Element, false>(p, stream);

@@ -9,13 +9,15 @@
 //   l   = 2^(m - m') l + rowsum P;  acc = 2^(m - m') acc + P V   (P from registers)
 //   out = acc / l,  lse = (m + log2 l) ln 2
 // Shared-memory rows are padded by 16 bytes, so the 8 row addresses of every
-// ldmatrix fall in distinct banks. Only tiles on the causal diagonal, at the
-// end of the keys, or under attn_mask pay for element-wise masking; tiles above
-// the diagonal are never loaded and tiles attn_mask hides entirely are skipped.
+// ldmatrix fall in distinct banks. A banded call (causal, a window:
+// common/band.cuh) visits only the key tiles its band reaches; only tiles on
+// the band's edges, at the end of the keys, or under attn_mask pay for
+// element-wise masking, and tiles attn_mask hides entirely are skipped.
 #pragma once
 
 #include <cmath>
 
+#include "../common/band.cuh"
 #include "../common/block_order.h"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
@@ -70,7 +72,7 @@ __device__ bool mask_tile_visible(const MaskParams& m, int64_t base, int64_t row
   return __syncthreads_or(any);
 }
 
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool Banded>
 __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTraits<HeadDim>::kMinBlocksPerSM)
     forward_kernel(const __grid_constant__ ForwardParams p, const BlockOrder order) {
   using Tr = ForwardTraits<HeadDim>;
@@ -85,13 +87,13 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   const AttentionShape& sh = p.shape;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // fragment row group and column pair
-  const GridBlock block = order.at<IsCausal>(blockIdx.x);  // common/block_order.h
+  const GridBlock block = order.at<Banded>(blockIdx.x);  // common/block_order.h
   const unsigned heads_q = static_cast<unsigned>(sh.heads_q);
   const unsigned batch = block.pair / heads_q, head = block.pair % heads_q;
   const unsigned head_kv = head / static_cast<unsigned>(sh.heads_q / sh.heads_kv);
   const int64_t row0 = int64_t(block.block) * kBlockM;
   const int64_t rows = min(int64_t(kBlockM), sh.seqlen_q - row0);
-  const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;
+  const Band band = Band::of(p);
 
   const T* q = static_cast<const T*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head;
   const T* k = static_cast<const T*>(p.k) + batch * p.k_strides.batch + head_kv * p.k_strides.head;
@@ -99,17 +101,19 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   const int64_t mask_base = batch * p.mask.batch_stride + head * p.mask.head_stride;
   const bool has_mask = p.mask.kind != MaskKind::None;
 
-  // Keys past key_end are hidden from every query of the block.
-  int64_t key_end = sh.seqlen_k;
-  if (IsCausal) key_end = max(int64_t(0), min(sh.seqlen_k, row0 + rows + causal_offset));
-  const int n_tiles = static_cast<int>((key_end + kBlockN - 1) / kBlockN);
+  // Keys outside [key_begin, key_end) are hidden from every query of the
+  // block; it visits the tiles from the one holding key_begin.
+  const int64_t key_begin = Banded ? band.key_begin(row0) : 0;
+  const int64_t key_end = Banded ? band.key_end(row0 + rows - 1) : sh.seqlen_k;
+  const int64_t tile0 = key_begin / kBlockN;
+  const int n_tiles = key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN - tile0) : 0;
 
   // The K and V loads alternate (FlashAttention 2's pipeline): V_j streams in
   // while S_j = Q K_j^T and its softmax are computed, K_{j+1} while P_j V_j is.
   // One buffer each keeps shared memory at (kBlockM + 2 kBlockN) rows, so more
   // blocks fit on an SM.
   load_rows_async<kBlockM, Tr>(sQ, q, p.q_strides.row, row0, rows);
-  if (n_tiles > 0) load_rows_async<kBlockN, Tr>(sK, k, p.k_strides.row, 0, key_end);
+  if (n_tiles > 0) load_rows_async<kBlockN, Tr>(sK, k, p.k_strides.row, tile0 * kBlockN, key_end - tile0 * kBlockN);
   cp_async_commit();
 
   float acc[kMTiles][kDTiles][4] = {};
@@ -120,7 +124,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   const int warp_row = warp * 16 * kMTiles;  // first row of this warp in the block
 
   for (int j = 0; j < n_tiles; ++j) {
-    const int64_t col0 = int64_t(j) * kBlockN;
+    const int64_t col0 = (tile0 + j) * kBlockN;
     cp_async_wait<0>();  // K_j (and Q) landed
     __syncthreads();     // ... for every thread; and every warp is done with V_{j-1}
 
@@ -154,13 +158,13 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
       }
     }
 
-    const bool needs_masking = has_mask || col0 + kBlockN > key_end ||
-                               (IsCausal && col0 + kBlockN - 1 > row0 + causal_offset);
+    const bool needs_masking =
+        has_mask || col0 + kBlockN > key_end || (Banded && band.cuts(row0, kBlockM, col0, kBlockN));
     // Tile-local bounds as 32-bit ints: column c is past the keys when
-    // c >= cols, and hidden by the causal rule when c - r > diagonal.
+    // c >= cols, and outside the band when c - r < lo or c - r > hi.
     const int cols = static_cast<int>(min(int64_t(kBlockN), key_end - col0));
-    const int diagonal = static_cast<int>(
-        max(int64_t(-kBlockM - kBlockN), min(int64_t(kBlockM + kBlockN), row0 + causal_offset - col0)));
+    int lo = 0, hi = 0;
+    band.local(row0, col0, kBlockM + kBlockN, lo, hi);
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -171,7 +175,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
           if (needs_masking) {
             const int r = warp_row + mt * 16 + g + (e >> 1) * 8;
             const int c = nt * 8 + 2 * t + (e & 1);
-            if (c >= cols || (IsCausal && c - r > diagonal)) {
+            if (c >= cols || (Banded && (c - r < lo || c - r > hi))) {
               x = -INFINITY;
             } else if (has_mask && r < rows) {
               x += mask_log2<T>(p.mask, mask_base, row0 + r, col0 + c);
@@ -241,14 +245,14 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   }
 }
 
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool Banded>
 void launch_forward_kernel(const ForwardParams& p, cudaStream_t stream) {
   using Tr = ForwardTraits<HeadDim>;
-  auto kernel = forward_kernel<HeadDim, T, IsCausal>;
+  auto kernel = forward_kernel<HeadDim, T, Banded>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
   FUSEDATTN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  const BlockOrder order = make_query_block_order(p.shape, Tr::kBlockM, sizeof(T), IsCausal);
+  const BlockOrder order = make_query_block_order(p.shape, Tr::kBlockM, sizeof(T), Banded);
   kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
@@ -256,7 +260,7 @@ void launch_forward_kernel(const ForwardParams& p, cudaStream_t stream) {
 template <int HeadDim, typename Element>
 void launch_forward_sm80(const ForwardParams& p, cudaStream_t stream) {
   if (p.shape.batch * p.shape.heads_q == 0 || p.shape.seqlen_q == 0) return;
-  if (p.is_causal)
+  if (p.is_causal || p.has_window())
     launch_forward_kernel<HeadDim, Element, true>(p, stream);
   else
     launch_forward_kernel<HeadDim, Element, false>(p, stream);

@@ -25,6 +25,7 @@
 #include <cmath>
 
 #include "../common/backward_passes.cuh"
+#include "../common/band.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/online_softmax.cuh"
@@ -37,7 +38,7 @@
 
 namespace fusedattn::cuda {
 
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool Banded>
 __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     sm90_backward_kernel(const __grid_constant__ Sm90BackwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma, stmatrix and setmaxnreg exist only in sm_90a code
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
-  const KeyBlockWalk<kBlockN, kBlockM, IsCausal> walk(p, args.order);
+  const KeyBlockWalk<kBlockN, kBlockM, Banded> walk(p, args.order);
   auto stage_of = [](int s) { return s % kStages; };
   auto phase_of = [](int s) { return static_cast<uint32_t>((s / kStages) & 1); };
   // A step's first row in the flat [B x Hq x Nq] lse and delta.
@@ -121,7 +122,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const int g = lane / 4, t = lane % 4;
   const int warp_row = warp * 16;  // this warp's accumulator rows: keys of S^T, queries of dQ (after query0)
   const int64_t my_key0 = walk.key0 + 64 * consumer;  // this warpgroup's 64 keys
-  const int64_t causal_offset = sh.seqlen_k - sh.seqlen_q;  // query i sees key j iff j <= i + offset
+  const Band band = Band::of(f);  // banded: query i sees key j iff band.lower <= j - i <= band.upper
   const float scale_log2 = f.scale * kLog2e;
   const unsigned char* k_mine = sK + consumer * 64 * 128;  // rows 64c.. of every slab
   const unsigned char* v_mine = sV + consumer * 64 * 128;
@@ -164,7 +165,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
 
     // P^T and dS^T, element (key row g + 8h, query column 2t + e) of each n-tile.
     const bool needs_masking = my_key0 + 64 > sh.seqlen_k || m0 + kBlockM > sh.seqlen_q ||
-                               (IsCausal && my_key0 + 63 > m0 + causal_offset);
+                               (Banded && band.cuts(m0, kBlockM, my_key0, 64));
 #pragma unroll
     for (int nt = 0; nt < kMTiles; ++nt) {
 #pragma unroll
@@ -175,7 +176,8 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
         bool hidden = false;
         if (needs_masking) {
           const int64_t key = my_key0 + r, query = m0 + c;
-          hidden = key >= sh.seqlen_k || query >= sh.seqlen_q || (IsCausal && key > query + causal_offset);
+          hidden = key >= sh.seqlen_k || query >= sh.seqlen_q ||
+                   (Banded && (key - query < band.lower || key - query > band.upper));
         }
         const float prob = hidden ? 0.0f : exp2f(st[nt][e] * scale_log2 - lse_in_log2(lse[c]));
         st[nt][e] = prob;
@@ -259,13 +261,13 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
 #endif
 }
 
-template <int HeadDim, typename T, bool IsCausal>
+template <int HeadDim, typename T, bool Banded>
 void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90BackwardTraits<HeadDim>;
-  auto kernel = sm90_backward_kernel<HeadDim, T, IsCausal>;
+  auto kernel = sm90_backward_kernel<HeadDim, T, Banded>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90BackwardArgs launch_args = args;
-  launch_args.order = make_key_block_order(args.p.fwd.shape, Tr::kBlockN, args.p.head_splits, sizeof(T), IsCausal);
+  launch_args.order = make_key_block_order(args.p.fwd.shape, Tr::kBlockN, args.p.head_splits, sizeof(T), Banded);
   kernel<<<static_cast<unsigned>(launch_args.order.blocks()), Tr::kThreads, Tr::kSmemBytes, stream>>>(launch_args);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
@@ -275,7 +277,7 @@ void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
   const BackwardParams& p = args.p;
   run_backward_passes<Element>(p, stream, [&] {
     if (p.fwd.shape.batch * p.fwd.shape.heads_kv * p.fwd.shape.seqlen_k == 0) return;
-    if (p.fwd.is_causal)
+    if (p.fwd.is_causal || p.fwd.has_window())
       launch_sm90_backward_kernel<HeadDim, Element, true>(args, stream);
     else
       launch_sm90_backward_kernel<HeadDim, Element, false>(args, stream);

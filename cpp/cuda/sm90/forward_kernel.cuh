@@ -6,13 +6,13 @@
 //     the consumers (setmaxnreg).
 //   consumers (warpgroups 1, 2[, 3]): per key tile j the mainloop's mma,
 //     S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued right behind it, so the
-//     softmax of S_j (forward_softmax.cuh: the causal and end masks,
+//     softmax of S_j (forward_softmax.cuh: the band's and end masks,
 //     attn_mask, the online step) runs while that GEMM is in flight; then the
 //     epilogue (forward_epilogue.cuh). The consumers take turns issuing their
 //     GEMMs (named barriers), so one warpgroup's softmax overlaps the others'
 //     tensor-core work.
 // Work items come from the tile scheduler (forward_scheduler.cuh): at d=128,
-// and at d=64 under causal (tile_size.h), the blocks are persistent, one per
+// and at d=64 banded (tile_size.h), the blocks are persistent, one per
 // SM, and the producer loads the next item's Q and first tiles while the
 // consumers finish the last one; it hands each item's index to the consumers
 // with its Q. attn_mask is read where the scores are, by a separate
@@ -39,19 +39,19 @@
 
 namespace fusedattn::cuda {
 
-template <int HeadDim, int BlockN, typename T, bool IsCausal, bool HasMask>
+template <int HeadDim, int BlockN, typename T, bool Banded, bool HasMask>
 __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 1)
     sm90_forward_kernel(const __grid_constant__ Sm90ForwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and setmaxnreg exist only in sm_90a code
   using Tr = Sm90ForwardTraits<HeadDim, BlockN>;
   using Ring = RingPhases<Tr::kStages>;
   constexpr int kBlockN = Tr::kBlockN, kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
-  constexpr bool kPersistent = sm90_forward_persistent(HeadDim, IsCausal);
+  constexpr bool kPersistent = sm90_forward_persistent(HeadDim, Banded);
 
   extern __shared__ unsigned char smem_raw[];
   const Sm90ForwardSmem<Tr> smem(smem_raw);
   const ForwardParams& p = args.p;
-  const Sm90ForwardScheduler<Tr::kBlockM, kBlockN, IsCausal> scheduler(args.order, p.shape);
+  const Sm90ForwardScheduler<Tr::kBlockM, kBlockN, Banded> scheduler(args.order, p);
   Ring ring;
 
   if (threadIdx.x == 0) smem.init_barriers();
@@ -91,8 +91,8 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
   const int g = lane / 4, t = lane % 4;
   const int warp_row = warp * 16;  // this warp's rows within the warpgroup's 64
   const Sm90ForwardMma<HeadDim, T, Tr> mma{smem, consumer};
-  const Sm90ForwardSoftmax<kBlockN, T, IsCausal, HasMask> softmax{
-      p, p.scale * kLog2e, warp_row, g, t, scheduler.seqlen_q, scheduler.causal_offset};
+  const Sm90ForwardSoftmax<kBlockN, T, Banded, HasMask> softmax{
+      p, p.scale * kLog2e, warp_row, g, t, scheduler.seqlen_q};
 
   float acc[kDTiles][4];
   float m_i[2], l_i[2];
@@ -190,19 +190,19 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
 #endif
 }
 
-template <int HeadDim, int BlockN, typename T, bool IsCausal, bool HasMask>
+template <int HeadDim, int BlockN, typename T, bool Banded, bool HasMask>
 void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90ForwardTraits<HeadDim, BlockN>;
-  auto kernel = sm90_forward_kernel<HeadDim, BlockN, T, IsCausal, HasMask>;
+  auto kernel = sm90_forward_kernel<HeadDim, BlockN, T, Banded, HasMask>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90ForwardArgs launch_args = args;
-  launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), IsCausal);
+  launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), Banded);
   // Persistent: one block per SM (its threads take 65536 / kThreads registers
   // each from entry, as setmaxnreg needs: 64512 or 65536, no room for a
   // second block), each taking items from the counter, zeroed here; else a
   // block per item.
   int64_t blocks = launch_args.order.blocks();
-  if constexpr (sm90_forward_persistent(HeadDim, IsCausal)) {
+  if constexpr (sm90_forward_persistent(HeadDim, Banded)) {
     const int sms = device_sms();
     if (blocks > sms) {
       blocks = sms;
@@ -216,16 +216,16 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
 // The plan's tile width and persistence (plan.cu chose them with tile_size.h,
 // and encoded the K/V tensor maps' boxes for that width); a plan with no
 // instantiation here is a planner bug.
-template <int HeadDim, typename Element, bool IsCausal, bool HasMask>
+template <int HeadDim, typename Element, bool Banded, bool HasMask>
 void launch_planned_sm90_forward(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
-  constexpr int kShortN = sm90_forward_block_n(HeadDim, IsCausal, HasMask, 0);
-  constexpr int kLongN = sm90_forward_block_n(HeadDim, IsCausal, HasMask, kSm90CausalWideTileKeys);
-  if (plan.persistent != sm90_forward_persistent(HeadDim, IsCausal))
-    throw_planner_bug("the sm90 forward's persistence is fixed per head dim and causality");
+  constexpr int kShortN = sm90_forward_block_n(HeadDim, Banded, HasMask, 0);
+  constexpr int kLongN = sm90_forward_block_n(HeadDim, Banded, HasMask, kSm90CausalWideTileKeys);
+  if (plan.persistent != sm90_forward_persistent(HeadDim, Banded))
+    throw_planner_bug("the sm90 forward's persistence is fixed per head dim and band");
   if (plan.block_n == kLongN)
-    launch_sm90_forward_kernel<HeadDim, kLongN, Element, IsCausal, HasMask>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, kLongN, Element, Banded, HasMask>(args, stream);
   else if (plan.block_n == kShortN)
-    launch_sm90_forward_kernel<HeadDim, kShortN, Element, IsCausal, HasMask>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, kShortN, Element, Banded, HasMask>(args, stream);
   else
     throw_planner_bug("no sm90 forward of " + std::to_string(plan.block_n) + "-key tiles");
 }
@@ -235,14 +235,14 @@ void launch_forward_sm90(const Sm90ForwardArgs& args, const Plan& plan, cudaStre
   const ForwardParams& p = args.p;
   if (p.mask.kind != MaskKind::None) {
     if constexpr (instantiated(Sm90ForwardMaskedHeadDims{}, HeadDim)) {
-      if (p.is_causal)
+      if (p.is_causal || p.has_window())
         launch_planned_sm90_forward<HeadDim, Element, true, true>(args, plan, stream);
       else
         launch_planned_sm90_forward<HeadDim, Element, false, true>(args, plan, stream);
     } else {
       throw_planner_bug("the sm90 forward has no attn_mask variant at head dim " + std::to_string(HeadDim));
     }
-  } else if (p.is_causal) {
+  } else if (p.is_causal || p.has_window()) {
     launch_planned_sm90_forward<HeadDim, Element, true, false>(args, plan, stream);
   } else {
     launch_planned_sm90_forward<HeadDim, Element, false, false>(args, plan, stream);

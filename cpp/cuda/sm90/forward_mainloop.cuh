@@ -32,7 +32,7 @@ struct Sm90ForwardLoad {
     prefetch_tensor_map(&args.v_map);
   }
 
-  // Tile j of the item's K or V into its ring stage, once that stage is free.
+  // The item's tile j (key tile tile0 + j) of K or V into its ring stage, once that stage is free.
   __device__ __forceinline__ void tile(const CUtensorMap* map, unsigned char* ring, uint64_t* full, uint64_t* empty,
                                        const RingPhases<Tr::kStages>& ring_phases, const Sm90ForwardItem& it,
                                        int j) const {
@@ -40,7 +40,7 @@ struct Sm90ForwardLoad {
     mbarrier_wait(&empty[s], ring_phases.phase(j) ^ 1);  // the first round finds it free
     mbarrier_arrive_expect_bytes(&full[s], Tr::kTileBytes);
     for (int slab = 0; slab < Tr::kSlabs; ++slab)
-      tma_load_box(ring + s * Tr::kTileBytes + slab * Tr::kBlockN * 128, map, 64 * slab, j * Tr::kBlockN, it.head_kv,
+      tma_load_box(ring + s * Tr::kTileBytes + slab * Tr::kBlockN * 128, map, 64 * slab, (it.tile0 + j) * Tr::kBlockN, it.head_kv,
                    it.batch, &full[s]);
   }
 

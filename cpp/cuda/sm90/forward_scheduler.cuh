@@ -1,10 +1,12 @@
 // The sm90 forward's tile scheduler. A work item is a query block of one
 // head, in the launch's BlockOrder (common/block_order.h: longest first under
-// causal, heads grouped for L2). A block takes the item of its own index
+// a band, heads grouped for L2), and the key tiles its band reaches
+// (common/band.cuh). A block takes the item of its own index
 // first; persistent blocks (tile_size.h) then take items from the work
 // counter until none are left.
 #pragma once
 
+#include "../common/band.cuh"
 #include "../common/block_order.h"
 #include "../hopper/warpgroup.cuh"
 #include "fusedattn/params.h"
@@ -12,27 +14,28 @@
 namespace fusedattn::cuda {
 
 // Rows [row0, row0 + rows) of query head `head` of sequence `batch`, which
-// see keys [0, key_end) in n_tiles tiles.
+// see keys [key_begin, key_end) in the n_tiles tiles from tile0.
 struct Sm90ForwardItem {
-  int batch = 0, head = 0, head_kv = 0, row0 = 0, rows = 0, key_end = 0, n_tiles = 0;
+  int batch = 0, head = 0, head_kv = 0, row0 = 0, rows = 0, key_begin = 0, key_end = 0, tile0 = 0, n_tiles = 0;
 };
 
-template <int BlockM, int BlockN, bool IsCausal>
+template <int BlockM, int BlockN, bool Banded>
 struct Sm90ForwardScheduler {
   const BlockOrder& order;
+  const ForwardParams& p;
   unsigned n_items, heads_q;
   // Lengths fit in int here (the planner checks): 32-bit row arithmetic
   // leaves the consumers more of their registers.
-  int group, seqlen_q, seqlen_k, causal_offset;
+  int group, seqlen_q, seqlen_k;
 
-  __device__ __forceinline__ Sm90ForwardScheduler(const BlockOrder& order, const AttentionShape& sh)
+  __device__ __forceinline__ Sm90ForwardScheduler(const BlockOrder& order, const ForwardParams& p)
       : order(order),
+        p(p),
         n_items(static_cast<unsigned>(order.blocks())),
-        heads_q(static_cast<unsigned>(sh.heads_q)),
-        group(static_cast<int>(sh.heads_q / sh.heads_kv)),
-        seqlen_q(static_cast<int>(sh.seqlen_q)),
-        seqlen_k(static_cast<int>(sh.seqlen_k)),
-        causal_offset(seqlen_k - seqlen_q) {}
+        heads_q(static_cast<unsigned>(p.shape.heads_q)),
+        group(static_cast<int>(p.shape.heads_q / p.shape.heads_kv)),
+        seqlen_q(static_cast<int>(p.shape.seqlen_q)),
+        seqlen_k(static_cast<int>(p.shape.seqlen_k)) {}
 
   __device__ __forceinline__ unsigned first() const { return blockIdx.x; }
   // The item after this block's last one: a grid smaller than the items
@@ -43,15 +46,22 @@ struct Sm90ForwardScheduler {
   __device__ __forceinline__ bool done(unsigned index) const { return index >= n_items; }
 
   __device__ __forceinline__ Sm90ForwardItem item(unsigned index) const {
-    const GridBlock block = order.at<IsCausal>(index);
+    const GridBlock block = order.at<Banded>(index);
     Sm90ForwardItem it;
     it.batch = static_cast<int>(block.pair / heads_q);
     it.head = static_cast<int>(block.pair % heads_q);
     it.head_kv = it.head / group;
     it.row0 = static_cast<int>(block.block) * BlockM;
     it.rows = min(BlockM, seqlen_q - it.row0);
-    it.key_end = IsCausal ? max(0, min(seqlen_k, it.row0 + it.rows + causal_offset)) : seqlen_k;
-    it.n_tiles = (it.key_end + BlockN - 1) / BlockN;
+    if constexpr (Banded) {
+      const Band band = Band::of(p);
+      it.key_begin = static_cast<int>(band.key_begin(it.row0));
+      it.key_end = static_cast<int>(band.key_end(it.row0 + it.rows - 1));
+    } else {
+      it.key_end = seqlen_k;
+    }
+    it.tile0 = it.key_begin / BlockN;
+    it.n_tiles = it.key_end > it.key_begin ? (it.key_end + BlockN - 1) / BlockN - it.tile0 : 0;
     return it;
   }
 };

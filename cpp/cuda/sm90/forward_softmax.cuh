@@ -1,12 +1,13 @@
 // The sm90 forward's softmax of one score tile, per consumer thread (each
 // warp's accumulators have mma.sync's C layout, so common/online_softmax.cuh
-// applies): hide the keys past the item's end and (causal) above the
-// diagonal, add attn_mask, take the online-softmax step.
+// applies): hide the keys past the item's end and (banded) outside the band
+// (common/band.cuh), add attn_mask, take the online-softmax step.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
+#include "../common/band.cuh"
 #include "../common/device_math.cuh"
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
@@ -15,13 +16,13 @@
 
 namespace fusedattn::cuda {
 
-template <int BlockN, typename T, bool IsCausal, bool HasMask>
+template <int BlockN, typename T, bool Banded, bool HasMask>
 struct Sm90ForwardSoftmax {
   static constexpr int kNTiles = BlockN / 8;
   const ForwardParams& p;
   float scale_log2;
   int warp_row, g, t;  // this warp's first row in its warpgroup's 64; the thread's MMA row and column groups
-  int seqlen_q, causal_offset;
+  int seqlen_q;
 
   // attn_mask (base-2 units) added to the visible scores of the tile at col0
   // of rows from wg_row0: a hidden entry stays -inf whatever the mask holds
@@ -52,9 +53,9 @@ struct Sm90ForwardSoftmax {
   // FFMA; a mask adds base-2 values, so masked calls scale first.
   __device__ __forceinline__ void step(float (&s)[kNTiles][4], float (&m_i)[2], float (&l_i)[2], float (&rescale)[2],
                                        const Sm90ForwardItem& it, int wg_row0, int j) const {
-    const int col0 = j * BlockN;
-    const bool needs_masking =
-        col0 + BlockN > it.key_end || (IsCausal && col0 + BlockN - 1 > wg_row0 + causal_offset);
+    const int col0 = (it.tile0 + j) * BlockN;
+    const Band band = Band::of(p);
+    const bool needs_masking = col0 + BlockN > it.key_end || (Banded && band.cuts(wg_row0, 64, col0, BlockN));
     if constexpr (HasMask) {
       // Scaled first: a scale of 0 must not meet -inf.
 #pragma unroll
@@ -63,21 +64,30 @@ struct Sm90ForwardSoftmax {
         for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
     }
     if (needs_masking) {
-      // Row h of this thread sees tile columns [0, visible[h]): the keys
-      // before the end and (causal) on or below the diagonal. Subtracting the
+      // Row h of this thread sees tile columns [first[h], visible[h]): the
+      // keys before the end and (banded) inside the band. Subtracting the
       // thread's column 2t once leaves compile-time offsets in the loop.
-      int visible[2];
+      int first[2], visible[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         visible[h] = it.key_end - col0;
-        if (IsCausal) visible[h] = min(visible[h], wg_row0 + warp_row + g + 8 * h + causal_offset - col0 + 1);
+        first[h] = 0;
+        if (Banded) {
+          int lo, hi;
+          band.local(wg_row0 + warp_row + g + 8 * h, col0, 2 * BlockN, lo, hi);
+          visible[h] = min(visible[h], hi + 1);
+          first[h] = lo;
+        }
         visible[h] -= 2 * t;
+        first[h] -= 2 * t;
       }
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (nt * 8 + (e & 1) >= visible[e >> 1]) s[nt][e] = -INFINITY;
+        for (int e = 0; e < 4; ++e) {
+          const int c = nt * 8 + (e & 1);
+          if (c >= visible[e >> 1] || (Banded && c < first[e >> 1])) s[nt][e] = -INFINITY;
+        }
     }
     if constexpr (HasMask) {
       add_mask(s, it, wg_row0, col0);

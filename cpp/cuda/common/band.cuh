@@ -1,0 +1,69 @@
+// The band of keys a query sees under is_causal and a sliding window
+// (params.h), as every CUDA kernel tests it: query i sees key j iff
+//   lower <= j - i <= upper,
+// lower = causal_offset - window_left, upper = causal_offset + band_right(),
+// an open side at -kBandOpen or +kBandOpen. Kernels compiled "banded" read
+// the band at run time, so one instantiation serves causal calls and windows;
+// an unbanded kernel sees every key.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "fusedattn/params.h"
+
+namespace fusedattn::cuda {
+
+// Wider than any call's lengths (the operators cap a window at Nq + Nk and
+// the kernels take at most 2^31 keys), small enough that i + kBandOpen
+// cannot overflow int64.
+inline constexpr int64_t kBandOpen = int64_t(1) << 40;
+
+struct Band {
+  int64_t lower = -kBandOpen, upper = kBandOpen;
+  int64_t seqlen_q = 0, seqlen_k = 0;
+
+  __host__ __device__ static Band of(const ForwardParams& p) { return of(p, p.shape.seqlen_k); }
+  // With the keys' length given (a decoded sequence's own length).
+  __host__ __device__ static Band of(const ForwardParams& p, int64_t seqlen_k) {
+    Band b;
+    const int64_t offset = seqlen_k - p.shape.seqlen_q;
+    if (p.window_left >= 0) b.lower = offset - p.window_left;
+    if (p.band_right() >= 0) b.upper = offset + p.band_right();
+    b.seqlen_q = p.shape.seqlen_q;
+    b.seqlen_k = seqlen_k;
+    return b;
+  }
+
+  __host__ __device__ bool left_open() const { return lower <= -kBandOpen; }
+  // The keys [key_begin(i), key_end(i)) that query i sees (empty when
+  // key_end <= key_begin); a block of queries [i0, i1) sees
+  // [key_begin(i0), key_end(i1 - 1)).
+  __host__ __device__ int64_t key_begin(int64_t i) const { return clamp(i + lower, seqlen_k); }
+  __host__ __device__ int64_t key_end(int64_t i) const { return clamp(i + upper + 1, seqlen_k); }
+  // The queries [query_begin(j), query_end(j)) that see key j.
+  __host__ __device__ int64_t query_begin(int64_t j) const { return clamp(j - upper, seqlen_q); }
+  __host__ __device__ int64_t query_end(int64_t j) const { return clamp(j - lower + 1, seqlen_q); }
+
+  // Whether a tile of queries [i0, i0 + rows) by keys [j0, j0 + cols) holds
+  // an entry outside the band (then its entries are tested one by one).
+  __host__ __device__ bool cuts(int64_t i0, int64_t rows, int64_t j0, int64_t cols) const {
+    return j0 + cols - 1 - i0 > upper || j0 - (i0 + rows - 1) < lower;
+  }
+  // The tile-local band of a tile whose first query is i0 and first key j0:
+  // entry (r, c) is inside iff lo <= c - r <= hi, as 32-bit ints (clamped to
+  // +-span, span at least the tile's rows + columns).
+  __host__ __device__ void local(int64_t i0, int64_t j0, int span, int& lo, int& hi) const {
+    lo = static_cast<int>(clamp_signed(lower - (j0 - i0), span));
+    hi = static_cast<int>(clamp_signed(upper - (j0 - i0), span));
+  }
+
+ private:
+  __host__ __device__ static int64_t clamp(int64_t x, int64_t n) { return x < 0 ? 0 : x > n ? n : x; }
+  __host__ __device__ static int64_t clamp_signed(int64_t x, int64_t span) {
+    return x < -span ? -span : x > span ? span : x;
+  }
+};
+
+}  // namespace fusedattn::cuda
