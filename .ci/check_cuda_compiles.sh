@@ -25,6 +25,13 @@ for src in "${sources[@]}"; do
   if grep -qE "[1-9][0-9]* bytes spill stores" "$obj.ptxas.log"; then
     echo "check_cuda_compiles: WARNING: $src spills registers (see $obj.ptxas.log)"
   fi
+  # A host function called from device code compiles with a warning and
+  # computes garbage on the GPU (a window's band once read one): an error here.
+  if grep -qE "warning #2001[14]-D" "$obj.ptxas.log"; then
+    grep -E "warning #2001[14]-D" "$obj.ptxas.log" | sort -u
+    echo "check_cuda_compiles: $src: a host function called from device code"
+    exit 1
+  fi
   # ptxas C7510-C7519: wgmma serialised (C7514: a non-wgmma instruction
   # touches an accumulator inside a pipeline stage; others: a call, too few
   # registers, an ill-formed stage). Such code compiles and runs right but

@@ -29,8 +29,9 @@ struct Band {
   __host__ __device__ static Band of(const ForwardParams& p, int64_t seqlen_k) {
     Band b;
     const int64_t offset = seqlen_k - p.shape.seqlen_q;
+    const int64_t right = p.is_causal ? 0 : p.window_right;  // p.band_right(), a host function
     if (p.window_left >= 0) b.lower = offset - p.window_left;
-    if (p.band_right() >= 0) b.upper = offset + p.band_right();
+    if (right >= 0) b.upper = offset + right;
     b.seqlen_q = p.shape.seqlen_q;
     b.seqlen_k = seqlen_k;
     return b;
