@@ -92,20 +92,21 @@ def test_cuda_backward_opcheck_and_compile():
         torch.testing.assert_close(a, t.grad, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("is_causal,window", [(False, None), (True, None), (False, (40, 7)), (True, (100, 0))],
+                         ids=["full", "causal", "window", "causal-window"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_cuda_backward_deterministic_mode(is_causal, head_dim):
+def test_cuda_backward_deterministic_mode(is_causal, window, head_dim):
     """Under torch.use_deterministic_algorithms(True) grad_q comes from its own
     pass: the same bits on every run, and within the rule of the reference
     (checked outside deterministic mode: the reference's cuBLAS calls would
     need CUBLAS_WORKSPACE_CONFIG inside it)."""
     case = Case(heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=333, head_dim=head_dim,
-                dtype=torch.bfloat16, mask="key_padding", is_causal=is_causal)
+                dtype=torch.bfloat16, mask="key_padding", is_causal=is_causal, window=window)
     q, k, v, mask = make_inputs(case, "cuda", requires_grad=True)
     grad_out = torch.randn_like(q)
     torch.use_deterministic_algorithms(True)
     try:
-        runs = [torch.autograd.grad(fusedattn.attention(q, k, v, mask, is_causal), (q, k, v), grad_out)
+        runs = [torch.autograd.grad(fusedattn.attention(q, k, v, mask, is_causal, window=window), (q, k, v), grad_out)
                 for _ in range(3)]
     finally:
         torch.use_deterministic_algorithms(False)
