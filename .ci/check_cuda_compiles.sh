@@ -27,8 +27,8 @@ for src in "${sources[@]}"; do
   fi
   # A host function called from device code compiles with a warning and
   # computes garbage on the GPU (a window's band once read one): an error here.
-  if grep -qE "warning #2001[14]-D" "$obj.ptxas.log"; then
-    grep -E "warning #2001[14]-D" "$obj.ptxas.log" | sort -u
+  if grep -qE "warning #2001[1345]-D" "$obj.ptxas.log"; then
+    grep -E "warning #2001[1345]-D" "$obj.ptxas.log" | sort -u
     echo "check_cuda_compiles: $src: a host function called from device code"
     exit 1
   fi
