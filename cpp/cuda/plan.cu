@@ -211,7 +211,7 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
   const bool masked = p.mask.kind != MaskKind::None;
   // Causal calls and windows run the banded kernels (common/band.cuh); a
   // window's items span its width, not Nk, so it takes the short tiles.
-  const bool banded = p.is_causal || p.has_window();
+  const bool banded = p.banded();
   Plan plan;
   plan.family = choose_family(request.family, [&] { return sm90_forward_refusal(p); });
   if (plan.family == Family::Sm90) {

@@ -29,20 +29,19 @@ struct Band {
   __host__ __device__ static Band of(const ForwardParams& p, int64_t seqlen_k) {
     Band b;
     const int64_t offset = seqlen_k - p.shape.seqlen_q;
-    const int64_t right = p.is_causal ? 0 : p.window_right;  // p.band_right(), a host function
     if (p.window_left >= 0) b.lower = offset - p.window_left;
-    if (right >= 0) b.upper = offset + right;
+    if (p.band_right() >= 0) b.upper = offset + p.band_right();
     b.seqlen_q = p.shape.seqlen_q;
     b.seqlen_k = seqlen_k;
     return b;
   }
 
-  __host__ __device__ bool left_open() const { return lower <= -kBandOpen; }
   // The keys [key_begin(i), key_end(i)) that query i sees (empty when
   // key_end <= key_begin); a block of queries [i0, i1) sees
   // [key_begin(i0), key_end(i1 - 1)).
   __host__ __device__ int64_t key_begin(int64_t i) const { return clamp(i + lower, seqlen_k); }
   __host__ __device__ int64_t key_end(int64_t i) const { return clamp(i + upper + 1, seqlen_k); }
+  __host__ __device__ bool sees(int64_t i, int64_t j) const { return j - i >= lower && j - i <= upper; }
   // The queries [query_begin(j), query_end(j)) that see key j.
   __host__ __device__ int64_t query_begin(int64_t j) const { return clamp(j - upper, seqlen_q); }
   __host__ __device__ int64_t query_end(int64_t j) const { return clamp(j - lower + 1, seqlen_q); }

@@ -451,7 +451,7 @@ void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
 template <int HeadDim, typename Element>
 void launch_decode(const KVCacheParams& p, int warps, cudaStream_t stream) {
   with_decode_warps<HeadDim>(warps, [&](auto warps) {
-    if (p.attn.is_causal || p.attn.has_window())
+    if (p.attn.banded())
       launch_decode_kernel<HeadDim, warps, Element, true>(p, stream);
     else
       launch_decode_kernel<HeadDim, warps, Element, false>(p, stream);

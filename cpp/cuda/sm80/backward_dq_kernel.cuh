@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
         const int64_t query = row0 + warp_row + g + 8 * h, key = col0 + nt * 8 + 2 * t + (e & 1);
         float x = s[nt][e] * scale_log2;  // the forward's score, mask included, then minus lse
         if (needs_masking) {
-          if (key >= key_end || (Banded && (key - query < band.lower || key - query > band.upper))) {
+          if (key >= key_end || (Banded && !band.sees(query, key))) {
             x = -INFINITY;
           } else if (has_mask && query < sh.seqlen_q) {
             x += mask_log2<T>(f.mask, mask_base, query, key);

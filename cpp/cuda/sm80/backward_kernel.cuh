@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
         float x = st[nt][e] * scale_log2;  // the forward's score, mask included, then minus lse
         if (needs_masking) {
           const int64_t key = key0 + r, query = m0 + c;
-          if (key >= sh.seqlen_k || (Banded && (key - query < band.lower || key - query > band.upper))) {
+          if (key >= sh.seqlen_k || (Banded && !band.sees(query, key))) {
             x = -INFINITY;
           } else if (has_mask && query < sh.seqlen_q) {
             x += mask_log2<T>(f.mask, mask_base, query, key);
@@ -318,7 +318,7 @@ void launch_backward_main(const BackwardParams& p, cudaStream_t stream) {
 template <int HeadDim, typename Element>
 void launch_backward_sm80(const BackwardParams& p, cudaStream_t stream) {
   run_backward_passes<Element>(p, stream, [&] {
-    if (p.fwd.is_causal || p.fwd.has_window())
+    if (p.fwd.banded())
       launch_backward_main<HeadDim, Element, true>(p, stream);
     else
       launch_backward_main<HeadDim, Element, false>(p, stream);

@@ -260,7 +260,7 @@ void launch_forward_kernel(const ForwardParams& p, cudaStream_t stream) {
 template <int HeadDim, typename Element>
 void launch_forward_sm80(const ForwardParams& p, cudaStream_t stream) {
   if (p.shape.batch * p.shape.heads_q == 0 || p.shape.seqlen_q == 0) return;
-  if (p.is_causal || p.has_window())
+  if (p.banded())
     launch_forward_kernel<HeadDim, Element, true>(p, stream);
   else
     launch_forward_kernel<HeadDim, Element, false>(p, stream);

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const int g = lane / 4, t = lane % 4;
   const int warp_row = warp * 16;  // this warp's accumulator rows: keys of S^T, queries of dQ (after query0)
   const int64_t my_key0 = walk.key0 + 64 * consumer;  // this warpgroup's 64 keys
-  const Band band = Band::of(f);  // banded: query i sees key j iff band.lower <= j - i <= band.upper
+  const Band band = Band::of(f);  // banded: query i sees key j iff band.sees(i, j)
   const float scale_log2 = f.scale * kLog2e;
   const unsigned char* k_mine = sK + consumer * 64 * 128;  // rows 64c.. of every slab
   const unsigned char* v_mine = sV + consumer * 64 * 128;
@@ -176,8 +176,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
         bool hidden = false;
         if (needs_masking) {
           const int64_t key = my_key0 + r, query = m0 + c;
-          hidden = key >= sh.seqlen_k || query >= sh.seqlen_q ||
-                   (Banded && (key - query < band.lower || key - query > band.upper));
+          hidden = key >= sh.seqlen_k || query >= sh.seqlen_q || (Banded && !band.sees(query, key));
         }
         const float prob = hidden ? 0.0f : exp2f(st[nt][e] * scale_log2 - lse_in_log2(lse[c]));
         st[nt][e] = prob;
@@ -277,7 +276,7 @@ void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
   const BackwardParams& p = args.p;
   run_backward_passes<Element>(p, stream, [&] {
     if (p.fwd.shape.batch * p.fwd.shape.heads_kv * p.fwd.shape.seqlen_k == 0) return;
-    if (p.fwd.is_causal || p.fwd.has_window())
+    if (p.fwd.banded())
       launch_sm90_backward_kernel<HeadDim, Element, true>(args, stream);
     else
       launch_sm90_backward_kernel<HeadDim, Element, false>(args, stream);

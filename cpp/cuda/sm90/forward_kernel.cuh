@@ -235,14 +235,14 @@ void launch_forward_sm90(const Sm90ForwardArgs& args, const Plan& plan, cudaStre
   const ForwardParams& p = args.p;
   if (p.mask.kind != MaskKind::None) {
     if constexpr (instantiated(Sm90ForwardMaskedHeadDims{}, HeadDim)) {
-      if (p.is_causal || p.has_window())
+      if (p.banded())
         launch_planned_sm90_forward<HeadDim, Element, true, true>(args, plan, stream);
       else
         launch_planned_sm90_forward<HeadDim, Element, false, true>(args, plan, stream);
     } else {
       throw_planner_bug("the sm90 forward has no attn_mask variant at head dim " + std::to_string(HeadDim));
     }
-  } else if (p.is_causal || p.has_window()) {
+  } else if (p.banded()) {
     launch_planned_sm90_forward<HeadDim, Element, true, false>(args, plan, stream);
   } else {
     launch_planned_sm90_forward<HeadDim, Element, false, false>(args, plan, stream);

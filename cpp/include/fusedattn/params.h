@@ -7,6 +7,13 @@
 
 #include <cstdint>
 
+// Members the CUDA kernels call as well as the host (empty outside nvcc).
+#ifdef __CUDACC__
+#define FUSEDATTN_HOST_DEVICE __host__ __device__
+#else
+#define FUSEDATTN_HOST_DEVICE
+#endif
+
 namespace fusedattn {
 
 enum class DType : int { Float32, Float16, BFloat16 };
@@ -72,10 +79,13 @@ struct ForwardParams {
   int64_t window_right = -1;
   MaskParams mask;
 
-  bool has_window() const { return window_left >= 0 || window_right >= 0; }
+  FUSEDATTN_HOST_DEVICE bool has_window() const { return window_left >= 0 || window_right >= 0; }
   // The band's right side with is_causal folded in: 0 under is_causal, else
   // the window's (-1: open).
-  int64_t band_right() const { return is_causal ? 0 : window_right; }
+  FUSEDATTN_HOST_DEVICE int64_t band_right() const { return is_causal ? 0 : window_right; }
+  // Whether some key is hidden by position (causal or a window): the CUDA
+  // kernels' banded instantiation (cpp/cuda/common/band.cuh).
+  FUSEDATTN_HOST_DEVICE bool banded() const { return is_causal || has_window(); }
 
   // Device workspace for the sm90 forward: one unsigned int, from which its
   // persistent blocks take work items (the launch zeroes it).
