@@ -119,6 +119,9 @@ def work(rank: int, world: int, store: str, cases: list[RingCase], model_runs: l
             results[f"model-{layout}-{'compiled' if compiled else 'eager'}"] = _run_model(world, layout, compiled)
         if rank == 0:
             torch.save(results, result_path)
+        # No rank tears its connections down while a peer may still be using
+        # them (a gloo peer left mid-teardown aborted once in CI, on 2 cores).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
