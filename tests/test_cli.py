@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fusedattn
-from fusedattn import bench, bench_decode, bench_ring, cli
+from fusedattn import bench, bench_decode, bench_mask, bench_ring, cli
 
 from helpers.bench_results import GPU_METHODS, decode_result, gpu_result
 
@@ -37,6 +37,7 @@ def no_run(monkeypatch):
         raise AssertionError("the long work started before the check")
     monkeypatch.setattr(bench, "run", ran)
     monkeypatch.setattr(bench_decode, "run", ran)
+    monkeypatch.setattr(bench_mask, "run", ran)
     from fusedattn import engine
     monkeypatch.setattr(engine.Engine, "from_gguf", ran)
 
@@ -264,6 +265,91 @@ def test_bench_ring_under_torchrun(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.strip() in run.stdout
+
+
+def test_bench_mask_options_are_checked(capsys, no_run):
+    def error(*argv):
+        return usage_error(capsys, ["bench", "--device", "cpu", *argv, "--no-progress"])
+
+    assert error("--mask", "band:3") == (
+        "--mask: unknown kind 'band:3'; choose from window:W, docs:K, keypad, causal_keypad, random:P")
+    assert error("--mask", "keypad", "--mask", "window") == (
+        "--mask: 'window': give window:W, W the keys left of the query, an integer >= 0")
+    assert error("--mask", "window:-1") == (
+        "--mask: 'window:-1': W out of range (W: the keys left of the query, an integer >= 0)")
+    assert error("--mask", "docs:0").startswith("--mask: 'docs:0': K out of range")
+    assert error("--mask", "random:1").startswith("--mask: 'random:1': P out of range")
+    assert error("--mask", "random:x").startswith("--mask: 'random:x': give random:P")
+    assert error("--mask", "keypad,").startswith("--mask: unknown kind ''")
+    assert error("--mask", "docs:8", "--seqlens", "64,4") == (
+        "--mask docs:8: 8 documents need every N >= 8, got 4")
+    assert error("--mask", "keypad", "--dtype", "float32,bfloat16") == (
+        "--dtype float32,bfloat16: --mask takes one dtype a run")
+    for option in (["--causal", "yes"], ["--methods", "sdpa"], ["--plot", "x.png"], ["--wide"]):
+        assert error("--mask", "keypad", *option) == f"{option[0]} does not apply to --mask"
+    assert error("--mask", "keypad", "--decode") == "--mask does not apply to --decode"
+    assert error("--mask", "keypad", "--kv-heads", "2") == "--kv-heads does not apply to --mask"
+
+
+def test_bench_mask_on_the_cpu(tmp_path, capsys):
+    """A tiny keypad run: one row, the exact visible count, positive rates where a column runs,
+    FlexAttention n/a on the CPU; --from-json prints the same table."""
+    out = tmp_path / "mask.json"
+    assert cli.main(["bench", "--mask", "keypad", "--device", "cpu", "--seqlens", "128", "--repeats", "1",
+                     "--warmup", "0", "--batch", "4", "--heads", "2", "--head-dim", "16", "--dtype", "float32",
+                     "--no-progress", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["config"]["mask"] == ["keypad"] and result["config"]["dtype"] == "float32"
+    (row,) = result["rows"]
+    assert (row["mask"], row["seqlen"], row["backward"]) == ("keypad", 128, False)
+    assert row["visible_entries"] == 128 * (128 + 64 + 32 + 96)  # every query sees its item's key length
+    assert set(row["results"]) == {"fusedattn-blockmask", "fusedattn-dense", "flex", "sdpa"}
+    for name in ("fusedattn-dense", "sdpa") + (("fusedattn-blockmask",) if hasattr(fusedattn, "BlockMask") else ()):
+        cell = row["results"][name]
+        assert cell["status"] == "ok" and cell["seconds"] > 0, (name, cell)
+        assert cell["tflops"] == pytest.approx(4 * 2 * 16 * row["visible_entries"] / cell["seconds"] / 1e12)
+    if not hasattr(fusedattn, "BlockMask"):
+        assert row["results"]["fusedattn-blockmask"]["status"].startswith("n/a")
+        assert row["build"]["status"].startswith("n/a")
+    assert row["results"]["flex"]["status"].startswith("n/a") and row["over_flex"] == {}
+    assert "mask keypad:" in table and "GFLOP/s over the visible" in table and "| dense/flex |" in table
+    assert max(map(len, table.splitlines())) <= bench.TABLE_WIDTH
+    assert cli.main(["bench", "--from-json", str(out)]) == 0
+    assert bench_mask.format_table(result) in capsys.readouterr().out
+
+
+def test_bench_mask_several_kinds_with_the_backward(tmp_path):
+    """Kinds comma-separated and --mask repeated, one row per (kind, N); windows get a window= column."""
+    out = tmp_path / "mask.json"
+    assert cli.main(["bench", "--mask", "window:16,docs:3", "--mask", "random:0.5", "--backward", "--device", "cpu",
+                     "--seqlens", "64,256", "--repeats", "1", "--warmup", "0", "--batch", "1", "--heads", "2",
+                     "--head-dim", "16", "--dtype", "float32", "--no-progress", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["backward"] is True
+    assert [(r["mask"], r["seqlen"], r["backward"]) for r in result["rows"]] == [
+        ("window:16", 64, True), ("window:16", 256, True), ("docs:3", 64, True), ("docs:3", 256, True),
+        ("random:0.5", 64, True), ("random:0.5", 256, True)]
+    for row in result["rows"]:
+        assert ("fusedattn-window" in row["results"]) == row["mask"].startswith("window")
+        for name in ("fusedattn-dense", "sdpa") + (("fusedattn-window",) if "window" in row["mask"] else ()):
+            cell = row["results"][name]
+            assert cell["status"] == "ok" and cell["tflops"] == pytest.approx(
+                4 * 2 * 16 * row["visible_entries"] * 3.5 / cell["seconds"] / 1e12), (name, cell)
+    assert result["rows"][0]["visible_entries"] == 17 * 64 - 16 * 17 // 2
+
+
+@pytest.mark.gpu
+def test_bench_mask_on_cuda(tmp_path):
+    """On CUDA FlexAttention runs too (where this torch has it), and the ratios to it are filled in."""
+    out = tmp_path / "mask.json"
+    assert cli.main(["bench", "--mask", "window:100,causal_keypad", "--batch", "2", "--heads", "2",
+                     "--head-dim", "64", "--seqlens", "512", "--repeats", "2", "--warmup", "1", "--no-progress",
+                     "--json", str(out)]) == 0
+    for row in json.loads(out.read_text())["rows"]:
+        assert row["results"]["fusedattn-dense"]["tflops"] > 0 and row["results"]["sdpa"]["tflops"] > 0
+        if row["results"]["flex"]["status"] == "ok":
+            assert row["over_flex"]["fusedattn-dense"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine can run --decode")

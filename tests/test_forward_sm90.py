@@ -24,7 +24,7 @@ def plan_of(case: Case) -> dict:
 
 @pytest.mark.parametrize("nq,nk", [(1000, 1000), (2000, 700)])
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim,mask", [(64, "none"), (128, "none"), (128, "bool")])
+@pytest.mark.parametrize("head_dim,mask", [(64, "none"), (128, "none"), (64, "bool"), (128, "bool")])
 def test_sm90_blocks_take_many_items(nq, nk, is_causal, head_dim, mask):
     """More query blocks than SMs (3 x 12 heads x 6-16 blocks), so at d=128, and at d=64 under
     causal, every persistent block takes several work items; under causal with Nq > Nk the
@@ -64,10 +64,10 @@ def test_sm90_agrees_with_sm80():
     check_forward(case, device="cuda", out=out90, lse=lse90)
 
 
-@given(cases(max_len=700), st.sampled_from(GPU_DTYPES))
-def test_sm90_random_cases_at_head_dim_128(case, dtype):
-    """The random cases, every mask kind among them, at the head dim that takes masks."""
-    check_cuda(dataclasses.replace(case, dtype=dtype, head_dim=128))
+@given(cases(max_len=700), st.sampled_from(GPU_DTYPES), st.sampled_from([64, 128]))
+def test_sm90_random_cases(case, dtype, head_dim):
+    """The random cases, every mask kind among them, at the sm90 forward's head dims."""
+    check_cuda(dataclasses.replace(case, dtype=dtype, head_dim=head_dim))
 
 
 def test_sm90_refuses_what_it_cannot_take():
@@ -75,13 +75,12 @@ def test_sm90_refuses_what_it_cannot_take():
     with pytest.raises(RuntimeError, match=r"family sm90 was forced, but the sm90 forward has head dims \[64, 128\], "
                        "got 32"):
         forward(q, k, v)
-    q, k, v, mask = make_inputs(Case(dtype=torch.float16, head_dim=64, mask="bool"), "cuda")
-    with pytest.raises(RuntimeError, match=r"takes attn_mask at head dims \[128\], got head dim 64"):
-        forward(q, k, v, mask)
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=128), "cuda")
     for scale in (-0.5, 1e-39):  # negative; below FLT_MIN (flushed to 0 by the kernels' fast math)
-        with pytest.raises(RuntimeError, match="without attn_mask the sm90 forward takes a scale of at least FLT_MIN"):
+        with pytest.raises(RuntimeError, match="the sm90 forward takes a scale of at least FLT_MIN"):
             forward(q, k, v, None, False, scale)
+        with pytest.raises(RuntimeError, match="the sm90 forward takes a scale of at least FLT_MIN"):
+            forward(q, k, v, torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool, device="cuda"), False, scale)
         with pytest.raises(RuntimeError, match="FLT_MIN"):
             fusedattn.plan(q, k, v, None, False, scale)
 

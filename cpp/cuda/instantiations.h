@@ -15,6 +15,6 @@ using Sm80BackwardHeadDims = HeadDimList<32, 64, 128>;
 using Sm90ForwardHeadDims = HeadDimList<64, 128>;
 using Sm90BackwardHeadDims = HeadDimList<64, 128>;
 using DecodeHeadDims = HeadDimList<32, 64, 128>;
-using Sm90ForwardMaskedHeadDims = HeadDimList<128>;
+using Sm90ForwardMaskedHeadDims = HeadDimList<64, 128>;
 
 }  // namespace fusedattn::cuda

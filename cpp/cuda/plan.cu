@@ -72,11 +72,11 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
   if (masked && !instantiated(Sm90ForwardMaskedHeadDims{}, sh.head_dim))
     return "the sm90 forward takes attn_mask at head dims " + dims_text(Sm90ForwardMaskedHeadDims{}) +
            ", got head dim " + std::to_string(sh.head_dim);
-  // Without a mask the kernel folds the scale into its exponent: below
-  // FLT_MIN fast math flushes it to 0, and 0 times a hidden score's -inf is
-  // NaN. sm80 scales before it masks.
-  if (!masked && !(p.scale >= FLT_MIN))
-    return "without attn_mask the sm90 forward takes a scale of at least FLT_MIN, got " + std::to_string(p.scale);
+  // The kernel folds the scale into its exponent (on every tile attn_mask
+  // leaves whole): below FLT_MIN fast math flushes it to 0, and 0 times a
+  // hidden score's -inf is NaN. sm80 scales before it masks.
+  if (!(p.scale >= FLT_MIN))
+    return "the sm90 forward takes a scale of at least FLT_MIN, got " + std::to_string(p.scale);
   if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return {};  // nothing is loaded
   // The kernel does row arithmetic in int (and TMA coordinates are int).
   if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30))
@@ -220,6 +220,7 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
     plan.block_n = sm90_forward_block_n(d, banded, masked, p.has_window() ? 0 : sh.seqlen_k);
     plan.warps = 4 * (1 + sm90_forward_consumers(d));
     plan.persistent = sm90_forward_persistent(d, banded);
+    plan.mask_tiles = masked;
   } else {
     plan.block_m = kSm80ForwardBlockM;
     plan.block_n = kSm80ForwardBlockN;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../cuda/common/mask_tiles.h"
 #include "../cuda/naive/softmax_rows.h"
 #include "../cuda/plan.h"
 #include "../cuda/sm80/backward_sm80.h"
@@ -48,6 +49,16 @@ void run_forward(ForwardParams& p, const Plan& plan, const at::Tensor& q, cudaSt
   if (plan.family == Family::Sm90) {
     const at::Tensor work_counter = at::empty({1}, q.options().dtype(at::kInt));  // the launch zeroes it
     p.work_counter = reinterpret_cast<unsigned*>(work_counter.data_ptr<int>());
+    at::Tensor mask_tiles;  // the lists, the counts, the classes; the launch fills them
+    if (plan.mask_tiles) {
+      MaskTiles& t = p.mask.tiles;
+      t = cuda::mask_tiles_layout(p, plan.block_m, plan.block_n);
+      const int64_t class_words = (cuda::mask_tiles_class_bytes(t) + 3) / 4;
+      mask_tiles = at::empty({t.rows * (t.capacity + 1) + class_words}, q.options().dtype(at::kInt));
+      t.lists = mask_tiles.data_ptr<int32_t>();
+      t.counts = t.lists + t.rows * t.capacity;
+      t.classes = reinterpret_cast<uint8_t*>(const_cast<int32_t*>(t.counts + t.rows));
+    }
     cuda::forward_sm90(p, plan, stream);
   } else {
     cuda::forward_sm80(p, stream);

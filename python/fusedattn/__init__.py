@@ -23,8 +23,9 @@ def _load_library() -> None:
 _load_library()
 
 from . import backends, distributed, nn, ops, reference  # noqa: E402  (ops registers fake functions and autograd)
+from .blockmask import BlockMask, block_mask  # noqa: E402
 from .ops import attention, attention_varlen, attention_with_kvcache, plan, plan_kvcache  # noqa: E402
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "backends", "distributed", "nn", "ops", "plan", "plan_kvcache",
-           "reference"]
+__all__ = ["BlockMask", "attention", "attention_varlen", "attention_with_kvcache", "backends", "block_mask",
+           "distributed", "nn", "ops", "plan", "plan_kvcache", "reference"]
 __version__ = "0.1.0"

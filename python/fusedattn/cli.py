@@ -143,11 +143,13 @@ def _check_plot(path: str) -> None:
 # Options that choose what a run measures; none applies to --from-json.
 _RUN_OPTIONS = ("device", "batch", "heads", "head_dim", "seqlens", "dtype", "causal", "repeats", "methods",
                 "warmup", "json", "decode", "backward", "kv_heads", "lengths", "capacity", "launch_gaps",
-                "num_splits", "ring", "layout")
+                "num_splits", "ring", "layout", "mask")
 _DECODE_ONLY = ("lengths", "capacity", "launch_gaps", "num_splits")
 # What --ring times is fixed (the ring, compute alone, communication alone, one device; forward and
 # forward+backward): these choose other benchmarks' columns.
-_NOT_RING = ("decode", "backward", "methods", "plot", "wide") + _DECODE_ONLY
+_NOT_RING = ("decode", "mask", "backward", "methods", "plot", "wide") + _DECODE_ONLY
+# --mask times its own columns (bench_mask.methods) and prints its own table.
+_NOT_MASK = ("causal", "methods", "plot", "wide", "kv_heads") + _DECODE_ONLY
 
 
 def _flag(name: str) -> str:
@@ -171,9 +173,13 @@ def _check_bench(args) -> None:
             if _given(args, name):
                 raise UsageError(f"{_flag(name)} does not apply to --ring")
     elif args.decode:
-        for name in ("causal", "plot", "backward"):
+        for name in ("causal", "plot", "backward", "mask"):
             if _given(args, name):
                 raise UsageError(f"{_flag(name)} does not apply to --decode")
+    elif args.mask:
+        for name in _NOT_MASK:
+            if _given(args, name):
+                raise UsageError(f"{_flag(name)} does not apply to --mask")
     else:
         for name in _DECODE_ONLY + ("kv_heads",):
             if _given(args, name):
@@ -267,6 +273,32 @@ def _bench_decode(args) -> int:
     return 0
 
 
+def _bench_mask(args) -> int:
+    from . import bench_mask
+
+    try:
+        kinds = bench_mask.parse_kinds(args.mask)
+    except ValueError as e:
+        raise UsageError(f"--mask: {e}") from None
+    device = _device(args.device, "forward", default_cuda=False)
+    if args.backward and device.type == "cuda" and not has_kernel("backward", "cuda"):
+        raise UsageError("--backward: this build of fusedattn has no CUDA backward kernel")
+    cfg = bench_mask.default_config(device, kinds)
+    _apply_options(cfg, args, ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
+    if len(cfg.dtypes) != 1:
+        raise UsageError(f"--dtype {args.dtype}: --mask takes one dtype a run")
+    _cuda_takes(device, cfg.dtypes, cfg.head_dim)
+    problem = bench_mask.seqlen_problem(kinds, cfg.seqlens)
+    if problem:
+        raise UsageError(problem)
+    cfg.backward = args.backward
+    with _on(device):
+        result = bench_mask.run(cfg, progress=not args.no_progress)
+    print(bench_mask.format_table(result))
+    _write_json(result, args.json)
+    return 0
+
+
 def _ring_device(args) -> torch.device:
     """The device of this rank: the CPU, or (CUDA) cuda:LOCAL_RANK, one GPU per process."""
     if args.device is not None and args.device.startswith("cuda:"):
@@ -323,15 +355,17 @@ def _bench_ring(args) -> int:
 
 def _table(result: dict, wide: bool) -> str:
     """The table of a saved result, by the benchmark that wrote it."""
-    from . import bench, bench_decode, bench_ring
+    from . import bench, bench_decode, bench_mask, bench_ring
 
     if result["config"].get("ring"):
         return bench_ring.format_table(result)
+    if bench_mask.is_mask(result):
+        return bench_mask.format_table(result)
     return (bench_decode if bench.is_decode(result) else bench).format_table(result, wide=wide)
 
 
 def _from_json(args) -> int:
-    from . import bench
+    from . import bench, bench_mask
 
     results = []
     for path in args.from_json:
@@ -341,7 +375,8 @@ def _from_json(args) -> int:
             raise UsageError(f"--from-json {e}") from None
     if args.plot:
         for path, r in zip(args.from_json, results):
-            kind = "--ring" if r["config"].get("ring") else "--decode" if bench.is_decode(r) else None
+            kind = ("--ring" if r["config"].get("ring") else "--decode" if bench.is_decode(r)
+                    else "--mask" if bench_mask.is_mask(r) else None)
             if kind:
                 raise UsageError(f"--plot: {path} holds {kind} results, which have no plot "
                                  f"(--plot draws the forward and backward bench)")
@@ -366,6 +401,8 @@ def _bench(args) -> int:
         return _bench_ring(args)
     if args.decode:
         return _bench_decode(args)
+    if args.mask:
+        return _bench_mask(args)
     device = _device(args.device, "forward", default_cuda=False)
     if args.backward and device.type == "cuda" and not has_kernel("backward", "cuda"):
         raise UsageError("--backward: this build of fusedattn has no CUDA backward kernel")
@@ -652,6 +689,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ring attention over the processes of torchrun (one per GPU, or gloo on the CPU): "
                         "forward and forward+backward against compute alone, communication alone and one "
                         "device; defaults on CUDA B=1 H=16 d=128 N=128K,256K,512K bfloat16 causal")
+    b.add_argument("--mask", action="append", metavar="KIND",
+                   help="masked attention instead: KIND is window:W (query i sees keys i-W..i), docs:K (K causal "
+                        "documents packed in N), keypad (key lengths N, N/2, N/4, 3N/4 by batch item), "
+                        "causal_keypad or random:P (128x128 blocks hidden with probability P); several "
+                        "comma-separated or --mask repeated. Columns: fusedattn with a BlockMask, a dense bool "
+                        "mask (and window=), FlexAttention (CUDA), SDPA; TFLOP/s over the visible entries, and "
+                        "the BlockMask's build time; --backward too. Defaults on CUDA B=4 H=16 d=128 "
+                        "N=4K,8K,16K bfloat16")
     b.add_argument("--layout", choices=["contiguous", "zigzag"], help="--ring: how N is spread over the ranks "
                                                                       "(default zigzag)")
     b.add_argument("--kv-heads", type=int, dest="kv_heads",

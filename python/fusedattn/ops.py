@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import backends
+from .blockmask import BlockMask
 from .distributed.routing import routed_attention
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "cuda_head_dims", "has_kernel", "plan",
@@ -145,7 +146,7 @@ def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    attn_mask: Tensor | None = None,
+    attn_mask: Tensor | BlockMask | None = None,
     is_causal: bool = False,
     scale: float | None = None,
     window: tuple[int, int] | None = None,
@@ -157,7 +158,9 @@ def attention(
         k, v: ``[B, Hkv, Nk, d]`` keys and values; ``Hq % Hkv == 0`` (query head
             ``h`` reads key/value head ``h // (Hq // Hkv)``).
         attn_mask: broadcastable to ``[B, Hq, Nq, Nk]``; bool (True = may attend)
-            or floating point (added to the scaled scores).
+            or floating point (added to the scaled scores); or a
+            :class:`fusedattn.BlockMask`. Tiles a mask hides are skipped, tiles
+            it leaves whole (all True, or all 0) read none of it.
         is_causal: hide key ``j`` from query ``i`` when ``j > i + (Nk - Nq)``
             (bottom-right alignment; equal to SDPA's rule when ``Nq == Nk``).
         scale: multiplies ``q @ k^T``; defaults to ``1 / sqrt(d)``.
@@ -165,7 +168,7 @@ def attention(
             sees key ``j`` only when ``i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right``;
             -1 leaves that side unbounded (FlashAttention's ``window_size``).
             ``is_causal=True`` is the window ``(-1, 0)``; window, ``is_causal`` and
-            ``attn_mask`` combine. CPU tensors in this version.
+            ``attn_mask`` combine.
 
     Inside ``fusedattn.distributed.context_parallel`` the call runs on the ring:
     q, k and v are this rank's shards of the sequence.
@@ -174,6 +177,8 @@ def attention(
         ``[B, Hq, Nq, d]`` in q's dtype. Rows whose keys are all masked are 0.
         Differentiable with respect to q, k and v.
     """
+    if isinstance(attn_mask, BlockMask):
+        attn_mask = attn_mask.for_call(q, k)
     routed = routed_attention(q, k, v, attn_mask, is_causal, scale, window)
     if routed is not None:
         return routed
@@ -284,7 +289,7 @@ def plan(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    attn_mask: Tensor | None = None,
+    attn_mask: Tensor | BlockMask | None = None,
     is_causal: bool = False,
     scale: float | None = None,
     *,
@@ -295,9 +300,13 @@ def plan(
     ``backward=True``, its backward's), without running it: a dict with
     ``"family"`` ("cpu", "sm80", "sm90"), ``"block_m"`` and ``"block_n"``
     (queries and keys per tile), ``"warps"``, and per family ``"persistent"``
-    (sm90), ``"head_splits"`` and ``"deterministic"`` (backward). Choices
+    and ``"mask_tiles"`` (the sm90 forward; whether attn_mask is first sorted
+    into the tiles it hides, leaves whole or cuts), ``"head_splits"`` and
+    ``"deterministic"`` (backward). Choices
     forced with :func:`fusedattn.backends.force` apply; the same errors as the
     call's are raised for bad arguments."""
+    if isinstance(attn_mask, BlockMask):
+        attn_mask = attn_mask.for_call(q, k)
     return _parse_plan(torch.ops.fusedattn.plan(q, k, v, attn_mask, is_causal, scale, backends.forced().family,
                                                 backward, window))
 

@@ -31,6 +31,16 @@ MASK_KINDS = (
     "rows_2d",  # bool [Nq, Nk], broadcast over batch and heads
     "fully_masked_rows",  # bool with whole query rows hidden
     "key_block_holes",  # bool [B, 1, 1, Nk] hiding keys 64-191 and 256-767: whole tiles skipped
+    "documents",  # bool [Nq, Nk]: causal documents of 1-300 tokens packed (bottom-right aligned)
+    "sparse_blocks",  # float [1, Hq, Nq, Nk]: 64 x 64 blocks all -inf, all 0 or random
+)
+# Masks whose structure shows at the GPU's tiles (128 x 128 on sm90): for the
+# longer GPU cases of tests/test_mask_tiles.py.
+TILE_MASK_KINDS = (
+    "key_lengths",  # bool [B, 1, 1, Nk]: sequence b's keys end at Nk x 1, 1/2, 1/4, 3/4 (b mod 4)
+    "sparse_tiles",  # float [1, Hq, Nq, Nk]: 128 x 128 blocks all -inf, all 0 or random
+    "hidden_query_tiles",  # bool [B, Hq, Nq, Nk]: random, but queries 128-383 see nothing
+    "documents",
 )
 
 
@@ -89,6 +99,27 @@ def make_mask(case: Case, generator: torch.Generator, dtype: torch.dtype) -> tor
         keep[..., 64:192] = False
         keep[..., 256:768] = False
         return keep
+    if kind == "documents":
+        lengths = torch.randint(1, 301, (Nk,), generator=generator)
+        doc_of_key = torch.repeat_interleave(torch.arange(Nk), lengths)[:Nk]
+        position = torch.arange(Nq) + (Nk - Nq)  # the query's key position
+        doc_of_query = torch.where(position >= 0, doc_of_key[position.clamp(min=0)], -1)
+        keys = torch.arange(Nk)
+        return (doc_of_query[:, None] == doc_of_key[None, :]) & (keys[None, :] <= position[:, None])
+    if kind in ("sparse_blocks", "sparse_tiles"):
+        size = 64 if kind == "sparse_blocks" else 128
+        blocks = torch.randint(0, 3, (1, H, (Nq + size - 1) // size, (Nk + size - 1) // size), generator=generator)
+        blocks = blocks.repeat_interleave(size, 2).repeat_interleave(size, 3)[..., :Nq, :Nk]
+        values = torch.randn(1, H, Nq, Nk, generator=generator)
+        m = torch.where(blocks == 0, float("-inf"), torch.where(blocks == 1, 0.0, values))
+        return m.to(dtype)
+    if kind == "key_lengths":
+        ends = torch.tensor([Nk, Nk // 2 + 1, Nk // 4 + 3, 3 * Nk // 4 - 5]).clamp(min=1)[torch.arange(B) % 4]
+        return (torch.arange(Nk)[None, :] < ends[:, None]).view(B, 1, 1, Nk)
+    if kind == "hidden_query_tiles":
+        m = rand(B, H, Nq, Nk) > 0.25
+        m[:, :, 128:384, :] = False
+        return m
     if kind == "fully_masked_rows":
         m = rand(B, H, Nq, Nk) > 0.25
         m[:, :, ::3, :] = False  # every third query sees nothing

@@ -15,8 +15,9 @@
 // and at d=64 banded (tile_size.h), the blocks are persistent, one per
 // SM, and the producer loads the next item's Q and first tiles while the
 // consumers finish the last one; it hands each item's index to the consumers
-// with its Q. attn_mask is read where the scores are, by a separate
-// instantiation (no tile is skipped for it).
+// with its Q. Under attn_mask (a separate instantiation) an item visits the
+// tiles of its mask list (common/mask_tiles.h, sorted before the launch) and
+// reads the mask only on those the list marks.
 #pragma once
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include "../common/device_math.cuh"
 #include "../common/instantiation_dispatch.h"
 #include "../common/launch_check.h"
+#include "../common/mask_tiles.h"
 #include "../common/online_softmax.cuh"
 #include "../hopper/bulk_copy.cuh"
 #include "../hopper/warpgroup.cuh"
@@ -39,7 +41,7 @@
 
 namespace fusedattn::cuda {
 
-template <int HeadDim, int BlockN, typename T, bool Banded, bool HasMask>
+template <int HeadDim, int BlockN, typename T, bool Banded, MaskKind Mask>
 __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 1)
     sm90_forward_kernel(const __grid_constant__ Sm90ForwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and setmaxnreg exist only in sm_90a code
@@ -47,11 +49,12 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
   using Ring = RingPhases<Tr::kStages>;
   constexpr int kBlockN = Tr::kBlockN, kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
   constexpr bool kPersistent = sm90_forward_persistent(HeadDim, Banded);
+  constexpr bool kHasMask = Mask != MaskKind::None;
 
   extern __shared__ unsigned char smem_raw[];
   const Sm90ForwardSmem<Tr> smem(smem_raw);
   const ForwardParams& p = args.p;
-  const Sm90ForwardScheduler<Tr::kBlockM, kBlockN, Banded> scheduler(args.order, p);
+  const Sm90ForwardScheduler<Tr::kBlockM, kBlockN, Banded, kHasMask> scheduler(args.order, p);
   Ring ring;
 
   if (threadIdx.x == 0) smem.init_barriers();
@@ -62,7 +65,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
     // ---------------- producer ----------------
     warpgroup_release_registers<Tr::kProducerRegisters>();
     if (threadIdx.x != 0) return;
-    const Sm90ForwardLoad<Tr> load{args, smem};
+    const Sm90ForwardLoad<Tr, kHasMask> load{args, smem};
     load.prefetch_maps();
     unsigned index = scheduler.first();
     for (uint32_t item = 0;; ++item) {
@@ -91,7 +94,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
   const int g = lane / 4, t = lane % 4;
   const int warp_row = warp * 16;  // this warp's rows within the warpgroup's 64
   const Sm90ForwardMma<HeadDim, T, Tr> mma{smem, consumer};
-  const Sm90ForwardSoftmax<kBlockN, T, Banded, HasMask> softmax{
+  const Sm90ForwardSoftmax<kBlockN, T, Banded, Mask> softmax{
       p, p.scale * kLog2e, warp_row, g, t, scheduler.seqlen_q};
 
   float acc[kDTiles][4];
@@ -142,6 +145,8 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
     } else {
       // S_j's softmax runs while P_{j-1} V_{j-1}, issued right behind S_j, is in flight.
       float rescale[2];
+      // A tile's list entry is read before its wait, so the wait hides the load.
+      int entry = tile_entry<kHasMask>(p, it, 0);
       mbarrier_wait(&smem.k_full[0], ring.phase(0));
       take_turn();
       mma.scores(s_flat, 0);
@@ -150,10 +155,11 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
       fence_registers(s_flat);
       release(&smem.k_empty[0]);
       if (n_tiles == 1) release(smem.q_empty);  // the item's last read of Q
-      softmax.step(s, m_i, l_i, rescale, it, wg_row0, 0);  // O is still zero: no rescale
+      softmax.step(s, m_i, l_i, rescale, it, wg_row0, entry);  // O is still zero: no rescale
       pack_probabilities();
 
       for (int j = 1; j < n_tiles; ++j) {
+        entry = tile_entry<kHasMask>(p, it, j);
         mbarrier_wait(&smem.k_full[Ring::stage(j)], ring.phase(j));
         take_turn();
         mma.scores(s_flat, Ring::stage(j));
@@ -164,7 +170,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
         fence_registers(s_flat);
         release(&smem.k_empty[Ring::stage(j)]);
         if (j == n_tiles - 1) release(smem.q_empty);
-        softmax.step(s, m_i, l_i, rescale, it, wg_row0, j);
+        softmax.step(s, m_i, l_i, rescale, it, wg_row0, entry);
         wgmma_wait<0>();
         fence_registers(acc_flat);
         release(&smem.v_empty[Ring::stage(j - 1)]);
@@ -190,13 +196,14 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
 #endif
 }
 
-template <int HeadDim, int BlockN, typename T, bool Banded, bool HasMask>
+template <int HeadDim, int BlockN, typename T, bool Banded, MaskKind Mask>
 void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90ForwardTraits<HeadDim, BlockN>;
-  auto kernel = sm90_forward_kernel<HeadDim, BlockN, T, Banded, HasMask>;
+  auto kernel = sm90_forward_kernel<HeadDim, BlockN, T, Banded, Mask>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90ForwardArgs launch_args = args;
   launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), Banded);
+  if constexpr (Mask != MaskKind::None) sort_mask_into_tiles(args.p, Tr::kBlockM, Tr::kBlockN, stream);
   // Persistent: one block per SM (its threads take 65536 / kThreads registers
   // each from entry, as setmaxnreg needs: 64512 or 65536, no room for a
   // second block), each taking items from the counter, zeroed here; else a
@@ -216,16 +223,16 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
 // The plan's tile width and persistence (plan.cu chose them with tile_size.h,
 // and encoded the K/V tensor maps' boxes for that width); a plan with no
 // instantiation here is a planner bug.
-template <int HeadDim, typename Element, bool Banded, bool HasMask>
+template <int HeadDim, typename Element, bool Banded, MaskKind Mask>
 void launch_planned_sm90_forward(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
-  constexpr int kShortN = sm90_forward_block_n(HeadDim, Banded, HasMask, 0);
-  constexpr int kLongN = sm90_forward_block_n(HeadDim, Banded, HasMask, kSm90CausalWideTileKeys);
+  constexpr int kShortN = sm90_forward_block_n(HeadDim, Banded, Mask != MaskKind::None, 0);
+  constexpr int kLongN = sm90_forward_block_n(HeadDim, Banded, Mask != MaskKind::None, kSm90CausalWideTileKeys);
   if (plan.persistent != sm90_forward_persistent(HeadDim, Banded))
     throw_planner_bug("the sm90 forward's persistence is fixed per head dim and band");
   if (plan.block_n == kLongN)
-    launch_sm90_forward_kernel<HeadDim, kLongN, Element, Banded, HasMask>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, kLongN, Element, Banded, Mask>(args, stream);
   else if (plan.block_n == kShortN)
-    launch_sm90_forward_kernel<HeadDim, kShortN, Element, Banded, HasMask>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, kShortN, Element, Banded, Mask>(args, stream);
   else
     throw_planner_bug("no sm90 forward of " + std::to_string(plan.block_n) + "-key tiles");
 }
@@ -233,19 +240,23 @@ void launch_planned_sm90_forward(const Sm90ForwardArgs& args, const Plan& plan, 
 template <int HeadDim, typename Element>
 void launch_forward_sm90(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
   const ForwardParams& p = args.p;
-  if (p.mask.kind != MaskKind::None) {
-    if constexpr (instantiated(Sm90ForwardMaskedHeadDims{}, HeadDim)) {
-      if (p.banded())
-        launch_planned_sm90_forward<HeadDim, Element, true, true>(args, plan, stream);
-      else
-        launch_planned_sm90_forward<HeadDim, Element, false, true>(args, plan, stream);
-    } else {
-      throw_planner_bug("the sm90 forward has no attn_mask variant at head dim " + std::to_string(HeadDim));
+  auto with_band = [&](auto mask) {
+    constexpr MaskKind kMask = decltype(mask)::value;
+    if (p.banded())
+      launch_planned_sm90_forward<HeadDim, Element, true, kMask>(args, plan, stream);
+    else
+      launch_planned_sm90_forward<HeadDim, Element, false, kMask>(args, plan, stream);
+  };
+  if (p.mask.kind == MaskKind::None) {
+    with_band(std::integral_constant<MaskKind, MaskKind::None>{});
+  } else if constexpr (instantiated(Sm90ForwardMaskedHeadDims{}, HeadDim)) {
+    switch (p.mask.kind) {
+      case MaskKind::Bool: with_band(std::integral_constant<MaskKind, MaskKind::Bool>{}); break;
+      case MaskKind::AdditiveFloat32: with_band(std::integral_constant<MaskKind, MaskKind::AdditiveFloat32>{}); break;
+      default: with_band(std::integral_constant<MaskKind, MaskKind::AdditiveInput>{}); break;
     }
-  } else if (p.banded()) {
-    launch_planned_sm90_forward<HeadDim, Element, true, false>(args, plan, stream);
   } else {
-    launch_planned_sm90_forward<HeadDim, Element, false, false>(args, plan, stream);
+    throw_planner_bug("the sm90 forward has no attn_mask variant at head dim " + std::to_string(HeadDim));
   }
 }
 

@@ -2,7 +2,8 @@
 // consumers issue on it.
 //   load (producer, one thread): Q once per item, then K and V tiles of
 //     kBlockN keys into the rings, K one tile ahead of V (the order the
-//     consumers use them), each after its stage is released.
+//     consumers use them), each after its stage is released; under attn_mask
+//     only the tiles of the item's mask list.
 //   mma (each consumer warpgroup, 64 queries):
 //     S_j = Q K_j^T   wgmma m64n{kBlockN}k16, both operands from shared memory
 //     O += P V_j      wgmma m64n{d}k16, P from registers, V read transposed
@@ -21,7 +22,7 @@
 
 namespace fusedattn::cuda {
 
-template <typename Tr>
+template <typename Tr, bool HasMask>
 struct Sm90ForwardLoad {
   const Sm90ForwardArgs& args;
   const Sm90ForwardSmem<Tr>& smem;
@@ -32,15 +33,15 @@ struct Sm90ForwardLoad {
     prefetch_tensor_map(&args.v_map);
   }
 
-  // The item's tile j (key tile tile0 + j) of K or V into its ring stage, once that stage is free.
+  // The item's tile j (key tile `key_tile`) of K or V into its ring stage, once that stage is free.
   __device__ __forceinline__ void tile(const CUtensorMap* map, unsigned char* ring, uint64_t* full, uint64_t* empty,
                                        const RingPhases<Tr::kStages>& ring_phases, const Sm90ForwardItem& it,
-                                       int j) const {
+                                       int j, int key_tile) const {
     const int s = RingPhases<Tr::kStages>::stage(j);
     mbarrier_wait(&empty[s], ring_phases.phase(j) ^ 1);  // the first round finds it free
     mbarrier_arrive_expect_bytes(&full[s], Tr::kTileBytes);
     for (int slab = 0; slab < Tr::kSlabs; ++slab)
-      tma_load_box(ring + s * Tr::kTileBytes + slab * Tr::kBlockN * 128, map, 64 * slab, (it.tile0 + j) * Tr::kBlockN, it.head_kv,
+      tma_load_box(ring + s * Tr::kTileBytes + slab * Tr::kBlockN * 128, map, 64 * slab, key_tile * Tr::kBlockN, it.head_kv,
                    it.batch, &full[s]);
   }
 
@@ -49,11 +50,14 @@ struct Sm90ForwardLoad {
     mbarrier_arrive_expect_bytes(smem.q_full, Tr::kQBytes);
     for (int slab = 0; slab < Tr::kSlabs; ++slab)
       tma_load_box(smem.q + slab * Tr::kBlockM * 128, &args.q_map, 64 * slab, it.row0, it.head, it.batch, smem.q_full);
+    int previous = 0;  // key tile j - 1
     for (int j = 0; j < it.n_tiles; ++j) {
-      tile(&args.k_map, smem.k, smem.k_full, smem.k_empty, ring_phases, it, j);
-      if (j > 0) tile(&args.v_map, smem.v, smem.v_full, smem.v_empty, ring_phases, it, j - 1);
+      const int key_tile = tile_entry<HasMask>(args.p, it, j) >> 1;
+      tile(&args.k_map, smem.k, smem.k_full, smem.k_empty, ring_phases, it, j, key_tile);
+      if (j > 0) tile(&args.v_map, smem.v, smem.v_full, smem.v_empty, ring_phases, it, j - 1, previous);
+      previous = key_tile;
     }
-    tile(&args.v_map, smem.v, smem.v_full, smem.v_empty, ring_phases, it, it.n_tiles - 1);
+    tile(&args.v_map, smem.v, smem.v_full, smem.v_empty, ring_phases, it, it.n_tiles - 1, previous);
   }
 };
 

@@ -1,7 +1,8 @@
 // The sm90 forward's tile scheduler. A work item is a query block of one
 // head, in the launch's BlockOrder (common/block_order.h: longest first under
 // a band, heads grouped for L2), and the key tiles its band reaches
-// (common/band.cuh). A block takes the item of its own index
+// (common/band.cuh), or under attn_mask those its row of the mask's tile
+// lists holds (common/mask_tiles.h). A block takes the item of its own index
 // first; persistent blocks (tile_size.h) then take items from the work
 // counter until none are left.
 #pragma once
@@ -14,12 +15,22 @@
 namespace fusedattn::cuda {
 
 // Rows [row0, row0 + rows) of query head `head` of sequence `batch`, which
-// see keys [key_begin, key_end) in the n_tiles tiles from tile0.
+// see keys [key_begin, key_end) in n_tiles tiles: those from tile0, or
+// those of the mask's list at mask_list (an offset into p.mask.tiles.lists:
+// 32 bits leave the consumers a register).
 struct Sm90ForwardItem {
   int batch = 0, head = 0, head_kv = 0, row0 = 0, rows = 0, key_begin = 0, key_end = 0, tile0 = 0, n_tiles = 0;
+  int mask_list = 0;
 };
 
-template <int BlockM, int BlockN, bool Banded>
+// The item's tile j: 2 * key tile, + 1 where it reads attn_mask.
+template <bool HasMask>
+__device__ __forceinline__ int tile_entry(const ForwardParams& p, const Sm90ForwardItem& it, int j) {
+  if constexpr (HasMask) return __ldg(p.mask.tiles.lists + it.mask_list + j);
+  return 2 * (it.tile0 + j);
+}
+
+template <int BlockM, int BlockN, bool Banded, bool HasMask>
 struct Sm90ForwardScheduler {
   const BlockOrder& order;
   const ForwardParams& p;
@@ -62,6 +73,13 @@ struct Sm90ForwardScheduler {
     }
     it.tile0 = it.key_begin / BlockN;
     it.n_tiles = it.key_end > it.key_begin ? (it.key_end + BlockN - 1) / BlockN - it.tile0 : 0;
+    if constexpr (HasMask) {
+      // The lists hold the band's tiles the mask leaves visible.
+      const MaskTiles& tiles = p.mask.tiles;
+      const int64_t row = tiles.row(it.batch, it.head, block.block);
+      it.mask_list = static_cast<int>(row * tiles.capacity);
+      it.n_tiles = it.n_tiles > 0 ? __ldg(tiles.counts + row) : 0;
+    }
     return it;
   }
 };

@@ -16,7 +16,9 @@
 
 namespace fusedattn::cuda {
 
-template <int BlockN, typename T, bool Banded, bool HasMask>
+// Mask: attn_mask's kind, fixed at compile time (a run-time choice of kinds
+// made the consumers spill).
+template <int BlockN, typename T, bool Banded, MaskKind Mask>
 struct Sm90ForwardSoftmax {
   static constexpr int kNTiles = BlockN / 8;
   const ForwardParams& p;
@@ -36,33 +38,24 @@ struct Sm90ForwardSoftmax {
       row_offset[h] = mask_base + int64_t(wg_row0 + warp_row + g + 8 * h) * p.mask.row_stride +
                       int64_t(col0 + 2 * t) * p.mask.col_stride;
     const bool row_valid[2] = {wg_row0 + warp_row + g < seqlen_q, wg_row0 + warp_row + g + 8 < seqlen_q};
-    dispatch_mask_kind(p.mask.kind, [&](auto kind) {
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
+    for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (row_valid[e >> 1] && s[nt][e] != -INFINITY)
-            s[nt][e] += mask_entry<decltype(kind)::value, T>(
-                p.mask.ptr, row_offset[e >> 1] + (nt * 8 + (e & 1)) * p.mask.col_stride);
-    });
+      for (int e = 0; e < 4; ++e)
+        if (row_valid[e >> 1] && s[nt][e] != -INFINITY)
+          s[nt][e] += mask_entry<Mask, T>(p.mask.ptr, row_offset[e >> 1] + (nt * 8 + (e & 1)) * p.mask.col_stride);
   }
 
-  // Tile j of the rows from wg_row0; `rescale` gets the factor by which O
-  // must be rescaled. Without attn_mask the scores stay raw until the
-  // exponent, which takes the scale (>= FLT_MIN: the planner checks) in one
-  // FFMA; a mask adds base-2 values, so masked calls scale first.
+  // The tile of `entry` (tile_entry's) of the rows from wg_row0; `rescale`
+  // gets the factor by which O must be rescaled. The scores stay raw until
+  // the exponent, which takes the scale (>= FLT_MIN: the planner checks) in
+  // one FFMA; a tile whose entry says it reads attn_mask, which adds base-2
+  // values, scales its scores first and passes the exponent a factor of 1.
   __device__ __forceinline__ void step(float (&s)[kNTiles][4], float (&m_i)[2], float (&l_i)[2], float (&rescale)[2],
-                                       const Sm90ForwardItem& it, int wg_row0, int j) const {
-    const int col0 = (it.tile0 + j) * BlockN;
+                                       const Sm90ForwardItem& it, int wg_row0, int entry) const {
+    const int col0 = (entry >> 1) * BlockN;
     const Band band = Band::of(p);
     const bool needs_masking = col0 + BlockN > it.key_end || (Banded && band.cuts(wg_row0, 64, col0, BlockN));
-    if constexpr (HasMask) {
-      // Scaled first: a scale of 0 must not meet -inf.
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
-    }
     if (needs_masking) {
       // Row h of this thread sees tile columns [first[h], visible[h]): the
       // keys before the end and (banded) inside the band. Subtracting the
@@ -89,12 +82,18 @@ struct Sm90ForwardSoftmax {
           if (c >= visible[e >> 1] || (Banded && c < first[e >> 1])) s[nt][e] = -INFINITY;
         }
     }
-    if constexpr (HasMask) {
-      add_mask(s, it, wg_row0, col0);
-      online_softmax_scores(s, m_i, l_i, rescale);
-    } else {
-      online_softmax_scores</*RawScores=*/true>(s, m_i, l_i, rescale, scale_log2);
+    bool reads_mask = false;
+    if constexpr (Mask != MaskKind::None) {
+      reads_mask = entry & 1;
+      if (reads_mask) {
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+        add_mask(s, it, wg_row0, col0);
+      }
     }
+    online_softmax_scores</*RawScores=*/true>(s, m_i, l_i, rescale, reads_mask ? 1.0f : scale_log2);
   }
 };
 

@@ -25,6 +25,23 @@ enum class DType : int { Float32, Float16, BFloat16 };
 //   AdditiveInput:    same dtype as q, added to the scaled scores.
 enum class MaskKind : int { None, Bool, AdditiveFloat32, AdditiveInput };
 
+// attn_mask sorted into a kernel's tiles (cpp/cuda/common/mask_tiles.h), so
+// that tiles it hides are never visited and tiles it leaves whole read none of
+// it. Query tile qt of (batch, head) owns row r = batch * batch_stride + head *
+// head_stride + qt: counts[r] entries of lists[r * capacity ...], each
+// 2 * key_tile + 1 where the tile must read the mask (+ 0 where it need not),
+// in increasing key tile order. A stride is 0 where the mask broadcasts.
+struct MaskTiles {
+  const int32_t* lists = nullptr;   // [rows, capacity]
+  const int32_t* counts = nullptr;  // [rows]
+  uint8_t* classes = nullptr;       // [rows, capacity]: the sort's workspace
+  int64_t rows = 0, capacity = 0, batch_stride = 0, head_stride = 0;
+
+  FUSEDATTN_HOST_DEVICE int64_t row(int64_t batch, int64_t head, int64_t query_tile) const {
+    return batch * batch_stride + head * head_stride + query_tile;
+  }
+};
+
 // attn_mask broadcast to [B, Hq, Nq, Nk]. A broadcast dimension has stride 0;
 // nothing is materialised.
 struct MaskParams {
@@ -34,6 +51,7 @@ struct MaskParams {
   int64_t head_stride = 0;
   int64_t row_stride = 0;  // along Nq
   int64_t col_stride = 0;  // along Nk
+  MaskTiles tiles;          // where a kernel takes them (null otherwise)
 };
 
 // Strides of one [B, H, N, d] tensor whose last dimension is contiguous.

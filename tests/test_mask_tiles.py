@@ -1,0 +1,56 @@
+"""attn_mask sorted into tiles on CUDA (cpp/cuda/common/mask_tiles.h): masks
+whose hidden and whole tiles the sm90 forward skips or reads nothing of, at
+lengths that span many tiles, per family, forward and backward, against the
+float64 reference (marker `gpu`)."""
+
+import pytest
+import torch
+
+import fusedattn
+from helpers.attention_cases import TILE_MASK_KINDS, Case, make_inputs
+from helpers.cuda import check_cuda, check_cuda_backward, sm90_available
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("mask", TILE_MASK_KINDS)
+@pytest.mark.parametrize("nq,nk", [(1000, 1000), (700, 2100), (2100, 700)])
+@pytest.mark.parametrize("band", [{}, {"is_causal": True}, {"window": (300, 40)}], ids=["full", "causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_tile_masks(cuda_family, mask, nq, nk, band, head_dim):
+    """Tiles hidden, whole and partly visible, with causal and windows (whose tiles the
+    lists leave out too), Nq != Nk, rows that see nothing; sm90's query tiles are 192
+    rows at d=64, 128 at d=128."""
+    case = Case(batch=4, heads_q=4, heads_kv=2, seqlen_q=nq, seqlen_k=nk, head_dim=head_dim, dtype=torch.bfloat16,
+                mask=mask, **band)
+    check_cuda(case)
+
+
+@pytest.mark.parametrize("mask", ["key_lengths", "documents", "sparse_tiles"])
+def test_cuda_tile_masks_backward(cuda_family, mask):
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=900, seqlen_k=1100, head_dim=128, dtype=torch.float16,
+                mask=mask, is_causal=True)
+    check_cuda_backward(case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_tile_masks_float_kinds(dtype):
+    """An additive mask of the input's dtype and one of float32: tiles all -inf are
+    skipped, tiles all 0 read nothing, whichever kind holds them."""
+    case = Case(batch=2, heads_q=4, heads_kv=4, seqlen_q=800, seqlen_k=1300, head_dim=128, dtype=dtype,
+                mask="sparse_tiles")
+    check_cuda(case)
+    q, k, v, mask = make_inputs(case, "cuda")
+    out32, _ = torch.ops.fusedattn.forward(q, k, v, mask.float(), False, None)
+    out, _ = torch.ops.fusedattn.forward(q, k, v, mask, False, None)
+    torch.testing.assert_close(out32, out, atol=2e-2, rtol=0)
+
+
+def test_cuda_mask_tiles_plan():
+    """The sm90 forward sorts a mask into tiles first; unmasked calls do not."""
+    if not sm90_available():
+        pytest.skip("this build or GPU has no sm90 kernels")
+    q, k, v, mask = make_inputs(Case(seqlen_q=300, seqlen_k=300, head_dim=128, dtype=torch.bfloat16,
+                                     mask="key_lengths"), "cuda")
+    assert fusedattn.plan(q, k, v, mask)["mask_tiles"] is True
+    assert fusedattn.plan(q, k, v)["mask_tiles"] is False
