@@ -26,10 +26,15 @@ def test_cuda_tile_masks(cuda_family, mask, nq, nk, band, head_dim):
     check_cuda(case)
 
 
-@pytest.mark.parametrize("mask", ["key_lengths", "documents", "sparse_tiles"])
-def test_cuda_tile_masks_backward(cuda_family, mask):
-    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=900, seqlen_k=1100, head_dim=128, dtype=torch.float16,
-                mask=mask, is_causal=True)
+@pytest.mark.parametrize("mask", ["key_lengths", "documents", "sparse_tiles", "hidden_query_tiles"])
+@pytest.mark.parametrize("nq,nk,band", [(900, 1100, {"is_causal": True}), (1100, 700, {}),
+                                        (800, 800, {"window": (200, 30)})], ids=["causal", "full", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_tile_masks_backward(cuda_family, mask, nq, nk, band, head_dim):
+    """The backward walks each key block's list of query blocks (per query head where the
+    mask is: sparse_tiles and hidden_query_tiles, whose heads share a kv head)."""
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=nq, seqlen_k=nk, head_dim=head_dim, dtype=torch.float16,
+                mask=mask, **band)
     check_cuda_backward(case)
 
 
@@ -47,10 +52,14 @@ def test_cuda_tile_masks_float_kinds(dtype):
 
 
 def test_cuda_mask_tiles_plan():
-    """The sm90 forward sorts a mask into tiles first; unmasked calls do not."""
+    """The sm90 forward and the sm80 backward (which serves masked backwards) sort a mask
+    into tiles first; unmasked calls do not."""
     if not sm90_available():
         pytest.skip("this build or GPU has no sm90 kernels")
     q, k, v, mask = make_inputs(Case(seqlen_q=300, seqlen_k=300, head_dim=128, dtype=torch.bfloat16,
                                      mask="key_lengths"), "cuda")
     assert fusedattn.plan(q, k, v, mask)["mask_tiles"] is True
     assert fusedattn.plan(q, k, v)["mask_tiles"] is False
+    backward = fusedattn.plan(q, k, v, mask, backward=True)
+    assert (backward["family"], backward["mask_tiles"]) == ("sm80", True), backward
+    assert fusedattn.plan(q, k, v, backward=True)["mask_tiles"] is False

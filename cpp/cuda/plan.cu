@@ -248,6 +248,7 @@ Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
     blocks_per_sm = kSm80BackwardBlocksPerSm;
   }
   plan.head_splits = backward_head_splits(p, plan.block_n, blocks_per_sm);
+  plan.mask_tiles = plan.family == Family::Sm80 && p.fwd.mask.kind != MaskKind::None;
   return plan;
 }
 

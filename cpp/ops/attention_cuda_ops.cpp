@@ -45,20 +45,25 @@ PlanRequest family_request(const char* op, const std::optional<c10::string_view>
   return r;
 }
 
+// Storage for the mask's tile lists as `layout` (mask_tiles.h) lays them out:
+// the lists, the counts, the classes; the launch fills them.
+at::Tensor mask_tiles_storage(MaskTiles& t, const MaskTiles& layout, const at::Tensor& like) {
+  t = layout;
+  const int64_t class_words = (cuda::mask_tiles_class_bytes(t) + 3) / 4;
+  at::Tensor storage = at::empty({t.rows * (t.capacity + 1) + class_words}, like.options().dtype(at::kInt));
+  t.lists = storage.data_ptr<int32_t>();
+  t.counts = t.lists + t.rows * t.capacity;
+  t.classes = reinterpret_cast<uint8_t*>(const_cast<int32_t*>(t.counts + t.rows));
+  return storage;
+}
+
 void run_forward(ForwardParams& p, const Plan& plan, const at::Tensor& q, cudaStream_t stream) {
   if (plan.family == Family::Sm90) {
     const at::Tensor work_counter = at::empty({1}, q.options().dtype(at::kInt));  // the launch zeroes it
     p.work_counter = reinterpret_cast<unsigned*>(work_counter.data_ptr<int>());
-    at::Tensor mask_tiles;  // the lists, the counts, the classes; the launch fills them
-    if (plan.mask_tiles) {
-      MaskTiles& t = p.mask.tiles;
-      t = cuda::mask_tiles_layout(p, plan.block_m, plan.block_n);
-      const int64_t class_words = (cuda::mask_tiles_class_bytes(t) + 3) / 4;
-      mask_tiles = at::empty({t.rows * (t.capacity + 1) + class_words}, q.options().dtype(at::kInt));
-      t.lists = mask_tiles.data_ptr<int32_t>();
-      t.counts = t.lists + t.rows * t.capacity;
-      t.classes = reinterpret_cast<uint8_t*>(const_cast<int32_t*>(t.counts + t.rows));
-    }
+    at::Tensor mask_tiles;
+    if (plan.mask_tiles)
+      mask_tiles = mask_tiles_storage(p.mask.tiles, cuda::mask_tiles_layout(p, plan.block_m, plan.block_n), q);
     cuda::forward_sm90(p, plan, stream);
   } else {
     cuda::forward_sm80(p, stream);
@@ -81,11 +86,14 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
 
 // The backward's workspaces, as its plan needs them: delta always; the
 // float32 dQ accumulator unless deterministic; the dK/dV sums of the query
-// heads' splits when there are any.
+// heads' splits when there are any; the mask's tile lists by key tiles.
 struct BackwardWorkspaces {
-  at::Tensor delta, grad_q_accum, grad_kv_accum;
+  at::Tensor delta, grad_q_accum, grad_kv_accum, mask_tiles;
   BackwardWorkspaces(BackwardParams& p, const Plan& plan, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& lse) {
+    if (plan.mask_tiles)
+      mask_tiles = mask_tiles_storage(p.fwd.mask.tiles, cuda::mask_tiles_layout_by_keys(p.fwd, plan.block_n,
+                                                                                       plan.block_m), q);
     delta = at::empty(lse.sizes(), lse.options().dtype(at::kFloat));
     p.delta = delta.data_ptr<float>();
     if (!p.deterministic) {

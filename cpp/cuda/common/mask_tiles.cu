@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #include "band.cuh"
 #include "launch_check.h"
@@ -88,7 +89,8 @@ __device__ __forceinline__ void seen_by_entries(TileSeen& seen, const MaskParams
   for (int64_t r = 0; r < (one_row ? 1 : rows) && !seen.decided(); ++r) {
     const int64_t i = row0 + r;
     const int64_t lo = max(col0, band.key_begin(one_row ? row0 : i));
-    const int64_t hi = min(col0 + cols, band.key_end(one_row ? row0 + rows - 1 : i));
+    int64_t hi = min(col0 + cols, band.key_end(one_row ? row0 + rows - 1 : i));
+    if (m.col_stride == 0) hi = min(hi, lo + 1);  // the row holds one value
     for (int64_t j = lo + lane; j < hi; j += 32) seen.add(mask_log2<T>(m, base, i, j));
     seen.reduce();
   }
@@ -138,6 +140,18 @@ __global__ void __launch_bounds__(32 * kWarps) compact_tiles_kernel(const MaskTi
   if (lane == 0) const_cast<int32_t*>(tiles.counts)[r] = count;
 }
 
+// p with queries and keys swapped: the mask's rows are its keys, and the band
+// transposed (key j sees query i iff -upper <= i - j <= -lower).
+ForwardParams by_keys(const ForwardParams& p) {
+  ForwardParams t = p;
+  std::swap(t.shape.seqlen_q, t.shape.seqlen_k);
+  std::swap(t.mask.row_stride, t.mask.col_stride);
+  t.is_causal = false;
+  t.window_left = p.band_right();
+  t.window_right = p.window_left;
+  return t;
+}
+
 // Whether every tile row of the mask starts 16-byte aligned and its keys are contiguous.
 bool rows_are_vectors(const MaskParams& m, int block_n) {
   const int64_t size = m.kind == MaskKind::Bool ? 1 : m.kind == MaskKind::AdditiveFloat32 ? 4 : 2;
@@ -162,6 +176,14 @@ MaskTiles mask_tiles_layout(const ForwardParams& p, int block_m, int block_n) {
 }
 
 int64_t mask_tiles_class_bytes(const MaskTiles& layout) { return layout.rows * layout.capacity; }
+
+MaskTiles mask_tiles_layout_by_keys(const ForwardParams& p, int block_keys, int block_queries) {
+  return mask_tiles_layout(by_keys(p), block_keys, block_queries);
+}
+
+void sort_mask_into_key_tiles(const ForwardParams& p, int block_keys, int block_queries, cudaStream_t stream) {
+  sort_mask_into_tiles(by_keys(p), block_keys, block_queries, stream);
+}
 
 void sort_mask_into_tiles(const ForwardParams& p, int block_m, int block_n, cudaStream_t stream) {
   const MaskTiles& t = p.mask.tiles;

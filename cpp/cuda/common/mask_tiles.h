@@ -20,4 +20,10 @@ int64_t mask_tiles_class_bytes(const MaskTiles& layout);
 // Fills p.mask.tiles (laid out by mask_tiles_layout for these tiles) on `stream`.
 void sort_mask_into_tiles(const ForwardParams& p, int block_m, int block_n, cudaStream_t stream);
 
+// The same transposed, for a backward whose blocks own block_keys keys and
+// walk the blocks of block_queries queries that see them: a row per key tile,
+// lists of query tiles.
+MaskTiles mask_tiles_layout_by_keys(const ForwardParams& p, int block_keys, int block_queries);
+void sort_mask_into_key_tiles(const ForwardParams& p, int block_keys, int block_queries, cudaStream_t stream);
+
 }  // namespace fusedattn::cuda

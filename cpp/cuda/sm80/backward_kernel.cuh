@@ -28,6 +28,7 @@
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/mask.cuh"
+#include "../common/mask_tiles.h"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_loads.cuh"
 #include "../tile_size.h"
@@ -118,19 +119,51 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
 
   // The steps: every query block of every query head of the block's share of
   // the group that can see one of these keys: banded, queries
-  // [first_query, query_end) (common/band.cuh).
+  // [first_query, query_end) (common/band.cuh); under attn_mask sorted into
+  // tiles (common/mask_tiles.h), the query blocks of each head's list.
   const int64_t first_query = Banded ? band.query_begin(key0) : 0;
   const int64_t query_end = Banded ? band.query_end(key0 + keys - 1) : sh.seqlen_q;
   const int64_t m_begin = first_query / kBlockM * kBlockM;
-  const int64_t steps_per_head = first_query < query_end ? (query_end - m_begin + kBlockM - 1) / kBlockM : 0;
-  const int64_t steps = steps_per_head * split_heads;
+  const MaskTiles& tiles = f.mask.tiles;
+  const bool listed = tiles.lists != nullptr;
+  auto list_row = [&](int64_t i) { return tiles.row(batch, first_head + i, n_block); };
+  int64_t steps_per_head = first_query < query_end ? (query_end - m_begin + kBlockM - 1) / kBlockM : 0;
+  int64_t steps = steps_per_head * split_heads;
+  if (listed) {
+    steps_per_head = tiles.counts[list_row(0)];  // the heads' lists are one where the mask is
+    steps = steps_per_head * split_heads;
+    if (tiles.head_stride != 0)
+      for (int64_t i = 1; i < split_heads; ++i) steps += tiles.counts[list_row(i)] - steps_per_head;
+  }
+  const bool has_mask = f.mask.kind != MaskKind::None;
+  // Step s: its query head, first query, and whether it reads attn_mask.
+  auto locate = [&](int64_t s, int64_t& head, int64_t& m0, bool& reads) {
+    if (!listed) {
+      head = first_head + s / steps_per_head;
+      m0 = m_begin + s % steps_per_head * kBlockM;
+      reads = has_mask;
+      return;
+    }
+    int64_t i = 0;
+    if (tiles.head_stride == 0) {
+      i = s / steps_per_head;
+      s %= steps_per_head;
+    } else {
+      for (int64_t n; s >= (n = tiles.counts[list_row(i)]); ++i) s -= n;
+    }
+    const int32_t entry = tiles.lists[list_row(i) * tiles.capacity + s];
+    head = first_head + i;
+    m0 = int64_t(entry >> 1) * kBlockM;
+    reads = entry & 1;
+  };
 
   // Queues step s's Q, dO, lse and delta into buffer `buf` (cp.async; zeros
   // past the queries: their P V and dS Q terms are 0 as their dO and Q rows
   // are, and their dQ is not written).
   auto load_step = [&](int64_t s, int buf) {
-    const int64_t head = first_head + s / steps_per_head;
-    const int64_t m0 = m_begin + s % steps_per_head * kBlockM;
+    int64_t head, m0;
+    bool reads;
+    locate(s, head, m0, reads);
     const int64_t rows = sh.seqlen_q - m0;
     load_rows_async<kBlockM, Tr>(sQ + buf * kBlockM * kStride,
                                  static_cast<const T*>(f.q) + batch * f.q_strides.batch + head * f.q_strides.head,
@@ -147,7 +180,6 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
 
   float dk[kDTiles][4] = {}, dv[kDTiles][4] = {};
   const float scale_log2 = f.scale * kLog2e;
-  const bool has_mask = f.mask.kind != MaskKind::None;
   const int key_row = warp * 16;  // this warp's first key in the block
 
   // The step's two products of each kind, on mma.sync fragments:
@@ -185,8 +217,9 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     if (s + 1 < steps) load_step(s + 1, 1 - buf);
     cp_async_commit();
 
-    const int64_t head = first_head + s / steps_per_head;
-    const int64_t m0 = m_begin + s % steps_per_head * kBlockM;
+    int64_t head, m0;
+    bool reads_mask;
+    locate(s, head, m0, reads_mask);
     const T* q_tile = sQ + buf * kBlockM * kStride;
     const T* do_tile = sdO + buf * kBlockM * kStride;
     const float* lse = sLse + buf * kBlockM;
@@ -198,7 +231,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
 
     // P^T. Element (key row g + 8h, query column 2t + e) of each n-tile.
     const bool needs_masking =
-        has_mask || key0 + kBlockN > sh.seqlen_k || (Banded && band.cuts(m0, kBlockM, key0, kBlockN));
+        reads_mask || key0 + kBlockN > sh.seqlen_k || (Banded && band.cuts(m0, kBlockM, key0, kBlockN));
     const int64_t mask_base = batch * f.mask.batch_stride + head * f.mask.head_stride;
 #pragma unroll
     for (int nt = 0; nt < kMTiles; ++nt) {
@@ -210,7 +243,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
           const int64_t key = key0 + r, query = m0 + c;
           if (key >= sh.seqlen_k || (Banded && !band.sees(query, key))) {
             x = -INFINITY;
-          } else if (has_mask && query < sh.seqlen_q) {
+          } else if (reads_mask && query < sh.seqlen_q) {
             x += mask_log2<T>(f.mask, mask_base, query, key);
           }
         }
@@ -285,6 +318,7 @@ void launch_backward_kernel(const BackwardParams& p, cudaStream_t stream) {
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T) + Tr::kSmemFloats * sizeof(float);
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const BlockOrder order = make_key_block_order(p.fwd.shape, Tr::kBlockN, p.head_splits, sizeof(T), Banded);
+  if (p.fwd.mask.tiles.lists != nullptr) sort_mask_into_key_tiles(p.fwd, Tr::kBlockN, Tr::kBlockM, stream);
   kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }

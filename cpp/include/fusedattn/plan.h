@@ -38,7 +38,8 @@ struct Plan {
   int block_n = 0;  // keys per tile
   int warps = 0;    // per thread block (CPU: 0)
   bool persistent = false;        // sm90 forward: resident blocks that take work items
-  bool mask_tiles = false;        // attn_mask sorted into tile lists first (MaskTiles, params.h)
+  bool mask_tiles = false;        // attn_mask sorted into tile lists first (MaskTiles, params.h):
+                                  // the sm90 forward's, the sm80 backward's (by key tiles)
   bool backward = false;          // a plan of the backward
   int head_splits = 1;            // backward: blocks sharing a kv head's query heads per key block
   bool deterministic = false;     // backward: dQ summed in a fixed order
@@ -51,7 +52,7 @@ struct Plan {
                     " block_n=" + std::to_string(block_n) + " warps=" + std::to_string(warps);
     auto flag = [](bool b) { return b ? "true" : "false"; };
     if (family == Family::Sm90) s += std::string(" persistent=") + flag(persistent);
-    if (family == Family::Sm90 && !backward) s += std::string(" mask_tiles=") + flag(mask_tiles);
+    if (family == Family::Sm80 || family == Family::Sm90) s += std::string(" mask_tiles=") + flag(mask_tiles);
     if (family == Family::Decode)
       s += " num_splits=" + std::to_string(num_splits) + " merge_in_cluster=" + flag(merge_in_cluster);
     if (backward) s += " head_splits=" + std::to_string(head_splits) + " deterministic=" + flag(deterministic);
