@@ -51,7 +51,6 @@ def check_block_mask_call(backend, bm, B, Hq, Hkv, Nq, Nk, d=64, backward=False,
     q, k, v = (t.to(backend.device, dtype).requires_grad_(backward) for t in (q, k, v))
     bm = fusedattn.BlockMask(bm.mask.to(backend.device))
     dense = bm.to_dense()
-    backend.require_plan(q, k, v, dense, kwargs.get("is_causal", False), backward=backward)  # sm90: no masked backward
     plan = fusedattn.plan(q, k, v, bm, backward=backward, **kwargs)
     assert plan["family"] == backend.name, plan
     out = fusedattn.attention(q, k, v, attn_mask=bm, **kwargs)

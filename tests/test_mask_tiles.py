@@ -52,8 +52,8 @@ def test_cuda_tile_masks_float_kinds(dtype):
 
 
 def test_cuda_mask_tiles_plan():
-    """The sm90 forward and the sm80 backward (which serves masked backwards) sort a mask
-    into tiles first; unmasked calls do not."""
+    """Every CUDA forward and backward sorts a mask into its tiles first (the backward by
+    key tiles); unmasked calls do not."""
     if not sm90_available():
         pytest.skip("this build or GPU has no sm90 kernels")
     q, k, v, mask = make_inputs(Case(seqlen_q=300, seqlen_k=300, head_dim=128, dtype=torch.bfloat16,
@@ -61,5 +61,8 @@ def test_cuda_mask_tiles_plan():
     assert fusedattn.plan(q, k, v, mask)["mask_tiles"] is True
     assert fusedattn.plan(q, k, v)["mask_tiles"] is False
     backward = fusedattn.plan(q, k, v, mask, backward=True)
-    assert (backward["family"], backward["mask_tiles"]) == ("sm80", True), backward
+    assert (backward["family"], backward["mask_tiles"]) == ("sm90", True), backward
     assert fusedattn.plan(q, k, v, backward=True)["mask_tiles"] is False
+    with fusedattn.backends.force("sm80"):
+        assert fusedattn.plan(q, k, v, mask)["mask_tiles"] is True
+        assert fusedattn.plan(q, k, v, mask, backward=True)["mask_tiles"] is True

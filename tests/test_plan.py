@@ -122,8 +122,8 @@ def test_the_library_reports_the_generated_table():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_plans(dtype):
     """The planner's rules as documented: sm90 on Hopper for head dims 64 and
-    128 (attn_mask at 128 only), 176-key tiles at d=128 without a mask, sm80
-    elsewhere; the backward on sm80 with a mask or in deterministic mode."""
+    128 (attn_mask too), 176-key tiles at d=128 without a mask, sm80
+    elsewhere; the backward on sm80 in deterministic mode."""
     def plan(d, mask=False, causal=False, nk=700, backward=False):
         q, k, v = qkv(d, dtype, "cuda", nq=300, nk=nk)
         m = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device="cuda") if mask else None
@@ -135,9 +135,9 @@ def test_cuda_plans(dtype):
         assert plan(d)["family"] == ("sm90" if takes else "sm80")
         masked = hopper and d in cuda_head_dims("sm90_forward_masked")
         assert plan(d, mask=True)["family"] == ("sm90" if masked else "sm80")
-        assert plan(d, mask=True, backward=True)["family"] == "sm80"
-        assert plan(d, backward=True)["family"] == ("sm90" if hopper and d in cuda_head_dims("sm90_backward")
-                                                    else "sm80")
+        backward_family = "sm90" if hopper and d in cuda_head_dims("sm90_backward") else "sm80"
+        assert plan(d, mask=True, backward=True)["family"] == backward_family
+        assert plan(d, backward=True)["family"] == backward_family
     if hopper:
         assert plan(128)["block_n"] == 176 and plan(128, mask=True)["block_n"] == 128
         assert plan(128, causal=True)["block_n"] == 128 and plan(128, causal=True, nk=16384)["block_n"] == 176

@@ -87,7 +87,6 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
 
 std::string sm90_backward_refusal(const BackwardParams& p) {
   const AttentionShape& sh = p.fwd.shape;
-  if (p.fwd.mask.kind != MaskKind::None) return "the sm90 backward takes no attn_mask";
   if (p.deterministic) return "the sm90 backward has no deterministic mode (torch.use_deterministic_algorithms)";
   if (!instantiated(Sm90BackwardHeadDims{}, sh.head_dim))
     return "the sm90 backward has head dims " + dims_text(Sm90BackwardHeadDims{}) + ", got " +
@@ -220,12 +219,12 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
     plan.block_n = sm90_forward_block_n(d, banded, masked, p.has_window() ? 0 : sh.seqlen_k);
     plan.warps = 4 * (1 + sm90_forward_consumers(d));
     plan.persistent = sm90_forward_persistent(d, banded);
-    plan.mask_tiles = masked;
   } else {
     plan.block_m = kSm80ForwardBlockM;
     plan.block_n = kSm80ForwardBlockN;
     plan.warps = kSm80Warps;
   }
+  plan.mask_tiles = masked;
   return plan;
 }
 
@@ -248,7 +247,7 @@ Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
     blocks_per_sm = kSm80BackwardBlocksPerSm;
   }
   plan.head_splits = backward_head_splits(p, plan.block_n, blocks_per_sm);
-  plan.mask_tiles = plan.family == Family::Sm80 && p.fwd.mask.kind != MaskKind::None;
+  plan.mask_tiles = p.fwd.mask.kind != MaskKind::None;
   return plan;
 }
 

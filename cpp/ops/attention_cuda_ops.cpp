@@ -58,12 +58,12 @@ at::Tensor mask_tiles_storage(MaskTiles& t, const MaskTiles& layout, const at::T
 }
 
 void run_forward(ForwardParams& p, const Plan& plan, const at::Tensor& q, cudaStream_t stream) {
+  at::Tensor mask_tiles;
+  if (plan.mask_tiles)
+    mask_tiles = mask_tiles_storage(p.mask.tiles, cuda::mask_tiles_layout(p, plan.block_m, plan.block_n), q);
   if (plan.family == Family::Sm90) {
     const at::Tensor work_counter = at::empty({1}, q.options().dtype(at::kInt));  // the launch zeroes it
     p.work_counter = reinterpret_cast<unsigned*>(work_counter.data_ptr<int>());
-    at::Tensor mask_tiles;
-    if (plan.mask_tiles)
-      mask_tiles = mask_tiles_storage(p.mask.tiles, cuda::mask_tiles_layout(p, plan.block_m, plan.block_n), q);
     cuda::forward_sm90(p, plan, stream);
   } else {
     cuda::forward_sm80(p, stream);

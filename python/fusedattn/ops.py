@@ -299,10 +299,10 @@ def plan(
     """The plan :func:`attention` would run for these arguments (with
     ``backward=True``, its backward's), without running it: a dict with
     ``"family"`` ("cpu", "sm80", "sm90"), ``"block_m"`` and ``"block_n"``
-    (queries and keys per tile), ``"warps"``, and per family ``"persistent"``
-    and ``"mask_tiles"`` (the sm90 forward; whether attn_mask is first sorted
-    into the tiles it hides, leaves whole or cuts), ``"head_splits"`` and
-    ``"deterministic"`` (backward). Choices
+    (queries and keys per tile), ``"warps"``, ``"mask_tiles"`` (CUDA: whether
+    attn_mask is first sorted into the tiles it hides, leaves whole or cuts),
+    ``"persistent"`` (sm90), ``"head_splits"`` and ``"deterministic"``
+    (backward). Choices
     forced with :func:`fusedattn.backends.force` apply; the same errors as the
     call's are raised for bad arguments."""
     if isinstance(attn_mask, BlockMask):

@@ -115,18 +115,27 @@ __global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_
 // (sequence, kv head, head split), key block 0 (the most queries see it)
 // first under causal. A block walks every query block of every query head
 // of its share of the group that can see one of its keys: banded, the
-// queries from band.query_begin(key0) to band.query_end(last key).
-template <int BlockN, int BlockM, bool Banded>
+// queries from band.query_begin(key0) to band.query_end(last key); Listed
+// (attn_mask sorted by key tiles, common/mask_tiles.h), the query blocks of
+// each head's list.
+template <int BlockN, int BlockM, bool Banded, bool Listed = false>
 struct KeyBlockWalk {
-  unsigned batch, head_kv;
+  unsigned batch, head_kv, n_block;
   int64_t key0, keys;              // the block's keys: [key0, key0 + keys)
   int64_t first_head, m_begin;     // the walk starts at this query head and query
-  int steps_per_head, steps;       // query blocks per head, and in all (< 2^31: Nq / BlockM x group)
+  int steps_per_head, steps;       // query blocks per head (Listed: of the first head), and in all (< 2^31)
+  const MaskTiles& tiles;
 
-  __device__ KeyBlockWalk(const BackwardParams& p, const BlockOrder& order) {
+  // Step s: its query head, first query, and whether it reads attn_mask.
+  struct Step {
+    int64_t head, m0;
+    bool reads_mask;
+  };
+
+  __device__ KeyBlockWalk(const BackwardParams& p, const BlockOrder& order) : tiles(p.fwd.mask.tiles) {
     const AttentionShape& sh = p.fwd.shape;
     const GridBlock block = order.at<false>(blockIdx.x);
-    const unsigned n_block = block.block;
+    n_block = block.block;
     const unsigned head_split = block.pair % static_cast<unsigned>(p.head_splits);
     const unsigned bh = block.pair / static_cast<unsigned>(p.head_splits);
     batch = bh / static_cast<unsigned>(sh.heads_kv);
@@ -142,10 +151,31 @@ struct KeyBlockWalk {
     m_begin = first_query / BlockM * BlockM;
     steps_per_head = static_cast<int>(first_query < query_end ? (query_end - m_begin + BlockM - 1) / BlockM : 0);
     steps = steps_per_head * static_cast<int>(split_heads);
+    if constexpr (Listed) {
+      steps_per_head = count(0);  // every head's where the mask is the same for the heads
+      steps = steps_per_head * static_cast<int>(split_heads);
+      if (tiles.head_stride != 0)
+        for (int i = 1; i < split_heads; ++i) steps += count(i) - steps_per_head;
+    }
   }
-  // The query head and first query of step s.
-  __device__ int64_t head(int s) const { return first_head + s / steps_per_head; }
-  __device__ int64_t m0(int s) const { return m_begin + int64_t(s % steps_per_head) * BlockM; }
+  __device__ int64_t list_row(int i) const { return tiles.row(batch, first_head + i, n_block); }
+  __device__ int count(int i) const { return tiles.counts[list_row(i)]; }
+
+  __device__ Step at(int s) const {
+    if constexpr (!Listed) {
+      return {first_head + s / steps_per_head, m_begin + int64_t(s % steps_per_head) * BlockM, false};
+    } else {
+      int i = 0;
+      if (tiles.head_stride == 0) {
+        i = s / steps_per_head;
+        s %= steps_per_head;
+      } else {
+        for (int n; s >= (n = count(i)); ++i) s -= n;
+      }
+      const int32_t entry = tiles.lists[list_row(i) * tiles.capacity + s];
+      return {first_head + i, int64_t(entry >> 1) * BlockM, (entry & 1) != 0};
+    }
+  }
 };
 
 // dK (scaled: S was scale Q K^T) and dV of one warp's 16 keys, rows

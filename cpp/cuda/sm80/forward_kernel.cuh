@@ -10,9 +10,10 @@
 //   out = acc / l,  lse = (m + log2 l) ln 2
 // Shared-memory rows are padded by 16 bytes, so the 8 row addresses of every
 // ldmatrix fall in distinct banks. A banded call (causal, a window:
-// common/band.cuh) visits only the key tiles its band reaches; only tiles on
-// the band's edges, at the end of the keys, or under attn_mask pay for
-// element-wise masking, and tiles attn_mask hides entirely are skipped.
+// common/band.cuh) visits only the key tiles its band reaches; under attn_mask
+// the tiles of its list (common/mask_tiles.h: those the mask leaves visible,
+// sorted before the launch). Only tiles on the band's edges, at the end of the
+// keys, or that the list marks as reading the mask pay for element-wise masking.
 #pragma once
 
 #include <cmath>
@@ -22,6 +23,7 @@
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/mask.cuh"
+#include "../common/mask_tiles.h"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_loads.cuh"
 #include "../tile_size.h"
@@ -60,18 +62,6 @@ struct HeadOffsets {
   int64_t q, k, v, out;
 };
 
-// Whether attn_mask lets any valid (row, col) of the tile through. Block-wide.
-template <typename Tr, typename T>
-__device__ bool mask_tile_visible(const MaskParams& m, int64_t base, int64_t row0, int64_t rows,
-                                  int64_t col0, int64_t cols) {
-  bool any = false;
-  for (int i = threadIdx.x; i < Tr::kBlockM * Tr::kBlockN && !any; i += Tr::kThreads) {
-    const int r = i / Tr::kBlockN, c = i % Tr::kBlockN;
-    if (r < rows && c < cols) any = mask_log2<T>(m, base, row0 + r, col0 + c) != -INFINITY;
-  }
-  return __syncthreads_or(any);
-}
-
 template <int HeadDim, typename T, bool Banded>
 __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTraits<HeadDim>::kMinBlocksPerSM)
     forward_kernel(const __grid_constant__ ForwardParams p, const BlockOrder order) {
@@ -99,21 +89,30 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   const T* k = static_cast<const T*>(p.k) + batch * p.k_strides.batch + head_kv * p.k_strides.head;
   const T* v = static_cast<const T*>(p.v) + batch * p.v_strides.batch + head_kv * p.v_strides.head;
   const int64_t mask_base = batch * p.mask.batch_stride + head * p.mask.head_stride;
-  const bool has_mask = p.mask.kind != MaskKind::None;
 
   // Keys outside [key_begin, key_end) are hidden from every query of the
-  // block; it visits the tiles from the one holding key_begin.
+  // block; it visits the tiles from the one holding key_begin, or (attn_mask)
+  // those of its list. entry(j): 2 x tile j's key tile, + 1 where it reads the mask.
   const int64_t key_begin = Banded ? band.key_begin(row0) : 0;
   const int64_t key_end = Banded ? band.key_end(row0 + rows - 1) : sh.seqlen_k;
   const int64_t tile0 = key_begin / kBlockN;
-  const int n_tiles = key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN - tile0) : 0;
+  int n_tiles = key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN - tile0) : 0;
+  const MaskTiles& tiles = p.mask.tiles;
+  const int32_t* list = nullptr;
+  if (p.mask.kind != MaskKind::None) {
+    const int64_t row = tiles.row(batch, head, block.block);
+    list = tiles.lists + row * tiles.capacity;
+    if (n_tiles > 0) n_tiles = tiles.counts[row];
+  }
+  auto entry = [&](int j) { return list != nullptr ? list[j] : static_cast<int32_t>(2 * (tile0 + j)); };
+  auto tile_col0 = [&](int j) { return int64_t(entry(j) >> 1) * kBlockN; };
 
   // The K and V loads alternate (FlashAttention 2's pipeline): V_j streams in
   // while S_j = Q K_j^T and its softmax are computed, K_{j+1} while P_j V_j is.
   // One buffer each keeps shared memory at (kBlockM + 2 kBlockN) rows, so more
   // blocks fit on an SM.
   load_rows_async<kBlockM, Tr>(sQ, q, p.q_strides.row, row0, rows);
-  if (n_tiles > 0) load_rows_async<kBlockN, Tr>(sK, k, p.k_strides.row, tile0 * kBlockN, key_end - tile0 * kBlockN);
+  if (n_tiles > 0) load_rows_async<kBlockN, Tr>(sK, k, p.k_strides.row, tile_col0(0), key_end - tile_col0(0));
   cp_async_commit();
 
   float acc[kMTiles][kDTiles][4] = {};
@@ -124,16 +123,12 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   const int warp_row = warp * 16 * kMTiles;  // first row of this warp in the block
 
   for (int j = 0; j < n_tiles; ++j) {
-    const int64_t col0 = (tile0 + j) * kBlockN;
+    const int32_t tile_entry = entry(j);
+    const int64_t col0 = int64_t(tile_entry >> 1) * kBlockN;
+    const bool reads_mask = list != nullptr && (tile_entry & 1);
     cp_async_wait<0>();  // K_j (and Q) landed
     __syncthreads();     // ... for every thread; and every warp is done with V_{j-1}
 
-    if (has_mask && !mask_tile_visible<Tr, T>(p.mask, mask_base, row0, rows, col0, key_end - col0)) {
-      if (j + 1 < n_tiles)
-        load_rows_async<kBlockN, Tr>(sK, k, p.k_strides.row, col0 + kBlockN, key_end - col0 - kBlockN);
-      cp_async_commit();
-      continue;
-    }
     load_rows_async<kBlockN, Tr>(sV, v, p.v_strides.row, col0, key_end - col0);
     cp_async_commit();
 
@@ -159,7 +154,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
     }
 
     const bool needs_masking =
-        has_mask || col0 + kBlockN > key_end || (Banded && band.cuts(row0, kBlockM, col0, kBlockN));
+        reads_mask || col0 + kBlockN > key_end || (Banded && band.cuts(row0, kBlockM, col0, kBlockN));
     // Tile-local bounds as 32-bit ints: column c is past the keys when
     // c >= cols, and outside the band when c - r < lo or c - r > hi.
     const int cols = static_cast<int>(min(int64_t(kBlockN), key_end - col0));
@@ -177,7 +172,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
             const int c = nt * 8 + 2 * t + (e & 1);
             if (c >= cols || (Banded && (c - r < lo || c - r > hi))) {
               x = -INFINITY;
-            } else if (has_mask && r < rows) {
+            } else if (reads_mask && r < rows) {
               x += mask_log2<T>(p.mask, mask_base, row0 + r, col0 + c);
             }
           }
@@ -189,8 +184,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
 
     cp_async_wait<0>();  // V_j landed
     __syncthreads();     // ... for every thread; and every warp is done with K_j
-    if (j + 1 < n_tiles)
-      load_rows_async<kBlockN, Tr>(sK, k, p.k_strides.row, col0 + kBlockN, key_end - col0 - kBlockN);
+    if (j + 1 < n_tiles) load_rows_async<kBlockN, Tr>(sK, k, p.k_strides.row, tile_col0(j + 1), key_end - tile_col0(j + 1));
     cp_async_commit();
 
     // acc += P V, P straight from the S accumulators (the C layout of two
@@ -253,6 +247,7 @@ void launch_forward_kernel(const ForwardParams& p, cudaStream_t stream) {
   FUSEDATTN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const BlockOrder order = make_query_block_order(p.shape, Tr::kBlockM, sizeof(T), Banded);
+  if (p.mask.kind != MaskKind::None) sort_mask_into_tiles(p, Tr::kBlockM, Tr::kBlockN, stream);
   kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }

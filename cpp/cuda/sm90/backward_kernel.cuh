@@ -18,8 +18,10 @@
 //                                         at d=64) over all 128 keys; added to the
 //                                         float32 accumulator with 8-byte reductions.
 // dK and dV stay in registers across the walk (GQA's sum costs nothing).
-// Not yet: overlap between the products of one step and the next,
-// attn_mask and the deterministic mode (the dispatcher sends those to sm80).
+// Under attn_mask (its kind a template argument) a block walks its key
+// tile's lists (common/mask_tiles.h) and reads the mask on the steps they mark.
+// Not yet: overlap between the products of one step and the next, and the
+// deterministic mode (the dispatcher sends it to sm80).
 #pragma once
 
 #include <cmath>
@@ -28,6 +30,8 @@
 #include "../common/band.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
+#include "../common/mask.cuh"
+#include "../common/mask_tiles.h"
 #include "../common/online_softmax.cuh"
 #include "../hopper/bulk_copy.cuh"
 #include "../hopper/tma.cuh"
@@ -38,7 +42,7 @@
 
 namespace fusedattn::cuda {
 
-template <int HeadDim, typename T, bool Banded>
+template <int HeadDim, typename T, bool Banded, MaskKind Mask>
 __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     sm90_backward_kernel(const __grid_constant__ Sm90BackwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma, stmatrix and setmaxnreg exist only in sm_90a code
@@ -63,7 +67,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
-  const KeyBlockWalk<kBlockN, kBlockM, Banded> walk(p, args.order);
+  const KeyBlockWalk<kBlockN, kBlockM, Banded, Mask != MaskKind::None> walk(p, args.order);
   auto stage_of = [](int s) { return s % kStages; };
   auto phase_of = [](int s) { return static_cast<uint32_t>((s / kStages) & 1); };
   // A step's first row in the flat [B x Hq x Nq] lse and delta.
@@ -98,7 +102,8 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       const int stage = stage_of(s);
       mbarrier_wait(&step_empty[stage], phase_of(s) ^ 1);  // the first round finds it free
       mbarrier_arrive_expect_bytes(&step_full[stage], 2 * Tr::kQTileBytes + 2 * Tr::kRowsBox * 4);
-      const int head = static_cast<int>(walk.head(s)), m0 = static_cast<int>(walk.m0(s));
+      const auto step = walk.at(s);
+      const int head = static_cast<int>(step.head), m0 = static_cast<int>(step.m0);
       for (int slab = 0; slab < Tr::kSlabs; ++slab) {
         tma_load_box(sQ + stage * Tr::kQTileBytes + slab * kBlockM * 128, &args.q_map, 64 * slab, m0, head, batch,
                      &step_full[stage]);
@@ -135,7 +140,9 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   for (int s = 0; s < walk.steps; ++s) {
     const int stage = stage_of(s);
     mbarrier_wait(&step_full[stage], phase_of(s));
-    const int64_t head = walk.head(s), m0 = walk.m0(s);
+    const auto step = walk.at(s);
+    const int64_t head = step.head, m0 = step.m0;
+    const bool reads_mask = Mask != MaskKind::None && step.reads_mask;
     const unsigned char* q_tile = sQ + stage * Tr::kQTileBytes;
     const unsigned char* do_tile = sdO + stage * Tr::kQTileBytes;
     const int row_skew = flat_row(head, m0) & 3;  // where the step's rows start in the boxes
@@ -164,8 +171,9 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     fence_registers(dpt_flat);
 
     // P^T and dS^T, element (key row g + 8h, query column 2t + e) of each n-tile.
-    const bool needs_masking = my_key0 + 64 > sh.seqlen_k || m0 + kBlockM > sh.seqlen_q ||
+    const bool needs_masking = reads_mask || my_key0 + 64 > sh.seqlen_k || m0 + kBlockM > sh.seqlen_q ||
                                (Banded && band.cuts(m0, kBlockM, my_key0, 64));
+    const int64_t mask_base = walk.batch * f.mask.batch_stride + head * f.mask.head_stride;
 #pragma unroll
     for (int nt = 0; nt < kMTiles; ++nt) {
 #pragma unroll
@@ -173,12 +181,20 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
         const int r = warp_row + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
         // A hidden entry is 0 in P^T and dS^T outright: past the queries, lse
         // and delta are the next head's, and a NaN there must not reach dK.
+        // So is one attn_mask hides (whose row's lse may be -inf).
         bool hidden = false;
+        float added = 0.0f;  // attn_mask, base-2 units
         if (needs_masking) {
           const int64_t key = my_key0 + r, query = m0 + c;
           hidden = key >= sh.seqlen_k || query >= sh.seqlen_q || (Banded && !band.sees(query, key));
+          if constexpr (Mask != MaskKind::None) {
+            if (reads_mask && !hidden) {
+              added = mask_entry<Mask, T>(f.mask.ptr, mask_base + query * f.mask.row_stride + key * f.mask.col_stride);
+              hidden = added == -INFINITY;
+            }
+          }
         }
-        const float prob = hidden ? 0.0f : exp2f(st[nt][e] * scale_log2 - lse_in_log2(lse[c]));
+        const float prob = hidden ? 0.0f : exp2f(st[nt][e] * scale_log2 + added - lse_in_log2(lse[c]));
         st[nt][e] = prob;
         dpt[nt][e] = hidden ? 0.0f : prob * (dpt[nt][e] - delta[c]);
       }
@@ -260,13 +276,14 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
 #endif
 }
 
-template <int HeadDim, typename T, bool Banded>
+template <int HeadDim, typename T, bool Banded, MaskKind Mask>
 void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90BackwardTraits<HeadDim>;
-  auto kernel = sm90_backward_kernel<HeadDim, T, Banded>;
+  auto kernel = sm90_backward_kernel<HeadDim, T, Banded, Mask>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90BackwardArgs launch_args = args;
   launch_args.order = make_key_block_order(args.p.fwd.shape, Tr::kBlockN, args.p.head_splits, sizeof(T), Banded);
+  if constexpr (Mask != MaskKind::None) sort_mask_into_key_tiles(args.p.fwd, Tr::kBlockN, Tr::kBlockM, stream);
   kernel<<<static_cast<unsigned>(launch_args.order.blocks()), Tr::kThreads, Tr::kSmemBytes, stream>>>(launch_args);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
@@ -276,10 +293,19 @@ void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
   const BackwardParams& p = args.p;
   run_backward_passes<Element>(p, stream, [&] {
     if (p.fwd.shape.batch * p.fwd.shape.heads_kv * p.fwd.shape.seqlen_k == 0) return;
-    if (p.fwd.banded())
-      launch_sm90_backward_kernel<HeadDim, Element, true>(args, stream);
-    else
-      launch_sm90_backward_kernel<HeadDim, Element, false>(args, stream);
+    auto with_band = [&](auto mask) {
+      constexpr MaskKind kMask = decltype(mask)::value;
+      if (p.fwd.banded())
+        launch_sm90_backward_kernel<HeadDim, Element, true, kMask>(args, stream);
+      else
+        launch_sm90_backward_kernel<HeadDim, Element, false, kMask>(args, stream);
+    };
+    switch (p.fwd.mask.kind) {
+      case MaskKind::None: with_band(std::integral_constant<MaskKind, MaskKind::None>{}); break;
+      case MaskKind::Bool: with_band(std::integral_constant<MaskKind, MaskKind::Bool>{}); break;
+      case MaskKind::AdditiveFloat32: with_band(std::integral_constant<MaskKind, MaskKind::AdditiveFloat32>{}); break;
+      case MaskKind::AdditiveInput: with_band(std::integral_constant<MaskKind, MaskKind::AdditiveInput>{}); break;
+    }
   });
 }
 

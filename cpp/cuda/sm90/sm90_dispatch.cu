@@ -88,8 +88,9 @@ void forward_sm90(const ForwardParams& p, const Plan& plan, cudaStream_t stream)
 }
 
 void backward_sm90(const BackwardParams& p, cudaStream_t stream) {
-  if (p.fwd.mask.kind != MaskKind::None || p.deterministic)
-    throw_planner_bug("the sm90 backward takes no attn_mask and no deterministic mode");
+  if (p.deterministic) throw_planner_bug("the sm90 backward has no deterministic mode");
+  if (p.fwd.mask.kind != MaskKind::None && p.fwd.mask.tiles.lists == nullptr)
+    throw_planner_bug("the sm90 backward takes attn_mask sorted into key tiles only");
   const AttentionShape& sh = p.fwd.shape;
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   dispatch_instantiation(Sm90BackwardHeadDims{}, "sm90 backward", p.fwd.dtype, sh.head_dim, [&](auto head_dim, auto element) {

@@ -38,8 +38,8 @@ struct Plan {
   int block_n = 0;  // keys per tile
   int warps = 0;    // per thread block (CPU: 0)
   bool persistent = false;        // sm90 forward: resident blocks that take work items
-  bool mask_tiles = false;        // attn_mask sorted into tile lists first (MaskTiles, params.h):
-                                  // the sm90 forward's, the sm80 backward's (by key tiles)
+  bool mask_tiles = false;        // attn_mask sorted into tile lists first (MaskTiles, params.h;
+                                  // the backwards' by key tiles)
   bool backward = false;          // a plan of the backward
   int head_splits = 1;            // backward: blocks sharing a kv head's query heads per key block
   bool deterministic = false;     // backward: dQ summed in a fixed order
