@@ -62,7 +62,7 @@ struct HeadOffsets {
   int64_t q, k, v, out;
 };
 
-template <int HeadDim, typename T, bool Banded>
+template <int HeadDim, typename T, bool Banded, bool Listed>
 __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTraits<HeadDim>::kMinBlocksPerSM)
     forward_kernel(const __grid_constant__ ForwardParams p, const BlockOrder order) {
   using Tr = ForwardTraits<HeadDim>;
@@ -97,14 +97,16 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   const int64_t key_end = Banded ? band.key_end(row0 + rows - 1) : sh.seqlen_k;
   const int64_t tile0 = key_begin / kBlockN;
   int n_tiles = key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN - tile0) : 0;
+  // (Listed, attn_mask's instantiation, a template argument: decided at run
+  // time, the list spilled registers at d=64 on sm_90a.)
   const MaskTiles& tiles = p.mask.tiles;
   const int32_t* list = nullptr;
-  if (p.mask.kind != MaskKind::None) {
+  if constexpr (Listed) {
     const int64_t row = tiles.row(batch, head, block.block);
     list = tiles.lists + row * tiles.capacity;
     if (n_tiles > 0) n_tiles = tiles.counts[row];
   }
-  auto entry = [&](int j) { return list != nullptr ? list[j] : static_cast<int32_t>(2 * (tile0 + j)); };
+  auto entry = [&](int j) { return Listed ? list[j] : static_cast<int32_t>(2 * (tile0 + j)); };
   auto tile_col0 = [&](int j) { return int64_t(entry(j) >> 1) * kBlockN; };
 
   // The K and V loads alternate (FlashAttention 2's pipeline): V_j streams in
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   for (int j = 0; j < n_tiles; ++j) {
     const int32_t tile_entry = entry(j);
     const int64_t col0 = int64_t(tile_entry >> 1) * kBlockN;
-    const bool reads_mask = list != nullptr && (tile_entry & 1);
+    const bool reads_mask = Listed && (tile_entry & 1);
     cp_async_wait<0>();  // K_j (and Q) landed
     __syncthreads();     // ... for every thread; and every warp is done with V_{j-1}
 
@@ -239,15 +241,15 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   }
 }
 
-template <int HeadDim, typename T, bool Banded>
+template <int HeadDim, typename T, bool Banded, bool Listed>
 void launch_forward_kernel(const ForwardParams& p, cudaStream_t stream) {
   using Tr = ForwardTraits<HeadDim>;
-  auto kernel = forward_kernel<HeadDim, T, Banded>;
+  auto kernel = forward_kernel<HeadDim, T, Banded, Listed>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
   FUSEDATTN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const BlockOrder order = make_query_block_order(p.shape, Tr::kBlockM, sizeof(T), Banded);
-  if (p.mask.kind != MaskKind::None) sort_mask_into_tiles(p, Tr::kBlockM, Tr::kBlockN, stream);
+  if constexpr (Listed) sort_mask_into_tiles(p, Tr::kBlockM, Tr::kBlockN, stream);
   kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
@@ -255,10 +257,16 @@ void launch_forward_kernel(const ForwardParams& p, cudaStream_t stream) {
 template <int HeadDim, typename Element>
 void launch_forward_sm80(const ForwardParams& p, cudaStream_t stream) {
   if (p.shape.batch * p.shape.heads_q == 0 || p.shape.seqlen_q == 0) return;
-  if (p.banded())
-    launch_forward_kernel<HeadDim, Element, true>(p, stream);
+  auto with_band = [&](auto listed) {
+    if (p.banded())
+      launch_forward_kernel<HeadDim, Element, true, decltype(listed)::value>(p, stream);
+    else
+      launch_forward_kernel<HeadDim, Element, false, decltype(listed)::value>(p, stream);
+  };
+  if (p.mask.kind != MaskKind::None)
+    with_band(std::true_type{});
   else
-    launch_forward_kernel<HeadDim, Element, false>(p, stream);
+    with_band(std::false_type{});
 }
 
 }  // namespace fusedattn::cuda
