@@ -3,6 +3,7 @@
     python lab/readme_tables.py forward docs/bench/readme/h200-...-forward-d128.json [...]
     python lab/readme_tables.py decode docs/bench/readme/h200-...-decode-mha.json [...]
     python lab/readme_tables.py cpu docs/bench/readme/cpu-...json
+    python lab/readme_tables.py mask FORWARD.json BACKWARD.json   (`fusedattn bench --mask`, then --backward)
 
 `forward` also takes --backward tables; `--dtype=float16` after the kind picks
 the dtype shown (default bfloat16; `cpu` wants `--dtype=float32`). Each row shows
@@ -90,10 +91,38 @@ def decode_table(results) -> str:
     return "\n".join(lines)
 
 
+def mask_table(forward, backward) -> str:
+    """Rows (mask, N): fusedattn given the BlockMask, forward and forward + backward, with
+    x FlexAttention and x SDPA; `window=` (for windows) as the last column pair."""
+    back = {(row["mask"], row["seqlen"]): row for row in backward["rows"]}
+
+    def rate(row, m):
+        r = row["results"].get(m, {})
+        return r["tflops"] if r.get("status") == "ok" else None
+
+    head = ["mask", "N", "visible", "forward TFLOP/s", "x Flex", "x SDPA", "fwd+bwd TFLOP/s", "x Flex", "x SDPA",
+            "window= fwd, fwd+bwd x Flex"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in forward["rows"]:
+        b = back.get((row["mask"], row["seqlen"]))
+        line = [row["mask"], _n(row["seqlen"]), f"{row['visible_fraction']:.1%}"]
+        for r in (row, b):
+            ours = rate(r, "fusedattn-blockmask") if r else None
+            line.append(f"{ours:.0f}" if ours else "-")
+            line += [f"{ours / rate(r, m):.2f}" if ours and rate(r, m) else "-" for m in ("flex", "sdpa")]
+        w = [rate(r, "fusedattn-window") / rate(r, "flex") for r in (row, b) if r and rate(r, "fusedattn-window")]
+        line.append(" / ".join(f"{x:.2f}" for x in w) if w else "")
+        lines.append("| " + " | ".join(line) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("forward", "decode", "cpu"):
+    if len(argv) < 2 or argv[0] not in ("forward", "decode", "cpu", "mask"):
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2
+    if argv[0] == "mask":
+        print(mask_table(*_load(argv[1:3])))
+        return 0
     dtype = "bfloat16"
     if argv[1].startswith("--dtype="):
         dtype, argv = argv[1].split("=", 1)[1], argv[:1] + argv[2:]

@@ -2,7 +2,8 @@
 FlexAttention (compiled, its sliding-window BlockMask) and fusedattn's own
 dense causal rate at the same N, forward and forward+backward, TFLOP/s over
 the visible score entries, methods interleaved per row (bench.interleaved_medians).
-Until `fusedattn bench --mask` exists this is how the window bars are measured.
+`fusedattn bench --mask window:W` times windows against FlexAttention too; this adds
+the rate against fusedattn's own dense causal kernel (the 0.85x bar).
   python lab/window_bench.py [--json PATH] [--dtypes bfloat16,float16] [--head-dims 64,128]
 """
 

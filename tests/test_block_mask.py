@@ -69,19 +69,24 @@ def check_block_mask_call(backend, bm, B, Hq, Hkv, Nq, Nk, d=64, backward=False,
 
 
 def test_block_mask_from_mask_mod_matches_brute_force():
-    for mod, B, H in ((documents([5, 17, 1, 40]), None, None), (key_lengths([63, 5, 0]), 3, None),
-                      (head_windows, None, 3), (head_windows, 2, 3)):
+    """Held in the shape mask_mod's result broadcasts to: key lengths as one row per batch item,
+    a mask that ignores b once for every batch item."""
+    for mod, B, H, held in ((documents([5, 17, 1, 40]), None, None, (1, 1, 63, 63)),
+                            (key_lengths([63, 5, 0]), 3, None, (3, 1, 1, 63)),
+                            (head_windows, None, 3, (1, 3, 63, 63)), (head_windows, 2, 3, (1, 3, 63, 63))):
         bm = fusedattn.block_mask(mod, B, H, 63, 63)
-        assert bm.mask.shape == (B or 1, H or 1, 63, 63)
-        assert torch.equal(bm.to_dense(), dense_of(mod, B or 1, H or 1, 63, 63))
-        assert bm.shape == (B, H, 63, 63)
+        assert bm.mask.shape == held
+        assert torch.equal(bm.to_dense().expand(B or 1, H or 1, 63, 63), dense_of(mod, B or 1, H or 1, 63, 63))
 
 
 def test_block_mask_evaluates_large_masks_in_row_bands(monkeypatch):
     monkeypatch.setitem(fusedattn.block_mask.__globals__, "_CHUNK_ENTRIES", 500)
     mod = documents([30, 70, 29])
-    bm = fusedattn.block_mask(mod, 2, None, 129, 129)
-    assert torch.equal(bm.to_dense(), dense_of(mod, 2, 1, 129, 129))
+
+    def per_batch(b, h, q_idx, kv_idx):
+        return mod(b, h, q_idx, kv_idx) & (kv_idx >= b)
+    bm = fusedattn.block_mask(per_batch, 2, None, 129, 129)
+    assert torch.equal(bm.to_dense(), dense_of(per_batch, 2, 1, 129, 129))
 
 
 @pytest.mark.parametrize("nq,nk", [(129, 129), (300, 200), (97, 700)])
@@ -143,7 +148,7 @@ def test_block_mask_bad_input():
     for (B, H, nq, nk), what in (((3, None, 16, 24), "batch 3, the call has 2"), ((None, 2, 16, 24), "heads 2, the "
                                  "call has 4"), ((None, None, 17, 24), "Nq 17, the call has 16"),
                                  ((None, None, 16, 23), "Nk 23, the call has 24")):
-        bm = fusedattn.block_mask(lambda b, h, qi, kv: kv <= qi, B, H, nq, nk)
+        bm = fusedattn.block_mask(lambda b, h, qi, kv: (kv <= qi + b) & (h >= 0), B, H, nq, nk)  # reads b and h
         with pytest.raises(ValueError, match=f"the BlockMask has {what}"):
             fusedattn.attention(q, k, k, attn_mask=bm)
 

@@ -76,7 +76,10 @@ def block_mask(mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], B: 
     tensor, True where query ``q_idx`` of head ``h`` of batch item ``b`` may see
     key ``kv_idx``. ``B`` or ``H`` None: the same for every batch item or head
     (FlexAttention's ``create_block_mask`` convention). Memory: one byte per
-    entry of ``[B or 1, H or 1, Nq, Nk]``."""
+    entry of ``[B or 1, H or 1, Nq, Nk]``, less where the result does not
+    depend on an index (its broadcast shape keeps a 1 there): a key padding mask
+    ``kv_idx < lengths[b]`` is held as ``[B, 1, 1, Nk]``, which the kernels read
+    as one row."""
     for name, value in (("B", B), ("H", H)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"fusedattn.block_mask: {name} must be a positive int or None, got {value!r}")
@@ -84,20 +87,33 @@ def block_mask(mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], B: 
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"fusedattn.block_mask: {name} must be an int >= 0, got {value!r}")
     b_size, h_size = B or 1, H or 1
-    mask = torch.empty(b_size, h_size, Nq, Nk, dtype=torch.bool, device=device)
-    b = torch.arange(b_size, device=mask.device).view(-1, 1, 1, 1)
-    h = torch.arange(h_size, device=mask.device).view(1, -1, 1, 1)
-    kv = torch.arange(Nk, device=mask.device).view(1, 1, 1, -1)
-    rows = max(1, _CHUNK_ENTRIES // max(1, b_size * h_size * Nk))
-    for r0 in range(0, Nq, rows):
-        q_idx = torch.arange(r0, min(Nq, r0 + rows), device=mask.device).view(1, 1, -1, 1)
-        part = mask_mod(b, h, q_idx, kv)
+    device = torch.device(device) if device is not None else torch.empty(0).device
+    b = torch.arange(b_size, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(h_size, device=device).view(1, -1, 1, 1)
+    kv = torch.arange(Nk, device=device).view(1, 1, 1, -1)
+    rows = max(2, _CHUNK_ENTRIES // max(1, b_size * h_size * Nk))  # 2: a result of one row then means no q_idx
+
+    def evaluate(r0: int, r1: int) -> Tensor:
+        """mask_mod over queries [r0, r1), 4-d, in the shape it broadcasts to."""
+        part = mask_mod(b, h, torch.arange(r0, r1, device=device).view(1, 1, -1, 1), kv)
         if not isinstance(part, Tensor) or part.dtype != torch.bool:
             got = part.dtype if isinstance(part, Tensor) else type(part).__name__
             raise TypeError(f"fusedattn.block_mask: mask_mod must return a bool tensor, got {got}")
+        want = torch.Size([b_size, h_size, r1 - r0, Nk])
         try:
-            mask[:, :, r0:r0 + q_idx.shape[2]] = part
-        except RuntimeError as e:
+            fits = part.dim() <= 4 and torch.broadcast_shapes(part.shape, want) == want
+        except RuntimeError:
+            fits = False
+        if not fits:
             raise ValueError(f"fusedattn.block_mask: mask_mod returned shape {list(part.shape)}, which does not "
-                             f"broadcast to {[b_size, h_size, q_idx.shape[2], Nk]}") from e
+                             f"broadcast to {list(want)}")
+        return part.reshape((1,) * (4 - part.dim()) + tuple(part.shape))
+
+    first = evaluate(0, min(Nq, rows))
+    if first.shape[2] == 1:  # the same for every query: one row stands for all
+        return BlockMask(first.contiguous())
+    mask = torch.empty(first.shape[0], first.shape[1], Nq, first.shape[3], dtype=torch.bool, device=device)
+    mask[:, :, :first.shape[2]] = first
+    for r0 in range(first.shape[2], Nq, rows):
+        mask[:, :, r0:min(Nq, r0 + rows)] = evaluate(r0, min(Nq, r0 + rows))
     return BlockMask(mask)
