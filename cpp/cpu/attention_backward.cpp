@@ -66,10 +66,11 @@ struct Backward {
   // the whole tile.
   bool probabilities_and_grad(int64_t batch, int64_t head, const Tile& t, Matrix Qs, Matrix Kt,
                               Matrix dO, Matrix Vt, TileBuffers& buf) {
-    if (!mask_tile_visible<scalar_t>(f.mask, batch, head, t)) return false;
+    const MaskTile mask_tile = classify_mask_tile<scalar_t>(f.mask, batch, head, t);
+    if (mask_tile == MaskTile::Hidden) return false;
     const int64_t d = sh.head_dim;
     matmul(t.rows, t.cols, d, Qs, Kt, buf.p.data(), kBlockK, /*accumulate=*/false);
-    if (tile_needs_masking(f, t)) mask_scores<scalar_t>(buf.p.data(), kBlockK, f, batch, head, t);
+    if (tile_needs_masking(f, t, mask_tile)) mask_scores<scalar_t>(buf.p.data(), kBlockK, f, batch, head, t, mask_tile);
     matmul(t.rows, t.cols, d, dO, Vt, buf.dp.data(), kBlockK, /*accumulate=*/false);
 
     const float* lse = f.lse + row_index(batch, head) + t.row0;

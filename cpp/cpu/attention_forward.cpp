@@ -52,7 +52,8 @@ void forward_typed(const ForwardParams& p) {
       const int64_t key_end = visible_key_end(p, row0, rows);
       for (int64_t col0 = visible_key_begin(p, row0); col0 < key_end; col0 += kBlockK) {
         const Tile t{row0, rows, col0, std::min(kBlockK, key_end - col0)};
-        if (!mask_tile_visible<scalar_t>(p.mask, batch, head, t)) continue;
+        const MaskTile mask_tile = classify_mask_tile<scalar_t>(p.mask, batch, head, t);
+        if (mask_tile == MaskTile::Hidden) continue;
 
         if (rows <= kDotRows) {
           // Decoding-sized blocks: dot products against K's rows as stored
@@ -65,7 +66,7 @@ void forward_typed(const ForwardParams& p) {
           const Matrix Kt = copy_rows_transposed(k, p.k_strides.row, col0, t.cols, d, kBlockK, kt_buf);
           matmul(rows, t.cols, d, Q, Kt, s.data(), kBlockK, /*accumulate=*/false);
         }
-        if (tile_needs_masking(p, t)) mask_scores<scalar_t>(s.data(), kBlockK, p, batch, head, t);
+        if (tile_needs_masking(p, t, mask_tile)) mask_scores<scalar_t>(s.data(), kBlockK, p, batch, head, t, mask_tile);
 
         for (int64_t r = 0; r < rows; ++r) {
           float* s_row = s.data() + r * kBlockK;

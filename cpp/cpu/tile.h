@@ -115,33 +115,39 @@ const mask_t* mask_row(const MaskParams& m, int64_t batch, int64_t head, int64_t
          row * m.row_stride;
 }
 
-template <typename mask_t>
-bool mask_value_visible(mask_t v) {
-  if constexpr (std::is_same_v<mask_t, bool>) return v;
-  else return static_cast<float>(v) != kNegInf;
-}
+// What attn_mask does to a tile (the CUDA kernels' classes, cuda/common/mask_tiles.h):
+// hides every entry (the tile is skipped), adds 0 to every entry (whole: the
+// mask is not applied), or neither (read).
+enum class MaskTile { Hidden, Whole, Read };
 
 template <typename mask_t>
-bool any_visible(const MaskParams& m, int64_t batch, int64_t head, const Tile& t) {
-  for (int64_t r = 0; r < t.rows; ++r) {
+MaskTile classify(const MaskParams& m, int64_t batch, int64_t head, const Tile& t) {
+  bool any = false, all = true;  // any entry visible; every entry adds 0
+  for (int64_t r = 0; r < t.rows && !(any && !all); ++r) {
     const mask_t* row = mask_row<mask_t>(m, batch, head, t.row0 + r);
-    for (int64_t c = 0; c < t.cols; ++c)
-      if (mask_value_visible(row[(t.col0 + c) * m.col_stride])) return true;
+    for (int64_t c = 0; c < t.cols; ++c) {
+      const mask_t v = row[(t.col0 + c) * m.col_stride];
+      if constexpr (std::is_same_v<mask_t, bool>) {
+        any |= v;
+        all &= v;
+      } else {
+        any |= static_cast<float>(v) != kNegInf;
+        all &= static_cast<float>(v) == 0.0f;
+      }
+    }
   }
-  return false;
+  return !any ? MaskTile::Hidden : all ? MaskTile::Whole : MaskTile::Read;
 }
 
-// Whether attn_mask lets any query of the tile see any key of it; tiles where
-// it does not are skipped entirely.
 template <typename scalar_t>
-bool mask_tile_visible(const MaskParams& m, int64_t batch, int64_t head, const Tile& t) {
+MaskTile classify_mask_tile(const MaskParams& m, int64_t batch, int64_t head, const Tile& t) {
   switch (m.kind) {
-    case MaskKind::None: return true;
-    case MaskKind::Bool: return any_visible<bool>(m, batch, head, t);
-    case MaskKind::AdditiveFloat32: return any_visible<float>(m, batch, head, t);
-    case MaskKind::AdditiveInput: return any_visible<scalar_t>(m, batch, head, t);
+    case MaskKind::None: return MaskTile::Whole;
+    case MaskKind::Bool: return classify<bool>(m, batch, head, t);
+    case MaskKind::AdditiveFloat32: return classify<float>(m, batch, head, t);
+    case MaskKind::AdditiveInput: return classify<scalar_t>(m, batch, head, t);
   }
-  return true;
+  return MaskTile::Read;
 }
 
 template <typename mask_t>
@@ -161,16 +167,19 @@ void apply_mask(float* s, int64_t lds, const MaskParams& m, int64_t batch, int64
   }
 }
 
-// Applies attn_mask and the band (is_causal and the window, where the tile
-// crosses its edges) to a tile of base-2 scores: hidden entries become -inf.
+// Applies attn_mask (on a tile it reads) and the band (is_causal and the
+// window, where the tile crosses its edges) to a tile of base-2 scores:
+// hidden entries become -inf.
 template <typename scalar_t>
 void mask_scores(float* s, int64_t lds, const ForwardParams& p, int64_t batch, int64_t head,
-                 const Tile& t) {
-  switch (p.mask.kind) {
-    case MaskKind::None: break;
-    case MaskKind::Bool: apply_mask<bool>(s, lds, p.mask, batch, head, t); break;
-    case MaskKind::AdditiveFloat32: apply_mask<float>(s, lds, p.mask, batch, head, t); break;
-    case MaskKind::AdditiveInput: apply_mask<scalar_t>(s, lds, p.mask, batch, head, t); break;
+                 const Tile& t, MaskTile mask_tile) {
+  if (mask_tile == MaskTile::Read) {
+    switch (p.mask.kind) {
+      case MaskKind::None: break;
+      case MaskKind::Bool: apply_mask<bool>(s, lds, p.mask, batch, head, t); break;
+      case MaskKind::AdditiveFloat32: apply_mask<float>(s, lds, p.mask, batch, head, t); break;
+      case MaskKind::AdditiveInput: apply_mask<scalar_t>(s, lds, p.mask, batch, head, t); break;
+    }
   }
   if (tile_crosses_band(p, t)) {
     for (int64_t r = 0; r < t.rows; ++r) {
@@ -185,8 +194,8 @@ void mask_scores(float* s, int64_t lds, const ForwardParams& p, int64_t batch, i
 }
 
 // Whether the tile needs mask_scores at all.
-inline bool tile_needs_masking(const ForwardParams& p, const Tile& t) {
-  return p.mask.kind != MaskKind::None || tile_crosses_band(p, t);
+inline bool tile_needs_masking(const ForwardParams& p, const Tile& t, MaskTile mask_tile) {
+  return mask_tile == MaskTile::Read || tile_crosses_band(p, t);
 }
 
 // The keys any query of rows [row0, row0 + rows) may see: [begin, end).
