@@ -37,8 +37,8 @@ KERNELS = {
         "template int decode_max_active_clusters<{d}, {t}>(int, int);",
     ]),
 }
-# The head dims at which the sm90 forward has its attn_mask variant (at d=64
-# its three consumer warpgroups have no registers left for the mask reads).
+# The head dims at which the sm90 forward has its attn_mask variants (one per
+# mask kind: a run-time kind made the consumers spill).
 SM90_FORWARD_MASKED = (64, 128)
 
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}

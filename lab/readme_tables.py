@@ -97,7 +97,7 @@ def mask_table(forward, backward) -> str:
     back = {(row["mask"], row["seqlen"]): row for row in backward["rows"]}
 
     def rate(row, m):
-        r = row["results"].get(m, {})
+        r = row["results"].get(m, {}) if row else {}
         return r["tflops"] if r.get("status") == "ok" else None
 
     head = ["mask", "N", "visible", "forward TFLOP/s", "x Flex", "x SDPA", "fwd+bwd TFLOP/s", "x Flex", "x SDPA",
@@ -110,7 +110,8 @@ def mask_table(forward, backward) -> str:
             ours = rate(r, "fusedattn-blockmask") if r else None
             line.append(f"{ours:.0f}" if ours else "-")
             line += [f"{ours / rate(r, m):.2f}" if ours and rate(r, m) else "-" for m in ("flex", "sdpa")]
-        w = [rate(r, "fusedattn-window") / rate(r, "flex") for r in (row, b) if r and rate(r, "fusedattn-window")]
+        w = [rate(r, "fusedattn-window") / rate(r, "flex") for r in (row, b)
+             if rate(r, "fusedattn-window") and rate(r, "flex")]
         line.append(" / ".join(f"{x:.2f}" for x in w) if w else "")
         lines.append("| " + " | ".join(line) + " |")
     return "\n".join(lines)
@@ -121,6 +122,9 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2
     if argv[0] == "mask":
+        if len(argv) != 3:
+            print(__doc__.strip().splitlines()[5], file=sys.stderr)
+            return 2
         print(mask_table(*_load(argv[1:3])))
         return 0
     dtype = "bfloat16"

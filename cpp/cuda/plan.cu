@@ -9,6 +9,7 @@
 
 #include "common/instantiation_dispatch.h"
 #include "common/launch_check.h"
+#include "common/mask_tiles.h"
 #include "decode/forward_kvcache.h"
 #include "sm90/forward_sm90.h"
 #include "sm90/tensor_maps.h"
@@ -77,6 +78,14 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
   // hidden score's -inf is NaN. sm80 scales before it masks.
   if (!(p.scale >= FLT_MIN))
     return "the sm90 forward takes a scale of at least FLT_MIN, got " + std::to_string(p.scale);
+  // Its items hold their mask list's offset in 32 bits (registers).
+  if (masked) {
+    const MaskTiles lists = mask_tiles_layout(p, 64 * sm90_forward_consumers(static_cast<int>(sh.head_dim)),
+                                              sm90_forward_block_n(static_cast<int>(sh.head_dim), p.banded(), true, 0));
+    if (lists.rows * lists.capacity >= (int64_t(1) << 31))
+      return "the sm90 forward's mask tile lists hold fewer than 2^31 entries, this call's " +
+             std::to_string(lists.rows * lists.capacity);
+  }
   if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return {};  // nothing is loaded
   // The kernel does row arithmetic in int (and TMA coordinates are int).
   if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30))

@@ -160,18 +160,16 @@ def methods(kind: MaskKind, mod: Callable, per_batch: bool, dense: torch.Tensor,
             raise NotImplementedError(why)
         return call
 
-    table, build = {}, {"status": "n/a (fusedattn.BlockMask is not in this build)"}
-    table["fusedattn-blockmask"] = refuses("fusedattn.BlockMask is not in this build")
-    if hasattr(fusedattn, "BlockMask"):  # it lands in parallel with this benchmark
-        make = lambda: fusedattn.block_mask(mod, batch if per_batch else None, None, n, n, device=device)  # noqa: E731
-        try:
-            block_mask = make()  # also the warm-up of the timed builds
-            build = {"status": "ok", "ms": 1e3 * statistics.median(
-                _synchronised_seconds(make, device) for _ in range(BUILD_REPEATS))}
-            table["fusedattn-blockmask"] = lambda q, k, v, causal: fusedattn.attention(q, k, v, attn_mask=block_mask)
-        except (RuntimeError, NotImplementedError, TypeError) as e:
-            build = bench.not_available(e)
-            table["fusedattn-blockmask"] = refuses(str(e))
+    table = {}
+    make = lambda: fusedattn.block_mask(mod, batch if per_batch else None, None, n, n, device=device)  # noqa: E731
+    try:
+        block_mask = make()  # also the warm-up of the timed builds
+        build = {"status": "ok", "ms": 1e3 * statistics.median(
+            _synchronised_seconds(make, device) for _ in range(BUILD_REPEATS))}
+        table["fusedattn-blockmask"] = lambda q, k, v, causal: fusedattn.attention(q, k, v, attn_mask=block_mask)
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        build = bench.not_available(e)
+        table["fusedattn-blockmask"] = refuses(str(e))
     table["fusedattn-dense"] = lambda q, k, v, causal: fusedattn.attention(q, k, v, attn_mask=dense)
     if kind.name == "window":
         table["fusedattn-window"] = lambda q, k, v, causal: fusedattn.attention(q, k, v, window=(kind.param, 0))
@@ -200,7 +198,7 @@ class MaskConfig:
 
 
 def default_config(device: torch.device, kinds: list[MaskKind]) -> MaskConfig:
-    if device.type == "cuda":  # issue 29's table
+    if device.type == "cuda":
         return MaskConfig(device, kinds, 4, 16, 128, [4096, 8192, 16384], ["bfloat16"], repeats=10, warmup=3)
     return MaskConfig(device, kinds, 4, 4, 64, [512, 1024], ["float32"], repeats=3, warmup=1)
 

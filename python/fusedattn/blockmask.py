@@ -1,8 +1,9 @@
-"""fusedattn.BlockMask: a boolean attention mask built once and reused across
-layers and steps, from a FlexAttention-style ``mask_mod`` or from a dense
-mask. The kernels skip the tiles it hides and read none of it on the tiles it
-leaves whole (on CUDA the sm90 forward sorts it into its tiles in one pass per
-call: ``plan(...)["mask_tiles"]``), so it has no tile size of its own."""
+"""fusedattn.BlockMask: a boolean attention mask built once (its mask_mod
+evaluated once) and reused across layers and steps, from a FlexAttention-style
+``mask_mod`` or from a dense mask. The kernels skip the tiles it hides and read
+none of it on the tiles it leaves whole; on CUDA each call sorts it into the
+serving kernel's tiles in one pass over it (``plan(...)["mask_tiles"]``), so it
+has no tile size of its own."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ _CHUNK_ENTRIES = 1 << 26
 
 
 class BlockMask:
-    """A bool mask ``[B or 1, H or 1, Nq or 1, Nk]`` (True = may attend) for
-    :func:`fusedattn.attention`'s ``attn_mask``. A dimension of size 1 is the
-    same for every batch item, head or query (a key padding mask). Build one
-    with :func:`block_mask` or :meth:`from_dense`."""
+    """A bool mask ``[B or 1, H or 1, Nq or 1, Nk or 1]`` (True = may attend)
+    for :func:`fusedattn.attention`'s ``attn_mask``. A dimension of size 1 is
+    the same for every batch item, head, query (a key padding mask) or key.
+    Build one with :func:`block_mask` or :meth:`from_dense`."""
 
     def __init__(self, mask: Tensor):
         if mask.dtype != torch.bool or mask.dim() != 4:
@@ -42,7 +43,8 @@ class BlockMask:
 
     @property
     def shape(self) -> tuple[int | None, int | None, int, int]:
-        """``(B, H, Nq, Nk)``, None where the mask is the same for every batch item or head."""
+        """``(B, H, Nq, Nk)`` as held: B or H None where the mask is the same for every batch
+        item or head, Nq or Nk 1 where it is the same for every query or key."""
         b, h, nq, nk = self.mask.shape
         return (b if b > 1 else None, h if h > 1 else None, nq, nk)
 
@@ -51,21 +53,22 @@ class BlockMask:
         return self.mask
 
     def for_call(self, q: Tensor, k: Tensor) -> Tensor:
-        """The mask for attention of q ``[B, Hq, Nq, d]`` over k ``[B, Hkv, Nk, d]``;
-        raises ValueError naming what differs."""
+        """The mask for attention (or its plan) of q ``[B, Hq, Nq, d]`` over k
+        ``[B, Hkv, Nk, d]``; raises ValueError naming what differs."""
         b, h, nq, nk = self.mask.shape
         want = {"batch": (b, q.shape[0]), "heads": (h, q.shape[1]), "Nq": (nq, q.shape[2]), "Nk": (nk, k.shape[2])}
         for name, (mine, call) in want.items():
             if mine not in (call, 1):  # a size of 1 broadcasts
-                raise ValueError(f"fusedattn.attention: the BlockMask has {name} {mine}, the call has {call} "
+                raise ValueError(f"fusedattn: the BlockMask has {name} {mine}, the call has {call} "
                                  f"(BlockMask shape {list(self.mask.shape)}, q {list(q.shape)}, k {list(k.shape)})")
         if self.mask.device != q.device:
-            raise ValueError(f"fusedattn.attention: the BlockMask is on {self.mask.device}, q on {q.device}")
+            raise ValueError(f"fusedattn: the BlockMask is on {self.mask.device}, q on {q.device}")
         return self.mask
 
     def __repr__(self) -> str:
         b, h, nq, nk = self.shape
-        return (f"BlockMask(B={b}, H={h}, Nq={nq}, Nk={nk}, visible={self.mask.float().mean().item():.3f}, "
+        visible = self.mask.count_nonzero().item() / max(1, self.mask.numel())
+        return (f"BlockMask(B={b}, H={h}, Nq={nq}, Nk={nk}, visible={visible:.3f}, "
                 f"device={self.mask.device})")
 
 

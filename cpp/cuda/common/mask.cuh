@@ -39,6 +39,23 @@ __device__ __forceinline__ void dispatch_mask_kind(MaskKind kind, F&& f) {
   }
 }
 
+// Host code: f(std::integral_constant<MaskKind, kind>{}) for every kind, None
+// included, for launchers whose kernels take the kind as a template argument.
+template <typename F>
+void dispatch_each_mask_kind(MaskKind kind, F&& f) {
+  switch (kind) {
+    case MaskKind::None: f(std::integral_constant<MaskKind, MaskKind::None>{}); break;
+    case MaskKind::Bool: f(std::integral_constant<MaskKind, MaskKind::Bool>{}); break;
+    case MaskKind::AdditiveFloat32: f(std::integral_constant<MaskKind, MaskKind::AdditiveFloat32>{}); break;
+    case MaskKind::AdditiveInput: f(std::integral_constant<MaskKind, MaskKind::AdditiveInput>{}); break;
+  }
+}
+
+// Bytes of one entry of a mask of this kind (inputs on CUDA are 2 bytes).
+inline int mask_entry_bytes(MaskKind kind) {
+  return kind == MaskKind::Bool ? 1 : kind == MaskKind::AdditiveFloat32 ? 4 : 2;
+}
+
 // attn_mask at (row, col) in base-2 score units, the kind decided per entry
 // (0 without a mask).
 template <typename T>

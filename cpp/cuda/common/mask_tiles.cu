@@ -68,14 +68,7 @@ __device__ __forceinline__ void seen_by_vectors(TileSeen& seen, const MaskParams
     for (int u = 0; u < kInFlight; ++u) {
       if (i0 + u * 32 + lane >= vectors) continue;
 #pragma unroll
-      for (int k = 0; k < kPerVector; ++k) {
-        if constexpr (Kind == MaskKind::Bool)
-          seen.add(v[u].e[k] ? 0.0f : -INFINITY);
-        else if constexpr (Kind == MaskKind::AdditiveFloat32)
-          seen.add(v[u].e[k]);
-        else
-          seen.add(to_float(v[u].e[k]));
-      }
+      for (int k = 0; k < kPerVector; ++k) seen.add(mask_entry<Kind, T>(v[u].e, k));
     }
   }
 }
@@ -154,7 +147,7 @@ ForwardParams by_keys(const ForwardParams& p) {
 
 // Whether every tile row of the mask starts 16-byte aligned and its keys are contiguous.
 bool rows_are_vectors(const MaskParams& m, int block_n) {
-  const int64_t size = m.kind == MaskKind::Bool ? 1 : m.kind == MaskKind::AdditiveFloat32 ? 4 : 2;
+  const int64_t size = mask_entry_bytes(m.kind);
   auto aligned = [&](int64_t elements) { return elements * size % 16 == 0; };
   return m.col_stride == 1 && reinterpret_cast<uintptr_t>(m.ptr) % 16 == 0 && aligned(m.batch_stride) &&
          aligned(m.head_stride) && aligned(m.row_stride) && aligned(block_n);
@@ -187,9 +180,13 @@ void sort_mask_into_key_tiles(const ForwardParams& p, int block_keys, int block_
 
 void sort_mask_into_tiles(const ForwardParams& p, int block_m, int block_n, cudaStream_t stream) {
   const MaskTiles& t = p.mask.tiles;
-  if (t.rows == 0 || t.capacity == 0) return;
+  if (t.rows == 0) return;
   if (t.lists == nullptr || t.counts == nullptr || t.classes == nullptr)
     throw std::invalid_argument("fusedattn: the mask's tile lists have no storage");
+  if (t.capacity == 0) {  // no tile to visit (a backward over no queries still walks its key blocks)
+    FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(const_cast<int32_t*>(t.counts), 0, t.rows * sizeof(int32_t), stream));
+    return;
+  }
   const int64_t query_tiles = (p.shape.seqlen_q + block_m - 1) / block_m;
   const int64_t heads = t.head_stride == 0 ? 1 : p.shape.heads_q;
   // Rows over grid y and z (y holds at most 65535).

@@ -300,12 +300,7 @@ void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
       else
         launch_sm90_backward_kernel<HeadDim, Element, false, kMask>(args, stream);
     };
-    switch (p.fwd.mask.kind) {
-      case MaskKind::None: with_band(std::integral_constant<MaskKind, MaskKind::None>{}); break;
-      case MaskKind::Bool: with_band(std::integral_constant<MaskKind, MaskKind::Bool>{}); break;
-      case MaskKind::AdditiveFloat32: with_band(std::integral_constant<MaskKind, MaskKind::AdditiveFloat32>{}); break;
-      case MaskKind::AdditiveInput: with_band(std::integral_constant<MaskKind, MaskKind::AdditiveInput>{}); break;
-    }
+    dispatch_each_mask_kind(p.fwd.mask.kind, with_band);
   });
 }
 

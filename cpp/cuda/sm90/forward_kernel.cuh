@@ -247,16 +247,12 @@ void launch_forward_sm90(const Sm90ForwardArgs& args, const Plan& plan, cudaStre
     else
       launch_planned_sm90_forward<HeadDim, Element, false, kMask>(args, plan, stream);
   };
-  if (p.mask.kind == MaskKind::None) {
-    with_band(std::integral_constant<MaskKind, MaskKind::None>{});
-  } else if constexpr (instantiated(Sm90ForwardMaskedHeadDims{}, HeadDim)) {
-    switch (p.mask.kind) {
-      case MaskKind::Bool: with_band(std::integral_constant<MaskKind, MaskKind::Bool>{}); break;
-      case MaskKind::AdditiveFloat32: with_band(std::integral_constant<MaskKind, MaskKind::AdditiveFloat32>{}); break;
-      default: with_band(std::integral_constant<MaskKind, MaskKind::AdditiveInput>{}); break;
-    }
+  if constexpr (instantiated(Sm90ForwardMaskedHeadDims{}, HeadDim)) {
+    dispatch_each_mask_kind(p.mask.kind, with_band);
   } else {
-    throw_planner_bug("the sm90 forward has no attn_mask variant at head dim " + std::to_string(HeadDim));
+    if (p.mask.kind != MaskKind::None)
+      throw_planner_bug("the sm90 forward has no attn_mask variant at head dim " + std::to_string(HeadDim));
+    with_band(std::integral_constant<MaskKind, MaskKind::None>{});
   }
 }
 
