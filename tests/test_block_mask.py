@@ -3,6 +3,8 @@ per head, shared) and from dense masks, passed as attn_mask on every backend,
 forward and backward, against the float64 reference with the dense mask; bad
 input; torch.compile with dynamic lengths."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 
 import fusedattn
 from fusedattn import reference
-from helpers.attention_cases import FLOOR, assert_within_rule
+from helpers.attention_cases import FLOOR, Case, assert_within_rule
 
 
 def documents(lengths, nq=None):
@@ -185,3 +187,36 @@ def test_block_mask_under_torch_compile_with_dynamic_lengths():
         bm = fusedattn.block_mask(documents([n // 2, n - n // 2]), None, None, n, n)
         torch.testing.assert_close(f(q, k, v, bm), fusedattn.attention(q, k, v, attn_mask=bm.to_dense()),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hidden_tiles_are_never_read(backend, head_dim):
+    """Keys 256.. are hidden from every query (256 is a multiple of every kernel's key tile)
+    and hold NaN in K and V: a kernel that visited their tiles would spread NaN (NaN times a
+    hidden entry's weight of 0 is NaN). Forward and backward equal attention over the first
+    256 keys; those keys' gradients are 0."""
+    dtype = backend.primary_dtype
+    g = torch.Generator().manual_seed(1)
+    B, H, nq, nk, visible = 2, 2, 300, 512, 256
+    q, k, v = (torch.randn(B, H, n, head_dim, generator=g) for n in (nq, nk, nk))
+    inside = torch.rand(nq, visible, generator=g) > 0.3  # partly visible tiles too
+    inside[:, 0] = True
+    mask = torch.zeros(nq, nk, dtype=torch.bool)
+    mask[:, :visible] = inside
+    k[:, :, visible:] = float("nan")
+    v[:, :, visible:] = float("nan")
+    q, k, v = (t.to(backend.device, dtype).requires_grad_() for t in (q, k, v))
+    backend.require(dataclasses.replace(Case(), dtype=dtype, head_dim=head_dim))
+    bm = fusedattn.BlockMask.from_dense(mask.to(backend.device))
+    assert fusedattn.plan(q, k, v, bm)["family"] == backend.name
+    out = fusedattn.attention(q, k, v, attn_mask=bm)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    q2, k2, v2 = (t.detach()[:, :, :n].clone().requires_grad_() for t, n in ((q, nq), (k, visible), (v, visible)))
+    ref = fusedattn.attention(q2, k2, v2, attn_mask=inside.to(backend.device))
+    ref.backward(grad)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=2 * FLOOR[dtype], rtol=0)
+    torch.testing.assert_close(q.grad, q2.grad, atol=40 * FLOOR[dtype], rtol=0)
+    torch.testing.assert_close(k.grad[:, :, :visible], k2.grad, atol=40 * FLOOR[dtype], rtol=0)
+    assert (k.grad[:, :, visible:] == 0).all() and (v.grad[:, :, visible:] == 0).all()

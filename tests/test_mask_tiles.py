@@ -8,13 +8,13 @@ import torch
 
 import fusedattn
 from helpers.attention_cases import TILE_MASK_KINDS, Case, make_inputs
-from helpers.cuda import check_cuda, check_cuda_backward, sm90_available
+from helpers.cuda import check_cuda, check_cuda_backward, forward, sm90_available
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("mask", TILE_MASK_KINDS)
-@pytest.mark.parametrize("nq,nk", [(1000, 1000), (700, 2100), (2100, 700)])
+@pytest.mark.parametrize("nq,nk", [(1000, 1000), (700, 2100), (2100, 700), (1024, 2048)])
 @pytest.mark.parametrize("band", [{}, {"is_causal": True}, {"window": (300, 40)}], ids=["full", "causal", "window"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_cuda_tile_masks(cuda_family, mask, nq, nk, band, head_dim):
@@ -39,15 +39,15 @@ def test_cuda_tile_masks_backward(cuda_family, mask, nq, nk, band, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_cuda_tile_masks_float_kinds(dtype):
+def test_cuda_tile_masks_float_kinds(cuda_family, dtype):
     """An additive mask of the input's dtype and one of float32: tiles all -inf are
     skipped, tiles all 0 read nothing, whichever kind holds them."""
     case = Case(batch=2, heads_q=4, heads_kv=4, seqlen_q=800, seqlen_k=1300, head_dim=128, dtype=dtype,
                 mask="sparse_tiles")
     check_cuda(case)
     q, k, v, mask = make_inputs(case, "cuda")
-    out32, _ = torch.ops.fusedattn.forward(q, k, v, mask.float(), False, None)
-    out, _ = torch.ops.fusedattn.forward(q, k, v, mask, False, None)
+    out32, _ = forward(q, k, v, mask.float())
+    out, _ = forward(q, k, v, mask)
     torch.testing.assert_close(out32, out, atol=2e-2, rtol=0)
 
 
@@ -66,3 +66,24 @@ def test_cuda_mask_tiles_plan():
     with fusedattn.backends.force("sm80"):
         assert fusedattn.plan(q, k, v, mask)["mask_tiles"] is True
         assert fusedattn.plan(q, k, v, mask, backward=True)["mask_tiles"] is True
+
+
+@pytest.mark.parametrize("mask", ["sparse_tiles", "hidden_query_tiles"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_tile_masks_backward_heads_of_a_group(cuda_family, mask, head_dim):
+    """Enough key blocks that a block walks all four query heads of its kv head (no head
+    splits), each head with a mask, so with a list, of its own."""
+    case = Case(batch=4, heads_q=32, heads_kv=8, seqlen_q=2048, seqlen_k=2048, head_dim=head_dim,
+                dtype=torch.bfloat16, mask=mask, is_causal=True)
+    q, k, v, m = make_inputs(case, "cuda")
+    assert fusedattn.plan(q, k, v, m, True, backward=True)["head_splits"] == 1
+    check_cuda_backward(case)
+
+
+def test_cuda_tile_masks_backward_without_queries(cuda_family):
+    """No queries under a key padding mask: the key blocks still write dK = dV = 0, over
+    empty lists."""
+    q, k, v, mask = make_inputs(Case(batch=2, seqlen_q=1, seqlen_k=700, head_dim=128, dtype=torch.float16,
+                                     mask="key_lengths"), "cuda", requires_grad=True)
+    dq, dk, dv = torch.autograd.grad(fusedattn.attention(q[:, :, :0], k, v, mask).sum(), (q, k, v))
+    assert (dk == 0).all() and (dv == 0).all() and dq.shape == q.shape
