@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import fusedattn
 
-from . import bench
+from . import bench, blockmask
 
 KINDS = ("window", "docs", "keypad", "causal_keypad", "random")
 RANDOM_BLOCK = 128  # random:P hides whole RANDOM_BLOCK x RANDOM_BLOCK blocks of the score matrix
@@ -108,10 +108,10 @@ def mask_mod(kind: MaskKind, batch: int, n: int, device) -> tuple[Callable, bool
 
 def dense_mask(mod: Callable, batch: int, n: int, device) -> torch.Tensor:
     """mod over the [B, 1, N, N] index grid, in the broadcast shape of the
-    indices it reads: [B, 1, 1, N] for keypad, [B, 1, N, N] for causal_keypad,
-    [1, 1, N, N] for the kinds the same in every batch item."""
-    i = torch.arange(n, device=device)
-    return mod(torch.arange(batch, device=device).view(-1, 1, 1, 1), 0, i.view(1, 1, -1, 1), i.view(1, 1, 1, -1))
+    indices it reads (fusedattn.block_mask's evaluation): [B, 1, 1, N] for
+    keypad, [B, 1, N, N] for causal_keypad, [1, 1, N, N] for the kinds the same
+    in every batch item."""
+    return blockmask.block_mask(mod, batch, None, n, n, device=device).to_dense()
 
 
 def visible_entries(mask: torch.Tensor, batch: int, n: int) -> int:
