@@ -172,8 +172,8 @@ struct KeyBlockWalk {
       } else {
         for (int n; s >= (n = count(i)); ++i) s -= n;
       }
-      const int32_t entry = tiles.lists[list_row(i) * tiles.capacity + s];
-      return {first_head + i, int64_t(entry >> 1) * BlockM, (entry & 1) != 0};
+      const int32_t entry = tiles.list(list_row(i))[s];
+      return {first_head + i, int64_t(MaskTiles::tile_of(entry)) * BlockM, MaskTiles::reads_mask(entry)};
     }
   }
 };

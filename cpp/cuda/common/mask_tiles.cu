@@ -121,13 +121,13 @@ __global__ void __launch_bounds__(32 * kWarps) compact_tiles_kernel(const MaskTi
   const int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (r >= tiles.rows) return;
   const uint8_t* row_classes = classes + r * tiles.capacity;
-  int32_t* list = const_cast<int32_t*>(tiles.lists) + r * tiles.capacity;
+  int32_t* list = const_cast<int32_t*>(tiles.list(r));
   int count = 0;
   for (int64_t t0 = 0; t0 < tiles.capacity; t0 += 32) {
     const uint8_t cls = t0 + lane < tiles.capacity ? row_classes[t0 + lane] : kTileHidden;
     const unsigned visible = __ballot_sync(0xffffffffu, cls != kTileHidden);
     if (cls != kTileHidden)
-      list[count + __popc(visible & ((1u << lane) - 1))] = static_cast<int32_t>(2 * (t0 + lane) + (cls == kTileReadsMask));
+      list[count + __popc(visible & ((1u << lane) - 1))] = MaskTiles::entry(t0 + lane, cls == kTileReadsMask);
     count += __popc(visible);
   }
   if (lane == 0) const_cast<int32_t*>(tiles.counts)[r] = count;

@@ -151,10 +151,10 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     } else {
       for (int64_t n; s >= (n = tiles.counts[list_row(i)]); ++i) s -= n;
     }
-    const int32_t entry = tiles.lists[list_row(i) * tiles.capacity + s];
+    const int32_t entry = tiles.list(list_row(i))[s];
     head = first_head + i;
-    m0 = int64_t(entry >> 1) * kBlockM;
-    reads = entry & 1;
+    m0 = int64_t(MaskTiles::tile_of(entry)) * kBlockM;
+    reads = MaskTiles::reads_mask(entry);
   };
 
   // Queues step s's Q, dO, lse and delta into buffer `buf` (cp.async; zeros

@@ -103,11 +103,11 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   const int32_t* list = nullptr;
   if constexpr (Listed) {
     const int64_t row = tiles.row(batch, head, block.block);
-    list = tiles.lists + row * tiles.capacity;
+    list = tiles.list(row);
     if (n_tiles > 0) n_tiles = tiles.counts[row];
   }
-  auto entry = [&](int j) { return Listed ? list[j] : static_cast<int32_t>(2 * (tile0 + j)); };
-  auto tile_col0 = [&](int j) { return int64_t(entry(j) >> 1) * kBlockN; };
+  auto entry = [&](int j) { return Listed ? list[j] : MaskTiles::entry(tile0 + j, false); };
+  auto tile_col0 = [&](int j) { return int64_t(MaskTiles::tile_of(entry(j))) * kBlockN; };
 
   // The K and V loads alternate (FlashAttention 2's pipeline): V_j streams in
   // while S_j = Q K_j^T and its softmax are computed, K_{j+1} while P_j V_j is.
@@ -126,8 +126,8 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
 
   for (int j = 0; j < n_tiles; ++j) {
     const int32_t tile_entry = entry(j);
-    const int64_t col0 = int64_t(tile_entry >> 1) * kBlockN;
-    const bool reads_mask = Listed && (tile_entry & 1);
+    const int64_t col0 = int64_t(MaskTiles::tile_of(tile_entry)) * kBlockN;
+    const bool reads_mask = Listed && MaskTiles::reads_mask(tile_entry);
     cp_async_wait<0>();  // K_j (and Q) landed
     __syncthreads();     // ... for every thread; and every warp is done with V_{j-1}
 

@@ -52,7 +52,7 @@ struct Sm90ForwardLoad {
       tma_load_box(smem.q + slab * Tr::kBlockM * 128, &args.q_map, 64 * slab, it.row0, it.head, it.batch, smem.q_full);
     int previous = 0;  // key tile j - 1
     for (int j = 0; j < it.n_tiles; ++j) {
-      const int key_tile = tile_entry<HasMask>(args.p, it, j) >> 1;
+      const int key_tile = MaskTiles::tile_of(tile_entry<HasMask>(args.p, it, j));
       tile(&args.k_map, smem.k, smem.k_full, smem.k_empty, ring_phases, it, j, key_tile);
       if (j > 0) tile(&args.v_map, smem.v, smem.v_full, smem.v_empty, ring_phases, it, j - 1, previous);
       previous = key_tile;

@@ -23,11 +23,11 @@ struct Sm90ForwardItem {
   int mask_list = 0;
 };
 
-// The item's tile j: 2 * key tile, + 1 where it reads attn_mask.
+// The item's tile j as a mask list's entry (MaskTiles::entry).
 template <bool HasMask>
 __device__ __forceinline__ int tile_entry(const ForwardParams& p, const Sm90ForwardItem& it, int j) {
   if constexpr (HasMask) return __ldg(p.mask.tiles.lists + it.mask_list + j);
-  return 2 * (it.tile0 + j);
+  return MaskTiles::entry(it.tile0 + j, false);
 }
 
 template <int BlockM, int BlockN, bool Banded, bool HasMask>

@@ -53,7 +53,7 @@ struct Sm90ForwardSoftmax {
   // values, scales its scores first and passes the exponent a factor of 1.
   __device__ __forceinline__ void step(float (&s)[kNTiles][4], float (&m_i)[2], float (&l_i)[2], float (&rescale)[2],
                                        const Sm90ForwardItem& it, int wg_row0, int entry) const {
-    const int col0 = (entry >> 1) * BlockN;
+    const int col0 = MaskTiles::tile_of(entry) * BlockN;
     const Band band = Band::of(p);
     const bool needs_masking = col0 + BlockN > it.key_end || (Banded && band.cuts(wg_row0, 64, col0, BlockN));
     if (needs_masking) {
@@ -84,7 +84,7 @@ struct Sm90ForwardSoftmax {
     }
     bool reads_mask = false;
     if constexpr (Mask != MaskKind::None) {
-      reads_mask = entry & 1;
+      reads_mask = MaskTiles::reads_mask(entry);
       if (reads_mask) {
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)

@@ -28,9 +28,9 @@ enum class MaskKind : int { None, Bool, AdditiveFloat32, AdditiveInput };
 // attn_mask sorted into a kernel's tiles (cpp/cuda/common/mask_tiles.h), so
 // that tiles it hides are never visited and tiles it leaves whole read none of
 // it. Query tile qt of (batch, head) owns row r = batch * batch_stride + head *
-// head_stride + qt: counts[r] entries of lists[r * capacity ...], each
-// 2 * key_tile + 1 where the tile must read the mask (+ 0 where it need not),
-// in increasing key tile order. A stride is 0 where the mask broadcasts.
+// head_stride + qt: counts[r] entries of list(r), each a key tile and whether
+// it must read the mask (entry()), in increasing key tile order. A stride is 0
+// where the mask broadcasts.
 struct MaskTiles {
   const int32_t* lists = nullptr;   // [rows, capacity]
   const int32_t* counts = nullptr;  // [rows]
@@ -40,6 +40,15 @@ struct MaskTiles {
   FUSEDATTN_HOST_DEVICE int64_t row(int64_t batch, int64_t head, int64_t query_tile) const {
     return batch * batch_stride + head * head_stride + query_tile;
   }
+  FUSEDATTN_HOST_DEVICE const int32_t* list(int64_t row) const { return lists + row * capacity; }
+
+  // A list entry, and what it holds.
+  template <typename Int>
+  FUSEDATTN_HOST_DEVICE static int32_t entry(Int tile, bool reads_mask) {
+    return static_cast<int32_t>(2 * tile + (reads_mask ? 1 : 0));
+  }
+  FUSEDATTN_HOST_DEVICE static int32_t tile_of(int32_t entry) { return entry >> 1; }
+  FUSEDATTN_HOST_DEVICE static bool reads_mask(int32_t entry) { return (entry & 1) != 0; }
 };
 
 // attn_mask broadcast to [B, Hq, Nq, Nk]. A broadcast dimension has stride 0;
