@@ -1,7 +1,8 @@
 """One forward and one backward call of fusedattn for a profiler, after a
-warm-up: B=4, H=32, d=128, N=4096, float16 (the seed table's middle), causal
-with --causal; --forward-only leaves out the backward, --sdpa-cudnn times
-SDPA's cuDNN forward instead. With --decode instead one forward_kvcache call (the
+warm-up: B=4, H=32, d=128, N=4096, float16 (the seed table's middle; --batch,
+--heads, --seqlen, --head-dim change it), causal with --causal, under a dense
+mask with --mask (lab/mask_cases.py's kinds); --forward-only leaves out the
+backward, --sdpa-cudnn times SDPA's cuDNN forward instead. With --decode instead one forward_kvcache call (the
 decode bench's shape: B=8, Hq=32, Hkv=--kv-heads, d=128, float16, a cache of
 --seqlen keys, all full or, with --varlen, the bench's per-sequence lengths)
 after a warm-up one; with --decode --sdpa-cudnn the same shape through SDPA's
@@ -19,6 +20,7 @@ import torch
 import fusedattn  # noqa: F401  (registers the operators)
 from fusedattn.bench import _sdpa_backend
 from fusedattn.bench_decode import DecodeConfig, cache_lengths
+from mask_cases import KINDS_HELP, dense_mask
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--causal", action="store_true")
@@ -29,6 +31,9 @@ parser.add_argument("--kv-heads", type=int, default=32, help="--decode: key/valu
 parser.add_argument("--varlen", action="store_true", help="--decode: the bench's per-sequence lengths in [1, N]")
 parser.add_argument("--sdpa-cudnn", action="store_true", help="SDPA's cuDNN backend instead (forward only)")
 parser.add_argument("--forward-only", action="store_true")
+parser.add_argument("--mask", help="attn_mask: " + KINDS_HELP)
+parser.add_argument("--batch", type=int, default=4)
+parser.add_argument("--heads", type=int, default=32)
 parser.add_argument("--family", choices=["sm80", "sm90"], help="the forward's and backward's kernel family")
 parser.add_argument("--num-splits", type=int, dest="num_splits", help="--decode: splits of each sequence's keys")
 parser.add_argument("--merge-in-cluster", choices=["yes", "no"], dest="merge_in_cluster",
@@ -53,14 +58,15 @@ if args.decode:
     torch.cuda.synchronize()
     raise SystemExit(0)
 
-shape = (4, 32, args.seqlen, args.head_dim)
+shape = (args.batch, args.heads, args.seqlen, args.head_dim)
+mask = None if args.mask is None else dense_mask(args.mask, args.batch, args.seqlen, "cuda")
 q, k, v, grad = (torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(4))
 # A warm-up pair, then the profiled pair (gpu_check.sh skips the first two launches).
 for _ in range(2):
     if args.sdpa_cudnn:
         sdpa_cudnn(q, k, v, args.causal)
         continue
-    out, lse = torch.ops.fusedattn.forward(q, k, v, None, args.causal, None, args.family)
+    out, lse = torch.ops.fusedattn.forward(q, k, v, mask, args.causal, None, args.family)
     if not args.forward_only:
-        torch.ops.fusedattn.backward(grad, q, k, v, out, lse, None, args.causal, None, args.family)
+        torch.ops.fusedattn.backward(grad, q, k, v, out, lse, mask, args.causal, None, args.family)
 torch.cuda.synchronize()

@@ -173,30 +173,45 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     // P^T and dS^T, element (key row g + 8h, query column 2t + e) of each n-tile.
     const bool needs_masking = reads_mask || my_key0 + 64 > sh.seqlen_k || m0 + kBlockM > sh.seqlen_q ||
                                (Banded && band.cuts(m0, kBlockM, my_key0, 64));
-    const int64_t mask_base = walk.batch * f.mask.batch_stride + head * f.mask.head_stride;
+    static_assert(4 * kMTiles <= 64, "a bit per element");
+    // A hidden entry is 0 in P^T and dS^T outright: past the keys or the
+    // queries (where lse and delta are the next head's, and a NaN there must
+    // not reach dK), outside the band, or hidden by attn_mask (whose row's lse
+    // may be -inf). On the steps that need it, a first pass marks those (bit
+    // 4 nt + e) and turns S^T into base-2 scores with attn_mask added; the
+    // exponentials stay one straight run the compiler interleaves (a branch
+    // per element in their loop serialised them).
+    uint64_t hidden = 0;
+    float score_scale = scale_log2;  // S^T to base-2 scores
+    if (needs_masking) {
+      const int64_t mask_base = walk.batch * f.mask.batch_stride + head * f.mask.head_stride;
+#pragma unroll
+      for (int nt = 0; nt < kMTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t key = my_key0 + warp_row + g + (e >> 1) * 8, query = m0 + nt * 8 + 2 * t + (e & 1);
+          bool outside = key >= sh.seqlen_k || query >= sh.seqlen_q || (Banded && !band.sees(query, key));
+          float added = 0.0f;
+          if constexpr (Mask != MaskKind::None) {
+            if (reads_mask && !outside)
+              added = mask_entry<Mask, T>(f.mask.ptr, mask_base + query * f.mask.row_stride + key * f.mask.col_stride);
+            outside |= added == -INFINITY;
+          }
+          st[nt][e] = st[nt][e] * scale_log2 + added;
+          hidden |= uint64_t(outside) << (4 * nt + e);
+        }
+      }
+      score_scale = 1.0f;
+    }
 #pragma unroll
     for (int nt = 0; nt < kMTiles; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = warp_row + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
-        // A hidden entry is 0 in P^T and dS^T outright: past the queries, lse
-        // and delta are the next head's, and a NaN there must not reach dK.
-        // So is one attn_mask hides (whose row's lse may be -inf).
-        bool hidden = false;
-        float added = 0.0f;  // attn_mask, base-2 units
-        if (needs_masking) {
-          const int64_t key = my_key0 + r, query = m0 + c;
-          hidden = key >= sh.seqlen_k || query >= sh.seqlen_q || (Banded && !band.sees(query, key));
-          if constexpr (Mask != MaskKind::None) {
-            if (reads_mask && !hidden) {
-              added = mask_entry<Mask, T>(f.mask.ptr, mask_base + query * f.mask.row_stride + key * f.mask.col_stride);
-              hidden = added == -INFINITY;
-            }
-          }
-        }
-        const float prob = hidden ? 0.0f : exp2f(st[nt][e] * scale_log2 + added - lse_in_log2(lse[c]));
+        const int c = nt * 8 + 2 * t + (e & 1);
+        const bool is_hidden = (hidden >> (4 * nt + e)) & 1u;
+        const float prob = is_hidden ? 0.0f : exp2f(st[nt][e] * score_scale - lse_in_log2(lse[c]));
         st[nt][e] = prob;
-        dpt[nt][e] = hidden ? 0.0f : prob * (dpt[nt][e] - delta[c]);
+        dpt[nt][e] = is_hidden ? 0.0f : prob * (dpt[nt][e] - delta[c]);
       }
     }
     uint32_t p_a[kBlockM / 16][4], ds_a[kBlockM / 16][4];
