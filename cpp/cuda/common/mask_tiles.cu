@@ -37,17 +37,28 @@ struct TileSeen {
   }
 };
 
+// Which of a tile's two dimensions holds its mask entries contiguously, in
+// 16-byte vectors that start 16-byte aligned: the keys (a mask laid out
+// [..., Nq, Nk]) or the rows (the same mask sorted by keys, whose rows are
+// its keys), or neither.
+enum class VectorDim : uint8_t { None, Keys, Rows };
+
 // The entries of rows [row0, row0 + rows) x keys [col0, col0 + cols) as
-// 16-byte vectors (8 lanes per row of 128 bytes): the tile lies inside the
-// band and the keys, and each row starts 16-byte aligned.
+// 16-byte vectors along `dim` (8 lanes per 128 bytes): the tile lies inside
+// the band and the keys, and is whole along `dim`.
 template <MaskKind Kind, typename T>
-__device__ __forceinline__ void seen_by_vectors(TileSeen& seen, const MaskParams& m, int64_t base, int64_t row0, int64_t rows,
-                                int64_t col0, int64_t cols, int lane) {
+__device__ __forceinline__ void seen_by_vectors(TileSeen& seen, const MaskParams& m, VectorDim dim, int64_t base,
+                                                int64_t row0, int64_t rows, int64_t col0, int64_t cols, int lane) {
   using Entry = std::conditional_t<Kind == MaskKind::Bool, uint8_t, std::conditional_t<Kind == MaskKind::AdditiveFloat32, float, T>>;
   constexpr int kPerVector = 16 / sizeof(Entry);
+  // Vectors run along `inner` (stride 1) and repeat along `outer` (one line when its stride is 0).
+  const bool along_keys = dim == VectorDim::Keys;
+  const int64_t outer0 = along_keys ? row0 : col0, inner0 = along_keys ? col0 : row0;
+  const int64_t outer_stride = along_keys ? m.row_stride : m.col_stride;
+  const int64_t outers = outer_stride == 0 ? 1 : along_keys ? rows : cols;
   // A tile's vectors fit in 32 bits (whose division needs no library call).
-  const int vectors_per_row = static_cast<int>(cols) / kPerVector;
-  const int vectors = static_cast<int>(m.row_stride == 0 ? 1 : rows) * vectors_per_row;
+  const int vectors_per_line = static_cast<int>(along_keys ? cols : rows) / kPerVector;
+  const int vectors = static_cast<int>(outers) * vectors_per_line;
   // kInFlight loads a lane before it looks at them, for the memory's latency.
   constexpr int kInFlight = 4;
   union Vector {
@@ -59,10 +70,10 @@ __device__ __forceinline__ void seen_by_vectors(TileSeen& seen, const MaskParams
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
       const int i = i0 + u * 32 + lane;
-      const int r = i / vectors_per_row, c = i % vectors_per_row * kPerVector;
+      const int o = i / vectors_per_line, c = i % vectors_per_line * kPerVector;
       if (i < vectors)
         v[u].raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const Entry*>(m.ptr) + base +
-                                                        (row0 + r) * m.row_stride + col0 + c));
+                                                        (outer0 + o) * outer_stride + inner0 + c));
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
@@ -74,11 +85,20 @@ __device__ __forceinline__ void seen_by_vectors(TileSeen& seen, const MaskParams
 }
 
 // The same one entry at a time, each row over the keys the band lets it see
-// (a mask the same on every row: one row, over the keys any row sees).
+// (a mask the same on every row: one row, over the keys any row sees; a mask
+// the same on every key: one entry per row).
 template <typename T>
 __device__ __forceinline__ void seen_by_entries(TileSeen& seen, const MaskParams& m, const Band& band, int64_t base, int64_t row0,
                                 int64_t rows, int64_t col0, int64_t cols, int lane) {
   const bool one_row = m.row_stride == 0;
+  if (m.col_stride == 0 && !one_row) {  // a value per row (a key-padding mask sorted by keys): a lane per row
+    for (int64_t r = lane; r < rows; r += 32) {
+      const int64_t i = row0 + r, lo = max(col0, band.key_begin(i)), hi = min(col0 + cols, band.key_end(i));
+      if (lo < hi) seen.add(mask_log2<T>(m, base, i, lo));
+    }
+    seen.reduce();
+    return;
+  }
   for (int64_t r = 0; r < (one_row ? 1 : rows) && !seen.decided(); ++r) {
     const int64_t i = row0 + r;
     const int64_t lo = max(col0, band.key_begin(one_row ? row0 : i));
@@ -92,7 +112,7 @@ __device__ __forceinline__ void seen_by_entries(TileSeen& seen, const MaskParams
 template <typename T>
 __global__ void __launch_bounds__(32 * kWarps, 1)
     classify_tiles_kernel(const __grid_constant__ ForwardParams p, uint8_t* classes, int block_m, int block_n, int64_t query_tiles,
-                          int64_t heads, bool vectors) {
+                          int64_t heads, VectorDim vectors) {
   const MaskTiles& tiles = p.mask.tiles;
   const int lane = threadIdx.x % 32;
   const int64_t key_tile = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -104,9 +124,10 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
   const int64_t base = batch * p.mask.batch_stride + head * p.mask.head_stride;
   const Band band = Band::of(p);
   TileSeen seen;
-  if (cols == block_n && !band.cuts(row0, rows, col0, cols) && vectors) {
+  const bool whole_along = vectors == VectorDim::Keys ? cols == block_n : rows == block_m;
+  if (vectors != VectorDim::None && whole_along && !band.cuts(row0, rows, col0, cols)) {
     dispatch_mask_kind(p.mask.kind, [&](auto kind) {
-      seen_by_vectors<decltype(kind)::value, T>(seen, p.mask, base, row0, rows, col0, cols, lane);
+      seen_by_vectors<decltype(kind)::value, T>(seen, p.mask, vectors, base, row0, rows, col0, cols, lane);
     });
     seen.reduce();
   } else {
@@ -145,12 +166,16 @@ ForwardParams by_keys(const ForwardParams& p) {
   return t;
 }
 
-// Whether every tile row of the mask starts 16-byte aligned and its keys are contiguous.
-bool rows_are_vectors(const MaskParams& m, int block_n) {
+// Which dimension the tiles' mask entries are read along in vectors: one of
+// stride 1 whose every tile line starts 16-byte aligned.
+VectorDim vector_dim(const MaskParams& m, int block_m, int block_n) {
   const int64_t size = mask_entry_bytes(m.kind);
   auto aligned = [&](int64_t elements) { return elements * size % 16 == 0; };
-  return m.col_stride == 1 && reinterpret_cast<uintptr_t>(m.ptr) % 16 == 0 && aligned(m.batch_stride) &&
-         aligned(m.head_stride) && aligned(m.row_stride) && aligned(block_n);
+  if (reinterpret_cast<uintptr_t>(m.ptr) % 16 != 0 || !aligned(m.batch_stride) || !aligned(m.head_stride))
+    return VectorDim::None;
+  if (m.col_stride == 1 && aligned(m.row_stride) && aligned(block_n)) return VectorDim::Keys;
+  if (m.row_stride == 1 && aligned(m.col_stride) && aligned(block_m)) return VectorDim::Rows;
+  return VectorDim::None;
 }
 
 }  // namespace
@@ -192,7 +217,7 @@ void sort_mask_into_tiles(const ForwardParams& p, int block_m, int block_n, cuda
   // Rows over grid y and z (y holds at most 65535).
   const dim3 grid(static_cast<unsigned>((t.capacity + kWarps - 1) / kWarps), static_cast<unsigned>(std::min<int64_t>(t.rows, 65535)),
                   static_cast<unsigned>((t.rows + 65534) / 65535));
-  const bool vectors = rows_are_vectors(p.mask, block_n);
+  const VectorDim vectors = vector_dim(p.mask, block_m, block_n);
   auto classify = [&](auto element) {
     classify_tiles_kernel<decltype(element)><<<grid, 32 * kWarps, 0, stream>>>(p, t.classes, block_m, block_n,
                                                                                 query_tiles, heads, vectors);

@@ -63,11 +63,16 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(sDelta + kStages * Tr::kRowsSlot);
   uint64_t* step_full = kv_full + 1;
   uint64_t* step_empty = step_full + kStages;
+  // A listed walk's steps (head, first query, reads attn_mask) per stage: the
+  // producer reads the list and hands each step over with its data.
+  int32_t* step_info = reinterpret_cast<int32_t*>(step_empty + kStages);
 
   const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
-  const KeyBlockWalk<kBlockN, kBlockM, Banded, Mask != MaskKind::None> walk(p, args.order);
+  constexpr bool kListed = Mask != MaskKind::None;  // steps from the mask's lists
+  using Walk = KeyBlockWalk<kBlockN, kBlockM, Banded, kListed>;
+  const Walk walk(p, args.order);
   auto stage_of = [](int s) { return s % kStages; };
   auto phase_of = [](int s) { return static_cast<uint32_t>((s / kStages) & 1); };
   // A step's first row in the flat [B x Hq x Nq] lse and delta.
@@ -101,9 +106,15 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     for (int s = 0; s < walk.steps; ++s) {
       const int stage = stage_of(s);
       mbarrier_wait(&step_empty[stage], phase_of(s) ^ 1);  // the first round finds it free
-      mbarrier_arrive_expect_bytes(&step_full[stage], 2 * Tr::kQTileBytes + 2 * Tr::kRowsBox * 4);
       const auto step = walk.at(s);
       const int head = static_cast<int>(step.head), m0 = static_cast<int>(step.m0);
+      if constexpr (kListed) {
+        step_info[3 * stage] = head;
+        step_info[3 * stage + 1] = m0;
+        step_info[3 * stage + 2] = step.reads_mask;
+      }
+      // The arrival releases step_info's writes to the consumers, whose wait acquires them.
+      mbarrier_arrive_expect_bytes(&step_full[stage], 2 * Tr::kQTileBytes + 2 * Tr::kRowsBox * 4);
       for (int slab = 0; slab < Tr::kSlabs; ++slab) {
         tma_load_box(sQ + stage * Tr::kQTileBytes + slab * kBlockM * 128, &args.q_map, 64 * slab, m0, head, batch,
                      &step_full[stage]);
@@ -140,7 +151,10 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   for (int s = 0; s < walk.steps; ++s) {
     const int stage = stage_of(s);
     mbarrier_wait(&step_full[stage], phase_of(s));
-    const auto step = walk.at(s);
+    const typename Walk::Step step = [&]() -> typename Walk::Step {
+      if constexpr (kListed) return {step_info[3 * stage], step_info[3 * stage + 1], step_info[3 * stage + 2] != 0};
+      return walk.at(s);
+    }();
     const int64_t head = step.head, m0 = step.m0;
     const bool reads_mask = Mask != MaskKind::None && step.reads_mask;
     const unsigned char* q_tile = sQ + stage * Tr::kQTileBytes;

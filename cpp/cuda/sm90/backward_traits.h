@@ -32,9 +32,11 @@ struct Sm90BackwardTraits {
   static_assert(kRowsBox <= kRowsSlot);
   // K, V, the Q and dO rings, dS double-buffered, each slab 1024-byte aligned
   // (the swizzle pattern's period); the lse and delta rings; the mbarriers
-  // (K and V; a full and an empty one per stage); room to align the base.
+  // (K and V; a full and an empty one per stage); each stage's step (3
+  // ints); room to align the base.
   static constexpr int kFloatsOffset = 2 * kKVTileBytes + 2 * kStages * kQTileBytes + 2 * kDsBytes;
-  static constexpr int kSmemBytes = kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + 1024;
+  static constexpr int kSmemBytes =
+      kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + kStages * 3 * 4 + 1024;
   // The forward's split (FA3's): 128 x 24 + 256 x 240 = 384 x 168.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
