@@ -12,6 +12,11 @@
 
 namespace fusedattn::cuda {
 
+// The type attn_mask's entries are stored as (None: a placeholder).
+template <MaskKind Kind, typename T>
+using MaskStorage = std::conditional_t<Kind == MaskKind::AdditiveFloat32, float,
+                                       std::conditional_t<Kind == MaskKind::AdditiveInput, T, uint8_t>>;
+
 // attn_mask's entry at offset i as a kind other than None stores it: 0 or
 // -inf for a bool mask, the value for an additive one, times log2(e) with
 // Log2 (the kernels' base-2 scores). Every CUDA family reads masks through it.
@@ -19,12 +24,13 @@ template <MaskKind Kind, typename T, bool Log2 = true>
 __device__ __forceinline__ float mask_entry(const void* ptr, int64_t i) {
   constexpr float kUnit = Log2 ? kLog2e : 1.0f;
   static_assert(Kind != MaskKind::None, "no mask has no entries");
+  const MaskStorage<Kind, T> entry = static_cast<const MaskStorage<Kind, T>*>(ptr)[i];
   if constexpr (Kind == MaskKind::Bool) {
-    return static_cast<const uint8_t*>(ptr)[i] ? 0.0f : -INFINITY;
+    return entry ? 0.0f : -INFINITY;
   } else if constexpr (Kind == MaskKind::AdditiveFloat32) {
-    return static_cast<const float*>(ptr)[i] * kUnit;
+    return entry * kUnit;
   } else {
-    return to_float(static_cast<const T*>(ptr)[i]) * kUnit;
+    return to_float(entry) * kUnit;
   }
 }
 

@@ -49,7 +49,7 @@ enum class VectorDim : uint8_t { None, Keys, Rows };
 template <MaskKind Kind, typename T>
 __device__ __forceinline__ void seen_by_vectors(TileSeen& seen, const MaskParams& m, VectorDim dim, int64_t base,
                                                 int64_t row0, int64_t rows, int64_t col0, int64_t cols, int lane) {
-  using Entry = std::conditional_t<Kind == MaskKind::Bool, uint8_t, std::conditional_t<Kind == MaskKind::AdditiveFloat32, float, T>>;
+  using Entry = MaskStorage<Kind, T>;
   constexpr int kPerVector = 16 / sizeof(Entry);
   // Vectors run along `inner` (stride 1) and repeat along `outer` (one line when its stride is 0).
   const bool along_keys = dim == VectorDim::Keys;

@@ -19,7 +19,8 @@
 //                                         float32 accumulator with 8-byte reductions.
 // dK and dV stay in registers across the walk (GQA's sum costs nothing).
 // Under attn_mask (its kind a template argument) a block walks its key
-// tile's lists (common/mask_tiles.h) and reads the mask on the steps they mark.
+// tile's lists (common/mask_tiles.h) and reads the mask on the steps they mark,
+// each warp copying its entries to shared memory first.
 // Not yet: overlap between the products of one step and the next, and the
 // deterministic mode (the dispatcher sends it to sm80).
 #pragma once
@@ -58,6 +59,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   unsigned char* sQ = sV + Tr::kKVTileBytes;          // stage i at i * kQTileBytes, [kBlockM queries][d]
   unsigned char* sdO = sQ + kStages * Tr::kQTileBytes;
   unsigned char* sdS = sdO + kStages * Tr::kQTileBytes;  // buffer b at b * kDsBytes: [kBlockM queries][128 keys]
+  unsigned char* sMask = smem + Tr::kMaskStageOffset;     // consumer warp w's at w * kMaskStageBytes
   float* sLse = reinterpret_cast<float*>(smem + Tr::kFloatsOffset);  // stage i at i * kRowsSlot, natural log
   float* sDelta = sLse + kStages * Tr::kRowsSlot;
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(sDelta + kStages * Tr::kRowsSlot);
@@ -137,6 +139,12 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int warp_row = warp * 16;  // this warp's accumulator rows: keys of S^T, queries of dQ (after query0)
+  using MaskEntry = MaskStorage<Mask, T>;
+  MaskEntry* mask_stage = reinterpret_cast<MaskEntry*>(sMask + (4 * consumer + warp) * Tr::kMaskStageBytes);
+  // Rounds of staging a step's mask entries (16 keys by kBlockM queries) take.
+  constexpr int kMaskStageRounds = 16 * kBlockM * int(sizeof(MaskEntry)) / Tr::kMaskStageBytes;
+  constexpr int kMaskRounds = kMaskStageRounds > 1 ? kMaskStageRounds : 1;
+  static_assert(kMTiles % kMaskRounds == 0);
   const int64_t my_key0 = walk.key0 + 64 * consumer;  // this warpgroup's 64 keys
   const Band band = Band::of(f);  // banded: query i sees key j iff band.sees(i, j)
   const float scale_log2 = f.scale * kLog2e;
@@ -199,20 +207,53 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     float score_scale = scale_log2;  // S^T to base-2 scores
     if (needs_masking) {
       const int64_t mask_base = walk.batch * f.mask.batch_stride + head * f.mask.head_stride;
+      const int64_t warp_key0 = my_key0 + warp_row;
 #pragma unroll
-      for (int nt = 0; nt < kMTiles; ++nt) {
+      for (int round = 0; round < kMaskRounds; ++round) {
+        constexpr int kRoundTiles = kMTiles / kMaskRounds, kRoundRows = 8 * kRoundTiles;
+        if constexpr (Mask != MaskKind::None) {
+          // Entry (query r, key j) of the round at r * 16 + j: 16 lanes per
+          // query row, loaded kBatch at a time before any is stored.
+          if (reads_mask) {
+            constexpr int kPerLane = kRoundRows * 16 / 32, kBatch = 8;
+            static_assert(kPerLane % kBatch == 0);
+            const int64_t query0 = m0 + round * kRoundRows;
+            __syncwarp();  // the last round's reads are done
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t key = my_key0 + warp_row + g + (e >> 1) * 8, query = m0 + nt * 8 + 2 * t + (e & 1);
-          bool outside = key >= sh.seqlen_k || query >= sh.seqlen_q || (Banded && !band.sees(query, key));
-          float added = 0.0f;
-          if constexpr (Mask != MaskKind::None) {
-            if (reads_mask && !outside)
-              added = mask_entry<Mask, T>(f.mask.ptr, mask_base + query * f.mask.row_stride + key * f.mask.col_stride);
-            outside |= added == -INFINITY;
+            for (int b0 = 0; b0 < kPerLane; b0 += kBatch) {
+              MaskEntry staged[kBatch];
+#pragma unroll
+              for (int u = 0; u < kBatch; ++u) {
+                const int i = (b0 + u) * 32 + lane;
+                const int64_t query = query0 + i / 16, key = warp_key0 + i % 16;
+                staged[u] = query < sh.seqlen_q && key < sh.seqlen_k
+                                ? static_cast<const MaskEntry*>(f.mask.ptr)[mask_base + query * f.mask.row_stride +
+                                                                            key * f.mask.col_stride]
+                                : MaskEntry{};
+              }
+#pragma unroll
+              for (int u = 0; u < kBatch; ++u) mask_stage[(b0 + u) * 32 + lane] = staged[u];
+            }
+            __syncwarp();
           }
-          st[nt][e] = st[nt][e] * scale_log2 + added;
-          hidden |= uint64_t(outside) << (4 * nt + e);
+        }
+#pragma unroll
+        for (int j = 0; j < kRoundTiles; ++j) {
+          const int nt = round * kRoundTiles + j;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key_row = g + (e >> 1) * 8, query_col = nt * 8 + 2 * t + (e & 1);
+            const int64_t key = warp_key0 + key_row, query = m0 + query_col;
+            bool outside = key >= sh.seqlen_k || query >= sh.seqlen_q || (Banded && !band.sees(query, key));
+            float added = 0.0f;
+            if constexpr (Mask != MaskKind::None) {
+              if (reads_mask && !outside)
+                added = mask_entry<Mask, T>(mask_stage, (query_col - round * kRoundRows) * 16 + key_row);
+              outside |= added == -INFINITY;
+            }
+            st[nt][e] = st[nt][e] * scale_log2 + added;
+            hidden |= uint64_t(outside) << (4 * nt + e);
+          }
         }
       }
       score_scale = 1.0f;

@@ -30,11 +30,16 @@ struct Sm90BackwardTraits {
   static constexpr int kRowsBox = kBlockM + 4;
   static constexpr int kRowsSlot = 2 * kBlockM;
   static_assert(kRowsBox <= kRowsSlot);
+  // On a step that reads attn_mask, each consumer warp first copies the
+  // entries of its 16 keys by the step's queries to shared memory, all its
+  // loads in flight at once, in rounds of at most this many bytes.
+  static constexpr int kMaskStageBytes = 2048;
   // K, V, the Q and dO rings, dS double-buffered, each slab 1024-byte aligned
-  // (the swizzle pattern's period); the lse and delta rings; the mbarriers
+  // (the swizzle pattern's period); the warps' mask stages; the lse and delta rings; the mbarriers
   // (K and V; a full and an empty one per stage); each stage's step (3
   // ints); room to align the base.
-  static constexpr int kFloatsOffset = 2 * kKVTileBytes + 2 * kStages * kQTileBytes + 2 * kDsBytes;
+  static constexpr int kMaskStageOffset = 2 * kKVTileBytes + 2 * kStages * kQTileBytes + 2 * kDsBytes;
+  static constexpr int kFloatsOffset = kMaskStageOffset + 4 * kConsumers * kMaskStageBytes;
   static constexpr int kSmemBytes =
       kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + kStages * 3 * 4 + 1024;
   // The forward's split (FA3's): 128 x 24 + 256 x 240 = 384 x 168.
