@@ -1,5 +1,6 @@
-"""attention_varlen: packed sequences of different lengths against the
-float64 reference, sequence by sequence (CPU)."""
+"""attention_varlen: packed sequences of different lengths, with causal and
+sliding windows per sequence, against the float64 reference, sequence by
+sequence (CPU)."""
 
 import pytest
 import torch
@@ -24,15 +25,15 @@ def sequence(t, cu, b):
     return t[int(cu[b]):int(cu[b + 1])].transpose(0, 1).unsqueeze(0)
 
 
-def check(lengths_q, lengths_k, is_causal=False, dtype=torch.float32, scale=None, **kwargs):
+def check(lengths_q, lengths_k, is_causal=False, dtype=torch.float32, scale=None, window=None, **kwargs):
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, dtype=dtype, **kwargs)
     out, lse = torch.ops.fusedattn.forward_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), is_causal,
-                                                  scale)
+                                                  scale, window=window)
     assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
     for b in range(len(lengths_q)):
         args = (sequence(q, cu_q, b), sequence(k, cu_k, b), sequence(v, cu_k, b))
-        oracle, oracle_lse = reference.attention_with_lse(*(t.double() for t in args), None, is_causal, scale)
-        low, _ = reference.attention_with_lse(*args, None, is_causal, scale)
+        oracle, oracle_lse = reference.attention_with_lse(*(t.double() for t in args), None, is_causal, scale, window)
+        low, _ = reference.attention_with_lse(*args, None, is_causal, scale, window)
         assert_within_rule(f"out of sequence {b}", sequence(out, cu_q, b), oracle, low, dtype, factor=2)
         got_lse = lse[:, int(cu_q[b]):int(cu_q[b + 1])]
         hidden = oracle_lse[0] == float("-inf")
@@ -58,16 +59,39 @@ def test_varlen_random_lengths(lengths, is_causal, d):
     check([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, d=d, seed=len(lengths))
 
 
+# Every form of window: left only, right only, both, 0 (each query its diagonal key), wider than
+# every sequence, and one side open.
+WINDOWS = [(3, 0), (0, 2), (4, 6), (0, 0), (500, 500), (-1, 3), (5, -1)]
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_varlen_gradients(is_causal):
+def test_varlen_windows(window, is_causal):
+    """Each sequence's window aligned bottom-right on its own lengths (Nq_b != Nk_b both
+    ways, empty and one-token sequences), with and without is_causal; rows that see no
+    key give 0 and lse -inf."""
+    check([5, 0, 1, 40, 3, 17], [5, 9, 1, 33, 0, 70], is_causal=is_causal, window=window)
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=5),
+       st.tuples(st.integers(-1, 60), st.integers(-1, 60)), st.booleans())
+def test_varlen_random_windows(lengths, window, is_causal):
+    check([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, window=window, d=8,
+          seed=len(lengths))
+
+
+@pytest.mark.parametrize("is_causal,window", [(False, None), (True, None), (False, (4, 2)), (True, (7, -1))],
+                         ids=["full", "causal", "window", "causal-window"])
+def test_varlen_gradients(is_causal, window):
     lengths_q, lengths_k = [6, 0, 19, 1, 4], [6, 5, 11, 0, 30]
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, requires_grad=True, seed=3)
-    out = fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=is_causal)
+    out = fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=is_causal, window=window)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     outs = [reference.attention(sequence(q64, cu_q, b), sequence(k64, cu_k, b), sequence(v64, cu_k, b),
-                                is_causal=is_causal)[0].transpose(0, 1) for b in range(len(lengths_q))]
+                                is_causal=is_causal, window=window)[0].transpose(0, 1)
+            for b in range(len(lengths_q))]
     oracle = torch.autograd.grad(torch.cat(outs), (q64, k64, v64), grad_out.double())
     for name, a, o in zip(("dq", "dk", "dv"), grads, oracle):
         torch.testing.assert_close(a.double(), o, atol=1e-4, rtol=1e-4, msg=name)
@@ -81,12 +105,20 @@ def test_varlen_computes_max_seqlens_and_agrees_with_the_dense_call():
                                dense[0].transpose(0, 1), atol=0, rtol=0)
 
 
-def test_varlen_opcheck_and_compile():
+@pytest.mark.parametrize("window", [None, [3, 1]], ids=["no-window", "window"])
+def test_varlen_opcheck_and_compile(window):
     q, k, v, cu_q, cu_k = packed([4, 0, 9], [6, 3, 9], requires_grad=True, seed=6)
-    torch.library.opcheck(torch.ops.fusedattn.forward_varlen.default, (q, k, v, cu_q, cu_k, 9, 9, True, None))
+    torch.library.opcheck(torch.ops.fusedattn.forward_varlen.default,
+                          (q, k, v, cu_q, cu_k, 9, 9, True, None, None, window))
+    q0, k0, v0 = (t.detach() for t in (q, k, v))
+    out, lse = torch.ops.fusedattn.forward_varlen(q0, k0, v0, cu_q, cu_k, 9, 9, True, None, None, window)
+    torch.library.opcheck(torch.ops.fusedattn.backward_varlen.default,
+                          (torch.randn_like(out), q0, k0, v0, out, lse, cu_q, cu_k, 9, 9, True, None, None, window))
+    torch._dynamo.reset()
     compiled = torch.compile(fusedattn.attention_varlen, fullgraph=True)
-    out = compiled(q, k, v, cu_q, cu_k, 9, 9, True)
-    torch.testing.assert_close(out, fusedattn.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, True))
+    window = None if window is None else tuple(window)
+    out = compiled(q, k, v, cu_q, cu_k, 9, 9, True, window=window)
+    torch.testing.assert_close(out, fusedattn.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, True, window=window))
     out.sum().backward()
     assert q.grad is not None and q.grad.shape == q.shape
 
@@ -110,6 +142,16 @@ def test_varlen_bad_input_says_what_was_expected(case):
     change, message = BAD[case]
     with pytest.raises(RuntimeError, match=message):
         torch.ops.fusedattn.forward_varlen(*change(q, k, v, cu_q, cu_k), 9, 9)
+
+
+@pytest.mark.parametrize("window", [[1, 2, 3], [-2, 0], [4]], ids=str)
+def test_varlen_bad_window_says_what_was_expected(window):
+    q, k, v, cu_q, cu_k = packed([3, 2, 4], [4, 4, 1])
+    with pytest.raises(RuntimeError, match=r"forward_varlen: window must be two ints \[left, right\], each >= -1"):
+        torch.ops.fusedattn.forward_varlen(q, k, v, cu_q, cu_k, 4, 4, window=window)
+    out, lse = torch.ops.fusedattn.forward_varlen(q, k, v, cu_q, cu_k, 4, 4)
+    with pytest.raises(RuntimeError, match=r"backward_varlen: window must be two ints"):
+        torch.ops.fusedattn.backward_varlen(out, q, k, v, out, lse, cu_q, cu_k, 4, 4, window=window)
 
 
 def test_varlen_max_seqlen_below_a_length_is_an_error():

@@ -79,9 +79,11 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const
                                                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
                                                       std::optional<double> scale,
-                                                      std::optional<c10::string_view> family) {
+                                                      std::optional<c10::string_view> family,
+                                                      at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.forward_varlen";
   parse_family(op, family, q);
+  check_window(op, window);  // also when no sequence has queries
   const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
@@ -89,7 +91,8 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const
     const int64_t sq = seq.start_q(b), nq = seq.len_q(b), sk = seq.start_k(b), nk = seq.len_k(b);
     if (nq == 0) continue;
     PreparedInputs in = prepare_forward(op, sequence_view(q, sq, nq), sequence_view(k, sk, nk),
-                                        sequence_view(v, sk, nk), std::nullopt, is_causal, scale, cpu_support());
+                                        sequence_view(v, sk, nk), std::nullopt, is_causal, scale, cpu_support(),
+                                        window);
     const at::Tensor lse_b = at::empty({1, q.size(1), nq}, lse.options());
     set_forward_outputs(in.params, sequence_view(out, sq, nq), lse_b);
     cpu::forward(in.params);
@@ -103,9 +106,11 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family) {
+    int64_t max_seqlen_k, bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family,
+    at::OptionalIntArrayRef window) {
   const char* op = "fusedattn.backward_varlen";
   parse_family(op, family, q);
+  check_window(op, window);
   const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   TORCH_CHECK(grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(), op,
               ": grad_out and out must have q's shape ", q.sizes(), ", got ", grad_out.sizes(), " and ", out.sizes());
@@ -122,7 +127,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
     PreparedBackward pb =
         prepare_backward(op, sequence_view(grad_out, sq, nq), sequence_view(q, sq, nq), sequence_view(k, sk, nk),
                          sequence_view(v, sk, nk), sequence_view(out, sq, nq), lse.narrow(1, sq, nq).unsqueeze(0),
-                         std::nullopt, is_causal, scale, cpu_support());
+                         std::nullopt, is_causal, scale, cpu_support(), window);
     cpu::backward(pb.params);
     sequence_view(grad_q, sq, nq).copy_(pb.grad_q);
     sequence_view(grad_k, sk, nk).copy_(pb.grad_k);

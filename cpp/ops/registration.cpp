@@ -28,15 +28,16 @@ TORCH_LIBRARY(fusedattn, m) {
       "-> (Tensor out, Tensor lse)");
   // Packed sequences: q [total_q, Hq, d], k and v [total_k, Hkv, d]; sequence
   // b is rows cu_seqlens[b] : cu_seqlens[b + 1] (int32 [B + 1]) and attends
-  // to its own keys only, causal bottom-right per sequence. lse is float32
+  // to its own keys only, causal and window bottom-right per sequence. lse is float32
   // [Hq, total_q]. max_seqlen_* bound every sequence's length.
   m.def(
       "forward_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-      "int max_seqlen_k, bool is_causal=False, float? scale=None, str? family=None) -> (Tensor out, Tensor lse)");
+      "int max_seqlen_k, bool is_causal=False, float? scale=None, str? family=None, int[]? window=None) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "backward_varlen(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal=False, float? scale=None, "
-      "str? family=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "str? family=None, int[]? window=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // The plan the call with these arguments would run (forward, or with
   // backward=True the backward), as "key=value ..." words; nothing is launched.
   m.def(

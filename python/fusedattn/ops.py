@@ -75,13 +75,13 @@ def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=
 
 @torch.library.register_fake("fusedattn::forward_varlen")
 def _forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,
-                         scale=None, family=None):
+                         scale=None, family=None, window=None):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.register_fake("fusedattn::backward_varlen")
 def _backward_varlen_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          is_causal=False, scale=None, family=None):
+                          is_causal=False, scale=None, family=None, window=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -120,23 +120,23 @@ torch.library.register_autograd("fusedattn::forward", _backward, setup_context=_
 
 
 def _setup_varlen_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, family = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, family, window = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
-    ctx.is_causal, ctx.scale, ctx.family = is_causal, scale, family
+    ctx.is_causal, ctx.scale, ctx.family, ctx.window = is_causal, scale, family, window
     ctx.mark_non_differentiable(lse)
 
 
 def _backward_varlen(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if grad_out is None:
-        return (None,) * 10
+        return (None,) * 11
     grad_q, grad_k, grad_v = torch.ops.fusedattn.backward_varlen(
         grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.is_causal,
-        ctx.scale, ctx.family
+        ctx.scale, ctx.family, ctx.window
     )
-    return (grad_q, grad_k, grad_v) + (None,) * 7
+    return (grad_q, grad_k, grad_v) + (None,) * 8
 
 
 torch.library.register_autograd("fusedattn::forward_varlen", _backward_varlen, setup_context=_setup_varlen_context)
@@ -201,6 +201,7 @@ def attention_varlen(
     max_seqlen_k: int | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
 ) -> Tensor:
     """Attention over a batch of sequences of different lengths, packed without padding.
 
@@ -216,6 +217,9 @@ def attention_varlen(
             None computes them from ``cu_seqlens``, which waits for the device.
         is_causal: bottom-right aligned per sequence, as :func:`attention`'s.
         scale: multiplies ``q @ k^T``; defaults to ``1 / sqrt(d)``.
+        window: ``(left, right)``, :func:`attention`'s sliding window, aligned per
+            sequence as ``is_causal``: query ``i`` of sequence ``b`` sees its key ``j``
+            only when ``i + Nk_b - Nq_b - left <= j <= i + Nk_b - Nq_b + right``.
 
     Returns:
         ``[total_q, Hq, d]`` in q's dtype; rows that see no key are 0.
@@ -229,7 +233,7 @@ def attention_varlen(
     if max_seqlen_k is None:
         max_seqlen_k = _longest(cu_seqlens_k)
     out, _ = torch.ops.fusedattn.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                is_causal, scale, backends.forced().family)
+                                                is_causal, scale, backends.forced().family, window)
     return out
 
 
