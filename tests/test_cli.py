@@ -119,8 +119,8 @@ def test_bench_backward_on_the_cpu(tmp_path):
 
 def test_bench_interleaves_the_methods_timed_calls():
     """After each method's peak-memory call and warm-up, every repeat calls each method once,
-    starting one further along each time; all methods get the same inputs, and a method that
-    cannot run is left out of the rotation."""
+    round r starting with method r mod n; all methods get the same inputs, and a method that
+    cannot run is left out of the rounds."""
     from fusedattn import bench
 
     calls, inputs = [], []
@@ -139,11 +139,28 @@ def test_bench_interleaves_the_methods_timed_calls():
                        causal=[False], repeats=4, warmup=1)
     table = {"a": method("a"), "b": method("b"), "no": refuses, "c": method("c")}
     results = bench.measure_row(cfg, "float32", False, 32, table)
-    # peak memory + 1 warm-up each, then the repeats: a b c, b c a, c a b, a b c.
-    assert calls == ["a", "a", "b", "b", "c", "c"] + list("abcbcacababc")
+    # peak memory + 1 warm-up each, then 4 rounds, each every method once, starting a, b, c, a.
+    assert calls[:6] == ["a", "a", "b", "b", "c", "c"]
+    rounds = [calls[6 + 3 * r:9 + 3 * r] for r in range(4)]
+    assert len(calls) == 18 and all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert [r[0] for r in rounds] == list("abca")
     assert len(set(inputs)) == 1
     assert results["no"]["status"].startswith("n/a (no such backend")
     assert all(results[m]["status"] == "ok" and results[m]["seconds"] > 0 for m in "abc")
+
+
+def test_bench_round_orders_vary_what_runs_before_each_method():
+    """A GPU clocks by what ran just before: over the rounds every method is first equally
+    often and follows several different methods; the order of a round depends on its index
+    alone (every rank of a distributed bench runs the same)."""
+    names = list("abcde")
+    orders = [bench.round_order(names, r) for r in range(30)]
+    assert all(sorted(order) == names for order in orders)
+    assert all(sum(order[0] == name for order in orders) == 6 for name in names)
+    before = {name: {order[order.index(name) - 1] for order in orders if order[0] != name} for name in names}
+    assert all(len(preceding) >= 3 for preceding in before.values()), before
+    assert orders == [bench.round_order(names, r) for r in range(30)]
+    assert bench.round_order([], 3) == [] and bench.round_order(["x"], 5) == ["x"]
 
 
 def test_bench_holds_a_methods_setting_through_forward_and_backward():

@@ -14,6 +14,7 @@ import datetime
 import json
 import math
 import platform
+import random
 import statistics
 import time
 import warnings
@@ -227,21 +228,34 @@ def _prepare(cfg: Config, inputs, causal: bool, name: str, fn) -> tuple[Callable
     return timed, {"status": "ok", "peak_bytes": memory}
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """interleaved_medians' order of round r: names[r mod n] first, the others shuffled with seed r."""
+    if not names:
+        return []
+    first = names[r % len(names)]
+    rest = [name for name in names if name != first]
+    random.Random(r).shuffle(rest)
+    return [first] + rest
+
+
 def interleaved_medians(timed: dict[str, Callable[[], float]], repeats: int,
                         recover_oom: bool = True) -> dict[str, float | dict]:
     """Median seconds of each timed() over `repeats` rounds, each round calling
-    every method once, starting one further along each time; {"status": "OOM"}
-    for a method that ran out of memory. A GPU at its power limit clocks by
-    what ran just before, so a method timed first in a row reads faster than
-    timed second (lab/order_effect.py measures it): interleaving spreads that
-    over every method. recover_oom=False lets an OutOfMemoryError through (a
-    distributed benchmark: the other ranks would wait on the failed one)."""
+    every method once; {"status": "OOM"} for a method that ran out of memory.
+    A GPU at its power limit clocks by what ran just before, so a method timed
+    first in a row reads faster than timed second (lab/order_effect.py
+    measures it): round r starts with method r mod n and runs the others in an
+    order shuffled with seed r, so that each method is first as often as any
+    and follows a different method from round to round, not always the
+    same one. The orders depend on r alone, the same
+    on every rank of a distributed benchmark. recover_oom=False lets an
+    OutOfMemoryError through (a distributed benchmark: the other ranks would
+    wait on the failed one)."""
     names = list(timed)
     times: dict[str, list[float]] = {name: [] for name in names}
     failed: dict[str, dict] = {}
     for r in range(repeats):
-        for i in range(len(names)):
-            name = names[(r + i) % len(names)]
+        for name in round_order(names, r):
             if name in failed:
                 continue
             try:
