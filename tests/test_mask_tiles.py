@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fusedattn
-from helpers.attention_cases import TILE_MASK_KINDS, Case, make_inputs
+from helpers.attention_cases import TILE_MASK_KINDS, Case, check_backward, make_inputs
 from helpers.cuda import check_cuda, check_cuda_backward, forward, sm90_available
 
 pytestmark = pytest.mark.gpu
@@ -91,12 +91,13 @@ def test_cuda_tile_masks_backward_without_queries(cuda_family):
 
 @pytest.mark.parametrize("mask", ["sparse_tiles", "hidden_query_tiles", "documents"])
 @pytest.mark.parametrize("nq,nk", [(1024, 1536), (1040, 1000)])
-def test_cuda_tile_masks_stored_by_keys(cuda_family, mask, nq, nk):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_tile_masks_stored_by_keys(cuda_family, mask, nq, nk, head_dim):
     """A mask stored key-major (row stride 1: a transposed tensor's view) sorts into the
     same tiles: the forward's sort reads it in vectors along the queries, the backward's
-    along the keys. out and dK, dV equal those under the same mask stored query-major;
-    dQ (summed with atomics, in no fixed order) matches to its last bits."""
-    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=nq, seqlen_k=nk, head_dim=128, dtype=torch.bfloat16,
+    along the keys. out equals the one under the same mask stored query-major; the
+    gradients (some summed with atomics, in no fixed order) match within bf16 rounding."""
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=nq, seqlen_k=nk, head_dim=head_dim, dtype=torch.bfloat16,
                 mask=mask, is_causal=True)
     q, k, v, by_queries = make_inputs(case, "cuda", requires_grad=True)
     by_keys = by_queries.transpose(-1, -2).contiguous().transpose(-1, -2)
@@ -107,5 +108,20 @@ def test_cuda_tile_masks_stored_by_keys(cuda_family, mask, nq, nk):
         out = fusedattn.attention(q, k, v, m, True)
         results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
     (out, dq, dk, dv), (out2, dq2, dk2, dv2) = results
-    assert torch.equal(out, out2) and torch.equal(dk, dk2) and torch.equal(dv, dv2)
-    torch.testing.assert_close(dq, dq2, atol=2e-2, rtol=1e-2)
+    assert torch.equal(out, out2)
+    for a, b in ((dq, dq2), (dk, dk2), (dv, dv2)):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_tile_masks_backward_float32_mask(cuda_family, head_dim):
+    """A float32 additive mask through the backward: its tiles that read the mask stage
+    4-byte entries (in several rounds of the sm90 backward's per-warp stage)."""
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=700, seqlen_k=900, head_dim=head_dim,
+                dtype=torch.bfloat16, mask="sparse_tiles", is_causal=True)
+    q, k, v, mask = make_inputs(case, "cuda", requires_grad=True)
+    grad_out = torch.randn_like(q)
+    out = fusedattn.attention(q, k, v, mask.float(), True)
+    assert fusedattn.plan(q, k, v, mask.float(), True, backward=True)["mask_tiles"] is True
+    # The reference takes the bf16 mask, whose values float32 holds exactly.
+    check_backward(case, "cuda", grads=torch.autograd.grad(out, (q, k, v), grad_out), grad_out=grad_out)

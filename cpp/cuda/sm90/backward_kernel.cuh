@@ -211,6 +211,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
 #pragma unroll
       for (int round = 0; round < kMaskRounds; ++round) {
         constexpr int kRoundTiles = kMTiles / kMaskRounds, kRoundRows = 8 * kRoundTiles;
+        static_assert(16 * kRoundRows * int(sizeof(MaskEntry)) <= Tr::kMaskStageBytes, "a round fits the stage");
         if constexpr (Mask != MaskKind::None) {
           // Entry (query r, key j) of the round at r * 16 + j: 16 lanes per
           // query row, loaded kBatch at a time before any is stored.
