@@ -147,6 +147,8 @@ def test_bad_input_says_what_was_expected(one_process_group):
         fd.ring_attention(q[:, :, :5], k[:, :, :5], k[:, :, :5], layout="zigzag")
     with pytest.raises(ValueError, match="q must be 4-D .* got shape \\[2, 6, 8\\]"):
         fd.ring_attention(q[0], k, k)
+    with pytest.raises(ValueError, match="v must have the head dim of q and k on the ring .* got 8 and 4"):
+        fd.ring_attention(q, k, k[..., :4])
     with pytest.raises(ValueError, match="multiple of 2, got 7"):
         fd.shard(torch.randn(7, 3), 0, layout="zigzag")
     with fd.context_parallel():

@@ -20,7 +20,7 @@ BAD_FORWARD = {
     "k rank": (lambda q, k, v: fwd(q, k[..., None], v), r"k must be a 4-D tensor"),
     "batch": (lambda q, k, v: fwd(q[:1], k, v), r"same batch size, got q \[1, 4, 8, 16\] and k \[2, 2, 10, 16\]"),
     "head dim": (lambda q, k, v: fwd(q[..., :8], k, v), r"same head dim d"),
-    "k v shape": (lambda q, k, v: fwd(q, k, v[:, :, :5]), r"k and v must have the same shape"),
+    "k v shape": (lambda q, k, v: fwd(q, k, v[:, :, :5]), r"k and v must have the same \[B, Hkv, Nk\]"),
     "heads": (lambda q, k, v: fwd(q[:, :3], k, v), r"multiple of .*Hq = 3 and Hkv = 2"),
     "dtype mix": (lambda q, k, v: fwd(q, k.half(), v), r"one dtype, got q Float, k Half, v Float"),
     "float64": (lambda q, k, v: fwd(q.double(), k.double(), v.double()), r"on CPU q, k and v must be one of .*got Double"),
@@ -56,7 +56,7 @@ def test_bad_backward_input():
     out, lse = fwd(q, k, v)
     g = torch.randn_like(out)
     bwd = torch.ops.fusedattn.backward
-    with pytest.raises(RuntimeError, match=r"grad_out must have the shape of q \[2, 4, 8, 16\], got \[2, 4, 7, 16\]"):
+    with pytest.raises(RuntimeError, match=r"grad_out must have the shape \[B, Hq, Nq, d_v\] = \[2, 4, 8, 16\] .*got \[2, 4, 7, 16\]"):
         bwd(g[:, :, :7], q, k, v, out, lse)
     with pytest.raises(RuntimeError, match=r"out must have the dtype of q \(Float\), got Half"):
         bwd(g, q, k, v, out.half(), lse)

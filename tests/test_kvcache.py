@@ -77,8 +77,10 @@ def test_bad_inputs():
         op(q, k_cache, v_cache, lens.long(), k_new, v_new)
     with pytest.raises(RuntimeError, match="k_new and v_new must be given together"):
         op(q, k_cache, v_cache, lens, k_new, None)
-    with pytest.raises(RuntimeError, match="k_new and v_new must be"):
+    with pytest.raises(RuntimeError, match=r"k_new must be \[B, Hkv, Nnew, d\] = \[3, 2, Nnew, 32\] and v_new"):
         op(q, k_cache, v_cache, lens, k_new[..., :5], v_new[..., :5])
+    with pytest.raises(RuntimeError, match=r"v_new \[B, Hkv, Nnew, d_v\] with d_v = 32, got .* and \[3, 2, 2, 5\]"):
+        op(q, k_cache, v_cache, lens, k_new, v_new[..., :5])
     with pytest.raises(RuntimeError, match="caches hold 3 sequences but q has batch 2"):
         op(q[:2], k_cache, v_cache, lens, k_new, v_new)
 

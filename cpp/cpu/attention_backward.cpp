@@ -8,6 +8,7 @@
 //   3. per query block i: the same P and dS, dQ_i += scale dS K_j
 // Parts 2 and 3 both recompute P and dP: two extra GEMMs per tile buy a race-free
 // split of the work over threads without atomics or per-thread dQ copies.
+// Q, K, dQ, dK rows have d entries; V, O, dO, dV rows dv (v's own head dim).
 #include <ATen/Parallel.h>
 
 #include "attention_cpu.h"
@@ -23,9 +24,9 @@ constexpr int64_t kBlockK = kBackwardBlockK;
 // Per-thread float32 buffers for one (query block, key block) tile.
 struct TileBuffers {
   std::vector<float> q_scores, q, dout, k, kt, vt, p, dp, transposed;
-  explicit TileBuffers(int64_t d)
-      : q_scores(kBlockQ * d), q(kBlockQ * d), dout(kBlockQ * d), k(kBlockK * d),
-        kt(d * kBlockK), vt(d * kBlockK), p(kBlockQ * kBlockK), dp(kBlockQ * kBlockK),
+  TileBuffers(int64_t d, int64_t dv)
+      : q_scores(kBlockQ * d), q(kBlockQ * d), dout(kBlockQ * dv), k(kBlockK * d),
+        kt(d * kBlockK), vt(dv * kBlockK), p(kBlockQ * kBlockK), dp(kBlockQ * kBlockK),
         transposed(kBlockK * kBlockQ) {}
 };
 
@@ -45,17 +46,17 @@ struct Backward {
   }
 
   void compute_delta() {
-    const int64_t d = sh.head_dim;
+    const int64_t dv = sh.head_dim_v;
     at::parallel_for(0, sh.batch * sh.heads_q, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> o_buf(d), do_buf(d);
+      std::vector<float> o_buf(dv), do_buf(dv);
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t batch = bh / sh.heads_q, head = bh % sh.heads_q;
         const auto* o = head_ptr<const scalar_t>(f.out, f.out_strides, batch, head);
         const auto* dout = head_ptr<const scalar_t>(p.grad_out, p.grad_out_strides, batch, head);
         for (int64_t i = 0; i < sh.seqlen_q; ++i) {
-          const Matrix O = view_rows(o, f.out_strides.row, i, 1, d, o_buf);
-          const Matrix dO = view_rows(dout, p.grad_out_strides.row, i, 1, d, do_buf);
-          delta[row_index(batch, head) + i] = dot(O.data, dO.data, d);
+          const Matrix O = view_rows(o, f.out_strides.row, i, 1, dv, o_buf);
+          const Matrix dO = view_rows(dout, p.grad_out_strides.row, i, 1, dv, do_buf);
+          delta[row_index(batch, head) + i] = dot(O.data, dO.data, dv);
         }
       }
     });
@@ -68,10 +69,9 @@ struct Backward {
                               Matrix dO, Matrix Vt, TileBuffers& buf) {
     const MaskTile mask_tile = classify_mask_tile<scalar_t>(f.mask, batch, head, t);
     if (mask_tile == MaskTile::Hidden) return false;
-    const int64_t d = sh.head_dim;
-    matmul(t.rows, t.cols, d, Qs, Kt, buf.p.data(), kBlockK, /*accumulate=*/false);
+    matmul(t.rows, t.cols, sh.head_dim, Qs, Kt, buf.p.data(), kBlockK, /*accumulate=*/false);
     if (tile_needs_masking(f, t, mask_tile)) mask_scores<scalar_t>(buf.p.data(), kBlockK, f, batch, head, t, mask_tile);
-    matmul(t.rows, t.cols, d, dO, Vt, buf.dp.data(), kBlockK, /*accumulate=*/false);
+    matmul(t.rows, t.cols, sh.head_dim_v, dO, Vt, buf.dp.data(), kBlockK, /*accumulate=*/false);
 
     const float* lse = f.lse + row_index(batch, head) + t.row0;
     const float* D = delta.data() + row_index(batch, head) + t.row0;
@@ -91,12 +91,12 @@ struct Backward {
   // Part 2: dK and dV for one block of keys of one key/value head.
   void key_block(int64_t batch, int64_t head_kv, int64_t col0, TileBuffers& buf,
                  std::vector<float>& dk, std::vector<float>& dv) {
-    const int64_t d = sh.head_dim;
+    const int64_t d = sh.head_dim, d_v = sh.head_dim_v;
     const int64_t cols = std::min(kBlockK, sh.seqlen_k - col0);
     const Matrix Kt = copy_rows_transposed(head_ptr<const scalar_t>(f.k, f.k_strides, batch, head_kv),
                                            f.k_strides.row, col0, cols, d, kBlockK, buf.kt);
     const Matrix Vt = copy_rows_transposed(head_ptr<const scalar_t>(f.v, f.v_strides, batch, head_kv),
-                                           f.v_strides.row, col0, cols, d, kBlockK, buf.vt);
+                                           f.v_strides.row, col0, cols, d_v, kBlockK, buf.vt);
     std::fill(dk.begin(), dk.end(), 0.0f);
     std::fill(dv.begin(), dv.end(), 0.0f);
 
@@ -109,11 +109,11 @@ struct Backward {
       for (int64_t row0 = first_row / kBlockQ * kBlockQ; row0 < row_end; row0 += kBlockQ) {
         const Tile t{row0, std::min(kBlockQ, sh.seqlen_q - row0), col0, cols};
         const Matrix Qs = copy_rows(q, f.q_strides.row, row0, t.rows, d, f.scale * kLog2e, buf.q_scores);
-        const Matrix dO = view_rows(dout, p.grad_out_strides.row, row0, t.rows, d, buf.dout);
+        const Matrix dO = view_rows(dout, p.grad_out_strides.row, row0, t.rows, d_v, buf.dout);
         if (!probabilities_and_grad(batch, head, t, Qs, Kt, dO, Vt, buf)) continue;
         const Matrix Q = view_rows(q, f.q_strides.row, row0, t.rows, d, buf.q);
         const Matrix Pt = transpose(buf.p.data(), t.rows, cols, kBlockK, buf.transposed, kBlockQ);
-        matmul(cols, d, t.rows, Pt, dO, dv.data(), d, /*accumulate=*/true);
+        matmul(cols, d_v, t.rows, Pt, dO, dv.data(), d_v, /*accumulate=*/true);
         const Matrix dSt = transpose(buf.dp.data(), t.rows, cols, kBlockK, buf.transposed, kBlockQ);
         matmul(cols, d, t.rows, dSt, Q, dk.data(), d, /*accumulate=*/true);
       }
@@ -122,7 +122,7 @@ struct Backward {
     store_rows(head_ptr<scalar_t>(p.grad_k, p.grad_k_strides, batch, head_kv),
                p.grad_k_strides.row, col0, cols, d, dk.data());
     store_rows(head_ptr<scalar_t>(p.grad_v, p.grad_v_strides, batch, head_kv),
-               p.grad_v_strides.row, col0, cols, d, dv.data());
+               p.grad_v_strides.row, col0, cols, d_v, dv.data());
   }
 
   // Part 3: dQ for one block of queries of one query head.
@@ -134,7 +134,7 @@ struct Backward {
     const Matrix Qs = copy_rows(head_ptr<const scalar_t>(f.q, f.q_strides, batch, head),
                                 f.q_strides.row, row0, rows, d, f.scale * kLog2e, buf.q_scores);
     const Matrix dO = view_rows(head_ptr<const scalar_t>(p.grad_out, p.grad_out_strides, batch, head),
-                                p.grad_out_strides.row, row0, rows, d, buf.dout);
+                                p.grad_out_strides.row, row0, rows, sh.head_dim_v, buf.dout);
     const auto* k = head_ptr<const scalar_t>(f.k, f.k_strides, batch, head_kv);
     const auto* v = head_ptr<const scalar_t>(f.v, f.v_strides, batch, head_kv);
     std::fill(dq.begin(), dq.end(), 0.0f);
@@ -143,7 +143,7 @@ struct Backward {
     for (int64_t col0 = visible_key_begin(f, row0); col0 < key_end; col0 += kBlockK) {
       const Tile t{row0, rows, col0, std::min(kBlockK, key_end - col0)};
       const Matrix Kt = copy_rows_transposed(k, f.k_strides.row, col0, t.cols, d, kBlockK, buf.kt);
-      const Matrix Vt = copy_rows_transposed(v, f.v_strides.row, col0, t.cols, d, kBlockK, buf.vt);
+      const Matrix Vt = copy_rows_transposed(v, f.v_strides.row, col0, t.cols, sh.head_dim_v, kBlockK, buf.vt);
       if (!probabilities_and_grad(batch, head, t, Qs, Kt, dO, Vt, buf)) continue;
       const Matrix K = view_rows(k, f.k_strides.row, col0, t.cols, d, buf.k);
       matmul(rows, d, t.cols, {buf.dp.data(), kBlockK}, K, dq.data(), d, /*accumulate=*/true);
@@ -154,13 +154,13 @@ struct Backward {
   }
 
   void run() {
-    const int64_t d = sh.head_dim;
+    const int64_t d = sh.head_dim, d_v = sh.head_dim_v;
     compute_delta();
 
     const int64_t k_blocks = (sh.seqlen_k + kBlockK - 1) / kBlockK;
     at::parallel_for(0, sh.batch * sh.heads_kv * k_blocks, 1, [&](int64_t begin, int64_t end) {
-      TileBuffers buf(d);
-      std::vector<float> dk(kBlockK * d), dv(kBlockK * d);
+      TileBuffers buf(d, d_v);
+      std::vector<float> dk(kBlockK * d), dv(kBlockK * d_v);
       for (int64_t task = begin; task < end; ++task) {
         key_block(task / (sh.heads_kv * k_blocks), task / k_blocks % sh.heads_kv,
                   task % k_blocks * kBlockK, buf, dk, dv);
@@ -169,7 +169,7 @@ struct Backward {
 
     const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
     at::parallel_for(0, sh.batch * sh.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-      TileBuffers buf(d);
+      TileBuffers buf(d, d_v);
       std::vector<float> dq(kBlockQ * d);
       for (int64_t task = begin; task < end; ++task) {
         query_block(task / (sh.heads_q * q_blocks), task / q_blocks % sh.heads_q,

@@ -4,6 +4,7 @@
 //   m'  = max(m, rowmax S);  P = 2^(S - m')
 //   l   = 2^(m - m') l + rowsum P;  acc = 2^(m - m') acc + P V   (GEMM)
 //   out = acc / l,  lse = (m + log2 l) ln 2
+// Q and K rows have d entries, V, acc and out rows dv (v's own head dim).
 #include <ATen/Parallel.h>
 
 #include "attention_cpu.h"
@@ -21,7 +22,7 @@ constexpr int64_t kDotRows = 16;
 template <typename scalar_t>
 void forward_typed(const ForwardParams& p) {
   const AttentionShape& sh = p.shape;
-  const int64_t d = sh.head_dim;
+  const int64_t d = sh.head_dim, dv = sh.head_dim_v;
   const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
   const float score_scale = p.scale * kLog2e;
 
@@ -29,8 +30,8 @@ void forward_typed(const ForwardParams& p) {
   // a few KB per task instead of a 256 x 256 tile.
   const int64_t max_rows = std::min(kBlockQ, sh.seqlen_q);
   at::parallel_for(0, sh.batch * sh.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_buf(max_rows * d), kt_buf(d * kBlockK), v_buf(kBlockK * d);
-    std::vector<float> s(max_rows * kBlockK), acc(max_rows * d), m_i(max_rows), l_i(max_rows);
+    std::vector<float> q_buf(max_rows * d), kt_buf(d * kBlockK), v_buf(kBlockK * dv);
+    std::vector<float> s(max_rows * kBlockK), acc(max_rows * dv), m_i(max_rows), l_i(max_rows);
 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t batch = task / (sh.heads_q * q_blocks);
@@ -76,11 +77,11 @@ void forward_typed(const ForwardParams& p) {
           const float shift = m_new == kNegInf ? 0.0f : m_new;
           const float rescale = std::exp2(m_i[r] - shift);
           l_i[r] = l_i[r] * rescale + exp2_shifted(s_row, t.cols, shift);
-          if (rescale != 1.0f) scale_row(acc.data() + r * d, d, rescale);
+          if (rescale != 1.0f) scale_row(acc.data() + r * dv, dv, rescale);
           m_i[r] = m_new;
         }
-        const Matrix V = view_rows(v, p.v_strides.row, col0, t.cols, d, v_buf);
-        matmul(rows, d, t.cols, {s.data(), kBlockK}, V, acc.data(), d, /*accumulate=*/true);
+        const Matrix V = view_rows(v, p.v_strides.row, col0, t.cols, dv, v_buf);
+        matmul(rows, dv, t.cols, {s.data(), kBlockK}, V, acc.data(), dv, /*accumulate=*/true);
       }
 
       // Fully masked rows (l = 0) give out = 0 and lse = -inf.
@@ -91,7 +92,7 @@ void forward_typed(const ForwardParams& p) {
         l_i[r] = empty ? 0.0f : 1.0f / l_i[r];  // reused as the output row scale
       }
       store_rows(head_ptr<scalar_t>(p.out, p.out_strides, batch, head), p.out_strides.row, row0,
-                 rows, d, acc.data(), l_i.data());
+                 rows, dv, acc.data(), l_i.data());
     }
   });
 }

@@ -14,7 +14,8 @@ namespace fusedattn::ops {
 namespace {
 
 const DeviceSupport& cpu_support() {
-  static const DeviceSupport support{"CPU", {at::kFloat, at::kHalf, at::kBFloat16}, {}};
+  static const DeviceSupport support{"CPU", {at::kFloat, at::kHalf, at::kBFloat16}, {}, /*aligned_rows=*/false,
+                                     /*own_value_head_dim=*/true};
   return support;
 }
 
@@ -85,7 +86,7 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const
   parse_family(op, family, q);
   check_window(op, window);  // also when no sequence has queries
   const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   for (int64_t b = 0; b < seq.batch; ++b) {
     const int64_t sq = seq.start_q(b), nq = seq.len_q(b), sk = seq.start_k(b), nk = seq.len_k(b);
@@ -112,8 +113,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
   parse_family(op, family, q);
   check_window(op, window);
   const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  TORCH_CHECK(grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(), op,
-              ": grad_out and out must have q's shape ", q.sizes(), ", got ", grad_out.sizes(), " and ", out.sizes());
+  const std::vector<int64_t> out_sizes{q.size(0), q.size(1), v.size(2)};
+  TORCH_CHECK(grad_out.sizes() == c10::IntArrayRef(out_sizes) && out.sizes() == c10::IntArrayRef(out_sizes), op,
+              ": grad_out and out must be [total_q, Hq, d_v] = ", c10::IntArrayRef(out_sizes), ", got ",
+              grad_out.sizes(), " and ", out.sizes());
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0) &&
                   lse.scalar_type() == at::kFloat,
               op, ": lse must be float32 [Hq, total_q] = [", q.size(1), ", ", q.size(0), "], got ", lse.scalar_type(),

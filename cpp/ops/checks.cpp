@@ -98,14 +98,15 @@ TensorStrides strides_of(const at::Tensor& t) {
   return {t.stride(0), t.stride(1), t.stride(2)};
 }
 
-void check_same_layout(const char* op, const at::Tensor& t, const char* name,
-                       const at::Tensor& like, const char* like_name) {
-  TORCH_CHECK(t.sizes() == like.sizes(), op, ": ", name, " must have the shape of ", like_name,
-              " ", shape_str(like), ", got ", shape_str(t));
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": ", name, " must have the dtype of ",
-              like_name, " (", like.scalar_type(), "), got ", t.scalar_type());
-  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on the device of ",
-              like_name, " (", like.device(), "), got ", t.device());
+void check_output_layout(const char* op, const at::Tensor& t, const char* name, const at::Tensor& q,
+                         const at::Tensor& v) {
+  const std::vector<int64_t> want{q.size(0), q.size(1), q.size(2), v.size(3)};
+  TORCH_CHECK(t.sizes() == c10::IntArrayRef(want), op, ": ", name, " must have the shape [B, Hq, Nq, d_v] = ",
+              c10::IntArrayRef(want), " (q's, with v's head dim), got ", shape_str(t));
+  TORCH_CHECK(t.scalar_type() == q.scalar_type(), op, ": ", name, " must have the dtype of q (",
+              q.scalar_type(), "), got ", t.scalar_type());
+  TORCH_CHECK(t.device() == q.device(), op, ": ", name, " must be on the device of q (", q.device(), "), got ",
+              t.device());
 }
 
 void check_lse(const char* op, const at::Tensor& lse, const at::Tensor& q) {
@@ -149,15 +150,15 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
                                const DeviceSupport& support, at::OptionalIntArrayRef window) {
   check_rank4(op, q, "q", "[B, Hq, Nq, d]");
   check_rank4(op, k, "k", "[B, Hkv, Nk, d]");
-  check_rank4(op, v, "v", "[B, Hkv, Nk, d]");
+  check_rank4(op, v, "v", "[B, Hkv, Nk, d_v]");
   TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), op,
               ": q, k and v must be on one device, got q on ", q.device(), ", k on ", k.device(),
               ", v on ", v.device());
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
               ": q, k and v must have one dtype, got q ", q.scalar_type(), ", k ",
               k.scalar_type(), ", v ", v.scalar_type());
-  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape [B, Hkv, Nk, d], got k ",
-              shape_str(k), " and v ", shape_str(v));
+  TORCH_CHECK(k.sizes().slice(0, 3) == v.sizes().slice(0, 3), op,
+              ": k and v must have the same [B, Hkv, Nk], got k ", shape_str(k), " and v ", shape_str(v));
   TORCH_CHECK(q.size(0) == k.size(0), op, ": q and k must have the same batch size, got q ",
               shape_str(q), " and k ", shape_str(k));
   TORCH_CHECK(q.size(3) == k.size(3), op, ": q and k must have the same head dim d, got q ",
@@ -166,6 +167,10 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
               ": the number of query heads Hq must be a multiple of the number of key/value "
               "heads Hkv, got Hq = ", q.size(1), " and Hkv = ", k.size(1));
   TORCH_CHECK(q.size(3) > 0, op, ": head dim d must be at least 1, got q ", shape_str(q));
+  TORCH_CHECK(v.size(3) > 0, op, ": v's head dim d_v must be at least 1, got v ", shape_str(v));
+  TORCH_CHECK(support.own_value_head_dim || v.size(3) == q.size(3), op, ": on ", support.device_name,
+              " v must have the head dim of q and k (d = ", q.size(3), "), got v ", shape_str(v),
+              "; a value head dim of its own runs on the CPU");
 
   const auto& dtypes = support.dtypes;
   TORCH_CHECK(std::find(dtypes.begin(), dtypes.end(), q.scalar_type()) != dtypes.end(), op,
@@ -187,7 +192,7 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
   in.k = as_kernel_operand(k, support);
   in.v = as_kernel_operand(v, support);
   ForwardParams& p = in.params;
-  p.shape = {q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+  p.shape = {q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
   p.dtype = dtype_of(q.scalar_type());
   p.q = in.q.data_ptr();
   p.k = in.k.data_ptr();
@@ -204,7 +209,7 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
 
 std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(PreparedInputs& in) {
   const AttentionShape& sh = in.params.shape;
-  at::Tensor out = at::empty({sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim}, in.q.options());
+  at::Tensor out = at::empty({sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim_v}, in.q.options());
   at::Tensor lse = at::empty({sh.batch, sh.heads_q, sh.seqlen_q}, in.q.options().dtype(at::kFloat));
   set_forward_outputs(in.params, out, lse);
   return {out, lse};
@@ -223,8 +228,8 @@ PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, co
                                   const DeviceSupport& support, at::OptionalIntArrayRef window) {
   PreparedBackward b;
   b.fwd = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, support, window);
-  check_same_layout(op, grad_out, "grad_out", q, "q");
-  check_same_layout(op, out, "out", q, "q");
+  check_output_layout(op, grad_out, "grad_out", q, v);
+  check_output_layout(op, out, "out", q, v);
   check_lse(op, lse, q);
 
   b.grad_out = as_kernel_operand(grad_out, support);

@@ -21,6 +21,7 @@ struct DeviceSupport {
   std::vector<at::ScalarType> dtypes;    // accepted q/k/v dtypes
   std::vector<int64_t> head_dims;        // empty: any head dim >= 1
   bool aligned_rows = false;             // rows must start on 16-byte boundaries (vector loads)
+  bool own_value_head_dim = false;       // v's head dim may differ from q's and k's
 };
 
 // q, k, v (and the mask) as the kernels will read them, with the tensors that
@@ -49,10 +50,10 @@ at::Tensor as_kernel_operand(const at::Tensor& t, const DeviceSupport& support);
 
 TensorStrides strides_of(const at::Tensor& t);
 
-// Checks that `t` is a [B, H, N, d] tensor of the same shape, dtype and device
-// as `like`; `name` and `like_name` appear in the message.
-void check_same_layout(const char* op, const at::Tensor& t, const char* name,
-                       const at::Tensor& like, const char* like_name);
+// Checks that `t` (named `name` in the message) is an output-shaped tensor,
+// [B, Hq, Nq, d_v] from q and v, with q's dtype and device.
+void check_output_layout(const char* op, const at::Tensor& t, const char* name, const at::Tensor& q,
+                         const at::Tensor& v);
 
 // Checks that lse is float32 [B, Hq, Nq] on q's device.
 void check_lse(const char* op, const at::Tensor& lse, const at::Tensor& q);

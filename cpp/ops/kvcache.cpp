@@ -11,8 +11,8 @@ int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
                              const std::optional<at::Tensor>& v_new) {
   const char* op = "fusedattn.forward_kvcache";
   TORCH_CHECK(q.dim() == 4, op, ": q must be [B, Hq, Nq, d], got shape ", q.sizes());
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
-              ": k_cache and v_cache must both be [B, Hkv, max_len, d], got ", k_cache.sizes(),
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
+              op, ": k_cache must be [B, Hkv, max_len, d] and v_cache [B, Hkv, max_len, d_v], got ", k_cache.sizes(),
               " and ", v_cache.sizes());
   TORCH_CHECK(k_cache.size(0) == q.size(0), op, ": the caches hold ", k_cache.size(0),
               " sequences but q has batch ", q.size(0));
@@ -36,12 +36,12 @@ int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
               ": k_new and v_new must be given together");
   int64_t n_new = 0;
   if (k_new) {
-    TORCH_CHECK(k_new->dim() == 4 && k_new->sizes() == v_new->sizes() &&
-                    k_new->size(0) == batch && k_new->size(1) == k_cache.size(1) &&
-                    k_new->size(3) == k_cache.size(3),
-                op, ": k_new and v_new must be [B, Hkv, Nnew, d] = [", batch, ", ",
-                k_cache.size(1), ", Nnew, ", k_cache.size(3), "], got ", k_new->sizes(), " and ",
-                v_new->sizes());
+    TORCH_CHECK(k_new->dim() == 4 && v_new->dim() == 4 && k_new->size(0) == batch &&
+                    k_new->size(1) == k_cache.size(1) && k_new->size(3) == k_cache.size(3) &&
+                    v_new->sizes() == c10::IntArrayRef({batch, k_cache.size(1), k_new->size(2), v_cache.size(3)}),
+                op, ": k_new must be [B, Hkv, Nnew, d] = [", batch, ", ", k_cache.size(1), ", Nnew, ",
+                k_cache.size(3), "] and v_new [B, Hkv, Nnew, d_v] with d_v = ", v_cache.size(3), ", got ",
+                k_new->sizes(), " and ", v_new->sizes());
     TORCH_CHECK(k_new->scalar_type() == k_cache.scalar_type() &&
                     v_new->scalar_type() == k_cache.scalar_type() &&
                     k_new->device() == k_cache.device() && v_new->device() == k_cache.device(),
@@ -79,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
   const at::Tensor lengths = checked_cache_lengths(cache_seqlens, n_new, k_cache.size(2));
   const int32_t* len = lengths.data_ptr<int32_t>();
 
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty({batch, q.size(1), q.size(2), v_cache.size(3)}, q.options());
   at::Tensor lse = at::empty({batch, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t start = len[b], end = len[b] + n_new;

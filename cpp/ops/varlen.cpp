@@ -35,10 +35,10 @@ VarlenLengths check_varlen_inputs(const char* op, const at::Tensor& q, const at:
                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                   int64_t max_seqlen_q, int64_t max_seqlen_k) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
-              ": q must be [total_q, Hq, d] and k, v [total_k, Hkv, d] (packed sequences), got q ", q.sizes(),
-              ", k ", k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ",
-              v.sizes());
+              ": q must be [total_q, Hq, d], k [total_k, Hkv, d] and v [total_k, Hkv, d_v] (packed sequences), "
+              "got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(k.sizes().slice(0, 2) == v.sizes().slice(0, 2), op, ": k and v must have the same [total_k, Hkv], got ",
+              k.sizes(), " and ", v.sizes());
   TORCH_CHECK(q.size(2) == k.size(2) && k.size(1) > 0 && q.size(1) % k.size(1) == 0, op,
               ": q [total_q, Hq, d] and k [total_k, Hkv, d] need the same d and Hq a multiple of Hkv, got q ",
               q.sizes(), " and k ", k.sizes());

@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
       std::printf("%s N=%6ld:", varlen ? "1..N" : "N   ", n);
       for (int splits = 1; splits <= max_splits; splits *= 2) {
         KVCacheParams p;
-        p.attn.shape = {B, H, Hkv, 1, n, d};
+        p.attn.shape = {B, H, Hkv, 1, n, d, d};
         p.attn.dtype = DType::Float16;
         p.attn.q = q;
         p.attn.k = k;

@@ -7,9 +7,10 @@
 runs every model that goes through transformers' ``AttentionInterface`` on
 fusedattn. Masks are built as for ``"sdpa"`` (bool, True = may attend, or
 None with a causal flag); calls the fused kernels cannot serve (attention
-dropout while training, position biases, soft-capping, a value head dim other
-than the query's, a query batch broadcast against the keys', a dtype or head
-dim the device's kernels do not take) go to transformers' own SDPA function.
+dropout while training, position biases, soft-capping, a query batch
+broadcast against the keys', a dtype or head dims the device's kernels do not
+take, such as a value head dim other than the query's on CUDA) go to
+transformers' own SDPA function.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     returns ``([B, L, Hq, d], None)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    shapes_served = value.shape[-1] == query.shape[-1] and query.shape[0] == key.shape[0]
     if (dropout > 0.0 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-            or not shapes_served or not supports(query.device, query.dtype, query.shape[-1])):
+            or query.shape[0] != key.shape[0]
+            or not supports(query.device, query.dtype, query.shape[-1], value.shape[-1])):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
 

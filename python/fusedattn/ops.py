@@ -44,19 +44,19 @@ def cuda_head_dims(kernel: str | None = None) -> tuple[int, ...]:
     return tuple(torch.ops.fusedattn.instantiated_head_dims(kernel))
 
 
-def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None) -> bool:
     """Whether fusedattn's kernels (forward and backward) serve attention on
-    this device, dtype and head dim."""
+    this device, dtype and head dim (and v's head dim, None: the same)."""
     if device.type == "cpu":
         return dtype in (torch.float32, torch.float16, torch.bfloat16)
     if device.type == "cuda":
-        return dtype in CUDA_DTYPES and head_dim in cuda_head_dims()
+        return dtype in CUDA_DTYPES and head_dim in cuda_head_dims() and value_head_dim in (None, head_dim)
     return False
 
 
 @torch.library.register_fake("fusedattn::forward")
 def _forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, family=None, window=None):
-    out = q.new_empty(q.shape)
+    out = q.new_empty((*q.shape[:3], v.shape[3]))
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     return out, lse
 
@@ -70,13 +70,13 @@ def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False,
 @torch.library.register_fake("fusedattn::forward_kvcache")
 def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, is_causal=True,
                           scale=None, num_splits=None, merge_in_cluster=None, warps=None, window=None):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty((*q.shape[:3], v_cache.shape[3])), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.register_fake("fusedattn::forward_varlen")
 def _forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,
                          scale=None, family=None, window=None):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return q.new_empty((*q.shape[:2], v.shape[2])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.register_fake("fusedattn::backward_varlen")
@@ -87,7 +87,7 @@ def _backward_varlen_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 @torch.library.register_fake("fusedattn::naive_forward")
 def _naive_forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None):
-    return q.new_empty(q.shape)
+    return q.new_empty((*q.shape[:3], v.shape[3]))
 
 
 def _setup_context(ctx, inputs, output):
@@ -155,8 +155,10 @@ def attention(
 
     Args:
         q: ``[B, Hq, Nq, d]`` queries.
-        k, v: ``[B, Hkv, Nk, d]`` keys and values; ``Hq % Hkv == 0`` (query head
-            ``h`` reads key/value head ``h // (Hq // Hkv)``).
+        k, v: ``[B, Hkv, Nk, d]`` keys and ``[B, Hkv, Nk, d_v]`` values;
+            ``Hq % Hkv == 0`` (query head ``h`` reads key/value head
+            ``h // (Hq // Hkv)``). ``d_v`` may differ from ``d`` on the CPU; CUDA
+            takes ``d_v == d``.
         attn_mask: broadcastable to ``[B, Hq, Nq, Nk]``; bool (True = may attend)
             or floating point (added to the scaled scores); or a
             :class:`fusedattn.BlockMask`. Tiles a mask hides are skipped, tiles
@@ -174,7 +176,7 @@ def attention(
     q, k and v are this rank's shards of the sequence.
 
     Returns:
-        ``[B, Hq, Nq, d]`` in q's dtype. Rows whose keys are all masked are 0.
+        ``[B, Hq, Nq, d_v]`` in q's dtype. Rows whose keys are all masked are 0.
         Differentiable with respect to q, k and v.
     """
     if isinstance(attn_mask, BlockMask):
@@ -207,7 +209,7 @@ def attention_varlen(
 
     Args:
         q: ``[total_q, Hq, d]``, the sequences' queries one after another.
-        k, v: ``[total_k, Hkv, d]``; ``Hq % Hkv == 0``.
+        k, v: ``[total_k, Hkv, d]`` and ``[total_k, Hkv, d_v]``; ``Hq % Hkv == 0``.
         cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` on the tensors' device, from 0,
             non-decreasing, to the total: sequence ``b`` is rows
             ``cu_seqlens[b] : cu_seqlens[b + 1]`` and attends to its own keys only.
@@ -222,7 +224,7 @@ def attention_varlen(
             only when ``i + Nk_b - Nq_b - left <= j <= i + Nk_b - Nq_b + right``.
 
     Returns:
-        ``[total_q, Hq, d]`` in q's dtype; rows that see no key are 0.
+        ``[total_q, Hq, d_v]`` in q's dtype; rows that see no key are 0.
         Differentiable with respect to q, k and v. CPU tensors in this version.
     """
     if not torch.compiler.is_compiling() and not has_kernel("forward_varlen", q.device.type):
@@ -253,12 +255,13 @@ def attention_with_kvcache(
 
     Args:
         q: ``[B, Hq, Nq, d]``, usually Nq = 1 (decoding) or a short chunk.
-        k_cache, v_cache: ``[B, Hkv, max_len, d]``, modified in place when
-            ``k_new`` and ``v_new`` are given.
+        k_cache, v_cache: ``[B, Hkv, max_len, d]`` and ``[B, Hkv, max_len, d_v]``
+            (``d_v == d`` on CUDA), modified in place when ``k_new`` and ``v_new``
+            are given.
         cache_seqlens: int32 ``[B]``, the number of valid cached positions of
             each sequence before this call. It is not updated: add ``Nnew``
             yourself once the call returns.
-        k_new, v_new: ``[B, Hkv, Nnew, d]`` or None; written into the caches at
+        k_new, v_new: ``[B, Hkv, Nnew, d]`` and ``[B, Hkv, Nnew, d_v]``, or None; written into the caches at
             positions ``cache_seqlens[b] .. cache_seqlens[b] + Nnew - 1``.
         is_causal: bottom-right aligned per sequence: query i of sequence b sees
             cache position j when ``j <= i + L_b - Nq`` with
@@ -271,7 +274,7 @@ def attention_with_kvcache(
             CPU tensors in this version.
 
     Returns:
-        ``[B, Hq, Nq, d]``. Not differentiable (an inference operator).
+        ``[B, Hq, Nq, d_v]``. Not differentiable (an inference operator).
     """
     forced = backends.forced()
     out, _ = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, is_causal, scale,

@@ -7,14 +7,16 @@ from fusedattn import reference
 from .attention_cases import assert_within_rule
 
 
-def make_cache(B=3, Hq=4, Hkv=2, d=32, max_len=300, nq=1, n_new=1, dtype=torch.float32, seed=0):
+def make_cache(B=3, Hq=4, Hkv=2, d=32, max_len=300, nq=1, n_new=1, dtype=torch.float32, seed=0, d_v=None):
+    """q, the caches, their lengths and k_new, v_new; d_v: v's head dim (None: d)."""
+    d_v = d if d_v is None else d_v
     g = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     lens = torch.randint(0, max_len - n_new + 1, (B,), generator=g, dtype=torch.int32)
     lens[0] = 0  # an empty cache
     lens[-1] = max_len - n_new  # a full one
-    k_cache, v_cache = rand(B, Hkv, max_len, d), rand(B, Hkv, max_len, d)
-    new = (rand(B, Hkv, n_new, d), rand(B, Hkv, n_new, d)) if n_new else (None, None)
+    k_cache, v_cache = rand(B, Hkv, max_len, d), rand(B, Hkv, max_len, d_v)
+    new = (rand(B, Hkv, n_new, d), rand(B, Hkv, n_new, d_v)) if n_new else (None, None)
     return rand(B, Hq, nq, d), k_cache, v_cache, lens, *new
 
 

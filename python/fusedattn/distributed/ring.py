@@ -181,6 +181,10 @@ def check_shards(q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
     if not q.shape[2] == k.shape[2] == v.shape[2]:
         raise ValueError("fusedattn.distributed.ring_attention: q, k and v must hold the same positions of the "
                          f"sequence (equal shard lengths, dim 2), got {q.shape[2]}, {k.shape[2]} and {v.shape[2]}")
+    if v.shape[3] != q.shape[3]:
+        raise ValueError("fusedattn.distributed.ring_attention: v must have the head dim of q and k on the ring "
+                         f"(a value head dim of its own runs without context_parallel), got {q.shape[3]} and "
+                         f"{v.shape[3]}")
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError("fusedattn.distributed.ring_attention: a zigzag shard is two equal chunks; its length "
                          f"must be even, got {q.shape[2]}")
