@@ -203,16 +203,21 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     // 4 nt + e) and turns S^T into base-2 scores with attn_mask added; the
     // exponentials stay one straight run the compiler interleaves (a branch
     // per element in their loop serialised them).
+    // Element (nt, e): past the keys or queries, or outside the band.
+    const int64_t warp_key0 = my_key0 + warp_row;
+    auto outside = [&](int nt, int e) {
+      const int64_t key = warp_key0 + g + (e >> 1) * 8, query = m0 + nt * 8 + 2 * t + (e & 1);
+      return key >= sh.seqlen_k || query >= sh.seqlen_q || (Banded && !band.sees(query, key));
+    };
     uint64_t hidden = 0;
     float score_scale = scale_log2;  // S^T to base-2 scores
-    if (needs_masking) {
-      const int64_t mask_base = walk.batch * f.mask.batch_stride + head * f.mask.head_stride;
-      const int64_t warp_key0 = my_key0 + warp_row;
+    if constexpr (kListed) {
+      if (needs_masking) {
+        const int64_t mask_base = walk.batch * f.mask.batch_stride + head * f.mask.head_stride;
 #pragma unroll
-      for (int round = 0; round < kMaskRounds; ++round) {
-        constexpr int kRoundTiles = kMTiles / kMaskRounds, kRoundRows = 8 * kRoundTiles;
-        static_assert(16 * kRoundRows * int(sizeof(MaskEntry)) <= Tr::kMaskStageBytes, "a round fits the stage");
-        if constexpr (Mask != MaskKind::None) {
+        for (int round = 0; round < kMaskRounds; ++round) {
+          constexpr int kRoundTiles = kMTiles / kMaskRounds, kRoundRows = 8 * kRoundTiles;
+          static_assert(16 * kRoundRows * int(sizeof(MaskEntry)) <= Tr::kMaskStageBytes, "a round fits the stage");
           // Entry (query r, key j) of the round at r * 16 + j: 16 lanes per
           // query row, loaded kBatch at a time before any is stored.
           if (reads_mask) {
@@ -237,34 +242,33 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
             }
             __syncwarp();
           }
-        }
 #pragma unroll
-        for (int j = 0; j < kRoundTiles; ++j) {
-          const int nt = round * kRoundTiles + j;
+          for (int j = 0; j < kRoundTiles; ++j) {
+            const int nt = round * kRoundTiles + j;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key_row = g + (e >> 1) * 8, query_col = nt * 8 + 2 * t + (e & 1);
-            const int64_t key = warp_key0 + key_row, query = m0 + query_col;
-            bool outside = key >= sh.seqlen_k || query >= sh.seqlen_q || (Banded && !band.sees(query, key));
-            float added = 0.0f;
-            if constexpr (Mask != MaskKind::None) {
-              if (reads_mask && !outside)
+            for (int e = 0; e < 4; ++e) {
+              const int key_row = g + (e >> 1) * 8, query_col = nt * 8 + 2 * t + (e & 1);
+              bool is_outside = outside(nt, e);
+              float added = 0.0f;
+              if (reads_mask && !is_outside)
                 added = mask_entry<Mask, T>(mask_stage, (query_col - round * kRoundRows) * 16 + key_row);
-              outside |= added == -INFINITY;
+              is_outside |= added == -INFINITY;
+              st[nt][e] = st[nt][e] * scale_log2 + added;
+              hidden |= uint64_t(is_outside) << (4 * nt + e);
             }
-            st[nt][e] = st[nt][e] * scale_log2 + added;
-            hidden |= uint64_t(outside) << (4 * nt + e);
           }
         }
+        score_scale = 1.0f;
       }
-      score_scale = 1.0f;
     }
 #pragma unroll
     for (int nt = 0; nt < kMTiles; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = nt * 8 + 2 * t + (e & 1);
-        const bool is_hidden = (hidden >> (4 * nt + e)) & 1u;
+        // Unmasked, the bounds and band are tested here: a 64-bit mask of
+        // them would cost the d=64 kernel registers it does not have.
+        const bool is_hidden = kListed ? (hidden >> (4 * nt + e)) & 1u : needs_masking && outside(nt, e);
         const float prob = is_hidden ? 0.0f : exp2f(st[nt][e] * score_scale - lse_in_log2(lse[c]));
         st[nt][e] = prob;
         dpt[nt][e] = is_hidden ? 0.0f : prob * (dpt[nt][e] - delta[c]);
