@@ -2,9 +2,10 @@
 warm-up: B=4, H=32, d=128, N=4096, float16 (the seed table's middle; --batch,
 --heads, --seqlen, --head-dim change it), causal with --causal, under a dense
 mask with --mask (lab/mask_cases.py's kinds); --forward-only leaves out the
-backward, --sdpa-cudnn times SDPA's cuDNN forward instead. With --decode instead one forward_kvcache call (the
-decode bench's shape: B=8, Hq=32, Hkv=--kv-heads, d=128, float16, a cache of
---seqlen keys, all full or, with --varlen, the bench's per-sequence lengths)
+backward, --sdpa-cudnn times SDPA's cuDNN forward instead. With --decode
+instead one forward_kvcache call (the decode bench's shape: B=8, Hq=32,
+Hkv=--kv-heads, d=128, float16, a cache of --seqlen keys, all full or, with
+--varlen, the bench's per-sequence lengths)
 after a warm-up one; with --decode --sdpa-cudnn the same shape through SDPA's
 cuDNN backend (q of 1 token against the whole cache: what its kernels do at
 the decode table's row). The planner chooses unless told: --family sm80|sm90

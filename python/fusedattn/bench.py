@@ -246,11 +246,10 @@ def interleaved_medians(timed: dict[str, Callable[[], float]], repeats: int,
     first in a row reads faster than timed second (lab/order_effect.py
     measures it): round r starts with method r mod n and runs the others in an
     order shuffled with seed r, so that each method is first as often as any
-    and follows a different method from round to round, not always the
-    same one. The orders depend on r alone, the same
-    on every rank of a distributed benchmark. recover_oom=False lets an
-    OutOfMemoryError through (a distributed benchmark: the other ranks would
-    wait on the failed one)."""
+    and follows a different method from round to round, not always the same
+    one. The orders depend on r alone, the same on every rank of a distributed
+    benchmark. recover_oom=False lets an OutOfMemoryError through (a
+    distributed benchmark: the other ranks would wait on the failed one)."""
     names = list(timed)
     times: dict[str, list[float]] = {name: [] for name in names}
     failed: dict[str, dict] = {}

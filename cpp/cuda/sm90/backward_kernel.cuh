@@ -142,8 +142,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   using MaskEntry = MaskStorage<Mask, T>;
   MaskEntry* mask_stage = reinterpret_cast<MaskEntry*>(sMask + (4 * consumer + warp) * Tr::kMaskStageBytes);
   // Rounds of staging a step's mask entries (16 keys by kBlockM queries) take.
-  constexpr int kMaskStageRounds = 16 * kBlockM * int(sizeof(MaskEntry)) / Tr::kMaskStageBytes;
-  constexpr int kMaskRounds = kMaskStageRounds > 1 ? kMaskStageRounds : 1;
+  constexpr int kMaskRounds = (16 * kBlockM * int(sizeof(MaskEntry)) + Tr::kMaskStageBytes - 1) / Tr::kMaskStageBytes;
   static_assert(kMTiles % kMaskRounds == 0);
   const int64_t my_key0 = walk.key0 + 64 * consumer;  // this warpgroup's 64 keys
   const Band band = Band::of(f);  // banded: query i sees key j iff band.sees(i, j)
