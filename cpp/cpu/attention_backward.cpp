@@ -9,6 +9,8 @@
 // Parts 2 and 3 both recompute P and dP: two extra GEMMs per tile buy a race-free
 // split of the work over threads without atomics or per-thread dQ copies.
 // Q, K, dQ, dK rows have d entries; V, O, dO, dV rows dv (v's own head dim).
+// Soft-capping scales dS by the cap's slope; a sink needs nothing here, as
+// lse includes it (its own gradient is the operator layer's, sinks_gradient).
 #include <ATen/Parallel.h>
 
 #include "attention_cpu.h"
@@ -23,11 +25,11 @@ constexpr int64_t kBlockK = kBackwardBlockK;
 
 // Per-thread float32 buffers for one (query block, key block) tile.
 struct TileBuffers {
-  std::vector<float> q_scores, q, dout, k, kt, vt, p, dp, transposed;
-  TileBuffers(int64_t d, int64_t dv)
+  std::vector<float> q_scores, q, dout, k, kt, vt, p, dp, slope, transposed;
+  TileBuffers(int64_t d, int64_t dv, bool softcap)
       : q_scores(kBlockQ * d), q(kBlockQ * d), dout(kBlockQ * dv), k(kBlockK * d),
         kt(d * kBlockK), vt(dv * kBlockK), p(kBlockQ * kBlockK), dp(kBlockQ * kBlockK),
-        transposed(kBlockK * kBlockQ) {}
+        slope(softcap ? kBlockQ * kBlockK : 0), transposed(kBlockK * kBlockQ) {}
 };
 
 template <typename scalar_t>
@@ -62,7 +64,8 @@ struct Backward {
     });
   }
 
-  // Recomputes P for tile t into buf.p and dS into buf.dp, from
+  // Recomputes P for tile t into buf.p and dS (with respect to the scores
+  // before soft-capping) into buf.dp, from
   // Qs = scale log2(e) Q, K^T, dO and V^T. Returns false when attn_mask hides
   // the whole tile.
   bool probabilities_and_grad(int64_t batch, int64_t head, const Tile& t, Matrix Qs, Matrix Kt,
@@ -70,6 +73,10 @@ struct Backward {
     const MaskTile mask_tile = classify_mask_tile<scalar_t>(f.mask, batch, head, t);
     if (mask_tile == MaskTile::Hidden) return false;
     matmul(t.rows, t.cols, sh.head_dim, Qs, Kt, buf.p.data(), kBlockK, /*accumulate=*/false);
+    const bool softcap = f.softcap > 0.0f;
+    if (softcap)
+      for (int64_t r = 0; r < t.rows; ++r)
+        softcap_row(buf.p.data() + r * kBlockK, t.cols, f.softcap * kLog2e, buf.slope.data() + r * kBlockK);
     if (tile_needs_masking(f, t, mask_tile)) mask_scores<scalar_t>(buf.p.data(), kBlockK, f, batch, head, t, mask_tile);
     matmul(t.rows, t.cols, sh.head_dim_v, dO, Vt, buf.dp.data(), kBlockK, /*accumulate=*/false);
 
@@ -84,6 +91,8 @@ struct Backward {
         exp2_shifted(p_row, t.cols, lse[r] * kLog2e);
       }
       softmax_grad_row(buf.dp.data() + r * kBlockK, p_row, t.cols, D[r]);
+      // Through the cap: d(cap tanh(s / cap)) / ds = 1 - tanh^2.
+      if (softcap) multiply_row(buf.dp.data() + r * kBlockK, buf.slope.data() + r * kBlockK, t.cols);
     }
     return true;
   }
@@ -159,7 +168,7 @@ struct Backward {
 
     const int64_t k_blocks = (sh.seqlen_k + kBlockK - 1) / kBlockK;
     at::parallel_for(0, sh.batch * sh.heads_kv * k_blocks, 1, [&](int64_t begin, int64_t end) {
-      TileBuffers buf(d, d_v);
+      TileBuffers buf(d, d_v, f.softcap > 0.0f);
       std::vector<float> dk(kBlockK * d), dv(kBlockK * d_v);
       for (int64_t task = begin; task < end; ++task) {
         key_block(task / (sh.heads_kv * k_blocks), task / k_blocks % sh.heads_kv,
@@ -169,7 +178,7 @@ struct Backward {
 
     const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
     at::parallel_for(0, sh.batch * sh.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-      TileBuffers buf(d, d_v);
+      TileBuffers buf(d, d_v, f.softcap > 0.0f);
       std::vector<float> dq(kBlockQ * d);
       for (int64_t task = begin; task < end; ++task) {
         query_block(task / (sh.heads_q * q_blocks), task / q_blocks % sh.heads_q,

@@ -4,6 +4,7 @@
 //   m'  = max(m, rowmax S);  P = 2^(S - m')
 //   l   = 2^(m - m') l + rowsum P;  acc = 2^(m - m') acc + P V   (GEMM)
 //   out = acc / l,  lse = (m + log2 l) ln 2
+// Soft-capping applies to S before the masks; a sink joins m and l at the end.
 // Q and K rows have d entries, V, acc and out rows dv (v's own head dim).
 #include <ATen/Parallel.h>
 
@@ -67,6 +68,8 @@ void forward_typed(const ForwardParams& p) {
           const Matrix Kt = copy_rows_transposed(k, p.k_strides.row, col0, t.cols, d, kBlockK, kt_buf);
           matmul(rows, t.cols, d, Q, Kt, s.data(), kBlockK, /*accumulate=*/false);
         }
+        if (p.softcap > 0.0f)  // before the masks, in base 2 like the scores
+          for (int64_t r = 0; r < rows; ++r) softcap_row(s.data() + r * kBlockK, t.cols, p.softcap * kLog2e);
         if (tile_needs_masking(p, t, mask_tile)) mask_scores<scalar_t>(s.data(), kBlockK, p, batch, head, t, mask_tile);
 
         for (int64_t r = 0; r < rows; ++r) {
@@ -84,12 +87,14 @@ void forward_typed(const ForwardParams& p) {
         matmul(rows, dv, t.cols, {s.data(), kBlockK}, V, acc.data(), dv, /*accumulate=*/true);
       }
 
-      // Fully masked rows (l = 0) give out = 0 and lse = -inf.
+      // The sink joins each row's normaliser last. Rows that see nothing
+      // (l = 0) give out = 0 and lse = -inf (with a sink: lse = sink).
       float* lse = p.lse + (batch * sh.heads_q + head) * sh.seqlen_q + row0;
       for (int64_t r = 0; r < rows; ++r) {
+        const float acc_scale = p.sinks ? add_valueless_logit(p.sinks[head] * kLog2e, m_i[r], l_i[r]) : 1.0f;
         const bool empty = l_i[r] == 0.0f;
         lse[r] = empty ? kNegInf : (m_i[r] + std::log2(l_i[r])) * kLn2;
-        l_i[r] = empty ? 0.0f : 1.0f / l_i[r];  // reused as the output row scale
+        l_i[r] = empty ? 0.0f : acc_scale / l_i[r];  // reused as the output row scale
       }
       store_rows(head_ptr<scalar_t>(p.out, p.out_strides, batch, head), p.out_strides.row, row0,
                  rows, dv, acc.data(), l_i.data());

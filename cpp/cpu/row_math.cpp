@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <limits>
 
 // Each function is compiled for AVX-512, AVX2 and baseline x86-64 and the best
@@ -78,6 +79,32 @@ FUSEDATTN_MULTIVERSION
 void softmax_grad_row(float* dp, const float* p, int64_t n, float delta) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) dp[j] = p[j] * (dp[j] - delta);
+}
+
+FUSEDATTN_MULTIVERSION
+void softcap_row(float* x, int64_t n, float cap, float* slope) {
+  const float inv_cap = 1.0f / cap;
+  for (int64_t j = 0; j < n; ++j) {
+    const float t = std::tanh(x[j] * inv_cap);
+    x[j] = cap * t;
+    if (slope) slope[j] = 1.0f - t * t;
+  }
+}
+
+FUSEDATTN_MULTIVERSION
+void multiply_row(float* x, const float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) x[j] *= y[j];
+}
+
+float add_valueless_logit(float s, float& m, float& l) {
+  const float m_new = std::max(m, s);
+  // Nothing seen and s = -inf: m stays -inf and nothing changes.
+  if (m_new == -std::numeric_limits<float>::infinity()) return 1.0f;
+  const float rescale = std::exp2(m - m_new);
+  l = l * rescale + std::exp2(s - m_new);
+  m = m_new;
+  return rescale;
 }
 
 }  // namespace fusedattn::cpu

@@ -15,7 +15,7 @@ namespace {
 
 const DeviceSupport& cpu_support() {
   static const DeviceSupport support{"CPU", {at::kFloat, at::kHalf, at::kBFloat16}, {}, /*aligned_rows=*/false,
-                                     /*own_value_head_dim=*/true};
+                                     /*own_value_head_dim=*/true, /*softcap=*/true, /*sinks=*/true};
   return support;
 }
 
@@ -28,30 +28,40 @@ void check_no_decode_overrides(const char* op, std::optional<int64_t> num_splits
               "pass None for CPU tensors");
 }
 
+// The backward's grad_sinks: sinks_gradient, from a delta of our own (the
+// CPU kernel keeps its delta to itself), or empty without sinks.
+at::Tensor sinks_gradient_or_empty(const std::optional<at::Tensor>& sinks, const at::Tensor& lse,
+                                   const at::Tensor& grad_out, const at::Tensor& out, int64_t head_dim) {
+  if (!sinks) return at::empty({0}, lse.options());
+  return sinks_gradient(*sinks, lse, output_delta(grad_out, out), head_dim);
+}
+
 std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const std::optional<at::Tensor>& attn_mask, bool is_causal,
                                                std::optional<double> scale,
                                                std::optional<c10::string_view> family,
-                                               at::OptionalIntArrayRef window) {
+                                               at::OptionalIntArrayRef window, std::optional<double> softcap,
+                                               const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.forward";
   parse_family(op, family, q);
-  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support(), window);
+  PreparedInputs in =
+      prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support(), window, softcap, sinks);
   auto outputs = allocate_forward_outputs(in);
   cpu::forward(in.params);
   return outputs;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family,
-    at::OptionalIntArrayRef window) {
+    at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.backward";
   parse_family(op, family, q);
-  PreparedBackward b =
-      prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, cpu_support(), window);
+  PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, cpu_support(),
+                                        window, softcap, sinks);
   cpu::backward(b.params);
-  return {b.grad_q, b.grad_k, b.grad_v};
+  return {b.grad_q, b.grad_k, b.grad_v, sinks_gradient_or_empty(sinks, lse, grad_out, out, /*head_dim=*/1)};
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
@@ -59,16 +69,17 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
     const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
     const std::optional<at::Tensor>& v_new, bool is_causal, std::optional<double> scale,
     std::optional<int64_t> num_splits, std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
-    at::OptionalIntArrayRef window) {
+    at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.forward_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
   check_window(op, window);  // before any sequence's keys are appended
+  check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
   return forward_kvcache_by_sequence(
       q, k_cache, v_cache, cache_seqlens, k_new, v_new,
       [&](const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
           const at::Tensor& out_b, const at::Tensor& lse_b) {
-        PreparedInputs in =
-            prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cpu_support(), window);
+        PreparedInputs in = prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cpu_support(),
+                                            window, softcap, sinks);
         set_forward_outputs(in.params, out_b, lse_b);
         cpu::forward(in.params);
       });
@@ -81,10 +92,12 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const
                                                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
                                                       std::optional<double> scale,
                                                       std::optional<c10::string_view> family,
-                                                      at::OptionalIntArrayRef window) {
+                                                      at::OptionalIntArrayRef window, std::optional<double> softcap,
+                                                      const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.forward_varlen";
   parse_family(op, family, q);
   check_window(op, window);  // also when no sequence has queries
+  check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
   const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
@@ -93,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const
     if (nq == 0) continue;
     PreparedInputs in = prepare_forward(op, sequence_view(q, sq, nq), sequence_view(k, sk, nk),
                                         sequence_view(v, sk, nk), std::nullopt, is_causal, scale, cpu_support(),
-                                        window);
+                                        window, softcap, sinks);
     const at::Tensor lse_b = at::empty({1, q.size(1), nq}, lse.options());
     set_forward_outputs(in.params, sequence_view(out, sq, nq), lse_b);
     cpu::forward(in.params);
@@ -104,14 +117,15 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const
 
 // Sequences with no queries or no keys keep zero gradients (their outputs
 // are constant in the other side).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family,
-    at::OptionalIntArrayRef window) {
+    at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.backward_varlen";
   parse_family(op, family, q);
   check_window(op, window);
+  check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
   const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   const std::vector<int64_t> out_sizes{q.size(0), q.size(1), v.size(2)};
   TORCH_CHECK(grad_out.sizes() == c10::IntArrayRef(out_sizes) && out.sizes() == c10::IntArrayRef(out_sizes), op,
@@ -130,21 +144,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
     PreparedBackward pb =
         prepare_backward(op, sequence_view(grad_out, sq, nq), sequence_view(q, sq, nq), sequence_view(k, sk, nk),
                          sequence_view(v, sk, nk), sequence_view(out, sq, nq), lse.narrow(1, sq, nq).unsqueeze(0),
-                         std::nullopt, is_causal, scale, cpu_support(), window);
+                         std::nullopt, is_causal, scale, cpu_support(), window, softcap, sinks);
     cpu::backward(pb.params);
     sequence_view(grad_q, sq, nq).copy_(pb.grad_q);
     sequence_view(grad_k, sk, nk).copy_(pb.grad_k);
     sequence_view(grad_v, sk, nk).copy_(pb.grad_v);
   }
-  return {grad_q, grad_k, grad_v};
+  return {grad_q, grad_k, grad_v, sinks_gradient_or_empty(sinks, lse, grad_out, out, /*head_dim=*/0)};
 }
 
 std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
-                     std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window) {
+                     std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window,
+                     std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.plan";
   parse_family(op, family, q);
-  prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support(), window);  // the call's checks
+  // The call's checks.
+  prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support(), window, softcap, sinks);
   return cpu::plan(backward).describe();
 }
 
@@ -152,10 +168,11 @@ std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 std::string plan_kvcache_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              bool is_causal, std::optional<double> scale, std::optional<int64_t> num_splits,
                              std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
-                             at::OptionalIntArrayRef window) {
+                             at::OptionalIntArrayRef window, std::optional<double> softcap,
+                             const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.plan_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
-  prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, cpu_support(), window);
+  prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, cpu_support(), window, softcap, sinks);
   return cpu::plan(/*backward=*/false).describe();
 }
 

@@ -35,7 +35,8 @@ std::vector<int64_t> sm80_head_dims() {
 }
 
 const DeviceSupport& cuda_support() {
-  static const DeviceSupport support{"CUDA", {at::kHalf, at::kBFloat16}, sm80_head_dims(), /*aligned_rows=*/true};
+  static const DeviceSupport support{"CUDA", {at::kHalf, at::kBFloat16}, sm80_head_dims(), /*aligned_rows=*/true,
+                                     /*own_value_head_dim=*/false, /*softcap=*/false, /*sinks=*/true};
   return support;
 }
 
@@ -74,9 +75,11 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 const std::optional<at::Tensor>& attn_mask, bool is_causal,
                                                 std::optional<double> scale,
                                                 std::optional<c10::string_view> family,
-                                                at::OptionalIntArrayRef window) {
+                                                at::OptionalIntArrayRef window, std::optional<double> softcap,
+                                                const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.forward";
-  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(), window);
+  PreparedInputs in =
+      prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
   auto outputs = allocate_forward_outputs(in);
   const Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, family_request(op, family, q)); });
@@ -108,14 +111,14 @@ struct BackwardWorkspaces {
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family,
-    at::OptionalIntArrayRef window) {
+    at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.backward";
-  PreparedBackward b =
-      prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, cuda_support(), window);
+  PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale,
+                                        cuda_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
   // torch.use_deterministic_algorithms(True): grad_q from its own pass, in a
   // fixed order, instead of float32 atomics.
@@ -127,7 +130,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     cuda::backward_sm90(b.params, stream);
   else
     cuda::backward_sm80(b.params, stream);
-  return {b.grad_q, b.grad_k, b.grad_v};
+  // The sinks' gradient from the delta the kernels computed.
+  at::Tensor grad_sinks = sinks ? sinks_gradient(*sinks, b.lse, workspaces.delta, /*head_dim=*/1)
+                                : at::empty({0}, lse.options());
+  return {b.grad_q, b.grad_k, b.grad_v, grad_sinks};
 }
 
 // The plan of forward (or backward) for these arguments. The backward's
@@ -135,9 +141,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
 // forward's, so aligned stand-ins take their place; nothing is read.
 std::string plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
-                      std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window) {
+                      std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window,
+                      std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.plan";
-  PreparedInputs in = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(), window);
+  PreparedInputs in =
+      prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
   const PlanRequest request = family_request(op, family, q);
   if (!backward) return with_torch_errors([&] { return cuda::plan_forward(in.params, request); }).describe();

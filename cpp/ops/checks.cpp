@@ -127,6 +127,43 @@ void check_window(const char* op, at::OptionalIntArrayRef window) {
               ": window must be two ints [left, right], each >= -1 (-1: no bound on that side), got ", w);
 }
 
+void check_softcap_and_sinks(const char* op, const at::Tensor& q, std::optional<double> softcap,
+                             const std::optional<at::Tensor>& sinks, const DeviceSupport& support) {
+  if (softcap) {
+    // The kernels divide by softcap * log2(e) in float32.
+    constexpr double kMaxSoftcap = std::numeric_limits<float>::max() / 1.4426950408889634;
+    TORCH_CHECK(std::isfinite(*softcap) && *softcap > 0.0 && *softcap <= kMaxSoftcap, op,
+                ": softcap must be None or a finite number > 0 (at most ", kMaxSoftcap, "), got ", *softcap);
+    TORCH_CHECK(support.softcap, op, ": on ", support.device_name,
+                " fusedattn does not soft-cap scores yet; softcap runs on the CPU");
+  }
+  if (sinks) {
+    const at::Tensor& s = *sinks;
+    TORCH_CHECK(s.dim() == 1 && q.dim() >= 2 && s.size(0) == q.size(1), op,
+                ": sinks must be a 1-D tensor of one logit per query head, [Hq] = [", q.dim() >= 2 ? q.size(1) : -1,
+                "], got shape ", shape_str(s));
+    TORCH_CHECK(s.scalar_type() == at::kFloat, op, ": sinks must be float32, got ", s.scalar_type());
+    TORCH_CHECK(s.device() == q.device(), op, ": sinks must be on ", q.device(), " like q, got ", s.device());
+    TORCH_CHECK(support.sinks, op, ": on ", support.device_name, " fusedattn does not take attention sinks yet");
+  }
+}
+
+at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse, const at::Tensor& delta,
+                          int64_t head_dim) {
+  std::vector<int64_t> shape(lse.dim(), 1);
+  shape[head_dim] = sinks.size(0);
+  const at::Tensor sink_mass = at::where(lse == -std::numeric_limits<float>::infinity(), at::zeros({}, lse.options()),
+                                         at::exp(sinks.view(shape) - lse));
+  std::vector<int64_t> others;
+  for (int64_t i = 0; i < lse.dim(); ++i)
+    if (i != head_dim) others.push_back(i);
+  return -(sink_mass * delta).sum(others);
+}
+
+at::Tensor output_delta(const at::Tensor& grad_out, const at::Tensor& out) {
+  return (grad_out.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+}
+
 namespace {
 
 // p's window from the operator's argument (checked), is_causal folded in.
@@ -147,7 +184,8 @@ void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef wind
 PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
                                bool is_causal, std::optional<double> scale,
-                               const DeviceSupport& support, at::OptionalIntArrayRef window) {
+                               const DeviceSupport& support, at::OptionalIntArrayRef window,
+                               std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   check_rank4(op, q, "q", "[B, Hq, Nq, d]");
   check_rank4(op, k, "k", "[B, Hkv, Nk, d]");
   check_rank4(op, v, "v", "[B, Hkv, Nk, d_v]");
@@ -187,6 +225,8 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
     TORCH_CHECK(std::isfinite(*scale) && std::abs(*scale) <= kMaxScale, op,
                 ": scale must be finite and at most ", kMaxScale, " in magnitude, got ", *scale);
 
+  check_softcap_and_sinks(op, q, softcap, sinks, support);
+
   PreparedInputs in;
   in.q = as_kernel_operand(q, support);
   in.k = as_kernel_operand(k, support);
@@ -204,6 +244,11 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
   p.is_causal = is_causal;
   apply_window(op, p, window);
   if (attn_mask) in.mask = prepare_mask(op, *attn_mask, q, k, p.mask);
+  if (softcap) p.softcap = static_cast<float>(*softcap);
+  if (sinks) {
+    in.sinks = sinks->contiguous();
+    p.sinks = in.sinks.data_ptr<float>();
+  }
   return in;
 }
 
@@ -225,9 +270,10 @@ PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, co
                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                   const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
                                   bool is_causal, std::optional<double> scale,
-                                  const DeviceSupport& support, at::OptionalIntArrayRef window) {
+                                  const DeviceSupport& support, at::OptionalIntArrayRef window,
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   PreparedBackward b;
-  b.fwd = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, support, window);
+  b.fwd = prepare_forward(op, q, k, v, attn_mask, is_causal, scale, support, window, softcap, sinks);
   check_output_layout(op, grad_out, "grad_out", q, v);
   check_output_layout(op, out, "out", q, v);
   check_lse(op, lse, q);

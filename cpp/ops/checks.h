@@ -22,22 +22,44 @@ struct DeviceSupport {
   std::vector<int64_t> head_dims;        // empty: any head dim >= 1
   bool aligned_rows = false;             // rows must start on 16-byte boundaries (vector loads)
   bool own_value_head_dim = false;       // v's head dim may differ from q's and k's
+  bool softcap = false;                  // the kernels soft-cap scores
+  bool sinks = false;                    // the kernels take attention sinks
 };
 
 // q, k, v (and the mask) as the kernels will read them, with the tensors that
 // own their memory kept alive.
 struct PreparedInputs {
-  at::Tensor q, k, v, mask;
+  at::Tensor q, k, v, mask, sinks;
   ForwardParams params;  // everything but out and lse
 };
 
 // window: the operator's argument ([left, right], each >= -1), folded into
 // is_causal where it means the causal rule (a right side of 0, or any right
-// side under is_causal).
+// side under is_causal). softcap and sinks: as check_softcap_and_sinks takes them.
 PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
                                bool is_causal, std::optional<double> scale,
-                               const DeviceSupport& support, at::OptionalIntArrayRef window = std::nullopt);
+                               const DeviceSupport& support, at::OptionalIntArrayRef window = std::nullopt,
+                               std::optional<double> softcap = std::nullopt,
+                               const std::optional<at::Tensor>& sinks = std::nullopt);
+
+// softcap None or finite and > 0; sinks None or float32 [Hq] (q's heads) on
+// q's device; each refused where the device's kernels do not take it. For
+// calls that must refuse them before they write anything, as check_window.
+void check_softcap_and_sinks(const char* op, const at::Tensor& q, std::optional<double> softcap,
+                             const std::optional<at::Tensor>& sinks, const DeviceSupport& support);
+
+// The gradient of the sinks, float32 [Hq]: d sink_h = -sum over h's rows of
+// exp(sink_h - lse) * delta, where delta = rowsum(grad_out * out) and lse
+// includes the sink (rows of lse = -inf, which see nothing, add 0). The
+// head is dimension head_dim of lse and delta (1 for [B, Hq, Nq], 0 for
+// varlen's [Hq, total_q]).
+at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse, const at::Tensor& delta,
+                          int64_t head_dim);
+
+// delta = rowsum(grad_out * out) in float32, for sinks_gradient where the
+// kernels keep theirs to themselves.
+at::Tensor output_delta(const at::Tensor& grad_out, const at::Tensor& out);
 
 // prepare_forward's check of `window` alone, for calls that must refuse a
 // bad window before they write anything.
@@ -70,7 +92,9 @@ PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, co
                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                   const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
                                   bool is_causal, std::optional<double> scale,
-                                  const DeviceSupport& support, at::OptionalIntArrayRef window = std::nullopt);
+                                  const DeviceSupport& support, at::OptionalIntArrayRef window = std::nullopt,
+                                  std::optional<double> softcap = std::nullopt,
+                                  const std::optional<at::Tensor>& sinks = std::nullopt);
 
 // Points params at out ([B, Hq, Nq, d], last dim contiguous) and lse
 // (contiguous float32 [B, Hq, Nq]).

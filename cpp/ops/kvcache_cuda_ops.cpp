@@ -23,7 +23,8 @@ namespace {
 
 const DeviceSupport& decode_support() {
   static const DeviceSupport support{"CUDA", {at::kHalf, at::kBFloat16}, cuda::instantiated_head_dims("decode"),
-                                     /*aligned_rows=*/true};
+                                     /*aligned_rows=*/true, /*own_value_head_dim=*/false, /*softcap=*/false,
+                                     /*sinks=*/true};
   return support;
 }
 
@@ -65,11 +66,11 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
     const std::optional<at::Tensor>& v_new, bool is_causal, std::optional<double> scale,
     std::optional<int64_t> num_splits, std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
-    at::OptionalIntArrayRef window) {
+    at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.forward_kvcache";
   const int64_t n_new = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new);
   PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale,
-                                      decode_support(), window);
+                                      decode_support(), window, softcap, sinks);
   // The caches are written in place: they cannot be replaced by aligned copies.
   TORCH_CHECK(in.k.is_same(k_cache) && in.v.is_same(v_cache), op,
               ": on CUDA k_cache and v_cache need a contiguous last dimension and rows starting "
@@ -116,10 +117,11 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
 std::string plan_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               bool is_causal, std::optional<double> scale, std::optional<int64_t> num_splits,
                               std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
-                              at::OptionalIntArrayRef window) {
+                              at::OptionalIntArrayRef window, std::optional<double> softcap,
+                              const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.plan_kvcache";
-  const PreparedInputs in =
-      prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, decode_support(), window);
+  const PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale,
+                                            decode_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
   KVCacheParams p;
   p.attn = in.params;

@@ -9,13 +9,19 @@ TORCH_LIBRARY(fusedattn, m) {
   // window: None or [left, right], a sliding window bottom-right aligned as
   // is_causal (query i sees key j iff i + Nk - Nq - left <= j <= i + Nk - Nq +
   // right; -1 leaves a side open), combined with is_causal and attn_mask.
+  // softcap: None or > 0, scaled scores become softcap * tanh(scores /
+  // softcap) before attn_mask is added. sinks: None or float32 [Hq], a logit
+  // per query head in every row's softmax normaliser that carries no value;
+  // lse includes it, and the backward returns its gradient as grad_sinks
+  // (an empty tensor without sinks).
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, "
-      "float? scale=None, str? family=None, int[]? window=None) -> (Tensor out, Tensor lse)");
+      "float? scale=None, str? family=None, int[]? window=None, float? softcap=None, Tensor? sinks=None) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor? attn_mask=None, bool is_causal=False, float? scale=None, str? family=None, int[]? window=None) "
-      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "Tensor? attn_mask=None, bool is_causal=False, float? scale=None, str? family=None, int[]? window=None, "
+      "float? softcap=None, Tensor? sinks=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
   // Decoding against a preallocated KV cache: k_new/v_new (if given) are written
   // into the caches at cache_seqlens[b] (in place), then q attends to the first
   // cache_seqlens[b] + Nnew positions of sequence b. num_splits: None (the
@@ -24,30 +30,32 @@ TORCH_LIBRARY(fusedattn, m) {
   m.def(
       "forward_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
       "Tensor? k_new=None, Tensor? v_new=None, bool is_causal=True, float? scale=None, "
-      "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None, int[]? window=None) "
-      "-> (Tensor out, Tensor lse)");
+      "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None, int[]? window=None, "
+      "float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
   // Packed sequences: q [total_q, Hq, d], k and v [total_k, Hkv, d]; sequence
   // b is rows cu_seqlens[b] : cu_seqlens[b + 1] (int32 [B + 1]) and attends
   // to its own keys only, causal and window bottom-right per sequence. lse is float32
   // [Hq, total_q]. max_seqlen_* bound every sequence's length.
   m.def(
       "forward_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-      "int max_seqlen_k, bool is_causal=False, float? scale=None, str? family=None, int[]? window=None) "
-      "-> (Tensor out, Tensor lse)");
+      "int max_seqlen_k, bool is_causal=False, float? scale=None, str? family=None, int[]? window=None, "
+      "float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
   m.def(
       "backward_varlen(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal=False, float? scale=None, "
-      "str? family=None, int[]? window=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "str? family=None, int[]? window=None, float? softcap=None, Tensor? sinks=None) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
   // The plan the call with these arguments would run (forward, or with
   // backward=True the backward), as "key=value ..." words; nothing is launched.
   m.def(
       "plan(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, float? scale=None, "
-      "str? family=None, bool backward=False, int[]? window=None) -> str");
+      "str? family=None, bool backward=False, int[]? window=None, float? softcap=None, Tensor? sinks=None) -> str");
   // The plan of forward_kvcache with these arguments (it depends on the
   // cache's capacity, not on cache_seqlens).
   m.def(
       "plan_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, bool is_causal=True, float? scale=None, "
-      "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None, int[]? window=None) -> str");
+      "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None, int[]? window=None, "
+      "float? softcap=None, Tensor? sinks=None) -> str");
   // The head dims a CUDA kernel is instantiated for (cpp/generate_kernels.py's table).
   m.def("instantiated_head_dims(str kernel) -> int[]");
   // Seed 2's naive path (materialises S), the baseline of the GPU benchmark. CUDA only.

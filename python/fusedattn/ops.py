@@ -54,8 +54,14 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head
     return False
 
 
+def _grad_sinks_fake(q, sinks):
+    """The backwards' grad_sinks: float32 [Hq] (q's dimension 1, dense and packed), or empty without sinks."""
+    return q.new_empty((q.shape[1],) if sinks is not None else (0,), dtype=torch.float32)
+
+
 @torch.library.register_fake("fusedattn::forward")
-def _forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, family=None, window=None):
+def _forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, family=None, window=None, softcap=None,
+                  sinks=None):
     out = q.new_empty((*q.shape[:3], v.shape[3]))
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     return out, lse
@@ -63,26 +69,27 @@ def _forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, family=N
 
 @torch.library.register_fake("fusedattn::backward")
 def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, family=None,
-                   window=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                   window=None, softcap=None, sinks=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _grad_sinks_fake(q, sinks)
 
 
 @torch.library.register_fake("fusedattn::forward_kvcache")
 def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, is_causal=True,
-                          scale=None, num_splits=None, merge_in_cluster=None, warps=None, window=None):
+                          scale=None, num_splits=None, merge_in_cluster=None, warps=None, window=None,
+                          softcap=None, sinks=None):
     return q.new_empty((*q.shape[:3], v_cache.shape[3])), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.register_fake("fusedattn::forward_varlen")
 def _forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,
-                         scale=None, family=None, window=None):
+                         scale=None, family=None, window=None, softcap=None, sinks=None):
     return q.new_empty((*q.shape[:2], v.shape[2])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.register_fake("fusedattn::backward_varlen")
 def _backward_varlen_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          is_causal=False, scale=None, family=None, window=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                          is_causal=False, scale=None, family=None, window=None, softcap=None, sinks=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _grad_sinks_fake(q, sinks)
 
 
 @torch.library.register_fake("fusedattn::naive_forward")
@@ -91,52 +98,55 @@ def _naive_forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, is_causal, scale, family, window = inputs
+    q, k, v, attn_mask, is_causal, scale, family, window, softcap, sinks = inputs
     out, lse = output
     if attn_mask is not None and attn_mask.requires_grad:
         raise RuntimeError(
             "fusedattn: gradients with respect to attn_mask are not supported; "
             "pass attn_mask.detach()"
         )
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
     ctx.is_causal = is_causal
     ctx.scale = scale
     ctx.family = family
     ctx.window = window
+    ctx.softcap = softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, sinks = ctx.saved_tensors
     if grad_out is None:  # only lse was used downstream; lse is not differentiable
-        return (None,) * 8
-    grad_q, grad_k, grad_v = torch.ops.fusedattn.backward(
-        grad_out.contiguous(), q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale, ctx.family, ctx.window
+        return (None,) * 10
+    grad_q, grad_k, grad_v, grad_sinks = torch.ops.fusedattn.backward(
+        grad_out.contiguous(), q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale, ctx.family, ctx.window,
+        ctx.softcap, sinks
     )
-    return (grad_q, grad_k, grad_v) + (None,) * 5
+    return (grad_q, grad_k, grad_v) + (None,) * 6 + (grad_sinks if sinks is not None else None,)
 
 
 torch.library.register_autograd("fusedattn::forward", _backward, setup_context=_setup_context)
 
 
 def _setup_varlen_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, family, window = inputs
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, family, window, softcap,
+     sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
-    ctx.is_causal, ctx.scale, ctx.family, ctx.window = is_causal, scale, family, window
+    ctx.is_causal, ctx.scale, ctx.family, ctx.window, ctx.softcap = is_causal, scale, family, window, softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _backward_varlen(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
     if grad_out is None:
-        return (None,) * 11
-    grad_q, grad_k, grad_v = torch.ops.fusedattn.backward_varlen(
+        return (None,) * 13
+    grad_q, grad_k, grad_v, grad_sinks = torch.ops.fusedattn.backward_varlen(
         grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.is_causal,
-        ctx.scale, ctx.family, ctx.window
+        ctx.scale, ctx.family, ctx.window, ctx.softcap, sinks
     )
-    return (grad_q, grad_k, grad_v) + (None,) * 8
+    return (grad_q, grad_k, grad_v) + (None,) * 9 + (grad_sinks if sinks is not None else None,)
 
 
 torch.library.register_autograd("fusedattn::forward_varlen", _backward_varlen, setup_context=_setup_varlen_context)
@@ -150,6 +160,8 @@ def attention(
     is_causal: bool = False,
     scale: float | None = None,
     window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact scaled dot-product attention, fused (the N x N scores never reach memory).
 
@@ -171,6 +183,13 @@ def attention(
             -1 leaves that side unbounded (FlashAttention's ``window_size``).
             ``is_causal=True`` is the window ``(-1, 0)``; window, ``is_causal`` and
             ``attn_mask`` combine.
+        softcap: ``None`` or a number > 0: the scaled scores become
+            ``softcap * tanh(scores / softcap)`` before ``attn_mask`` is added
+            (Gemma 2's soft-capping). CPU tensors in this version.
+        sinks: ``None`` or float32 ``[Hq]``: one logit per query head that joins
+            every row's softmax normaliser and carries no value (gpt-oss's
+            attention sinks); differentiable. A row that sees no key then
+            gives 0, the sink taking all the mass.
 
     Inside ``fusedattn.distributed.context_parallel`` the call runs on the ring:
     q, k and v are this rank's shards of the sequence.
@@ -181,10 +200,11 @@ def attention(
     """
     if isinstance(attn_mask, BlockMask):
         attn_mask = attn_mask.for_call(q, k)
-    routed = routed_attention(q, k, v, attn_mask, is_causal, scale, window)
+    routed = routed_attention(q, k, v, attn_mask, is_causal, scale, window, softcap, sinks)
     if routed is not None:
         return routed
-    out, _ = torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale, backends.forced().family, window)
+    out, _ = torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale, backends.forced().family, window,
+                                         softcap, sinks)
     return out
 
 
@@ -204,6 +224,8 @@ def attention_varlen(
     is_causal: bool = False,
     scale: float | None = None,
     window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention over a batch of sequences of different lengths, packed without padding.
 
@@ -222,10 +244,11 @@ def attention_varlen(
         window: ``(left, right)``, :func:`attention`'s sliding window, aligned per
             sequence as ``is_causal``: query ``i`` of sequence ``b`` sees its key ``j``
             only when ``i + Nk_b - Nq_b - left <= j <= i + Nk_b - Nq_b + right``.
+        softcap, sinks: as :func:`attention`'s.
 
     Returns:
         ``[total_q, Hq, d_v]`` in q's dtype; rows that see no key are 0.
-        Differentiable with respect to q, k and v. CPU tensors in this version.
+        Differentiable with respect to q, k, v (and sinks). CPU tensors in this version.
     """
     if not torch.compiler.is_compiling() and not has_kernel("forward_varlen", q.device.type):
         raise NotImplementedError(f"fusedattn.attention_varlen: this version runs packed sequences on the CPU only, "
@@ -235,7 +258,7 @@ def attention_varlen(
     if max_seqlen_k is None:
         max_seqlen_k = _longest(cu_seqlens_k)
     out, _ = torch.ops.fusedattn.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                is_causal, scale, backends.forced().family, window)
+                                                is_causal, scale, backends.forced().family, window, softcap, sinks)
     return out
 
 
@@ -250,6 +273,8 @@ def attention_with_kvcache(
     scale: float | None = None,
     num_splits: int | None = None,
     window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention of a few new queries per sequence against a preallocated KV cache.
 
@@ -272,6 +297,7 @@ def attention_with_kvcache(
         window: ``(left, right)`` as :func:`attention`'s, per sequence against its
             ``L_b`` positions (so ``(W - 1, 0)`` lets a query see its last W positions).
             CPU tensors in this version.
+        softcap, sinks: as :func:`attention`'s.
 
     Returns:
         ``[B, Hq, Nq, d_v]``. Not differentiable (an inference operator).
@@ -279,7 +305,7 @@ def attention_with_kvcache(
     forced = backends.forced()
     out, _ = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, is_causal, scale,
                                                  num_splits, forced.decode_merge_in_cluster, forced.decode_warps,
-                                                 window)
+                                                 window, softcap, sinks)
     return out
 
 
@@ -302,6 +328,8 @@ def plan(
     *,
     backward: bool = False,
     window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> dict:
     """The plan :func:`attention` would run for these arguments (with
     ``backward=True``, its backward's), without running it: a dict with
@@ -315,7 +343,7 @@ def plan(
     if isinstance(attn_mask, BlockMask):
         attn_mask = attn_mask.for_call(q, k)
     return _parse_plan(torch.ops.fusedattn.plan(q, k, v, attn_mask, is_causal, scale, backends.forced().family,
-                                                backward, window))
+                                                backward, window, softcap, sinks))
 
 
 def plan_kvcache(
@@ -329,6 +357,8 @@ def plan_kvcache(
     scale: float | None = None,
     num_splits: int | None = None,
     window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> dict:
     """The plan :func:`attention_with_kvcache` would run for these arguments:
     on CUDA ``"family": "decode"`` with ``"num_splits"``,
@@ -337,4 +367,5 @@ def plan_kvcache(
     (accepted so that the call's arguments can be passed as they are)."""
     forced = backends.forced()
     return _parse_plan(torch.ops.fusedattn.plan_kvcache(q, k_cache, v_cache, is_causal, scale, num_splits,
-                                                        forced.decode_merge_in_cluster, forced.decode_warps, window))
+                                                        forced.decode_merge_in_cluster, forced.decode_warps, window,
+                                                        softcap, sinks))

@@ -42,11 +42,15 @@ def attention_with_lse(
     is_causal: bool = False,
     scale: float | None = None,
     window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(out, lse)`` computed in q's dtype (use float64 for an oracle).
 
-    ``lse`` is the natural log of the softmax normaliser of the scaled, masked
-    scores; rows with every key masked give ``out = 0`` and ``lse = -inf``.
+    ``lse`` is the natural log of the softmax normaliser of the scaled,
+    soft-capped, masked scores (and the sink, where there are sinks); rows
+    with every key masked give ``out = 0`` and ``lse = -inf`` (with a sink:
+    the sink).
     """
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
@@ -57,6 +61,8 @@ def attention_with_lse(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
     s = torch.matmul(q, k.transpose(-2, -1)) * scale  # [B, Hq, Nq, Nk], materialised
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             s = s.masked_fill(~attn_mask, float("-inf"))
@@ -74,6 +80,9 @@ def attention_with_lse(
     # give out = 0 and lse = -inf; their scores are zeroed first so that
     # neither the forward nor autograd through it produces NaN.
     s = s.to(torch.promote_types(s.dtype, torch.float32))
+    if sinks is not None:  # one more key per row, of score sinks[h] and no value
+        sink_column = sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        s = torch.cat([s, sink_column], dim=-1)
     if s.shape[-1] == 0:  # no keys at all: every row is fully masked
         return q.new_zeros(*q.shape[:-1], v.shape[-1]), s.new_full(s.shape[:-1], float("-inf"))
     visible = (s != float("-inf")).any(dim=-1, keepdim=True)
@@ -83,6 +92,8 @@ def attention_with_lse(
     l = p.sum(dim=-1, keepdim=True)
     p = torch.where(visible, p / l, 0.0)
     lse = torch.where(visible, m + torch.log(l), float("-inf")).squeeze(-1)
+    if sinks is not None:
+        p = p[..., :-1]
     return torch.matmul(p.to(v.dtype), v), lse
 
 
@@ -94,6 +105,8 @@ def attention(
     is_causal: bool = False,
     scale: float | None = None,
     window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Naive attention, same arguments and semantics as :func:`fusedattn.attention`."""
-    return attention_with_lse(q, k, v, attn_mask, is_causal, scale, window)[0]
+    return attention_with_lse(q, k, v, attn_mask, is_causal, scale, window, softcap, sinks)[0]

@@ -58,6 +58,8 @@ class Case:
     scale: float | None = None
     window: tuple[int, int] | None = None  # (left, right), -1 unbounded
     seed: int = 0
+    softcap: float | None = None
+    sinks: bool = False  # a float32 [Hq] of sinks (make_sinks), differentiable
 
     def __str__(self) -> str:
         s = (
@@ -65,7 +67,12 @@ class Case:
             f"-d{self.head_dim}-{str(self.dtype)[6:]}-{self.mask}"
         )
         return (s + ("-causal" if self.is_causal else "") + (f"-s{self.scale}" if self.scale else "")
-                + (f"-w{self.window[0]},{self.window[1]}" if self.window else ""))
+                + (f"-w{self.window[0]},{self.window[1]}" if self.window else "")
+                + (f"-cap{self.softcap}" if self.softcap else "") + ("-sinks" if self.sinks else ""))
+
+    def options(self, sinks=None) -> tuple:
+        """The call's arguments after q, k, v and the mask, as reference.attention takes them."""
+        return self.is_causal, self.scale, self.window, self.softcap, sinks
 
 
 def make_mask(case: Case, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor | None:
@@ -138,6 +145,15 @@ def make_inputs(case: Case, device="cpu", requires_grad=False):
     return q, k, v, (mask.to(device) if mask is not None else None)
 
 
+def make_sinks(case: Case, device="cpu", requires_grad=False) -> torch.Tensor | None:
+    """The case's sinks, float32 [Hq] around the scores' size (so that they
+    take a visible share of each row), or None."""
+    if not case.sinks:
+        return None
+    g = torch.Generator().manual_seed(case.seed + 7)
+    return (2 * torch.randn(case.heads_q, generator=g)).to(device).requires_grad_(requires_grad)
+
+
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
@@ -156,9 +172,11 @@ def check_forward(case: Case, device="cpu", out=None, lse=None):
     """Runs the fused forward (unless out is given) and checks out, and lse
     unless out was given without it."""
     q, k, v, mask = make_inputs(case, device)
+    sinks = make_sinks(case, device)
     if out is None:
-        out, lse = torch.ops.fusedattn.forward(q, k, v, mask, case.is_causal, case.scale, window=case.window)
-    args = (mask, case.is_causal, case.scale, case.window)
+        out, lse = torch.ops.fusedattn.forward(q, k, v, mask, case.is_causal, case.scale, window=case.window,
+                                               softcap=case.softcap, sinks=sinks)
+    args = (mask, *case.options(sinks))
     oracle, oracle_lse = reference.attention_with_lse(q.double(), k.double(), v.double(), *args)
     low, _ = reference.attention_with_lse(q, k, v, *args)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -179,53 +197,67 @@ def check_forward(case: Case, device="cpu", out=None, lse=None):
 
 
 def check_backward(case: Case, device="cpu", grads=None, grad_out=None):
-    """Gradients of q, k, v through fusedattn.attention (or `grads`, computed
-    by the caller from make_inputs(case) and `grad_out`) against autograd of
-    the reference."""
+    """Gradients of q, k, v (and the sinks) through fusedattn.attention (or
+    `grads`, computed by the caller from make_inputs(case) and `grad_out`)
+    against autograd of the reference."""
     q, k, v, mask = make_inputs(case, device, requires_grad=True)
+    sinks = make_sinks(case, device, requires_grad=True)
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
     if grad_out is None:
         g = torch.Generator().manual_seed(case.seed + 1)
         grad_out = torch.randn(q.shape, generator=g).to(device=device, dtype=case.dtype)
-    args = (mask, case.is_causal, case.scale, case.window)
 
     if grads is None:
-        out = fusedattn.attention(q, k, v, *args)
-        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        out = fusedattn.attention(q, k, v, mask, *case.options(sinks))
+        grads = torch.autograd.grad(out, inputs, grad_out)
 
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    oracle = torch.autograd.grad(reference.attention(q64, k64, v64, *args), (q64, k64, v64),
-                                 grad_out.double())
-    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    low = torch.autograd.grad(reference.attention(ql, kl, vl, *args), (ql, kl, vl), grad_out)
+    # The oracle in float64; the reference in the input dtype (sinks stay float32).
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    inputs_low = [t.detach().clone().requires_grad_() for t in inputs]
+    oracle, low = (torch.autograd.grad(reference.attention(*ts[:3], mask, *case.options(_sinks_of(ts))), ts, dout)
+                   for ts, dout in ((inputs64, grad_out.double()), (inputs_low, grad_out)))
 
     # Gradients grow with sqrt(N) and the scale; the floor follows their size
     # (the largest of the three: a gradient that is exactly 0 in the oracle,
     # such as dK where every query sees one key, still carries rounding).
-    magnitude = max([1.0] + [o.abs().max().item() for o in oracle if o.numel()])
-    stored_out = stored_output_error(q64, k64, v64, grad_out.double(), args, case.dtype)
-    for name, a, o, lp, like, extra in zip(("dq", "dk", "dv"), grads, oracle, low, (q, k, v), stored_out):
+    magnitude = max([1.0] + [o.abs().max().item() for o in oracle[:3] if o.numel()])
+    args = (mask, *case.options(_sinks_of([t.detach() for t in inputs64])))
+    stored_out = stored_output_error(*inputs64[:3], grad_out.double(), args, case.dtype)
+    names = ("dq", "dk", "dv", "dsinks")
+    for name, a, o, lp, like, extra in zip(names, grads, oracle, low, inputs, stored_out):
         assert a.shape == like.shape and a.dtype == like.dtype
         assert_within_rule(name, a, o, lp, case.dtype, factor=3, scale=magnitude, extra=extra)
 
 
-def stored_output_error(q64, k64, v64, grad_out64, args, dtype) -> tuple[float, float, float]:
+def _sinks_of(inputs):
+    """The sinks of check_backward's inputs (q, k, v[, sinks]), or None."""
+    return inputs[3] if len(inputs) > 3 else None
+
+
+def stored_output_error(q64, k64, v64, grad_out64, args, dtype) -> tuple[float, float, float, float]:
     """What a fused backward cannot avoid, on top of the rule: it takes delta =
     rowsum(dO * O) from the output as stored, rounded to the input dtype
     (FlashAttention's and cuDNN's backwards do the same), and dS = P (dP - delta)
-    carries that rounding: dq moves by -scale (delta' - delta) P K and dk by
-    -scale P^T ((delta' - delta) q). Measured in float64, as max errors of dq,
-    dk, dv (dv does not read delta)."""
-    mask, is_causal, scale, window = args
+    carries that rounding: dq moves by -scale (delta' - delta) P K, dk by
+    -scale P^T ((delta' - delta) q) and a sink by -sum P_sink (delta' - delta).
+    Measured in float64, as max errors of dq, dk, dv (dv does not read delta)
+    and the sinks (0 without them). Under soft-capping the cap's slope (at most
+    1) is left out, which can only overstate the shift."""
+    mask, is_causal, scale, window, softcap, sinks = args
     scale = 1.0 / q64.shape[-1] ** 0.5 if scale is None else scale
+    options = (is_causal, scale, window, softcap, sinks)
     with torch.no_grad():
-        out = reference.attention(q64, k64, v64, mask, is_causal, scale, window)
+        out, lse = reference.attention_with_lse(q64, k64, v64, mask, *options)
         shift = (grad_out64 * (out.to(dtype).double() - out)).sum(-1, keepdim=True)  # delta' - delta
-        dq = scale * shift * reference.attention(q64, k64, k64, mask, is_causal, scale, window)
+        dq = scale * shift * reference.attention(q64, k64, k64, mask, *options)
+        d_sinks = 0.0
+        if sinks is not None:
+            sink_mass = torch.exp(sinks.view(1, -1, 1) - lse).nan_to_num(0.0)
+            d_sinks = max_err((sink_mass * shift.squeeze(-1)).sum((0, 2)), torch.zeros(sinks.shape[0]))
     v_probe = v64.detach().clone().requires_grad_()
-    (dk,) = torch.autograd.grad(reference.attention(q64.detach(), k64.detach(), v_probe, mask, is_causal, scale,
-                                                    window),
+    (dk,) = torch.autograd.grad(reference.attention(q64.detach(), k64.detach(), v_probe, mask, *options),
                                 (v_probe,), scale * shift * q64.detach())  # P^T (shift q), summed per kv head
-    return max_err(dq, torch.zeros_like(dq)), max_err(dk, torch.zeros_like(dk)), 0.0
+    return max_err(dq, torch.zeros_like(dq)), max_err(dk, torch.zeros_like(dk)), 0.0, d_sinks
 
 
 def windows(max_len: int):

@@ -92,6 +92,24 @@ __device__ __forceinline__ float lse_from_log2(float m, float l) {
   return l > 0.0f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
 
+// One more logit s (base 2) that joins a row's normaliser last and carries
+// no value, such as an attention sink: takes it into the running max m and
+// the full sum l, and returns the factor by which the row's output must be
+// scaled (before 1 / l). Nothing seen and s = -inf: nothing changes.
+__device__ __forceinline__ float add_valueless_logit(float s, float& m, float& l) {
+  const float m_new = fmaxf(m, s);
+  if (m_new == -INFINITY) return 1.0f;
+  const float rescale = exp2f(m - m_new);
+  l = l * rescale + exp2f(s - m_new);
+  m = m_new;
+  return rescale;
+}
+
+// The sink of query head `head` in base 2, -inf without sinks.
+__device__ __forceinline__ float sink_in_log2(const float* sinks, int64_t head) {
+  return sinks ? sinks[head] * kLog2e : -INFINITY;
+}
+
 // A row's LSE in base 2, for P = 2^(S scale log2 e - lse log2 e) in the
 // backward; +inf for a row that saw no key (lse = -inf), so that P = 0.
 __device__ __forceinline__ float lse_in_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }

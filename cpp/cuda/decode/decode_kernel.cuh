@@ -327,11 +327,15 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
   for (int c = threadIdx.x; c < kBlockM * Tr::kChunksPerRow; c += Tr::kThreads) {
     const int r = c / Tr::kChunksPerRow, col = c % Tr::kChunksPerRow * 8;
     if (r >= rows) continue;
-    const float m = block_max(r);
+    float m = block_max(r);
     float l = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) l += sL[w * kBlockM + r] * factor(sM[w * kBlockM + r], m);
-    const float inv = length < 0 ? NAN : l > 0.0f ? 1.0f / l : 0.0f;
+    const int64_t row = first_row + r;
+    // The sink joins the sum once: here with one split, else in the merge.
+    const float acc_scale =
+        direct ? add_valueless_logit(sink_in_log2(a.sinks, row / sh.seqlen_q % sh.heads_q), m, l) : 1.0f;
+    const float inv = length < 0 ? NAN : l > 0.0f ? acc_scale / l : 0.0f;
     float o[8] = {};
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
@@ -342,7 +346,6 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j] *= inv;
     const float lse = length < 0 ? NAN : lse_from_log2(m, l);
-    const int64_t row = first_row + r;
     if (direct) {
       T* out = static_cast<T*>(a.out) + output_offset(a, row) + col;
       uint4 packed;

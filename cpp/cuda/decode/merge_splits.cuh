@@ -1,7 +1,8 @@
 // Merging the splits of decode_kernel for one row of [B, Hq, Nq]:
-//   lse = log sum_s e^(lse_s),   out = sum_s e^(lse_s - lse) out_s
-// where out_s is split s's output normalised by its own softmax sum. A split
-// that saw no key has lse_s = -inf and weighs nothing. One warp merges a row,
+//   lse = log (sum_s e^(lse_s) + e^sink),   out = sum_s e^(lse_s - lse) out_s
+// where out_s is split s's output normalised by its own softmax sum (and the
+// sink term is there only with sinks). A split that saw no key has lse_s =
+// -inf and weighs nothing. One warp merges a row,
 // reading the partials from one of two places:
 //   GlobalPartials   p.partial_out / p.partial_lse, written by the other
 //                    blocks of the row's (sequence, kv head, row tile): the
@@ -69,8 +70,11 @@ __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int64_t row
     const int s = lane + 32 * i;
     lse_s[i] = s < splits ? partials.lse(s) : -INFINITY;
   }
-  const float m = warp_max(fmaxf(lse_s[0], lse_s[1]));
-  const float sum = warp_sum(m == -INFINITY ? 0.0f : expf(lse_s[0] - m) + expf(lse_s[1] - m));
+  // The head's sink joins as one more term of no value (the splits left it out).
+  const float sink = p.attn.sinks ? p.attn.sinks[row / sh.seqlen_q % sh.heads_q] : -INFINITY;
+  const float m = fmaxf(warp_max(fmaxf(lse_s[0], lse_s[1])), sink);
+  const float sum = (m == -INFINITY ? 0.0f : expf(sink - m)) +
+                    warp_sum(m == -INFINITY ? 0.0f : expf(lse_s[0] - m) + expf(lse_s[1] - m));
   const bool valid = kv_length(p, batch) >= 0;
   const float lse = !valid ? NAN : sum > 0.0f ? m + logf(sum) : -INFINITY;
   // Each split's weight e^(lse_s - lse), on the lane that read its LSE (a

@@ -212,18 +212,21 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   cp_async_wait<0>();
   __syncthreads();
 
-  // Epilogue: normalise once, stage the tile in shared memory (Q's space) and
-  // write it with 16-byte stores. Fully masked rows (l = 0): out = 0, lse = -inf.
+  // Epilogue: the head's sink (if any) joins the sum; normalise once, stage
+  // the tile in shared memory (Q's space) and write it with 16-byte stores.
+  // Rows that saw nothing (l = 0): out = 0, lse = -inf.
   float* lse = p.lse + (batch * sh.heads_q + head) * sh.seqlen_q;
+  const float sink = sink_in_log2(p.sinks, head);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float l = quad_sum(l_i[mt][h]);
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      float l = quad_sum(l_i[mt][h]), m = m_i[mt][h];
+      const float acc_scale = add_valueless_logit(sink, m, l);
+      const float inv = l > 0.0f ? acc_scale / l : 0.0f;
       const int r = warp_row + mt * 16 + g + h * 8;
       if (t == 0 && r < rows)
-        lse[row0 + r] = lse_from_log2(m_i[mt][h], l);
+        lse[row0 + r] = lse_from_log2(m, l);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt)
         *reinterpret_cast<uint32_t*>(sQ + r * kStride + dt * 8 + 2 * t) =

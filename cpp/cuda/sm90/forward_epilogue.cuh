@@ -1,6 +1,6 @@
-// The sm90 forward's epilogue, per consumer thread: O normalised once by the
-// softmax sum and written as T, and the row's LSE; rows that saw no key
-// (l = 0) get out = 0 and lse = -inf.
+// The sm90 forward's epilogue, per consumer thread: the head's sink (if any)
+// joins the softmax sum, O is normalised once by it and written as T, and
+// the row's LSE; rows that saw nothing (l = 0) get out = 0 and lse = -inf.
 #pragma once
 
 #include <cstdint>
@@ -19,13 +19,15 @@ __device__ __forceinline__ void store_output(const ForwardParams& p, const Sm90F
   constexpr int kDTiles = HeadDim / 8;
   float* lse = p.lse + (int64_t(it.batch) * p.shape.heads_q + it.head) * p.shape.seqlen_q;
   T* out = static_cast<T*>(p.out) + it.batch * p.out_strides.batch + it.head * p.out_strides.head;
+  const float sink = sink_in_log2(p.sinks, it.head);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float l = quad_sum(l_i[h]);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    float l = quad_sum(l_i[h]), m = m_i[h];
+    const float acc_scale = add_valueless_logit(sink, m, l);
+    const float inv = l > 0.0f ? acc_scale / l : 0.0f;
     const int r = row_base + h * 8;  // the thread's rows: row_base and row_base + 8
     if (r >= it.row0 + it.rows) continue;
-    if (t == 0) lse[r] = lse_from_log2(m_i[h], l);
+    if (t == 0) lse[r] = lse_from_log2(m, l);
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
       *reinterpret_cast<uint32_t*>(out + int64_t(r) * p.out_strides.row + dt * 8 + 2 * t) =

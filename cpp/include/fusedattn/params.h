@@ -106,6 +106,13 @@ struct ForwardParams {
   int64_t window_left = -1;
   int64_t window_right = -1;
   MaskParams mask;
+  // Soft-capping (Gemma 2): scaled scores become softcap * tanh(scores /
+  // softcap) before attn_mask is added; 0 leaves them as they are.
+  float softcap = 0.0f;
+  // Attention sinks (gpt-oss): float32 [Hq], one logit per query head that
+  // joins every row's softmax normaliser and carries no value; null: none.
+  // lse then includes it, so the backward's P needs nothing else.
+  const float* sinks = nullptr;
 
   FUSEDATTN_HOST_DEVICE bool has_window() const { return window_left >= 0 || window_right >= 0; }
   // The band's right side with is_causal folded in: 0 under is_causal, else

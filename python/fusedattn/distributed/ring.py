@@ -139,7 +139,7 @@ def ring_backward(ring: Ring, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
         grad_kv = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv)
         block = step_block(ring.rank, source, n, layout, is_causal)
         if block is not None:
-            part_q, part_k, part_v = torch.ops.fusedattn.backward(
+            part_q, part_k, part_v, _ = torch.ops.fusedattn.backward(
                 grad_out[:, :, block.q], q[:, :, block.q], kv[0][:, :, block.kv], kv[1][:, :, block.kv],
                 out[:, :, block.q], lse[:, :, block.q], None, block.causal, scale, family, None)
             grad_q[:, :, block.q] += part_q

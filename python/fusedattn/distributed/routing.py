@@ -4,7 +4,7 @@ Inside ``context_parallel(group, layout)``, every ``fusedattn.attention`` call
 (and so ``fusedattn.nn.MultiheadAttention``) runs :func:`ring_attention` over
 the group: its q, k and v are taken as this rank's shards of the sequence, laid
 out as ``layout`` says (``fusedattn.distributed.shard`` makes them). The ring
-takes no ``attn_mask`` and no ``window`` yet; a call with one raises.
+takes no ``attn_mask``, ``window``, ``softcap`` or ``sinks`` yet; a call with one raises.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def context_parallel(group=None, layout: str = "contiguous") -> Iterator[None]:
         _ROUTES.pop()
 
 
-def routed_attention(q, k, v, attn_mask, is_causal, scale, window):
+def routed_attention(q, k, v, attn_mask, is_causal, scale, window, softcap=None, sinks=None):
     """The ring's answer to an attention call inside ``context_parallel``; None outside one."""
     if not _ROUTES:
         return None
@@ -62,5 +62,9 @@ def routed_attention(q, k, v, attn_mask, is_causal, scale, window):
         given = "attn_mask" if attn_mask is not None else f"window={tuple(window)}"
         raise ValueError(f"fusedattn.distributed.context_parallel: the ring takes no attn_mask or window yet "
                          f"(got {given}); express the mask with is_causal or leave the call outside the block")
+    if softcap is not None or sinks is not None:
+        given = f"softcap={softcap}" if softcap is not None else "sinks"
+        raise ValueError(f"fusedattn.distributed.context_parallel: the ring takes no softcap or sinks yet "
+                         f"(got {given}); leave the call outside the block")
     route = _ROUTES[-1]
     return _untraced_ring(q, k, v, is_causal, scale, route.group, route.layout)
