@@ -156,6 +156,10 @@ def test_bad_input_says_what_was_expected(one_process_group):
             fusedattn.attention(q, k, k, window=(4, 0))
         with pytest.raises(ValueError, match="got attn_mask"):
             fusedattn.attention(q, k, k, attn_mask=torch.ones(6, 6, dtype=torch.bool))
+        with pytest.raises(ValueError, match="no softcap or sinks yet \\(got softcap=2.0\\)"):
+            fusedattn.attention(q, k, k, softcap=2.0)
+        with pytest.raises(ValueError, match="no softcap or sinks yet \\(got sinks\\)"):
+            fusedattn.attention(q, k, k, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="context_parallel: layout must be one of"):
         with fd.context_parallel(layout="zig"):
             pass

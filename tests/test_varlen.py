@@ -10,53 +10,25 @@ from hypothesis import strategies as st
 import fusedattn
 from fusedattn import reference
 from helpers.attention_cases import assert_within_rule
-
-
-def packed(lengths_q, lengths_k, hq=4, hkv=2, d=16, dtype=torch.float32, seed=0, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda *s: torch.randn(*s, generator=g).to(dtype).requires_grad_(requires_grad)  # noqa: E731
-    q, k, v = rand(sum(lengths_q), hq, d), rand(sum(lengths_k), hkv, d), rand(sum(lengths_k), hkv, d)
-    offsets = lambda lengths: torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)  # noqa: E731
-    return q, k, v, offsets(lengths_q), offsets(lengths_k)
-
-
-def sequence(t, cu, b):
-    """Sequence b of a packed [total, H, d] tensor as [1, H, n, d]."""
-    return t[int(cu[b]):int(cu[b + 1])].transpose(0, 1).unsqueeze(0)
-
-
-def check(lengths_q, lengths_k, is_causal=False, dtype=torch.float32, scale=None, window=None, **kwargs):
-    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, dtype=dtype, **kwargs)
-    out, lse = torch.ops.fusedattn.forward_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), is_causal,
-                                                  scale, window=window)
-    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
-    for b in range(len(lengths_q)):
-        args = (sequence(q, cu_q, b), sequence(k, cu_k, b), sequence(v, cu_k, b))
-        oracle, oracle_lse = reference.attention_with_lse(*(t.double() for t in args), None, is_causal, scale, window)
-        low, _ = reference.attention_with_lse(*args, None, is_causal, scale, window)
-        assert_within_rule(f"out of sequence {b}", sequence(out, cu_q, b), oracle, low, dtype, factor=2)
-        got_lse = lse[:, int(cu_q[b]):int(cu_q[b + 1])]
-        hidden = oracle_lse[0] == float("-inf")
-        assert torch.equal(got_lse == float("-inf"), hidden)
-        torch.testing.assert_close(got_lse[~hidden].double(), oracle_lse[0][~hidden], atol=1e-4, rtol=1e-5)
+from helpers.varlen_cases import check_varlen, packed, sequence
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_varlen_matches_reference(is_causal, dtype):
     """Empty sequences on either side, one token, Nq != Nk both ways, a long one."""
-    check([5, 0, 1, 40, 3, 17], [5, 9, 1, 33, 0, 70], is_causal=is_causal, dtype=dtype)
+    check_varlen([5, 0, 1, 40, 3, 17], [5, 9, 1, 33, 0, 70], is_causal=is_causal, dtype=dtype)
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 def test_varlen_grouped_heads_and_scale(heads):
-    check([7, 12], [9, 12], is_causal=True, hq=heads[0], hkv=heads[1], d=40, scale=0.3)
+    check_varlen([7, 12], [9, 12], is_causal=True, hq=heads[0], hkv=heads[1], d=40, scale=0.3)
 
 
 @given(st.lists(st.tuples(st.integers(0, 70), st.integers(0, 70)), min_size=1, max_size=6), st.booleans(),
        st.sampled_from([1, 8, 24, 64]))
 def test_varlen_random_lengths(lengths, is_causal, d):
-    check([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, d=d, seed=len(lengths))
+    check_varlen([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, d=d, seed=len(lengths))
 
 
 # Every form of window: left only, right only, both, 0 (each query its diagonal key), wider than
@@ -70,13 +42,13 @@ def test_varlen_windows(window, is_causal):
     """Each sequence's window aligned bottom-right on its own lengths (Nq_b != Nk_b both
     ways, empty and one-token sequences), with and without is_causal; rows that see no
     key give 0 and lse -inf."""
-    check([5, 0, 1, 40, 3, 17], [5, 9, 1, 33, 0, 70], is_causal=is_causal, window=window)
+    check_varlen([5, 0, 1, 40, 3, 17], [5, 9, 1, 33, 0, 70], is_causal=is_causal, window=window)
 
 
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=5),
        st.tuples(st.integers(-1, 60), st.integers(-1, 60)), st.booleans())
 def test_varlen_random_windows(lengths, window, is_causal):
-    check([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, window=window, d=8,
+    check_varlen([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, window=window, d=8,
           seed=len(lengths))
 
 

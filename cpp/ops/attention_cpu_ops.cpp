@@ -31,9 +31,9 @@ void check_no_decode_overrides(const char* op, std::optional<int64_t> num_splits
 // The backward's grad_sinks: sinks_gradient, from a delta of our own (the
 // CPU kernel keeps its delta to itself), or empty without sinks.
 at::Tensor sinks_gradient_or_empty(const std::optional<at::Tensor>& sinks, const at::Tensor& lse,
-                                   const at::Tensor& grad_out, const at::Tensor& out, int64_t head_dim) {
+                                   const at::Tensor& grad_out, const at::Tensor& out) {
   if (!sinks) return at::empty({0}, lse.options());
-  return sinks_gradient(*sinks, lse, output_delta(grad_out, out), head_dim);
+  return sinks_gradient(*sinks, lse, output_delta(grad_out, out));
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -61,7 +61,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, cpu_support(),
                                         window, softcap, sinks);
   cpu::backward(b.params);
-  return {b.grad_q, b.grad_k, b.grad_v, sinks_gradient_or_empty(sinks, lse, grad_out, out, /*head_dim=*/1)};
+  return {b.grad_q, b.grad_k, b.grad_v, sinks_gradient_or_empty(sinks, lse, grad_out, out)};
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
@@ -150,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
     sequence_view(grad_k, sk, nk).copy_(pb.grad_k);
     sequence_view(grad_v, sk, nk).copy_(pb.grad_v);
   }
-  return {grad_q, grad_k, grad_v, sinks_gradient_or_empty(sinks, lse, grad_out, out, /*head_dim=*/0)};
+  return {grad_q, grad_k, grad_v, sinks_gradient_or_empty(sinks, lse.t(), grad_out, out)};
 }
 
 std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

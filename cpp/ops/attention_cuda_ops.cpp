@@ -131,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   else
     cuda::backward_sm80(b.params, stream);
   // The sinks' gradient from the delta the kernels computed.
-  at::Tensor grad_sinks = sinks ? sinks_gradient(*sinks, b.lse, workspaces.delta, /*head_dim=*/1)
+  at::Tensor grad_sinks = sinks ? sinks_gradient(*sinks, b.lse, workspaces.delta)
                                 : at::empty({0}, lse.options());
   return {b.grad_q, b.grad_k, b.grad_v, grad_sinks};
 }

@@ -148,15 +148,14 @@ void check_softcap_and_sinks(const char* op, const at::Tensor& q, std::optional<
   }
 }
 
-at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse, const at::Tensor& delta,
-                          int64_t head_dim) {
+at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse, const at::Tensor& delta) {
+  TORCH_INTERNAL_ASSERT(lse.sizes() == delta.sizes() && lse.dim() >= 2 && lse.size(1) == sinks.size(0));
   std::vector<int64_t> shape(lse.dim(), 1);
-  shape[head_dim] = sinks.size(0);
+  shape[1] = sinks.size(0);
   const at::Tensor sink_mass = at::where(lse == -std::numeric_limits<float>::infinity(), at::zeros({}, lse.options()),
                                          at::exp(sinks.view(shape) - lse));
-  std::vector<int64_t> others;
-  for (int64_t i = 0; i < lse.dim(); ++i)
-    if (i != head_dim) others.push_back(i);
+  std::vector<int64_t> others{0};
+  for (int64_t i = 2; i < lse.dim(); ++i) others.push_back(i);
   return -(sink_mass * delta).sum(others);
 }
 

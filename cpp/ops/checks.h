@@ -51,11 +51,10 @@ void check_softcap_and_sinks(const char* op, const at::Tensor& q, std::optional<
 
 // The gradient of the sinks, float32 [Hq]: d sink_h = -sum over h's rows of
 // exp(sink_h - lse) * delta, where delta = rowsum(grad_out * out) and lse
-// includes the sink (rows of lse = -inf, which see nothing, add 0). The
-// head is dimension head_dim of lse and delta (1 for [B, Hq, Nq], 0 for
-// varlen's [Hq, total_q]).
-at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse, const at::Tensor& delta,
-                          int64_t head_dim);
+// includes the sink (rows of lse = -inf, which see nothing, add 0). lse and
+// delta have the same shape with the head as dimension 1 ([B, Hq, Nq], or
+// varlen's [total_q, Hq]).
+at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse, const at::Tensor& delta);
 
 // delta = rowsum(grad_out * out) in float32, for sinks_gradient where the
 // kernels keep theirs to themselves.

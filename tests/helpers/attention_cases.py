@@ -267,7 +267,7 @@ def windows(max_len: int):
 
 
 @st.composite
-def cases(draw, max_len=300, with_windows=False):
+def cases(draw, max_len=300, with_windows=False, with_softcap_and_sinks=False):
     heads_kv = draw(st.integers(1, 3))
     return Case(
         batch=draw(st.integers(1, 3)),
@@ -282,4 +282,6 @@ def cases(draw, max_len=300, with_windows=False):
         scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
         window=draw(st.one_of(st.none(), windows(max_len))) if with_windows else None,
         seed=draw(st.integers(0, 2**16)),
+        softcap=draw(st.one_of(st.none(), st.floats(0.05, 50.0))) if with_softcap_and_sinks else None,
+        sinks=draw(st.booleans()) if with_softcap_and_sinks else False,
     )

@@ -9,7 +9,7 @@ import torch
 import fusedattn
 from fusedattn.ops import cuda_head_dims
 
-from .attention_cases import Case, check_backward, check_forward, make_inputs
+from .attention_cases import Case, check_backward, check_forward, make_inputs, make_sinks
 
 GPU_DTYPES = [torch.float16, torch.bfloat16]
 HEAD_DIMS = list(cuda_head_dims())
@@ -43,16 +43,17 @@ def at_odd_offset(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def forward(q, k, v, attn_mask=None, is_causal=False, scale=None, window=None):
+def forward(q, k, v, attn_mask=None, is_causal=False, scale=None, window=None, softcap=None, sinks=None):
     """torch.ops.fusedattn.forward with the family that fusedattn.backends.force set."""
     return torch.ops.fusedattn.forward(q, k, v, attn_mask, is_causal, scale, fusedattn.backends.forced().family,
-                                       window)
+                                       window, softcap, sinks)
 
 
-def backward(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, window=None):
+def backward(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, window=None, softcap=None,
+             sinks=None):
     """torch.ops.fusedattn.backward with the family that fusedattn.backends.force set."""
     return torch.ops.fusedattn.backward(grad_out, q, k, v, out, lse, attn_mask, is_causal, scale,
-                                        fusedattn.backends.forced().family, window)
+                                        fusedattn.backends.forced().family, window, softcap, sinks)
 
 
 def planned_family(case: Case, q, k, v, mask, backward: bool = False) -> str | None:
@@ -61,7 +62,8 @@ def planned_family(case: Case, q, k, v, mask, backward: bool = False) -> str | N
     then the call itself must raise, not fall back."""
     forced = fusedattn.backends.forced().family
     try:
-        plan = fusedattn.plan(q, k, v, mask, case.is_causal, case.scale, backward=backward, window=case.window)
+        plan = fusedattn.plan(q, k, v, mask, case.is_causal, case.scale, backward=backward, window=case.window,
+                              softcap=case.softcap, sinks=make_sinks(case, q.device))
     except RuntimeError as e:
         assert forced is not None and "was forced, but" in str(e), str(e)
         return None
@@ -73,12 +75,13 @@ def check_cuda(case: Case):
     """check_forward on CUDA, the outputs' memory poisoned first, on the
     planned (or forced) family; a forced family that refuses must raise."""
     q, k, v, mask = make_inputs(case, "cuda")
+    options = (case.is_causal, case.scale, case.window, case.softcap, make_sinks(case, "cuda"))
     if planned_family(case, q, k, v, mask) is None:
         with pytest.raises(RuntimeError, match="was forced, but"):
-            forward(q, k, v, mask, case.is_causal, case.scale, case.window)
+            forward(q, k, v, mask, *options)
         return None
     poison_allocator((q.shape, q.dtype), (q.shape[:3], torch.float32))
-    out, lse = forward(q, k, v, mask, case.is_causal, case.scale, case.window)
+    out, lse = forward(q, k, v, mask, *options)
     return check_forward(case, device="cuda", out=out, lse=lse)
 
 
@@ -90,7 +93,7 @@ def check_cuda_backward(case: Case):
     if planned_family(case, q, k, v, mask, backward=True) is None:
         q.requires_grad_(True)
         with pytest.raises(RuntimeError, match="was forced, but"):
-            fusedattn.attention(q, k, v, mask, case.is_causal, case.scale, case.window).sum().backward()
+            fusedattn.attention(q, k, v, mask, *case.options(make_sinks(case, "cuda"))).sum().backward()
         return
     q_shape = (case.batch, case.heads_q, case.seqlen_q, case.head_dim)
     kv_shape = (case.batch, case.heads_kv, case.seqlen_k, case.head_dim)

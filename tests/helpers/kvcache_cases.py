@@ -20,14 +20,15 @@ def make_cache(B=3, Hq=4, Hkv=2, d=32, max_len=300, nq=1, n_new=1, dtype=torch.f
     return rand(B, Hq, nq, d), k_cache, v_cache, lens, *new
 
 
-def check_against_reference(q, k_cache, v_cache, lens, k_new, v_new, is_causal, out, lse, window=None):
+def check_against_reference(q, k_cache, v_cache, lens, k_new, v_new, is_causal, out, lse, window=None, softcap=None,
+                            sinks=None):
     n_new = 0 if k_new is None else k_new.shape[2]
     dtype = q.dtype
     for b in range(q.shape[0]):
         end = int(lens[b]) + n_new
         k = k_cache[b:b + 1, :, :end]
         v = v_cache[b:b + 1, :, :end]
-        args = (None, is_causal, None, window)
+        args = (None, is_causal, None, window, softcap, sinks)
         oracle, oracle_lse = reference.attention_with_lse(q[b:b + 1].double(), k.double(), v.double(), *args)
         low, _ = reference.attention_with_lse(q[b:b + 1], k, v, *args)
         assert_within_rule(f"out[{b}]", out[b:b + 1], oracle, low, dtype, factor=2)
