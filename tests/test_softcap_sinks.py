@@ -235,3 +235,10 @@ def test_cuda_decode_sinks(head_dim, splits, merge):
         assert plan["merge_in_cluster"] == merge, plan
     check_against_reference(q, k_cache, v_cache, lens, None, None, True, out, lse, sinks=sinks)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(lse[0], sinks[:, None].expand(8, 2))
+
+
+def test_supports_says_where_each_option_runs():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert fusedattn.ops.supports(cpu, torch.bfloat16, 64, softcap=True, sinks=True)
+    assert not fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True)
+    assert fusedattn.ops.supports(cuda, torch.float16, 64, sinks=True) == fusedattn.ops.supports(cuda, torch.float16, 64)

@@ -6,11 +6,13 @@
 
 runs every model that goes through transformers' ``AttentionInterface`` on
 fusedattn. Masks are built as for ``"sdpa"`` (bool, True = may attend, or
-None with a causal flag); calls the fused kernels cannot serve (attention
-dropout while training, position biases, soft-capping, a query batch
-broadcast against the keys', a dtype or head dims the device's kernels do not
-take, such as a value head dim other than the query's on CUDA) go to
-transformers' own SDPA function.
+None with a causal flag). Soft-capping (Gemma 2's ``softcap``) and attention
+sinks (gpt-oss's ``s_aux``) run in the kernels. Calls the fused kernels cannot
+serve (attention dropout while training, position biases, a query batch
+broadcast against the keys', a dtype, head dims or soft-capping the device's
+kernels do not take, such as a value head dim other than the query's on CUDA)
+go to transformers' own SDPA function; a call with sinks that fusedattn
+cannot serve raises, since SDPA would drop them.
 """
 
 from __future__ import annotations
@@ -29,9 +31,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     returns ``([B, L, Hq, d], None)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if (dropout > 0.0 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-            or query.shape[0] != key.shape[0]
-            or not supports(query.device, query.dtype, query.shape[-1], value.shape[-1])):
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if (dropout > 0.0 or kwargs.get("position_bias") is not None or query.shape[0] != key.shape[0]
+            or not supports(query.device, query.dtype, query.shape[-1], value.shape[-1],
+                            softcap=softcap is not None, sinks=sinks is not None)):
+        if sinks is not None:
+            raise NotImplementedError(
+                f"fusedattn.hf: this call has attention sinks (s_aux), which transformers' SDPA would drop, "
+                f"and fusedattn cannot serve it (dropout {dropout}, query batch {query.shape[0]} against "
+                f"{key.shape[0]}, {query.dtype} on {query.device.type}, head dim {query.shape[-1]}); "
+                f"use attn_implementation='eager'")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
 
@@ -44,7 +53,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if is_causal and key.shape[2] > q_length:
         key, value = key[:, :, :q_length], value[:, :, :q_length]
 
-    out = attention(query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling)
+    out = attention(query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling,
+                    softcap=softcap, sinks=None if sinks is None else sinks.float())
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -44,13 +44,16 @@ def cuda_head_dims(kernel: str | None = None) -> tuple[int, ...]:
     return tuple(torch.ops.fusedattn.instantiated_head_dims(kernel))
 
 
-def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None) -> bool:
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None, *,
+             softcap: bool = False, sinks: bool = False) -> bool:
     """Whether fusedattn's kernels (forward and backward) serve attention on
-    this device, dtype and head dim (and v's head dim, None: the same)."""
+    this device, dtype and head dim (and v's head dim, None: the same), with
+    soft-capping and attention sinks where asked."""
     if device.type == "cpu":
         return dtype in (torch.float32, torch.float16, torch.bfloat16)
     if device.type == "cuda":
-        return dtype in CUDA_DTYPES and head_dim in cuda_head_dims() and value_head_dim in (None, head_dim)
+        return (dtype in CUDA_DTYPES and head_dim in cuda_head_dims() and value_head_dim in (None, head_dim)
+                and not softcap)
     return False
 
 
