@@ -423,12 +423,14 @@ def test_device_cuda_index_past_the_devices(capsys, no_run, fake_cuda):
 def test_bench_refuses_what_the_cuda_kernels_do_not_take(capsys, no_run, fake_cuda, monkeypatch):
     """Else fusedattn's column reads n/a after the whole run."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert usage_error(capsys, ["bench", "--device", "cuda", "--head-dim", "96"]) == (
-        "--head-dim 96: fusedattn's CUDA kernels take head dims 32, 64, 128")
+    assert usage_error(capsys, ["bench", "--device", "cuda", "--head-dim", "160"]) == (
+        "--head-dim 160: fusedattn's CUDA kernels take head dims up to 128")
     assert usage_error(capsys, ["bench", "--device", "cuda", "--dtype", "float16,float32"]) == (
         "--dtype float32: fusedattn's CUDA kernels take float16, bfloat16")
     assert usage_error(capsys, ["bench", "--decode", "--head-dim", "256"]) == (
         "--head-dim 256: fusedattn's CUDA kernels take head dims 32, 64, 128")
+    assert usage_error(capsys, ["bench", "--decode", "--head-dim", "96"]) == (
+        "--head-dim 96: fusedattn's CUDA kernels take head dims 32, 64, 128")
 
 
 def test_bench_plot_without_matplotlib_fails_before_the_run(capsys, no_run, monkeypatch, tmp_path):

@@ -111,8 +111,8 @@ def test_the_library_reports_the_generated_table():
     for kernel, dims in generated_table().items():
         assert cuda_head_dims(kernel) == dims, kernel
     served = set(cuda_head_dims("sm80_forward")) & set(cuda_head_dims("sm80_backward"))
-    for d in range(1, 300):
-        assert fusedattn.ops.supports(torch.device("cuda"), torch.float16, d) == (d in served)
+    for d in range(1, 300):  # below the largest served dim, the kernels run it padded
+        assert fusedattn.ops.supports(torch.device("cuda"), torch.float16, d) == (d <= max(served))
     assert not fusedattn.ops.supports(torch.device("cuda"), torch.float32, 64)
     with pytest.raises(RuntimeError, match="no kernel named 'sm70_forward'"):
         torch.ops.fusedattn.instantiated_head_dims("sm70_forward")
@@ -138,6 +138,12 @@ def test_cuda_plans(dtype):
         backward_family = "sm90" if hopper and d in cuda_head_dims("sm90_backward") else "sm80"
         assert plan(d, mask=True, backward=True)["family"] == backward_family
         assert plan(d, backward=True)["family"] == backward_family
+        assert plan(d)["head_dim"] == plan(d, backward=True)["head_dim"] == d
+    # Between the served dims, the next one's families (d=48 pads to 64, d=20 to 32).
+    for d in (20, 48, 100):
+        served = min(x for x in cuda_head_dims() if x >= d)
+        assert plan(d)["family"] == plan(served)["family"] and plan(d)["head_dim"] == served
+        assert plan(d, backward=True)["family"] == plan(served, backward=True)["family"]
     if hopper:
         assert plan(128)["block_n"] == 176 and plan(128, mask=True)["block_n"] == 128
         assert plan(128, causal=True)["block_n"] == 128 and plan(128, causal=True, nk=16384)["block_n"] == 176

@@ -212,10 +212,18 @@ bool merges_in_cluster(const KVCacheParams& p, const Plan& plan, int requested) 
   return merges;
 }
 
+// The kernels run d_v == d at a served head dim: the operators pad to kernel_head_dim.
+void check_kernel_head_dims(const AttentionShape& sh) {
+  if (sh.head_dim != sh.head_dim_v || kernel_head_dim(sh.head_dim, sh.head_dim_v) != sh.head_dim)
+    throw std::logic_error("fusedattn: the CUDA kernels take q, k and v padded to kernel_head_dim, got d = " +
+                           std::to_string(sh.head_dim) + " and d_v = " + std::to_string(sh.head_dim_v));
+}
+
 }  // namespace
 
 Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
   const AttentionShape& sh = p.shape;
+  check_kernel_head_dims(sh);
   const bool masked = p.mask.kind != MaskKind::None;
   // Causal calls and windows run the banded kernels (common/band.cuh); a
   // window's items span its width, not Nk, so it takes the short tiles.
@@ -234,10 +242,12 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
     plan.warps = kSm80Warps;
   }
   plan.mask_tiles = masked;
+  plan.head_dim = static_cast<int>(sh.head_dim);
   return plan;
 }
 
 Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
+  check_kernel_head_dims(p.fwd.shape);
   const int d = static_cast<int>(p.fwd.shape.head_dim);
   Plan plan;
   plan.backward = true;
@@ -257,6 +267,7 @@ Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
   }
   plan.head_splits = backward_head_splits(p, plan.block_n, blocks_per_sm);
   plan.mask_tiles = p.fwd.mask.kind != MaskKind::None;
+  plan.head_dim = d;
   return plan;
 }
 
@@ -268,6 +279,7 @@ Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
   Plan plan;
   plan.family = Family::Decode;
   plan.block_m = kDecodeBlockM;
+  plan.head_dim = static_cast<int>(sh.head_dim);
   dispatch_instantiation(DecodeHeadDims{}, "decode kernel", p.attn.dtype, sh.head_dim, [&](auto head_dim,
                                                                                             auto element) {
     constexpr int kHeadDim = decltype(head_dim)::value;
@@ -283,6 +295,21 @@ Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
     plan.merge_in_cluster = merges_in_cluster<kHeadDim, Element>(p, plan, request.merge_in_cluster);
   });
   return plan;
+}
+
+std::vector<int64_t> served_head_dims() {
+  std::vector<int64_t> dims;
+  for (int64_t d : values_of(Sm80ForwardHeadDims{}))
+    if (instantiated(Sm80BackwardHeadDims{}, static_cast<int>(d))) dims.push_back(d);
+  return dims;
+}
+
+int64_t kernel_head_dim(int64_t d, int64_t d_v) {
+  for (int64_t served : served_head_dims())
+    if (served >= std::max(d, d_v)) return served;
+  throw std::invalid_argument("fusedattn: on CUDA the head dims d and d_v must be at most " +
+                              std::to_string(served_head_dims().back()) + ", got d = " + std::to_string(d) +
+                              " and d_v = " + std::to_string(d_v));
 }
 
 std::vector<int64_t> instantiated_head_dims(const std::string& kernel) {

@@ -24,20 +24,22 @@
 namespace fusedattn::ops {
 namespace {
 
-// sm80, every call's fallback, serves the head dims both its forward and
-// backward are instantiated for.
-std::vector<int64_t> sm80_head_dims() {
-  std::vector<int64_t> dims;
-  const std::vector<int64_t> backward = cuda::instantiated_head_dims("sm80_backward");
-  for (int64_t d : cuda::instantiated_head_dims("sm80_forward"))
-    if (std::find(backward.begin(), backward.end(), d) != backward.end()) dims.push_back(d);
-  return dims;
+// Any head dims d, d_v up to the largest served one: the kernels run them
+// padded to kernel_head_dim.
+const DeviceSupport& cuda_support() {
+  static const DeviceSupport support{"CUDA",          {at::kHalf, at::kBFloat16}, /*head_dims=*/{},
+                                     /*aligned_rows=*/true, /*own_value_head_dim=*/true, /*softcap=*/false,
+                                     /*sinks=*/true,  cuda::served_head_dims().back()};
+  return support;
 }
 
-const DeviceSupport& cuda_support() {
-  static const DeviceSupport support{"CUDA", {at::kHalf, at::kBFloat16}, sm80_head_dims(), /*aligned_rows=*/true,
-                                     /*own_value_head_dim=*/false, /*softcap=*/false, /*sinks=*/true};
-  return support;
+// in padded to the head dim the kernels run it at; the call's d_v, which out is cut back to.
+int64_t pad_to_kernel_head_dim(PreparedInputs& in) {
+  const AttentionShape& sh = in.params.shape;
+  const int64_t head_dim_v = sh.head_dim_v;
+  const int64_t head_dim = with_torch_errors([&] { return cuda::kernel_head_dim(sh.head_dim, sh.head_dim_v); });
+  if (head_dim != sh.head_dim || head_dim != head_dim_v) pad_head_dims(in, head_dim);
+  return head_dim_v;
 }
 
 PlanRequest family_request(const char* op, const std::optional<c10::string_view>& family, const at::Tensor& q) {
@@ -81,10 +83,11 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
   PreparedInputs in =
       prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
-  auto outputs = allocate_forward_outputs(in);
+  const int64_t head_dim_v = pad_to_kernel_head_dim(in);
+  auto [out, lse] = allocate_forward_outputs(in);
   const Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, family_request(op, family, q)); });
   run_forward(in.params, plan, q, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
-  return outputs;
+  return {unpadded(out, head_dim_v), lse};
 }
 
 // The backward's workspaces, as its plan needs them: delta always; the
@@ -120,11 +123,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale,
                                         cuda_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
+  const AttentionShape& sh = b.params.fwd.shape;
+  const int64_t head_dim = with_torch_errors([&] { return cuda::kernel_head_dim(sh.head_dim, sh.head_dim_v); });
+  if (head_dim != sh.head_dim || head_dim != sh.head_dim_v) pad_head_dims(b, head_dim);
   // torch.use_deterministic_algorithms(True): grad_q from its own pass, in a
   // fixed order, instead of float32 atomics.
   b.params.deterministic = at::globalContext().deterministicAlgorithms();
   const Plan plan = with_torch_errors([&] { return cuda::plan_backward(b.params, family_request(op, family, q)); });
-  const BackwardWorkspaces workspaces(b.params, plan, q, k, lse);
+  const BackwardWorkspaces workspaces(b.params, plan, b.fwd.q, b.fwd.k, lse);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   if (plan.family == Family::Sm90)
     cuda::backward_sm90(b.params, stream);
@@ -133,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   // The sinks' gradient from the delta the kernels computed.
   at::Tensor grad_sinks = sinks ? sinks_gradient(*sinks, b.lse, workspaces.delta)
                                 : at::empty({0}, lse.options());
-  return {b.grad_q, b.grad_k, b.grad_v, grad_sinks};
+  return {unpadded(b.grad_q, q.size(3)), unpadded(b.grad_k, k.size(3)), unpadded(b.grad_v, v.size(3)), grad_sinks};
 }
 
 // The plan of forward (or backward) for these arguments. The backward's
@@ -147,13 +153,15 @@ std::string plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   PreparedInputs in =
       prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
+  pad_to_kernel_head_dim(in);
   const PlanRequest request = family_request(op, family, q);
   if (!backward) return with_torch_errors([&] { return cuda::plan_forward(in.params, request); }).describe();
   BackwardParams b;
   b.fwd = in.params;
   b.fwd.lse = reinterpret_cast<float*>(uintptr_t(256));
   b.grad_out = reinterpret_cast<const void*>(uintptr_t(256));
-  b.grad_out_strides = {q.size(1) * q.size(2) * q.size(3), q.size(2) * q.size(3), q.size(3)};
+  const int64_t d = in.params.shape.head_dim;
+  b.grad_out_strides = {q.size(1) * q.size(2) * d, q.size(2) * d, d};
   b.deterministic = at::globalContext().deterministicAlgorithms();
   return with_torch_errors([&] { return cuda::plan_backward(b, request); }).describe();
 }

@@ -217,6 +217,9 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
   TORCH_CHECK(dims.empty() || std::find(dims.begin(), dims.end(), q.size(3)) != dims.end(), op,
               ": on ", support.device_name, " the head dim must be one of ",
               c10::IntArrayRef(dims), "; got ", q.size(3));
+  TORCH_CHECK(support.max_head_dim == 0 || std::max(q.size(3), v.size(3)) <= support.max_head_dim, op, ": on ",
+              support.device_name, " the head dims d and d_v must be at most ", support.max_head_dim, ", got q ",
+              shape_str(q), " and v ", shape_str(v));
   // The kernels work in float32 with the scale times log2(e): a larger one
   // would be inf there and every output NaN.
   constexpr double kMaxScale = std::numeric_limits<float>::max() / 1.4426950408889634;  // log2(e)
@@ -265,6 +268,37 @@ void set_forward_outputs(ForwardParams& params, const at::Tensor& out, const at:
   params.lse = lse.data_ptr<float>();
 }
 
+namespace {
+
+// t zero-padded in its last dimension to head_dim columns (a contiguous copy), or t.
+at::Tensor padded_to(const at::Tensor& t, int64_t head_dim) {
+  if (t.size(-1) == head_dim) return t;
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  shape.back() = head_dim;
+  at::Tensor padded = at::zeros(shape, t.options());
+  padded.narrow(-1, 0, t.size(-1)).copy_(t);
+  return padded;
+}
+
+// b.params from b's tensors.
+void point_backward_params(PreparedBackward& b) {
+  BackwardParams& p = b.params;
+  p.fwd = b.fwd.params;
+  p.fwd.out = b.out.data_ptr();
+  p.fwd.out_strides = strides_of(b.out);
+  p.fwd.lse = b.lse.data_ptr<float>();  // only read by the backward
+  p.grad_out = b.grad_out.data_ptr();
+  p.grad_q = b.grad_q.data_ptr();
+  p.grad_k = b.grad_k.data_ptr();
+  p.grad_v = b.grad_v.data_ptr();
+  p.grad_out_strides = strides_of(b.grad_out);
+  p.grad_q_strides = strides_of(b.grad_q);
+  p.grad_k_strides = strides_of(b.grad_k);
+  p.grad_v_strides = strides_of(b.grad_v);
+}
+
+}  // namespace
+
 PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, const at::Tensor& q,
                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                   const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
@@ -283,21 +317,36 @@ PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, co
   b.grad_q = at::empty(q.sizes(), q.options());
   b.grad_k = at::empty(k.sizes(), k.options());
   b.grad_v = at::empty(v.sizes(), v.options());
-
-  BackwardParams& p = b.params;
-  p.fwd = b.fwd.params;
-  p.fwd.out = b.out.data_ptr();
-  p.fwd.out_strides = strides_of(b.out);
-  p.fwd.lse = b.lse.data_ptr<float>();  // only read by the backward
-  p.grad_out = b.grad_out.data_ptr();
-  p.grad_q = b.grad_q.data_ptr();
-  p.grad_k = b.grad_k.data_ptr();
-  p.grad_v = b.grad_v.data_ptr();
-  p.grad_out_strides = strides_of(b.grad_out);
-  p.grad_q_strides = strides_of(b.grad_q);
-  p.grad_k_strides = strides_of(b.grad_k);
-  p.grad_v_strides = strides_of(b.grad_v);
+  point_backward_params(b);
   return b;
+}
+
+void pad_head_dims(PreparedInputs& in, int64_t head_dim) {
+  ForwardParams& p = in.params;
+  in.q = padded_to(in.q, head_dim);
+  in.k = padded_to(in.k, head_dim);
+  in.v = padded_to(in.v, head_dim);
+  p.shape.head_dim = p.shape.head_dim_v = head_dim;
+  p.q = in.q.data_ptr();
+  p.k = in.k.data_ptr();
+  p.v = in.v.data_ptr();
+  p.q_strides = strides_of(in.q);
+  p.k_strides = strides_of(in.k);
+  p.v_strides = strides_of(in.v);
+}
+
+void pad_head_dims(PreparedBackward& b, int64_t head_dim) {
+  pad_head_dims(b.fwd, head_dim);
+  b.grad_out = padded_to(b.grad_out, head_dim);
+  b.out = padded_to(b.out, head_dim);
+  b.grad_q = at::empty(b.fwd.q.sizes(), b.grad_q.options());
+  b.grad_k = at::empty(b.fwd.k.sizes(), b.grad_k.options());
+  b.grad_v = at::empty(b.fwd.v.sizes(), b.grad_v.options());
+  point_backward_params(b);
+}
+
+at::Tensor unpadded(const at::Tensor& t, int64_t head_dim) {
+  return t.size(-1) == head_dim ? t : t.narrow(-1, 0, head_dim).contiguous();
 }
 
 PlanRequest::FamilyChoice parse_family(const char* op, const std::optional<c10::string_view>& family,

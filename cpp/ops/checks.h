@@ -24,6 +24,7 @@ struct DeviceSupport {
   bool own_value_head_dim = false;       // v's head dim may differ from q's and k's
   bool softcap = false;                  // the kernels soft-cap scores
   bool sinks = false;                    // the kernels take attention sinks
+  int64_t max_head_dim = 0;              // d and d_v at most this (0: no bound), where head_dims is empty
 };
 
 // q, k, v (and the mask) as the kernels will read them, with the tensors that
@@ -94,6 +95,20 @@ PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, co
                                   const DeviceSupport& support, at::OptionalIntArrayRef window = std::nullopt,
                                   std::optional<double> softcap = std::nullopt,
                                   const std::optional<at::Tensor>& sinks = std::nullopt);
+
+// in's q, k and v zero-padded in their last dimension to head_dim, d and d_v
+// alike, and params following (shape, pointers, strides; the scale stays the
+// call's): for kernels instantiated at fewer head dims than the calls they
+// serve. The zero columns add nothing to Q K^T and give zero columns of out
+// (and of grad_q, grad_k and grad_v), which the operators cut off.
+void pad_head_dims(PreparedInputs& in, int64_t head_dim);
+// The same for a backward: q, k, v, grad_out and out padded, and grad_q,
+// grad_k and grad_v allocated at the padded head dim.
+void pad_head_dims(PreparedBackward& b, int64_t head_dim);
+
+// t's first `head_dim` columns (its last dimension), contiguous: a padded
+// output cut back to the call's head dim (t itself where nothing was padded).
+at::Tensor unpadded(const at::Tensor& t, int64_t head_dim);
 
 // Points params at out ([B, Hq, Nq, d], last dim contiguous) and lse
 // (contiguous float32 [B, Hq, Nq]).

@@ -105,9 +105,12 @@ def _cuda_takes(device: torch.device, dtypes: list[str], head_dim: int, kernel: 
     for name in dtypes:
         if name not in taken:
             raise UsageError(f"--dtype {name}: fusedattn's CUDA kernels take {', '.join(taken)}")
-    if head_dim not in cuda_head_dims(kernel):
+    dims = cuda_head_dims(kernel)
+    if kernel is None and dims and head_dim > dims[-1]:
+        raise UsageError(f"--head-dim {head_dim}: fusedattn's CUDA kernels take head dims up to {dims[-1]}")
+    if kernel is not None and head_dim not in dims:
         raise UsageError(f"--head-dim {head_dim}: fusedattn's CUDA kernels take head dims "
-                         f"{', '.join(map(str, cuda_head_dims(kernel)))}")
+                         f"{', '.join(map(str, dims))}")
 
 
 def _dtypes() -> dict:

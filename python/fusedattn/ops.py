@@ -35,7 +35,8 @@ def cuda_head_dims(kernel: str | None = None) -> tuple[int, ...]:
     """The head dims a CUDA kernel of this build is instantiated for (the table
     in ``cpp/generate_kernels.py``); () in a build without CUDA kernels. None:
     those of sm80's forward and backward, every CUDA call's fallback, so the
-    head dims CUDA serves."""
+    head dims CUDA's forward and backward serve natively; smaller ones (and a
+    v head dim of its own) run zero-padded to the next, up to the largest."""
     if not has_kernel("forward", "cuda"):
         return ()
     if kernel is None:
@@ -52,7 +53,8 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head
     if device.type == "cpu":
         return dtype in (torch.float32, torch.float16, torch.bfloat16)
     if device.type == "cuda":
-        return (dtype in CUDA_DTYPES and head_dim in cuda_head_dims() and value_head_dim in (None, head_dim)
+        served = cuda_head_dims()
+        return (dtype in CUDA_DTYPES and bool(served) and max(head_dim, value_head_dim or head_dim) <= served[-1]
                 and not softcap)
     return False
 

@@ -52,6 +52,7 @@ class Case:
     seqlen_q: int = 33
     seqlen_k: int = 47
     head_dim: int = 32
+    head_dim_v: int | None = None  # v's and out's head dim; None: head_dim
     dtype: torch.dtype = torch.float32
     mask: str = "none"
     is_causal: bool = False
@@ -64,7 +65,8 @@ class Case:
     def __str__(self) -> str:
         s = (
             f"B{self.batch}-H{self.heads_q}/{self.heads_kv}-N{self.seqlen_q}x{self.seqlen_k}"
-            f"-d{self.head_dim}-{str(self.dtype)[6:]}-{self.mask}"
+            f"-d{self.head_dim}" + (f"-dv{self.head_dim_v}" if self.head_dim_v else "")
+            + f"-{str(self.dtype)[6:]}-{self.mask}"
         )
         return (s + ("-causal" if self.is_causal else "") + (f"-s{self.scale}" if self.scale else "")
                 + (f"-w{self.window[0]},{self.window[1]}" if self.window else "")
@@ -139,7 +141,8 @@ def make_inputs(case: Case, device="cpu", requires_grad=False):
     g = torch.Generator().manual_seed(case.seed)
     shape_q = (case.batch, case.heads_q, case.seqlen_q, case.head_dim)
     shape_kv = (case.batch, case.heads_kv, case.seqlen_k, case.head_dim)
-    q, k, v = (torch.randn(s, generator=g) for s in (shape_q, shape_kv, shape_kv))
+    shape_v = (*shape_kv[:3], case.head_dim_v or case.head_dim)
+    q, k, v = (torch.randn(s, generator=g) for s in (shape_q, shape_kv, shape_v))
     mask = make_mask(case, g, case.dtype)
     q, k, v = (t.to(device=device, dtype=case.dtype).requires_grad_(requires_grad) for t in (q, k, v))
     return q, k, v, (mask.to(device) if mask is not None else None)
@@ -179,7 +182,7 @@ def check_forward(case: Case, device="cpu", out=None, lse=None):
     args = (mask, *case.options(sinks))
     oracle, oracle_lse = reference.attention_with_lse(q.double(), k.double(), v.double(), *args)
     low, _ = reference.attention_with_lse(q, k, v, *args)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (*q.shape[:3], v.shape[3]) and out.dtype == q.dtype
     assert_within_rule("out", out, oracle, low, case.dtype, factor=2)
 
     # lse: -inf exactly where the oracle's is, otherwise float32-accurate.
@@ -205,7 +208,7 @@ def check_backward(case: Case, device="cpu", grads=None, grad_out=None):
     inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
     if grad_out is None:
         g = torch.Generator().manual_seed(case.seed + 1)
-        grad_out = torch.randn(q.shape, generator=g).to(device=device, dtype=case.dtype)
+        grad_out = torch.randn((*q.shape[:3], v.shape[3]), generator=g).to(device=device, dtype=case.dtype)
 
     if grads is None:
         out = fusedattn.attention(q, k, v, mask, *case.options(sinks))
@@ -253,10 +256,10 @@ def stored_output_error(q64, k64, v64, grad_out64, args, dtype) -> tuple[float, 
         d_sinks = 0.0
         if sinks is not None:
             sink_mass = torch.exp(sinks.view(1, -1, 1) - lse).nan_to_num(0.0)
-            d_sinks = max_err((sink_mass * shift.squeeze(-1)).sum((0, 2)), torch.zeros(sinks.shape[0]))
-    v_probe = v64.detach().clone().requires_grad_()
-    (dk,) = torch.autograd.grad(reference.attention(q64.detach(), k64.detach(), v_probe, mask, *options),
-                                (v_probe,), scale * shift * q64.detach())  # P^T (shift q), summed per kv head
+            d_sinks = max_err((sink_mass * shift.squeeze(-1)).sum((0, 2)), torch.zeros(sinks.shape[0], dtype=sinks.dtype, device=sinks.device))
+    k_probe = k64.detach().clone().requires_grad_()  # as values: P^T (shift q) has dk's head dim
+    (dk,) = torch.autograd.grad(reference.attention(q64.detach(), k64.detach(), k_probe, mask, *options),
+                                (k_probe,), scale * shift * q64.detach())  # P^T (shift q), summed per kv head
     return max_err(dq, torch.zeros_like(dq)), max_err(dk, torch.zeros_like(dk)), 0.0, d_sinks
 
 

@@ -56,10 +56,11 @@ def backward(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale
                                         fusedattn.backends.forced().family, window, softcap, sinks)
 
 
-def planned_family(case: Case, q, k, v, mask, backward: bool = False) -> str | None:
-    """The family the planner gives the call: the forced one if one is forced,
-    which the plan must then say. None where a forced family refuses the call;
-    then the call itself must raise, not fall back."""
+def planned(case: Case, q, k, v, mask, backward: bool = False) -> dict | None:
+    """The plan the planner gives the call: on the forced family if one is
+    forced, which the plan must then say, at the next served head dim at least
+    d and d_v. None where a forced family refuses the call; then the call
+    itself must raise, not fall back."""
     forced = fusedattn.backends.forced().family
     try:
         plan = fusedattn.plan(q, k, v, mask, case.is_causal, case.scale, backward=backward, window=case.window,
@@ -68,7 +69,9 @@ def planned_family(case: Case, q, k, v, mask, backward: bool = False) -> str | N
         assert forced is not None and "was forced, but" in str(e), str(e)
         return None
     assert plan["family"] == (forced or plan["family"]) and plan["family"] in ("sm80", "sm90"), plan
-    return plan["family"]
+    widest = max(case.head_dim, case.head_dim_v or case.head_dim)
+    assert plan["head_dim"] == min(d for d in HEAD_DIMS if d >= widest), plan
+    return plan
 
 
 def check_cuda(case: Case):
@@ -76,11 +79,13 @@ def check_cuda(case: Case):
     planned (or forced) family; a forced family that refuses must raise."""
     q, k, v, mask = make_inputs(case, "cuda")
     options = (case.is_causal, case.scale, case.window, case.softcap, make_sinks(case, "cuda"))
-    if planned_family(case, q, k, v, mask) is None:
+    plan = planned(case, q, k, v, mask)
+    if plan is None:
         with pytest.raises(RuntimeError, match="was forced, but"):
             forward(q, k, v, mask, *options)
         return None
-    poison_allocator((q.shape, q.dtype), (q.shape[:3], torch.float32))
+    padded = (*q.shape[:3], plan["head_dim"])  # out before it is cut back to d_v
+    poison_allocator((q.shape[:3] + v.shape[3:], q.dtype), (padded, q.dtype), (q.shape[:3], torch.float32))
     out, lse = forward(q, k, v, mask, *options)
     return check_forward(case, device="cuda", out=out, lse=lse)
 
@@ -90,13 +95,14 @@ def check_cuda_backward(case: Case):
     workspaces' sizes freed just before, so an element never written fails;
     the backward's plan as for check_cuda."""
     q, k, v, mask = make_inputs(case, "cuda")
-    if planned_family(case, q, k, v, mask, backward=True) is None:
+    plan = planned(case, q, k, v, mask, backward=True)
+    if plan is None:
         q.requires_grad_(True)
         with pytest.raises(RuntimeError, match="was forced, but"):
             fusedattn.attention(q, k, v, mask, *case.options(make_sinks(case, "cuda"))).sum().backward()
         return
-    q_shape = (case.batch, case.heads_q, case.seqlen_q, case.head_dim)
-    kv_shape = (case.batch, case.heads_kv, case.seqlen_k, case.head_dim)
+    q_shape = (case.batch, case.heads_q, case.seqlen_q, plan["head_dim"])  # the kernels' (padded) gradients
+    kv_shape = (case.batch, case.heads_kv, case.seqlen_k, plan["head_dim"])
     poison_allocator(*[(q_shape, case.dtype)] * 3, *[(kv_shape, case.dtype)] * 2, (q_shape, torch.float32),
                      (q_shape[:3], torch.float32))
     check_backward(case, device="cuda")

@@ -77,7 +77,7 @@ struct AttentionShape {
   int64_t seqlen_q = 0;
   int64_t seqlen_k = 0;
   int64_t head_dim = 0;    // of q and k
-  int64_t head_dim_v = 0;  // of v and out (the CUDA kernels take head_dim_v == head_dim only)
+  int64_t head_dim_v = 0;  // of v and out (CUDA kernels run head_dim_v == head_dim: the operators pad)
 
   int64_t group_size() const { return heads_q / heads_kv; }
   // Bottom-right causal alignment: query i may see key j iff j <= i + causal_offset.

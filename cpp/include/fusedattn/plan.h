@@ -37,6 +37,7 @@ struct Plan {
   int block_m = 0;  // queries per tile (decode: rows of (query head, query) per block)
   int block_n = 0;  // keys per tile
   int warps = 0;    // per thread block (CPU: 0)
+  int head_dim = 0;  // CUDA: the kernel's head dim; q, k, v (d_v) below it are padded with zeros to it
   bool persistent = false;        // sm90 forward: resident blocks that take work items
   bool mask_tiles = false;        // attn_mask sorted into tile lists first (MaskTiles, params.h;
                                   // the backwards' by key tiles)
@@ -50,6 +51,7 @@ struct Plan {
   std::string describe() const {
     std::string s = std::string("family=") + family_name(family) + " block_m=" + std::to_string(block_m) +
                     " block_n=" + std::to_string(block_n) + " warps=" + std::to_string(warps);
+    if (family != Family::Cpu) s += " head_dim=" + std::to_string(head_dim);
     auto flag = [](bool b) { return b ? "true" : "false"; };
     if (family == Family::Sm90) s += std::string(" persistent=") + flag(persistent);
     if (family == Family::Sm80 || family == Family::Sm90) s += std::string(" mask_tiles=") + flag(mask_tiles);
