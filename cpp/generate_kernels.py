@@ -18,7 +18,7 @@ CUDA = Path(__file__).resolve().parent / "cuda"
 # kernel: (folder under cpp/cuda, header defining its templates, head dims, explicit instantiations).
 # In an instantiation {d} is the head dim and {t} the element type.
 KERNELS = {
-    "sm80_forward": ("sm80", "forward_kernel.cuh", (32, 64, 128), [
+    "sm80_forward": ("sm80", "forward_kernel.cuh", (32, 64, 128, 256), [
         "template void launch_forward_sm80<{d}, {t}>(const ForwardParams&, cudaStream_t);",
     ]),
     "sm80_backward": ("sm80", "backward_kernel.cuh", (32, 64, 128), [
@@ -30,7 +30,7 @@ KERNELS = {
     "sm90_backward": ("sm90", "backward_kernel.cuh", (64, 128), [
         "template void launch_backward_sm90<{d}, {t}>(const Sm90BackwardArgs&, cudaStream_t);",
     ]),
-    "decode": ("decode", "decode_kernel.cuh", (32, 64, 128), [
+    "decode": ("decode", "decode_kernel.cuh", (32, 64, 128, 256), [
         "template void launch_decode<{d}, {t}>(const KVCacheParams&, int, cudaStream_t);",
         "template int decode_blocks_per_sm<{d}, {t}>(int);",
         "template bool decode_warps_fit<{d}, {t}>(int);",

@@ -206,7 +206,7 @@ def test_hidden_tiles_are_never_read(backend, head_dim):
     k[:, :, visible:] = float("nan")
     v[:, :, visible:] = float("nan")
     q, k, v = (t.to(backend.device, dtype).requires_grad_() for t in (q, k, v))
-    backend.require(dataclasses.replace(Case(), dtype=dtype, head_dim=head_dim))
+    backend.require(dataclasses.replace(Case(), dtype=dtype, head_dim=head_dim), backward=True)
     bm = fusedattn.BlockMask.from_dense(mask.to(backend.device))
     assert fusedattn.plan(q, k, v, bm)["family"] == backend.name
     out = fusedattn.attention(q, k, v, attn_mask=bm)

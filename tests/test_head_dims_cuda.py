@@ -1,22 +1,26 @@
 """Head dims the CUDA kernels have no instantiation for: any d up to the
-largest served one, and a value head dim of its own (d_v != d). The operators
-pad q, k and v with zeros to the next served head dim (the plan's head_dim)
-and cut the outputs back; forward and backward on each family against the
-float64 reference, with masks, windows, sinks and GQA, their fake functions,
-torch.compile and the refusal above the largest. Odd head dims on every
-backend are also in test_forward.py's and test_backward.py's test_head_dims."""
+largest served one (the forward's 256, the backward's 128), and a value head
+dim of its own (d_v != d). The operators pad q, k and v with zeros to the next
+served head dim (the plan's head_dim) and cut the outputs back; forward and
+backward on each family against the float64 reference, with masks, windows,
+sinks and GQA, their fake functions, torch.compile, the refusals above the
+largest, and decoding at d=256. Odd head dims on every backend are also in
+test_forward.py's and test_backward.py's test_head_dims."""
 
 import pytest
 import torch
 
 import fusedattn
+from fusedattn.ops import cuda_head_dims
 from helpers.attention_cases import Case, make_inputs
-from helpers.cuda import HEAD_DIMS, check_cuda, check_cuda_backward
+from helpers.cuda import check_cuda, check_cuda_backward
+from helpers.kvcache_cases import check_against_reference
 
 pytestmark = pytest.mark.gpu
 
 # (d, d_v): below, between and at the served dims, d_v above and below d.
-PADDED = [(8, 8), (40, 40), (80, 80), (96, 96), (100, 100), (64, 32), (40, 128), (128, 64), (16, 96), (1, 3)]
+PADDED = [(8, 8), (40, 40), (80, 80), (96, 96), (100, 100), (64, 32), (40, 128), (128, 64), (16, 96), (1, 3),
+          (160, 160), (192, 128), (256, 256), (129, 200)]
 
 
 @pytest.mark.parametrize("d,d_v", PADDED, ids=str)
@@ -44,11 +48,13 @@ def test_padded_head_dims_with_sinks_and_a_mask(cuda_family, d, d_v):
 
 def test_padded_plan_says_the_kernel_head_dim():
     """The plan names the dim the kernels run; a served dim is not padded."""
-    for d, d_v in [(8, 8), (33, 33), (64, 64), (64, 65), (96, 80), (128, 1)]:
+    for d, d_v, want in [(8, 8, 32), (33, 33, 64), (64, 64, 64), (64, 65, 128), (96, 80, 128), (128, 1, 128)]:
         q, k, v, _ = make_inputs(Case(head_dim=d, head_dim_v=d_v, dtype=torch.float16), "cuda")
-        want = min(x for x in HEAD_DIMS if x >= max(d, d_v))
         assert fusedattn.plan(q, k, v)["head_dim"] == want, (d, d_v)
         assert fusedattn.plan(q, k, v, backward=True)["head_dim"] == want, (d, d_v)
+    q, k, v, _ = make_inputs(Case(head_dim=192, head_dim_v=128, dtype=torch.float16), "cuda")
+    plan = fusedattn.plan(q, k, v)  # above 128 the sm80 forward alone
+    assert plan["family"] == "sm80" and plan["head_dim"] == 256
 
 
 def test_padding_keeps_the_scale_of_the_call():
@@ -88,13 +94,39 @@ def test_fake_functions_and_compile_at_a_padded_head_dim():
 
 
 def test_head_dims_above_the_largest_are_refused():
-    top = HEAD_DIMS[-1]
+    """Above 256 the forward refuses; above 128 the backward does (at the
+    backward: the forward has run), and supports() says so beforehand."""
+    top, top_backward = cuda_head_dims("sm80_forward")[-1], cuda_head_dims("sm80_backward")[-1]
     for d, d_v in [(top + 1, top), (top, top + 32)]:
         q, k, v, _ = make_inputs(Case(head_dim=d, head_dim_v=d_v, dtype=torch.float16), "cuda")
         with pytest.raises(RuntimeError, match=rf"on CUDA the head dims d and d_v must be at most {top}, got q"):
             fusedattn.attention(q, k, v)
-        assert not fusedattn.ops.supports(q.device, q.dtype, d, d_v)
+        assert not fusedattn.ops.supports(q.device, q.dtype, d, d_v, backward=False)
+    q, k, v, _ = make_inputs(Case(head_dim=top_backward + 8, dtype=torch.float16), "cuda", requires_grad=True)
+    out = fusedattn.attention(q, k, v)
+    with pytest.raises(RuntimeError, match=rf"fusedattn.backward: on CUDA the head dims d and d_v must be at most "
+                                           rf"{top_backward}"):
+        out.sum().backward()
+    assert fusedattn.ops.supports(q.device, q.dtype, top, backward=False)
+    assert not fusedattn.ops.supports(q.device, q.dtype, top_backward + 8)
     assert fusedattn.ops.supports(q.device, q.dtype, 80, 48)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_decode_at_head_dim_256(splits):
+    """Gemma 3's head dim: the decode kernel's own instantiation (4 warps), its split merge over 256 columns."""
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, capacity, d = 3, 8, 2, 900, 256
+    k_cache, v_cache = (torch.randn(B, Hkv, capacity, d, generator=g).half().cuda() for _ in range(2))
+    lengths = torch.tensor([0, 517, 880], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, Hq, 1, d, generator=g).half().cuda()
+    k_new, v_new = (torch.randn(B, Hkv, 1, d, generator=g).half().cuda() for _ in range(2))
+    plan = fusedattn.plan_kvcache(q, k_cache, v_cache, num_splits=splits)
+    assert plan["family"] == "decode" and plan["head_dim"] == 256 and plan["warps"] == 4
+    assert splits is None or plan["num_splits"] == splits
+    out, lse = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lengths, k_new, v_new, True,
+                                                   num_splits=splits)
+    check_against_reference(q, k_cache, v_cache, lengths, k_new, v_new, True, out, lse)
 
 
 def test_decode_takes_served_head_dims_only():
@@ -102,5 +134,5 @@ def test_decode_takes_served_head_dims_only():
     q = torch.randn(1, 4, 1, 80, device="cuda", dtype=torch.float16)
     cache = torch.zeros(1, 4, 64, 80, device="cuda", dtype=torch.float16)
     lengths = torch.tensor([10], dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match=r"on CUDA the head dim must be one of \[32, 64, 128\]; got 80"):
+    with pytest.raises(RuntimeError, match=r"on CUDA the head dim must be one of \[32, 64, 128, 256\]; got 80"):
         torch.ops.fusedattn.forward_kvcache(q, cache, cache, lengths)

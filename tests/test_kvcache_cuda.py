@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fusedattn
-from helpers.cuda import GPU_DTYPES, HEAD_DIMS, at_odd_offset, poison_allocator
+from fusedattn.ops import cuda_head_dims
+from helpers.cuda import GPU_DTYPES, at_odd_offset, poison_allocator
 from helpers.kvcache_cases import check_against_reference, make_cache
 
 pytestmark = pytest.mark.gpu
@@ -27,17 +28,23 @@ merge_paths = pytest.mark.parametrize("merge", [True, False], ids=["cluster-merg
 EIGHT_WARPS_AT_D128 = 200704
 
 
+DECODE_HEAD_DIMS = list(cuda_head_dims("decode"))
+
+
 def planned_warps(head_dim):
-    """The planner's warps per decode block: 8 where a block holds them, else 4 (d=128 only)."""
-    fits = head_dim <= 64 or torch.cuda.get_device_properties(0).shared_memory_per_block_optin >= EIGHT_WARPS_AT_D128
+    """The planner's warps per decode block: 8 where a block holds them, else 4
+    (at d=128 where the block's shared memory is short, and at d=256)."""
+    if head_dim <= 64:
+        return 8
+    fits = head_dim == 128 and torch.cuda.get_device_properties(0).shared_memory_per_block_optin >= EIGHT_WARPS_AT_D128
     return 8 if fits else 4
 
 
 def head_dims_and_warps():
     """Every head dim with the planner's warps, and d=128 with 4 and with 8
     forced (other head dims have 8 warps only)."""
-    cases = [pytest.param(d, None, id=str(d)) for d in HEAD_DIMS]
-    if 128 in HEAD_DIMS:
+    cases = [pytest.param(d, None, id=str(d)) for d in DECODE_HEAD_DIMS]
+    if 128 in DECODE_HEAD_DIMS:
         cases += [pytest.param(128, w, id=f"128-{w}-warps") for w in (4, 8)]
     return cases
 
@@ -457,7 +464,7 @@ def test_cuda_kvcache_layout_errors():
         op(q, at_odd_offset(k_cache), v_cache, lens, k_new, v_new)
     with pytest.raises(RuntimeError, match="cache_seqlens must be on q's device"):
         op(q, k_cache, v_cache, lens.cpu(), k_new, v_new)
-    with pytest.raises(RuntimeError, match=r"the head dim must be one of \[32, 64, 128\]; got 48"):
+    with pytest.raises(RuntimeError, match=r"the head dim must be one of \[32, 64, 128, 256\]; got 48"):
         c = torch.zeros(2, 2, 50, 48, device="cuda", dtype=torch.float16)
         op(q[..., :48], c, c.clone(), lens)
     # k_new laid out [B, Nnew, Hkv, d] (a transposed view, 3 rows) is read as given.

@@ -213,8 +213,8 @@ bool merges_in_cluster(const KVCacheParams& p, const Plan& plan, int requested) 
 }
 
 // The kernels run d_v == d at a served head dim: the operators pad to kernel_head_dim.
-void check_kernel_head_dims(const AttentionShape& sh) {
-  if (sh.head_dim != sh.head_dim_v || kernel_head_dim(sh.head_dim, sh.head_dim_v) != sh.head_dim)
+void check_kernel_head_dims(const AttentionShape& sh, bool backward) {
+  if (sh.head_dim != sh.head_dim_v || kernel_head_dim(sh.head_dim, sh.head_dim_v, backward) != sh.head_dim)
     throw std::logic_error("fusedattn: the CUDA kernels take q, k and v padded to kernel_head_dim, got d = " +
                            std::to_string(sh.head_dim) + " and d_v = " + std::to_string(sh.head_dim_v));
 }
@@ -223,7 +223,7 @@ void check_kernel_head_dims(const AttentionShape& sh) {
 
 Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
   const AttentionShape& sh = p.shape;
-  check_kernel_head_dims(sh);
+  check_kernel_head_dims(sh, /*backward=*/false);
   const bool masked = p.mask.kind != MaskKind::None;
   // Causal calls and windows run the banded kernels (common/band.cuh); a
   // window's items span its width, not Nk, so it takes the short tiles.
@@ -247,7 +247,7 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
 }
 
 Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
-  check_kernel_head_dims(p.fwd.shape);
+  check_kernel_head_dims(p.fwd.shape, /*backward=*/true);
   const int d = static_cast<int>(p.fwd.shape.head_dim);
   Plan plan;
   plan.backward = true;
@@ -297,19 +297,17 @@ Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
   return plan;
 }
 
-std::vector<int64_t> served_head_dims() {
-  std::vector<int64_t> dims;
-  for (int64_t d : values_of(Sm80ForwardHeadDims{}))
-    if (instantiated(Sm80BackwardHeadDims{}, static_cast<int>(d))) dims.push_back(d);
-  return dims;
+std::vector<int64_t> served_head_dims(bool backward) {
+  return backward ? values_of(Sm80BackwardHeadDims{}) : values_of(Sm80ForwardHeadDims{});
 }
 
-int64_t kernel_head_dim(int64_t d, int64_t d_v) {
-  for (int64_t served : served_head_dims())
-    if (served >= std::max(d, d_v)) return served;
-  throw std::invalid_argument("fusedattn: on CUDA the head dims d and d_v must be at most " +
-                              std::to_string(served_head_dims().back()) + ", got d = " + std::to_string(d) +
-                              " and d_v = " + std::to_string(d_v));
+int64_t kernel_head_dim(int64_t d, int64_t d_v, bool backward) {
+  const std::vector<int64_t> served = served_head_dims(backward);
+  for (int64_t dim : served)
+    if (dim >= std::max(d, d_v)) return dim;
+  throw std::invalid_argument(std::string("fusedattn: on CUDA the ") + (backward ? "backward" : "forward") +
+                              " takes head dims d and d_v up to " + std::to_string(served.back()) + ", got d = " +
+                              std::to_string(d) + " and d_v = " + std::to_string(d_v));
 }
 
 std::vector<int64_t> instantiated_head_dims(const std::string& kernel) {

@@ -28,15 +28,15 @@ Plan plan_backward(const BackwardParams& p, const PlanRequest& request);
 // a request the device cannot serve.
 Plan plan_decode(const KVCacheParams& p, const PlanRequest& request);
 
-// The head dims CUDA's forward and backward serve natively: those of sm80,
-// every call's fallback, in forward and backward.
-std::vector<int64_t> served_head_dims();
+// The head dims CUDA's forward (backward: its backward) serves natively:
+// those of sm80, every call's fallback.
+std::vector<int64_t> served_head_dims(bool backward);
 
-// The head dim the forward and backward kernels run a call of q/k head dim d
-// and v head dim d_v at: the smallest served one at least max(d, d_v) (the
+// The head dim the forward (or backward) kernels run a call of q/k head dim
+// d and v head dim d_v at: the smallest served one at least max(d, d_v) (the
 // operators pad q, k and v with zeros to it). Throws std::invalid_argument
 // above the largest.
-int64_t kernel_head_dim(int64_t d, int64_t d_v);
+int64_t kernel_head_dim(int64_t d, int64_t d_v, bool backward);
 
 // The head dims a kernel is instantiated for, by generate_kernels.py's names
 // ("sm80_forward", "sm80_backward", "sm90_forward", "sm90_forward_masked",

@@ -24,22 +24,24 @@
 namespace fusedattn::ops {
 namespace {
 
-// Any head dims d, d_v up to the largest served one: the kernels run them
-// padded to kernel_head_dim.
-const DeviceSupport& cuda_support() {
-  static const DeviceSupport support{"CUDA",          {at::kHalf, at::kBFloat16}, /*head_dims=*/{},
-                                     /*aligned_rows=*/true, /*own_value_head_dim=*/true, /*softcap=*/false,
-                                     /*sinks=*/true,  cuda::served_head_dims().back()};
-  return support;
+// Any head dims d, d_v up to the largest the forward (or backward) serves:
+// the kernels run them padded to kernel_head_dim.
+const DeviceSupport& cuda_support(bool backward = false) {
+  auto support = [](bool backward) {
+    return DeviceSupport{"CUDA",          {at::kHalf, at::kBFloat16}, /*head_dims=*/{},
+                         /*aligned_rows=*/true, /*own_value_head_dim=*/true, /*softcap=*/false,
+                         /*sinks=*/true,  cuda::served_head_dims(backward).back()};
+  };
+  static const DeviceSupport forward = support(false), backward_support = support(true);
+  return backward ? backward_support : forward;
 }
 
-// in padded to the head dim the kernels run it at; the call's d_v, which out is cut back to.
-int64_t pad_to_kernel_head_dim(PreparedInputs& in) {
+// Pads in to the head dim the kernels run it at (the forward's or the backward's).
+void pad_to_kernel_head_dim(PreparedInputs& in, bool backward) {
   const AttentionShape& sh = in.params.shape;
-  const int64_t head_dim_v = sh.head_dim_v;
-  const int64_t head_dim = with_torch_errors([&] { return cuda::kernel_head_dim(sh.head_dim, sh.head_dim_v); });
-  if (head_dim != sh.head_dim || head_dim != head_dim_v) pad_head_dims(in, head_dim);
-  return head_dim_v;
+  const int64_t head_dim =
+      with_torch_errors([&] { return cuda::kernel_head_dim(sh.head_dim, sh.head_dim_v, backward); });
+  if (head_dim != sh.head_dim || head_dim != sh.head_dim_v) pad_head_dims(in, head_dim);
 }
 
 PlanRequest family_request(const char* op, const std::optional<c10::string_view>& family, const at::Tensor& q) {
@@ -83,7 +85,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
   PreparedInputs in =
       prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
-  const int64_t head_dim_v = pad_to_kernel_head_dim(in);
+  const int64_t head_dim_v = in.params.shape.head_dim_v;
+  pad_to_kernel_head_dim(in, /*backward=*/false);
   auto [out, lse] = allocate_forward_outputs(in);
   const Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, family_request(op, family, q)); });
   run_forward(in.params, plan, q, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
@@ -121,10 +124,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.backward";
   PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale,
-                                        cuda_support(), window, softcap, sinks);
+                                        cuda_support(/*backward=*/true), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
   const AttentionShape& sh = b.params.fwd.shape;
-  const int64_t head_dim = with_torch_errors([&] { return cuda::kernel_head_dim(sh.head_dim, sh.head_dim_v); });
+  const int64_t head_dim =
+      with_torch_errors([&] { return cuda::kernel_head_dim(sh.head_dim, sh.head_dim_v, /*backward=*/true); });
   if (head_dim != sh.head_dim || head_dim != sh.head_dim_v) pad_head_dims(b, head_dim);
   // torch.use_deterministic_algorithms(True): grad_q from its own pass, in a
   // fixed order, instead of float32 atomics.
@@ -151,9 +155,9 @@ std::string plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.plan";
   PreparedInputs in =
-      prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(), window, softcap, sinks);
+      prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(backward), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
-  pad_to_kernel_head_dim(in);
+  pad_to_kernel_head_dim(in, backward);
   const PlanRequest request = family_request(op, family, q);
   if (!backward) return with_torch_errors([&] { return cuda::plan_forward(in.params, request); }).describe();
   BackwardParams b;

@@ -96,7 +96,9 @@ def _positive(args, names: tuple[str, ...], least: int = 1) -> None:
 
 def _cuda_takes(device: torch.device, dtypes: list[str], head_dim: int, kernel: str | None = None) -> None:
     """Refuses a dtype or head dim that fusedattn's CUDA kernels do not take
-    (its column would read n/a after the whole run)."""
+    (its column would read n/a after the whole run): `kernel`'s head dims
+    ("decode": exactly one of them; else up to the largest; None: forward and
+    backward's)."""
     from .ops import CUDA_DTYPES, cuda_head_dims
 
     if device.type != "cuda":
@@ -106,9 +108,9 @@ def _cuda_takes(device: torch.device, dtypes: list[str], head_dim: int, kernel: 
         if name not in taken:
             raise UsageError(f"--dtype {name}: fusedattn's CUDA kernels take {', '.join(taken)}")
     dims = cuda_head_dims(kernel)
-    if kernel is None and dims and head_dim > dims[-1]:
+    if kernel != "decode" and dims and head_dim > dims[-1]:  # below, the kernels run it padded
         raise UsageError(f"--head-dim {head_dim}: fusedattn's CUDA kernels take head dims up to {dims[-1]}")
-    if kernel is not None and head_dim not in dims:
+    if kernel == "decode" and head_dim not in dims:
         raise UsageError(f"--head-dim {head_dim}: fusedattn's CUDA kernels take head dims "
                          f"{', '.join(map(str, dims))}")
 
@@ -290,7 +292,7 @@ def _bench_mask(args) -> int:
     _apply_options(cfg, args, ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
     if len(cfg.dtypes) != 1:
         raise UsageError(f"--dtype {args.dtype}: --mask takes one dtype a run")
-    _cuda_takes(device, cfg.dtypes, cfg.head_dim)
+    _cuda_takes(device, cfg.dtypes, cfg.head_dim, None if args.backward else "sm80_forward")
     problem = bench_mask.seqlen_problem(kinds, cfg.seqlens)
     if problem:
         raise UsageError(problem)
@@ -411,7 +413,7 @@ def _bench(args) -> int:
         raise UsageError("--backward: this build of fusedattn has no CUDA backward kernel")
     cfg = bench.default_config(device)
     _apply_options(cfg, args, ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
-    _cuda_takes(device, cfg.dtypes, cfg.head_dim)
+    _cuda_takes(device, cfg.dtypes, cfg.head_dim, None if args.backward else "sm80_forward")
     if args.causal is not None:
         cfg.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     cfg.backward = args.backward
@@ -460,7 +462,8 @@ def _check_model(path: str, flag: str, device: torch.device, max_new_tokens: int
     except ValueError as e:  # its messages start with the path
         message = str(e).removeprefix(path).removeprefix(":").removeprefix(" is").strip()
         raise UsageError(f"{flag}: {message}") from None
-    served = [d for d in cuda_head_dims() if d in cuda_head_dims("decode")]  # the engine prefills and decodes
+    # The engine prefills (the forward pads up to its largest head dim) and decodes (exact head dims).
+    served = [d for d in cuda_head_dims("decode") if d <= max(cuda_head_dims("sm80_forward"), default=0)]
     if device.type == "cuda" and model["head_dim"] and model["head_dim"] not in served:
         raise UsageError(f"{flag}: its head dim is {model['head_dim']}; fusedattn's CUDA kernels take "
                          f"{', '.join(map(str, served))} (use --device cpu)")

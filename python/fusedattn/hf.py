@@ -10,8 +10,8 @@ None with a causal flag). Soft-capping (Gemma 2's ``softcap``) and attention
 sinks (gpt-oss's ``s_aux``) run in the kernels. Calls the fused kernels cannot
 serve (attention dropout while training, position biases, a query batch
 broadcast against the keys', a dtype, head dims or soft-capping the device's
-kernels do not take, such as a value head dim other than the query's on CUDA)
-go to transformers' own SDPA function; a call with sinks that fusedattn
+kernels do not take, such as head dims above 128 on CUDA when gradients are
+needed) go to transformers' own SDPA function; a call with sinks that fusedattn
 cannot serve raises, since SDPA would drop them.
 """
 
@@ -24,6 +24,11 @@ from .ops import attention, supports
 __all__ = ["attention_forward", "register"]
 
 
+def _needs_gradients(*tensors) -> bool:
+    """Whether autograd will run the backward of a call on these tensors."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       is_causal=None, **kwargs):
     """transformers' attention-function signature: query ``[B, Hq, L, d]``, key and
@@ -34,7 +39,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     if (dropout > 0.0 or kwargs.get("position_bias") is not None or query.shape[0] != key.shape[0]
             or not supports(query.device, query.dtype, query.shape[-1], value.shape[-1],
-                            softcap=softcap is not None, sinks=sinks is not None)):
+                            softcap=softcap is not None, sinks=sinks is not None,
+                            backward=_needs_gradients(query, key, value, sinks))):
         if sinks is not None:
             raise NotImplementedError(
                 f"fusedattn.hf: this call has attention sinks (s_aux), which transformers' SDPA would drop, "

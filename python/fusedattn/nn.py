@@ -65,7 +65,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         # gradients flow into a mask.
         if any(m.dtype != torch.bool and not m.is_floating_point() or m.requires_grad for m in masks):
             return False
-        return supports(query.device, query.dtype, self.head_dim)
+        grads = torch.is_grad_enabled() and (query.requires_grad or any(p.requires_grad for p in self.parameters()))
+        return supports(query.device, query.dtype, self.head_dim, backward=grads)
 
     def forward(
         self,

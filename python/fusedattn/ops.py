@@ -35,8 +35,9 @@ def cuda_head_dims(kernel: str | None = None) -> tuple[int, ...]:
     """The head dims a CUDA kernel of this build is instantiated for (the table
     in ``cpp/generate_kernels.py``); () in a build without CUDA kernels. None:
     those of sm80's forward and backward, every CUDA call's fallback, so the
-    head dims CUDA's forward and backward serve natively; smaller ones (and a
-    v head dim of its own) run zero-padded to the next, up to the largest."""
+    head dims CUDA's forward and backward serve natively. Other head dims (and
+    a v head dim of its own) run zero-padded to the next of the forward's
+    ("sm80_forward") or the backward's ("sm80_backward"), up to their largest."""
     if not has_kernel("forward", "cuda"):
         return ()
     if kernel is None:
@@ -46,14 +47,15 @@ def cuda_head_dims(kernel: str | None = None) -> tuple[int, ...]:
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None, *,
-             softcap: bool = False, sinks: bool = False) -> bool:
-    """Whether fusedattn's kernels (forward and backward) serve attention on
-    this device, dtype and head dim (and v's head dim, None: the same), with
-    soft-capping and attention sinks where asked."""
+             softcap: bool = False, sinks: bool = False, backward: bool = True) -> bool:
+    """Whether fusedattn's kernels serve attention on this device, dtype and
+    head dim (and v's head dim, None: the same), with soft-capping and
+    attention sinks where asked: the forward, and with ``backward`` the
+    backward too."""
     if device.type == "cpu":
         return dtype in (torch.float32, torch.float16, torch.bfloat16)
     if device.type == "cuda":
-        served = cuda_head_dims()
+        served = cuda_head_dims("sm80_backward" if backward else "sm80_forward")
         return (dtype in CUDA_DTYPES and bool(served) and max(head_dim, value_head_dim or head_dim) <= served[-1]
                 and not softcap)
     return False

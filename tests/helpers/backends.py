@@ -35,16 +35,17 @@ class Backend:
         the CPU's in-place strided reads), float16 on CUDA."""
         return torch.float32 if self.name == "cpu" else torch.float16
 
-    def require(self, case: Case) -> None:
-        """Skips the test where this backend's device does not take the case's dtype or head dim."""
+    def require(self, case: Case, backward: bool = False) -> None:
+        """Skips the test where this backend's device does not take the case's
+        dtype or head dims (in the forward, or with `backward` the backward too)."""
         if case.dtype not in self.dtypes:
             pytest.skip(f"{self.device} takes {[str(d)[6:] for d in self.dtypes]}, not {str(case.dtype)[6:]}")
         if self.device == "cuda":
-            from .cuda import HEAD_DIMS
+            from .cuda import kernel_head_dim
 
-            widest = max(case.head_dim, case.head_dim_v or case.head_dim)
-            if not HEAD_DIMS or widest > HEAD_DIMS[-1]:  # below, the kernels run it padded
-                pytest.skip(f"cuda takes head dims up to {HEAD_DIMS[-1:]}, not {widest}")
+            if kernel_head_dim(case, backward) is None:  # below the largest, the kernels run it padded
+                pytest.skip(f"cuda's {'backward' if backward else 'forward'} takes head dims up to its largest, "
+                            f"not d={case.head_dim}, d_v={case.head_dim_v or case.head_dim}")
             if case.softcap is not None:  # refused by name: tests/test_softcap_sinks.py
                 pytest.skip("cuda has no soft-capping yet")
 
@@ -63,7 +64,7 @@ class Backend:
 
     def check_backward(self, case: Case):
         """The backward of the case on this backend against autograd of the reference, its plan asserted."""
-        self.require(case)
+        self.require(case, backward=True)
         if self.device == "cuda":
             from .cuda import check_cuda_backward
 
@@ -88,5 +89,5 @@ class Backend:
             pytest.skip(str(e).splitlines()[0])
 
     def inputs(self, case: Case, requires_grad=False):
-        self.require(case)
+        self.require(case, backward=requires_grad)
         return make_inputs(case, self.device, requires_grad=requires_grad)

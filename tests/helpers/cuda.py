@@ -56,6 +56,14 @@ def backward(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale
                                         fusedattn.backends.forced().family, window, softcap, sinks)
 
 
+def kernel_head_dim(case: Case, backward: bool = False) -> int | None:
+    """The head dim the CUDA kernels run the case at: the next of the forward's
+    (or backward's) served dims at least d and d_v; None above the largest."""
+    widest = max(case.head_dim, case.head_dim_v or case.head_dim)
+    return min((d for d in cuda_head_dims("sm80_backward" if backward else "sm80_forward") if d >= widest),
+               default=None)
+
+
 def planned(case: Case, q, k, v, mask, backward: bool = False) -> dict | None:
     """The plan the planner gives the call: on the forced family if one is
     forced, which the plan must then say, at the next served head dim at least
@@ -69,8 +77,7 @@ def planned(case: Case, q, k, v, mask, backward: bool = False) -> dict | None:
         assert forced is not None and "was forced, but" in str(e), str(e)
         return None
     assert plan["family"] == (forced or plan["family"]) and plan["family"] in ("sm80", "sm90"), plan
-    widest = max(case.head_dim, case.head_dim_v or case.head_dim)
-    assert plan["head_dim"] == min(d for d in HEAD_DIMS if d >= widest), plan
+    assert plan["head_dim"] == kernel_head_dim(case, backward), plan
     return plan
 
 

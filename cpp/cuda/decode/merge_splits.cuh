@@ -49,13 +49,6 @@ struct ClusterPartials {
 // The split LSEs are read once, two per lane (kMaxDecodeSplits <= 64), and
 // the partial rows in groups of kInFlight loads: at a short cache's end the
 // merge is the kernel's tail, and one L2 round trip per split was most of it.
-constexpr bool decode_head_dims_fit_a_warp() {
-  for (int d : DecodeHeadDims::values)
-    if (d > 4 * 32) return false;
-  return true;
-}
-static_assert(decode_head_dims_fit_a_warp(), "merge_splits: 4 columns per lane");
-
 template <typename T, typename Partials>
 __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int64_t row, int lane, const Partials& partials) {
   static_assert(kMaxDecodeSplits <= 64, "two split LSEs per lane");
@@ -83,30 +76,30 @@ __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int64_t row
 #pragma unroll
   for (int i = 0; i < 2; ++i) weight[i] = lse_s[i] == -INFINITY ? 0.0f : expf(lse_s[i] - lse);
 
-  // Lane l merges columns [4 l, 4 l + 4) (head dims up to 128); every lane
+  // Lane l merges columns [4 l, 4 l + 4) of each 128 columns; every lane
   // takes part in the shuffles.
-  const int col = 4 * lane;
-  const bool active = col < sh.head_dim;
-  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int s0 = 0; s0 < splits; s0 += kInFlight) {
-    float4 x[kInFlight];
+  T* out = static_cast<T*>(p.attn.out) + output_offset(p.attn, row);
+  for (int col0 = 0; col0 < sh.head_dim; col0 += 4 * 32) {
+    const int col = col0 + 4 * lane;
+    const bool active = col < sh.head_dim;
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s0 = 0; s0 < splits; s0 += kInFlight) {
+      float4 x[kInFlight];
 #pragma unroll
-    for (int j = 0; j < kInFlight; ++j)
-      x[j] = active && s0 + j < splits ? partials.load(s0 + j, col) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int j = 0; j < kInFlight; ++j)
+        x[j] = active && s0 + j < splits ? partials.load(s0 + j, col) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-    for (int j = 0; j < kInFlight; ++j) {
-      const int s = s0 + j;  // the same on every lane
-      const float w = __shfl_sync(0xffffffff, s < 32 ? weight[0] : weight[1], s % 32);
-      o.x += w * x[j].x;
-      o.y += w * x[j].y;
-      o.z += w * x[j].z;
-      o.w += w * x[j].w;
+      for (int j = 0; j < kInFlight; ++j) {
+        const int s = s0 + j;  // the same on every lane
+        const float w = __shfl_sync(0xffffffff, s < 32 ? weight[0] : weight[1], s % 32);
+        o.x += w * x[j].x;
+        o.y += w * x[j].y;
+        o.z += w * x[j].z;
+        o.w += w * x[j].w;
+      }
     }
-  }
-  if (!valid) o = make_float4(NAN, NAN, NAN, NAN);
-  if (active) {
-    T* out = static_cast<T*>(p.attn.out) + output_offset(p.attn, row);
-    *reinterpret_cast<uint2*>(out + col) = make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
+    if (!valid) o = make_float4(NAN, NAN, NAN, NAN);
+    if (active) *reinterpret_cast<uint2*>(out + col) = make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
   }
   if (lane == 0) p.attn.lse[row] = lse;
 }
