@@ -135,4 +135,4 @@ def test_decode_takes_served_head_dims_only():
     cache = torch.zeros(1, 4, 64, 80, device="cuda", dtype=torch.float16)
     lengths = torch.tensor([10], dtype=torch.int32, device="cuda")
     with pytest.raises(RuntimeError, match=r"on CUDA the head dim must be one of \[32, 64, 128, 256\]; got 80"):
-        torch.ops.fusedattn.forward_kvcache(q, cache, cache, lengths)
+        torch.ops.fusedattn.forward_kvcache(q, cache, cache.clone(), lengths)

@@ -194,8 +194,8 @@ def test_cuda_says_it_does_not_soft_cap_yet(cuda_family):
     with pytest.raises(RuntimeError, match="on CUDA fusedattn does not soft-cap scores yet; softcap runs on the CPU"):
         fusedattn.attention(q, q, q, softcap=30.0)
     with pytest.raises(RuntimeError, match="does not soft-cap scores yet"):
-        fusedattn.attention_with_kvcache(q[:, :, :1], q, q, torch.full((1,), 64, dtype=torch.int32, device="cuda"),
-                                         softcap=30.0)
+        fusedattn.attention_with_kvcache(q[:, :, :1], q, q.clone(), torch.full((1,), 64, dtype=torch.int32,
+                                                                               device="cuda"), softcap=30.0)
     with pytest.raises(RuntimeError, match="sinks must be on cuda"):
         fusedattn.attention(q, q, q, sinks=torch.zeros(4))
 
