@@ -30,6 +30,8 @@ def option_values(name: str, heads: int, device) -> dict:
 def dense_calls(n, is_causal, dtype, backward, options):
     q, k, v = (torch.randn(4, 16, n, 128, device="cuda", dtype=dtype, requires_grad=backward) for _ in range(3))
     grad = torch.randn_like(q)
+    if not backward:  # else autograd would record the call with the option and not without it
+        options = {key: (v.detach() if torch.is_tensor(v) else v) for key, v in options.items()}
 
     def call(opts):
         def run():
