@@ -2,7 +2,10 @@
 before masks) and attention sinks (one value-less logit per query head in
 every row's softmax), forward and backward, dense, varlen and KV cache,
 against the float64 reference; on CUDA, sinks in every kernel family and
-both split merges of the decode kernels, soft-capping refused by name."""
+both split merges of the decode kernels, soft-capping in the CUDA forwards (their
+backward refuses it by name)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -46,8 +49,10 @@ def test_backward(backend, softcap, sinks, mask, is_causal):
 def test_dtypes_groups_and_windows(backend, dtype, heads, window):
     for sinks in (False, True):
         case = Case(heads_q=heads[0], heads_kv=heads[1], seqlen_q=97, seqlen_k=260, head_dim=64, dtype=dtype,
-                    window=window, softcap=None if backend.device == "cuda" else 2.0, sinks=sinks)
+                    window=window, softcap=2.0, sinks=sinks)
         backend.check_forward(case)
+        if backend.device == "cuda":  # its backward does not soft-cap yet
+            case = dataclasses.replace(case, softcap=None)
         backend.check_backward(case)
 
 
@@ -189,15 +194,46 @@ def test_bad_input_says_what_was_expected(bad):
 
 
 @pytest.mark.gpu
-def test_cuda_says_it_does_not_soft_cap_yet(cuda_family):
-    q = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="on CUDA fusedattn does not soft-cap scores yet; softcap runs on the CPU"):
-        fusedattn.attention(q, q, q, softcap=30.0)
-    with pytest.raises(RuntimeError, match="does not soft-cap scores yet"):
-        fusedattn.attention_with_kvcache(q[:, :, :1], q, q.clone(), torch.full((1,), 64, dtype=torch.int32,
-                                                                               device="cuda"), softcap=30.0)
+def test_cuda_backward_says_it_does_not_soft_cap_yet():
+    q = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    out = fusedattn.attention(q, q, q, softcap=30.0)  # the forward soft-caps
+    with pytest.raises(RuntimeError, match=r"fusedattn.backward: on CUDA fusedattn does not soft-cap scores here yet; "
+                                           r"softcap runs on the CPU \(and CUDA's forward\)"):
+        out.sum().backward()
     with pytest.raises(RuntimeError, match="sinks must be on cuda"):
         fusedattn.attention(q, q, q, sinks=torch.zeros(4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [0.3, 5.0, 50.0], ids=str)
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+def test_cuda_forward_soft_caps(cuda_family, softcap, head_dim):
+    """Every family and head dim (padded ones too), causal with sinks and an additive mask."""
+    from helpers.cuda import check_cuda
+
+    check_cuda(Case(seqlen_q=150, seqlen_k=333, head_dim=head_dim, dtype=torch.bfloat16, mask="additive",
+                    is_causal=True, softcap=softcap, sinks=True))
+
+
+@pytest.mark.gpu
+def test_cuda_soft_capping_plans_sm80():
+    """sm90's forward refuses soft-capping by name (forcing it raises); sm80's serves it."""
+    q = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.float16)
+    assert fusedattn.plan(q, q, q, softcap=30.0)["family"] == "sm80"
+    if fusedattn.plan(q, q, q)["family"] == "sm90":
+        with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="does not soft-cap scores yet"):
+            fusedattn.attention(q, q, q, softcap=30.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4, None])
+def test_cuda_decode_soft_caps(splits):
+    q, k_cache, v_cache, lens, k_new, v_new = (t.cuda() for t in make_cache(B=3, Hq=8, Hkv=2, d=128, max_len=900,
+                                                                           nq=2, n_new=2, dtype=torch.float16,
+                                                                           seed=5))
+    out, lse = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lens, k_new, v_new, True, None, splits,
+                                                   softcap=3.0)
+    check_against_reference(q, k_cache, v_cache, lens, k_new, v_new, True, out, lse, softcap=3.0)
 
 
 @pytest.mark.gpu
@@ -240,5 +276,7 @@ def test_cuda_decode_sinks(head_dim, splits, merge):
 def test_supports_says_where_each_option_runs():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert fusedattn.ops.supports(cpu, torch.bfloat16, 64, softcap=True, sinks=True)
-    assert not fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True)
+    assert not fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True)  # the backward does not soft-cap
+    assert fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True, backward=False) == \
+        fusedattn.ops.supports(cuda, torch.float16, 64)
     assert fusedattn.ops.supports(cuda, torch.float16, 64, sinks=True) == fusedattn.ops.supports(cuda, torch.float16, 64)

@@ -78,6 +78,8 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
   // hidden score's -inf is NaN. sm80 scales before it masks.
   if (!(p.scale >= FLT_MIN))
     return "the sm90 forward takes a scale of at least FLT_MIN, got " + std::to_string(p.scale);
+  // A run-time soft-capping branch made its consumers spill (ptxas): sm80's forward soft-caps.
+  if (p.softcap > 0.0f) return "the sm90 forward does not soft-cap scores yet";
   // Its items hold their mask list's offset in 32 bits (registers).
   if (masked) {
     const MaskTiles lists = mask_tiles_layout(p, 64 * sm90_forward_consumers(static_cast<int>(sh.head_dim)),

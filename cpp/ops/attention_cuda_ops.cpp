@@ -25,11 +25,11 @@ namespace fusedattn::ops {
 namespace {
 
 // Any head dims d, d_v up to the largest the forward (or backward) serves:
-// the kernels run them padded to kernel_head_dim.
+// the kernels run them padded to kernel_head_dim. Soft-capping: the forward only.
 const DeviceSupport& cuda_support(bool backward = false) {
   auto support = [](bool backward) {
     return DeviceSupport{"CUDA",          {at::kHalf, at::kBFloat16}, /*head_dims=*/{},
-                         /*aligned_rows=*/true, /*own_value_head_dim=*/true, /*softcap=*/false,
+                         /*aligned_rows=*/true, /*own_value_head_dim=*/true, /*softcap=*/!backward,
                          /*sinks=*/true,  cuda::served_head_dims(backward).back()};
   };
   static const DeviceSupport forward = support(false), backward_support = support(true);

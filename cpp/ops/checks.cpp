@@ -135,7 +135,7 @@ void check_softcap_and_sinks(const char* op, const at::Tensor& q, std::optional<
     TORCH_CHECK(std::isfinite(*softcap) && *softcap > 0.0 && *softcap <= kMaxSoftcap, op,
                 ": softcap must be None or a finite number > 0 (at most ", kMaxSoftcap, "), got ", *softcap);
     TORCH_CHECK(support.softcap, op, ": on ", support.device_name,
-                " fusedattn does not soft-cap scores yet; softcap runs on the CPU");
+                " fusedattn does not soft-cap scores here yet; softcap runs on the CPU (and CUDA's forward)");
   }
   if (sinks) {
     const at::Tensor& s = *sinks;
@@ -164,6 +164,17 @@ at::Tensor output_delta(const at::Tensor& grad_out, const at::Tensor& out) {
 }
 
 namespace {
+
+// in.params' q, k and v pointers and strides from in's tensors.
+void point_operands(PreparedInputs& in) {
+  ForwardParams& p = in.params;
+  p.q = in.q.data_ptr();
+  p.k = in.k.data_ptr();
+  p.v = in.v.data_ptr();
+  p.q_strides = strides_of(in.q);
+  p.k_strides = strides_of(in.k);
+  p.v_strides = strides_of(in.v);
+}
 
 // p's window from the operator's argument (checked), is_causal folded in.
 void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef window) {
@@ -236,12 +247,7 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
   ForwardParams& p = in.params;
   p.shape = {q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
   p.dtype = dtype_of(q.scalar_type());
-  p.q = in.q.data_ptr();
-  p.k = in.k.data_ptr();
-  p.v = in.v.data_ptr();
-  p.q_strides = strides_of(in.q);
-  p.k_strides = strides_of(in.k);
-  p.v_strides = strides_of(in.v);
+  point_operands(in);
   p.scale = static_cast<float>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3))));
   p.is_causal = is_causal;
   apply_window(op, p, window);
@@ -327,12 +333,7 @@ void pad_head_dims(PreparedInputs& in, int64_t head_dim) {
   in.k = padded_to(in.k, head_dim);
   in.v = padded_to(in.v, head_dim);
   p.shape.head_dim = p.shape.head_dim_v = head_dim;
-  p.q = in.q.data_ptr();
-  p.k = in.k.data_ptr();
-  p.v = in.v.data_ptr();
-  p.q_strides = strides_of(in.q);
-  p.k_strides = strides_of(in.k);
-  p.v_strides = strides_of(in.v);
+  point_operands(in);
 }
 
 void pad_head_dims(PreparedBackward& b, int64_t head_dim) {

@@ -23,7 +23,7 @@ namespace {
 
 const DeviceSupport& decode_support() {
   static const DeviceSupport support{"CUDA", {at::kHalf, at::kBFloat16}, cuda::instantiated_head_dims("decode"),
-                                     /*aligned_rows=*/true, /*own_value_head_dim=*/false, /*softcap=*/false,
+                                     /*aligned_rows=*/true, /*own_value_head_dim=*/false, /*softcap=*/true,
                                      /*sinks=*/true};
   return support;
 }

@@ -57,7 +57,7 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head
     if device.type == "cuda":
         served = cuda_head_dims("sm80_backward" if backward else "sm80_forward")
         return (dtype in CUDA_DTYPES and bool(served) and max(head_dim, value_head_dim or head_dim) <= served[-1]
-                and not softcap)
+                and not (softcap and backward))  # the CUDA forward soft-caps, its backward not yet
     return False
 
 

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "device_math.cuh"
+#include "fusedattn/params.h"
 
 namespace fusedattn::cuda {
 
@@ -85,6 +86,36 @@ __device__ __forceinline__ void probabilities_as_a(uint32_t (&a)[4], const float
   a[2] = pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
   a[3] = pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
 }
+
+// Soft-capping (ForwardParams::softcap, Gemma 2's): a scaled score x becomes
+// cap tanh(x / cap). The kernels multiply raw scores by `pre` = scale / cap,
+// take tanh, and give the exponent cap log2 e where it would take scale log2
+// e (score_scale_log2); with no cap scores stay raw.
+struct SoftCap {
+  float pre = 0.0f;
+  bool enabled = false;
+  __host__ __device__ static SoftCap of(const ForwardParams& p) {
+    return {p.softcap > 0.0f ? p.scale / p.softcap : 0.0f, p.softcap > 0.0f};
+  }
+  __host__ __device__ bool on() const { return enabled; }
+  // The factor that takes a (capped) score to base-2 exponent units.
+  __host__ __device__ static float score_scale_log2(const ForwardParams& p) {
+    return (p.softcap > 0.0f ? p.softcap : p.scale) * kLog2e;
+  }
+  // tanh(x pre) as 1 - 2 / (e^(2 x pre) + 1): float32-accurate (about 1e-7
+  // absolute) for one more MUFU op than tanh.approx, whose 2^-11 relative
+  // error would move a score capped at 50 by 0.02. Large |x| give exactly +-1.
+  __device__ __forceinline__ float operator()(float x) const {
+    return 1.0f - __fdividef(2.0f, exp2f(2.0f * kLog2e * pre * x) + 1.0f);
+  }
+  template <int NTiles>
+  __device__ __forceinline__ void apply(float (&s)[NTiles][4]) const {
+#pragma unroll
+    for (int nt = 0; nt < NTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = (*this)(s[nt][e]);
+  }
+};
 
 // Natural-log LSE of a row from its base-2 running max and (full) sum; -inf
 // for a row that saw no key.

@@ -224,7 +224,8 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
 
   float acc[kDTiles][4] = {};
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {};
-  const float scale_log2 = a.scale * kLog2e;
+  const float scale_log2 = SoftCap::score_scale_log2(a);
+  const SoftCap cap = SoftCap::of(a);
 
   int read_stage = 0;  // the stage this iteration computes on
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
@@ -244,6 +245,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
       mma_16x8x16<T>(s[1], q_frag[kk], b[2], b[3]);
     }
 
+    if (cap.on()) cap.apply(s);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll

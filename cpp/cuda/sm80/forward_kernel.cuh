@@ -5,6 +5,7 @@
 // keys stream through shared memory with cp.async, K and V loads alternating
 // so that one is always in flight while the other is computed on:
 //   S   = (scale log2 e) Q K^T                      mma.sync, fp32 accumulators
+//         (soft-capped: (cap log2 e) tanh(scale Q K^T / cap), common/online_softmax.cuh)
 //   m'  = max(m, rowmax S);  P = 2^(S - m')
 //   l   = 2^(m - m') l + rowsum P;  acc = 2^(m - m') acc + P V   (P from registers)
 //   out = acc / l,  lse = (m + log2 l) ln 2
@@ -121,7 +122,8 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   float m_i[kMTiles][2], l_i[kMTiles][2] = {};
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) m_i[mt][0] = m_i[mt][1] = -INFINITY;
-  const float scale_log2 = p.scale * kLog2e;
+  const float scale_log2 = SoftCap::score_scale_log2(p);
+  const SoftCap cap = SoftCap::of(p);
   const int warp_row = warp * 16 * kMTiles;  // first row of this warp in the block
 
   for (int j = 0; j < n_tiles; ++j) {
@@ -164,6 +166,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
     band.local(row0, col0, kBlockM + kBlockN, lo, hi);
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
+      if (cap.on()) cap.apply(s[mt]);
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
