@@ -167,9 +167,11 @@ def test_gpt_oss_sinks_run_in_the_kernels(fused_calls):
         torch.testing.assert_close(b.self_attn.sinks.grad, a.self_attn.sinks.grad, atol=1e-6, rtol=1e-4)
 
 
-def test_sinks_that_fusedattn_cannot_serve_raise():
-    """SDPA would drop the sinks, so such a call must not fall back to it."""
+def test_sinks_or_softcap_that_fusedattn_cannot_serve_raise():
+    """SDPA would drop the sinks (and the cap), so such a call must not fall back to it."""
     q = torch.randn(1, 4, 5, 16)
     module = torch.nn.Module()
     with pytest.raises(NotImplementedError, match="attention sinks .* SDPA would drop.*dropout 0.1"):
         fusedattn.hf.attention_forward(module, q, q, q, None, dropout=0.1, s_aux=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="soft-capping, which transformers' SDPA would drop.*dropout 0.1"):
+        fusedattn.hf.attention_forward(module, q, q, q, None, dropout=0.1, softcap=50.0)

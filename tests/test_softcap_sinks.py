@@ -173,6 +173,7 @@ BAD = {
     "softcap < 0": ({"softcap": -1.0}, "softcap must be None or a finite number > 0 .*got -1"),
     "softcap nan": ({"softcap": float("nan")}, "softcap must be None or a finite number > 0 .*got nan"),
     "softcap inf": ({"softcap": float("inf")}, "softcap must be None or a finite number > 0 .*got inf"),
+    "softcap below FLT_MIN": ({"softcap": 1e-39}, "softcap must be None or a finite number > 0 .*got 1e-39"),
     "sinks [Hkv]": ({"sinks": torch.zeros(2)}, "sinks must be a 1-D tensor .* \\[Hq\\] = \\[4\\], got shape \\[2\\]"),
     "sinks 2-D": ({"sinks": torch.zeros(1, 4)}, "sinks must be a 1-D tensor .* got shape \\[1, 4\\]"),
     "sinks bf16": ({"sinks": torch.zeros(4, dtype=torch.bfloat16)}, "sinks must be float32, got BFloat16"),

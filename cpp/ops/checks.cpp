@@ -132,8 +132,11 @@ void check_softcap_and_sinks(const char* op, const at::Tensor& q, std::optional<
   if (softcap) {
     // The kernels divide by softcap * log2(e) in float32.
     constexpr double kMaxSoftcap = std::numeric_limits<float>::max() / 1.4426950408889634;
-    TORCH_CHECK(std::isfinite(*softcap) && *softcap > 0.0 && *softcap <= kMaxSoftcap, op,
-                ": softcap must be None or a finite number > 0 (at most ", kMaxSoftcap, "), got ", *softcap);
+    // At least FLT_MIN: a smaller cap is 0 (or flushed to it) in the kernels' float32.
+    constexpr double kMinSoftcap = std::numeric_limits<float>::min();
+    TORCH_CHECK(std::isfinite(*softcap) && *softcap >= kMinSoftcap && *softcap <= kMaxSoftcap, op,
+                ": softcap must be None or a finite number > 0 (from ", kMinSoftcap, " to ", kMaxSoftcap, "), got ",
+                *softcap);
     TORCH_CHECK(support.softcap, op, ": on ", support.device_name,
                 " fusedattn does not soft-cap scores here yet; softcap runs on the CPU (and CUDA's forward)");
   }

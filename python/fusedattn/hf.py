@@ -11,8 +11,8 @@ sinks (gpt-oss's ``s_aux``) run in the kernels. Calls the fused kernels cannot
 serve (attention dropout while training, position biases, a query batch
 broadcast against the keys', a dtype, head dims or soft-capping the device's
 kernels do not take, such as head dims above 128 on CUDA when gradients are
-needed) go to transformers' own SDPA function; a call with sinks that fusedattn
-cannot serve raises, since SDPA would drop them.
+needed) go to transformers' own SDPA function; a call with sinks or soft-capping
+that fusedattn cannot serve raises, since SDPA would drop them.
 """
 
 from __future__ import annotations
@@ -41,11 +41,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             or not supports(query.device, query.dtype, query.shape[-1], value.shape[-1],
                             softcap=softcap is not None, sinks=sinks is not None,
                             backward=_needs_gradients(query, key, value, sinks))):
-        if sinks is not None:
+        dropped = [name for name, x in (("attention sinks (s_aux)", sinks), ("soft-capping", softcap)) if x is not None]
+        if dropped:
             raise NotImplementedError(
-                f"fusedattn.hf: this call has attention sinks (s_aux), which transformers' SDPA would drop, "
+                f"fusedattn.hf: this call has {' and '.join(dropped)}, which transformers' SDPA would drop, "
                 f"and fusedattn cannot serve it (dropout {dropout}, query batch {query.shape[0]} against "
-                f"{key.shape[0]}, {query.dtype} on {query.device.type}, head dim {query.shape[-1]}); "
+                f"{key.shape[0]}, {query.dtype} on {query.device.type}, head dim {query.shape[-1]}, gradients "
+                f"{'needed' if _needs_gradients(query, key, value, sinks) else 'not needed'}); "
                 f"use attn_implementation='eager'")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)

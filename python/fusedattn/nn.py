@@ -47,7 +47,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     ``need_weights=False``, no attention dropout is active (eval mode or
     ``dropout=0``), ``add_bias_kv`` and ``add_zero_attn`` are off, and the
     device's kernels take the dtype and head dim (any on the CPU; float16 or
-    bfloat16 with head dim 32, 64 or 128 on CUDA). Every other call takes PyTorch's own path, which
+    bfloat16 with head dims up to 128 on CUDA, 256 without gradients). Every
+    other call takes PyTorch's own path, which
     materialises the attention weights (memory O(N^2)) and is what
     ``need_weights=True``, the default of ``nn.MultiheadAttention``, requires:
     pass ``need_weights=False`` to get the fused kernel.
@@ -65,7 +66,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         # gradients flow into a mask.
         if any(m.dtype != torch.bool and not m.is_floating_point() or m.requires_grad for m in masks):
             return False
-        grads = torch.is_grad_enabled() and (query.requires_grad or any(p.requires_grad for p in self.parameters()))
+        grads = torch.is_grad_enabled() and (any(t.requires_grad for t in (query, key, value))
+                                             or any(p.requires_grad for p in self.parameters()))
         return supports(query.device, query.dtype, self.head_dim, backward=grads)
 
     def forward(

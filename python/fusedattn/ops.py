@@ -176,8 +176,8 @@ def attention(
         q: ``[B, Hq, Nq, d]`` queries.
         k, v: ``[B, Hkv, Nk, d]`` keys and ``[B, Hkv, Nk, d_v]`` values;
             ``Hq % Hkv == 0`` (query head ``h`` reads key/value head
-            ``h // (Hq // Hkv)``). ``d_v`` may differ from ``d`` on the CPU; CUDA
-            takes ``d_v == d``.
+            ``h // (Hq // Hkv)``). ``d_v`` may differ from ``d`` (on CUDA both
+            run zero-padded to the next head dim its kernels are built for).
         attn_mask: broadcastable to ``[B, Hq, Nq, Nk]``; bool (True = may attend)
             or floating point (added to the scaled scores); or a
             :class:`fusedattn.BlockMask`. Tiles a mask hides are skipped, tiles
@@ -192,7 +192,8 @@ def attention(
             ``attn_mask`` combine.
         softcap: ``None`` or a number > 0: the scaled scores become
             ``softcap * tanh(scores / softcap)`` before ``attn_mask`` is added
-            (Gemma 2's soft-capping). CPU tensors in this version.
+            (Gemma 2's soft-capping). On CUDA the forward only: the backward
+            raises.
         sinks: ``None`` or float32 ``[Hq]``: one logit per query head that joins
             every row's softmax normaliser and carries no value (gpt-oss's
             attention sinks); differentiable. A row that sees no key then
@@ -303,7 +304,6 @@ def attention_with_kvcache(
             planner choose (``plan_kvcache`` shows its choice). The CPU ignores it.
         window: ``(left, right)`` as :func:`attention`'s, per sequence against its
             ``L_b`` positions (so ``(W - 1, 0)`` lets a query see its last W positions).
-            CPU tensors in this version.
         softcap, sinks: as :func:`attention`'s.
 
     Returns:
