@@ -300,7 +300,7 @@ Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
 }
 
 std::vector<int64_t> served_head_dims(bool backward) {
-  return backward ? values_of(Sm80BackwardHeadDims{}) : values_of(Sm80ForwardHeadDims{});
+  return instantiated_head_dims(backward ? "sm80_backward" : "sm80_forward");
 }
 
 int64_t kernel_head_dim(int64_t d, int64_t d_v, bool backward) {

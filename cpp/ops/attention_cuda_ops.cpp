@@ -36,12 +36,13 @@ const DeviceSupport& cuda_support(bool backward = false) {
   return backward ? backward_support : forward;
 }
 
-// Pads in to the head dim the kernels run it at (the forward's or the backward's).
-void pad_to_kernel_head_dim(PreparedInputs& in, bool backward) {
-  const AttentionShape& sh = in.params.shape;
+// Pads `prepared` (PreparedInputs or PreparedBackward, of shape sh) to the
+// head dim the forward's (or backward's) kernels run it at.
+template <typename Prepared>
+void pad_to_kernel_head_dim(Prepared& prepared, const AttentionShape sh, bool backward) {
   const int64_t head_dim =
       with_torch_errors([&] { return cuda::kernel_head_dim(sh.head_dim, sh.head_dim_v, backward); });
-  if (head_dim != sh.head_dim || head_dim != sh.head_dim_v) pad_head_dims(in, head_dim);
+  if (head_dim != sh.head_dim || head_dim != sh.head_dim_v) pad_head_dims(prepared, head_dim);
 }
 
 PlanRequest family_request(const char* op, const std::optional<c10::string_view>& family, const at::Tensor& q) {
@@ -86,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
       prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
   const int64_t head_dim_v = in.params.shape.head_dim_v;
-  pad_to_kernel_head_dim(in, /*backward=*/false);
+  pad_to_kernel_head_dim(in, in.params.shape, /*backward=*/false);
   auto [out, lse] = allocate_forward_outputs(in);
   const Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, family_request(op, family, q)); });
   run_forward(in.params, plan, q, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
@@ -126,10 +127,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale,
                                         cuda_support(/*backward=*/true), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
-  const AttentionShape& sh = b.params.fwd.shape;
-  const int64_t head_dim =
-      with_torch_errors([&] { return cuda::kernel_head_dim(sh.head_dim, sh.head_dim_v, /*backward=*/true); });
-  if (head_dim != sh.head_dim || head_dim != sh.head_dim_v) pad_head_dims(b, head_dim);
+  pad_to_kernel_head_dim(b, b.params.fwd.shape, /*backward=*/true);
   // torch.use_deterministic_algorithms(True): grad_q from its own pass, in a
   // fixed order, instead of float32 atomics.
   b.params.deterministic = at::globalContext().deterministicAlgorithms();
@@ -157,7 +155,7 @@ std::string plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   PreparedInputs in =
       prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(backward), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
-  pad_to_kernel_head_dim(in, backward);
+  pad_to_kernel_head_dim(in, in.params.shape, backward);
   const PlanRequest request = family_request(op, family, q);
   if (!backward) return with_torch_errors([&] { return cuda::plan_forward(in.params, request); }).describe();
   BackwardParams b;

@@ -17,16 +17,9 @@ that fusedattn cannot serve raises, since SDPA would drop them.
 
 from __future__ import annotations
 
-import torch
-
-from .ops import attention, supports
+from .ops import attention, needs_gradients, supports
 
 __all__ = ["attention_forward", "register"]
-
-
-def _needs_gradients(*tensors) -> bool:
-    """Whether autograd will run the backward of a call on these tensors."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -37,17 +30,18 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    grads = needs_gradients(query, key, value, sinks)
     if (dropout > 0.0 or kwargs.get("position_bias") is not None or query.shape[0] != key.shape[0]
             or not supports(query.device, query.dtype, query.shape[-1], value.shape[-1],
                             softcap=softcap is not None, sinks=sinks is not None,
-                            backward=_needs_gradients(query, key, value, sinks))):
+                            backward=grads)):
         dropped = [name for name, x in (("attention sinks (s_aux)", sinks), ("soft-capping", softcap)) if x is not None]
         if dropped:
             raise NotImplementedError(
                 f"fusedattn.hf: this call has {' and '.join(dropped)}, which transformers' SDPA would drop, "
                 f"and fusedattn cannot serve it (dropout {dropout}, query batch {query.shape[0]} against "
                 f"{key.shape[0]}, {query.dtype} on {query.device.type}, head dim {query.shape[-1]}, gradients "
-                f"{'needed' if _needs_gradients(query, key, value, sinks) else 'not needed'}); "
+                f"{'needed' if grads else 'not needed'}); "
                 f"use attn_implementation='eager'")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)

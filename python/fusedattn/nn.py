@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops import attention, supports
+from .ops import attention, needs_gradients, supports
 
 __all__ = ["MultiheadAttention", "swap_attention"]
 
@@ -66,9 +66,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         # gradients flow into a mask.
         if any(m.dtype != torch.bool and not m.is_floating_point() or m.requires_grad for m in masks):
             return False
-        grads = torch.is_grad_enabled() and (any(t.requires_grad for t in (query, key, value))
-                                             or any(p.requires_grad for p in self.parameters()))
-        return supports(query.device, query.dtype, self.head_dim, backward=grads)
+        return supports(query.device, query.dtype, self.head_dim,
+                        backward=needs_gradients(query, key, value, *self.parameters()))
 
     def forward(
         self,

@@ -18,7 +18,7 @@ from .blockmask import BlockMask
 from .distributed.routing import routed_attention
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "cuda_head_dims", "has_kernel", "plan",
-           "plan_kvcache", "supports"]
+           "needs_gradients", "plan_kvcache", "supports"]
 
 # What the CUDA kernels take; the CPU kernels take float32, float16 and
 # bfloat16 at any head dim.
@@ -44,6 +44,11 @@ def cuda_head_dims(kernel: str | None = None) -> tuple[int, ...]:
         backward = cuda_head_dims("sm80_backward")
         return tuple(d for d in cuda_head_dims("sm80_forward") if d in backward)
     return tuple(torch.ops.fusedattn.instantiated_head_dims(kernel))
+
+
+def needs_gradients(*tensors: Tensor | None) -> bool:
+    """Whether autograd will run the backward of a call on these tensors (None: absent)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None, *,

@@ -90,18 +90,16 @@ __device__ __forceinline__ void probabilities_as_a(uint32_t (&a)[4], const float
 // Soft-capping (ForwardParams::softcap, Gemma 2's): a scaled score x becomes
 // cap tanh(x / cap). The kernels multiply raw scores by `pre` = scale / cap,
 // take tanh, and give the exponent cap log2 e where it would take scale log2
-// e (score_scale_log2); with no cap scores stay raw.
+// e (scale_log2); with no cap scores stay raw.
 struct SoftCap {
   float pre = 0.0f;
+  float scale_log2 = 0.0f;  // the factor that takes a (capped) score to base-2 exponent units
   bool enabled = false;
   __host__ __device__ static SoftCap of(const ForwardParams& p) {
-    return {p.softcap > 0.0f ? p.scale / p.softcap : 0.0f, p.softcap > 0.0f};
+    const bool on = p.softcap > 0.0f;
+    return {on ? p.scale / p.softcap : 0.0f, (on ? p.softcap : p.scale) * kLog2e, on};
   }
   __host__ __device__ bool on() const { return enabled; }
-  // The factor that takes a (capped) score to base-2 exponent units.
-  __host__ __device__ static float score_scale_log2(const ForwardParams& p) {
-    return (p.softcap > 0.0f ? p.softcap : p.scale) * kLog2e;
-  }
   // tanh(x pre) as 1 - 2 / (e^(2 x pre) + 1): float32-accurate (about 1e-7
   // absolute) for one more MUFU op than tanh.approx, whose 2^-11 relative
   // error would move a score capped at 50 by 0.02. Large |x| give exactly +-1.

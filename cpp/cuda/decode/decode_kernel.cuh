@@ -224,8 +224,8 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
 
   float acc[kDTiles][4] = {};
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {};
-  const float scale_log2 = SoftCap::score_scale_log2(a);
   const SoftCap cap = SoftCap::of(a);
+  const float scale_log2 = cap.scale_log2;
 
   int read_stage = 0;  // the stage this iteration computes on
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {

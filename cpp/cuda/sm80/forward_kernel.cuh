@@ -122,8 +122,8 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   float m_i[kMTiles][2], l_i[kMTiles][2] = {};
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) m_i[mt][0] = m_i[mt][1] = -INFINITY;
-  const float scale_log2 = SoftCap::score_scale_log2(p);
   const SoftCap cap = SoftCap::of(p);
+  const float scale_log2 = cap.scale_log2;
   const int warp_row = warp * 16 * kMTiles;  // first row of this warp in the block
 
   for (int j = 0; j < n_tiles; ++j) {
