@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/band.cuh"
 #include "common/instantiation_dispatch.h"
 #include "common/launch_check.h"
 #include "common/mask_tiles.h"
@@ -64,9 +65,12 @@ constexpr const char* kLayoutRefusal =
     "the tensor memory accelerator cannot describe these operands' layouts (strides of 0 or not multiples of 16 "
     "bytes)";
 
+constexpr const char* kPackedRefusal = "the sm90 kernels take no packed sequences yet (sm80's do)";
+
 std::string sm90_forward_refusal(const ForwardParams& p) {
   const AttentionShape& sh = p.shape;
   const bool masked = p.mask.kind != MaskKind::None;
+  if (p.varlen.on()) return kPackedRefusal;
   if (!instantiated(Sm90ForwardHeadDims{}, sh.head_dim))
     return "the sm90 forward has head dims " + dims_text(Sm90ForwardHeadDims{}) + ", got " +
            std::to_string(sh.head_dim);
@@ -98,6 +102,7 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
 
 std::string sm90_backward_refusal(const BackwardParams& p) {
   const AttentionShape& sh = p.fwd.shape;
+  if (p.fwd.varlen.on()) return kPackedRefusal;
   if (p.deterministic) return "the sm90 backward has no deterministic mode (torch.use_deterministic_algorithms)";
   if (!instantiated(Sm90BackwardHeadDims{}, sh.head_dim))
     return "the sm90 backward has head dims " + dims_text(Sm90BackwardHeadDims{}) + ", got " +
@@ -114,12 +119,13 @@ std::string sm90_backward_refusal(const BackwardParams& p) {
 
 // How many blocks share each kv head's query heads per key block (a divisor
 // of Hq / Hkv; 1 when deterministic, as the splits' sums are float32
-// atomics): enough for B x Hkv x key blocks x splits to fill the device's SMs
-// twice, for blocks of keys_per_block keys, blocks_per_sm resident per SM.
+// atomics; and for packed sequences, whose work lists hold no splits):
+// enough for B x Hkv x key blocks x splits to fill the device's SMs twice,
+// for blocks of keys_per_block keys, blocks_per_sm resident per SM.
 int backward_head_splits(const BackwardParams& p, int keys_per_block, int blocks_per_sm) {
   const AttentionShape& sh = p.fwd.shape;
   const int64_t group = sh.heads_q / sh.heads_kv;
-  if (p.deterministic || group == 1) return 1;
+  if (p.deterministic || group == 1 || p.fwd.varlen.on()) return 1;
   const int64_t target = 2 * int64_t(blocks_per_sm) * device_sms();
   const int64_t blocks = (sh.seqlen_k + keys_per_block - 1) / keys_per_block * sh.heads_kv * sh.batch;
   for (int64_t s = 1; s < group; ++s)
@@ -245,6 +251,8 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
   }
   plan.mask_tiles = masked;
   plan.head_dim = static_cast<int>(sh.head_dim);
+  plan.varlen = p.varlen.on();
+  if (plan.varlen && masked) throw_planner_bug("packed sequences take no attn_mask");
   return plan;
 }
 
@@ -270,6 +278,8 @@ Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
   plan.head_splits = backward_head_splits(p, plan.block_n, blocks_per_sm);
   plan.mask_tiles = p.fwd.mask.kind != MaskKind::None;
   plan.head_dim = d;
+  plan.varlen = p.fwd.varlen.on();
+  if (plan.varlen && plan.mask_tiles) throw_planner_bug("packed sequences take no attn_mask");
   return plan;
 }
 
@@ -297,6 +307,61 @@ Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
     plan.merge_in_cluster = merges_in_cluster<kHeadDim, Element>(p, plan, request.merge_in_cluster);
   });
   return plan;
+}
+
+namespace {
+
+// One list: every tile of `tile` rows (queries, or by_keys keys) of every
+// sequence, by the number of `other_tile` tiles of the other side it visits.
+std::vector<int32_t> longest_first(const ForwardParams& p, const HostSequences& seqs, int tile, int other_tile,
+                                   bool by_keys) {
+  struct Item {
+    int64_t cost;
+    int32_t sequence, tile;
+  };
+  std::vector<Item> items;
+  const bool banded = p.banded();
+  for (int64_t b = 0; b < seqs.batch; ++b) {
+    const int64_t nq = seqs.cu_q[b + 1] - seqs.cu_q[b], nk = seqs.cu_k[b + 1] - seqs.cu_k[b];
+    const Band band = Band::of(p, nq, nk);
+    const int64_t rows = by_keys ? nk : nq, others = by_keys ? nq : nk;
+    for (int64_t first = 0, t = 0; first < rows; first += tile, ++t) {
+      const int64_t last = std::min(first + tile, rows) - 1;
+      int64_t begin = 0, end = others;
+      if (banded) {
+        begin = by_keys ? band.query_begin(first) : band.key_begin(first);
+        end = by_keys ? band.query_end(last) : band.key_end(last);
+      }
+      const int64_t cost = end > begin ? (end + other_tile - 1) / other_tile - begin / other_tile : 0;
+      items.push_back({cost, static_cast<int32_t>(b), static_cast<int32_t>(t)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::vector<int32_t> flat;
+  flat.reserve(2 * items.size());
+  for (const Item& item : items) {
+    flat.push_back(item.sequence);
+    flat.push_back(item.tile);
+  }
+  return flat;
+}
+
+}  // namespace
+
+VarlenWork schedule_varlen(const ForwardParams& p, const HostSequences& sequences, Plan& plan) {
+  if (plan.family != Family::Sm80 || !plan.varlen) throw_planner_bug("packed sequences run sm80's kernels");
+  if (sequences.cu_q[sequences.batch] >= (int64_t(1) << 31) || sequences.cu_k[sequences.batch] >= (int64_t(1) << 31))
+    throw std::invalid_argument("fusedattn: packed sequences take fewer than 2^31 rows");
+  VarlenWork work;
+  if (!plan.backward) {
+    work.query_tiles = longest_first(p, sequences, plan.block_m, plan.block_n, /*by_keys=*/false);
+    plan.work_items = static_cast<int64_t>(work.query_tiles.size() / 2);
+    return work;
+  }
+  work.key_tiles = longest_first(p, sequences, plan.block_n, plan.block_m, /*by_keys=*/true);
+  if (plan.deterministic) work.query_tiles = longest_first(p, sequences, kSm80DqBlockM, plan.block_n, false);
+  plan.work_items = static_cast<int64_t>(work.key_tiles.size() / 2);
+  return work;
 }
 
 std::vector<int64_t> served_head_dims(bool backward) {

@@ -20,6 +20,8 @@ inline constexpr int kSm80ForwardBlockN = 64;
 inline constexpr int kSm80BackwardBlockN = 64;
 inline constexpr int kSm80BackwardBlocksPerSm = 2;  // two fit at d=128 (242 registers)
 __host__ __device__ constexpr int sm80_backward_block_m(int head_dim) { return head_dim <= 64 ? 64 : 32; }
+// sm80's deterministic dQ pass: 64 queries per block (16 per warp).
+inline constexpr int kSm80DqBlockM = 64;
 
 // sm90 forward: consumer warpgroups of 64 queries each, FA3's counts: 3 at
 // d=64 (whose S, P and O fit in 160 registers), 2 at d=128.

@@ -127,14 +127,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
   check_window(op, window);
   check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
   const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  const std::vector<int64_t> out_sizes{q.size(0), q.size(1), v.size(2)};
-  TORCH_CHECK(grad_out.sizes() == c10::IntArrayRef(out_sizes) && out.sizes() == c10::IntArrayRef(out_sizes), op,
-              ": grad_out and out must be [total_q, Hq, d_v] = ", c10::IntArrayRef(out_sizes), ", got ",
-              grad_out.sizes(), " and ", out.sizes());
-  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0) &&
-                  lse.scalar_type() == at::kFloat,
-              op, ": lse must be float32 [Hq, total_q] = [", q.size(1), ", ", q.size(0), "], got ", lse.scalar_type(),
-              " ", lse.sizes());
+  check_varlen_outputs(op, q, v, grad_out, out, lse);
   at::Tensor grad_q = at::zeros(q.sizes(), q.options());
   at::Tensor grad_k = at::zeros(k.sizes(), k.options());
   at::Tensor grad_v = at::zeros(v.sizes(), v.options());
@@ -164,6 +157,22 @@ std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return cpu::plan(backward).describe();
 }
 
+// The CPU runs a packed batch as one forward (backward) per sequence.
+std::string plan_varlen_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                            int64_t max_seqlen_k, bool is_causal, std::optional<double> scale,
+                            std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window,
+                            std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+  const char* op = "fusedattn.plan_varlen";
+  parse_family(op, family, q);
+  check_window(op, window);
+  check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
+  check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  Plan plan = cpu::plan(backward);
+  plan.varlen = true;
+  return plan.describe();
+}
+
 // The CPU runs forward_kvcache as one forward per sequence.
 std::string plan_kvcache_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              bool is_causal, std::optional<double> scale, std::optional<int64_t> num_splits,
@@ -186,6 +195,7 @@ TORCH_LIBRARY_IMPL(fusedattn, CPU, m) {
   m.impl("backward_varlen", &backward_varlen_cpu);
   m.impl("plan", &plan_cpu);
   m.impl("plan_kvcache", &plan_kvcache_cpu);
+  m.impl("plan_varlen", &plan_varlen_cpu);
 }
 
 }  // namespace fusedattn::ops

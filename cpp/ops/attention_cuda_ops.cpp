@@ -12,69 +12,13 @@
 #include <string>
 #include <vector>
 
-#include "../cuda/common/mask_tiles.h"
 #include "../cuda/naive/softmax_rows.h"
 #include "../cuda/plan.h"
-#include "../cuda/sm80/backward_sm80.h"
-#include "../cuda/sm80/forward_sm80.h"
-#include "../cuda/sm90/backward_sm90.h"
-#include "../cuda/sm90/forward_sm90.h"
 #include "checks.h"
+#include "operators_cuda.h"
 
 namespace fusedattn::ops {
 namespace {
-
-// Any head dims d, d_v up to the largest the forward (or backward) serves:
-// the kernels run them padded to kernel_head_dim. Soft-capping: the forward only.
-const DeviceSupport& cuda_support(bool backward = false) {
-  auto support = [](bool backward) {
-    return DeviceSupport{"CUDA",          {at::kHalf, at::kBFloat16}, /*head_dims=*/{},
-                         /*aligned_rows=*/true, /*own_value_head_dim=*/true, /*softcap=*/!backward,
-                         /*sinks=*/true,  cuda::served_head_dims(backward).back()};
-  };
-  static const DeviceSupport forward = support(false), backward_support = support(true);
-  return backward ? backward_support : forward;
-}
-
-// Pads `prepared` (PreparedInputs or PreparedBackward, of shape sh) to the
-// head dim the forward's (or backward's) kernels run it at.
-template <typename Prepared>
-void pad_to_kernel_head_dim(Prepared& prepared, const AttentionShape sh, bool backward) {
-  const int64_t head_dim =
-      with_torch_errors([&] { return cuda::kernel_head_dim(sh.head_dim, sh.head_dim_v, backward); });
-  if (head_dim != sh.head_dim || head_dim != sh.head_dim_v) pad_head_dims(prepared, head_dim);
-}
-
-PlanRequest family_request(const char* op, const std::optional<c10::string_view>& family, const at::Tensor& q) {
-  PlanRequest r;
-  r.family = parse_family(op, family, q);
-  return r;
-}
-
-// Storage for the mask's tile lists as `layout` (mask_tiles.h) lays them out:
-// the lists, the counts, the classes; the launch fills them.
-at::Tensor mask_tiles_storage(MaskTiles& t, const MaskTiles& layout, const at::Tensor& like) {
-  t = layout;
-  const int64_t class_words = (cuda::mask_tiles_class_bytes(t) + 3) / 4;
-  at::Tensor storage = at::empty({t.rows * (t.capacity + 1) + class_words}, like.options().dtype(at::kInt));
-  t.lists = storage.data_ptr<int32_t>();
-  t.counts = t.lists + t.rows * t.capacity;
-  t.classes = reinterpret_cast<uint8_t*>(const_cast<int32_t*>(t.counts + t.rows));
-  return storage;
-}
-
-void run_forward(ForwardParams& p, const Plan& plan, const at::Tensor& q, cudaStream_t stream) {
-  at::Tensor mask_tiles;
-  if (plan.mask_tiles)
-    mask_tiles = mask_tiles_storage(p.mask.tiles, cuda::mask_tiles_layout(p, plan.block_m, plan.block_n), q);
-  if (plan.family == Family::Sm90) {
-    const at::Tensor work_counter = at::empty({1}, q.options().dtype(at::kInt));  // the launch zeroes it
-    p.work_counter = reinterpret_cast<unsigned*>(work_counter.data_ptr<int>());
-    cuda::forward_sm90(p, plan, stream);
-  } else {
-    cuda::forward_sm80(p, stream);
-  }
-}
 
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const std::optional<at::Tensor>& attn_mask, bool is_causal,
@@ -90,33 +34,9 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
   pad_to_kernel_head_dim(in, in.params.shape, /*backward=*/false);
   auto [out, lse] = allocate_forward_outputs(in);
   const Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, family_request(op, family, q)); });
-  run_forward(in.params, plan, q, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  run_forward(in.params, plan, q, stream_of(q));
   return {unpadded(out, head_dim_v), lse};
 }
-
-// The backward's workspaces, as its plan needs them: delta always; the
-// float32 dQ accumulator unless deterministic; the dK/dV sums of the query
-// heads' splits when there are any; the mask's tile lists by key tiles.
-struct BackwardWorkspaces {
-  at::Tensor delta, grad_q_accum, grad_kv_accum, mask_tiles;
-  BackwardWorkspaces(BackwardParams& p, const Plan& plan, const at::Tensor& q, const at::Tensor& k,
-                     const at::Tensor& lse) {
-    if (plan.mask_tiles)
-      mask_tiles = mask_tiles_storage(p.fwd.mask.tiles, cuda::mask_tiles_layout_by_keys(p.fwd, plan.block_n,
-                                                                                       plan.block_m), q);
-    delta = at::empty(lse.sizes(), lse.options().dtype(at::kFloat));
-    p.delta = delta.data_ptr<float>();
-    if (!p.deterministic) {
-      grad_q_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-      p.grad_q_accum = grad_q_accum.data_ptr<float>();
-    }
-    p.head_splits = plan.head_splits;
-    if (plan.head_splits > 1) {
-      grad_kv_accum = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, q.options().dtype(at::kFloat));
-      p.grad_kv_accum = grad_kv_accum.data_ptr<float>();
-    }
-  }
-};
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -133,11 +53,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   b.params.deterministic = at::globalContext().deterministicAlgorithms();
   const Plan plan = with_torch_errors([&] { return cuda::plan_backward(b.params, family_request(op, family, q)); });
   const BackwardWorkspaces workspaces(b.params, plan, b.fwd.q, b.fwd.k, lse);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  if (plan.family == Family::Sm90)
-    cuda::backward_sm90(b.params, stream);
-  else
-    cuda::backward_sm80(b.params, stream);
+  run_backward(b.params, plan, stream_of(q));
   // The sinks' gradient from the delta the kernels computed.
   at::Tensor grad_sinks = sinks ? sinks_gradient(*sinks, b.lse, workspaces.delta)
                                 : at::empty({0}, lse.options());
@@ -195,7 +111,7 @@ at::Tensor naive_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at
   p.scale = in.params.scale;
   p.is_causal = is_causal;
   p.mask = in.params.mask;
-  cuda::softmax_rows(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  cuda::softmax_rows(p, stream_of(q));
   return at::matmul(scores, v_full);
 }
 

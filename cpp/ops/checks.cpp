@@ -349,6 +349,13 @@ void pad_head_dims(PreparedBackward& b, int64_t head_dim) {
   point_backward_params(b);
 }
 
+void allocate_gradients_like_operands(PreparedBackward& b) {
+  b.grad_q = at::empty_like(b.fwd.q);
+  b.grad_k = at::empty_like(b.fwd.k);
+  b.grad_v = at::empty_like(b.fwd.v);
+  point_backward_params(b);
+}
+
 at::Tensor unpadded(const at::Tensor& t, int64_t head_dim) {
   return t.size(-1) == head_dim ? t : t.narrow(-1, 0, head_dim).contiguous();
 }

@@ -106,6 +106,11 @@ void pad_head_dims(PreparedInputs& in, int64_t head_dim);
 // grad_k and grad_v allocated at the padded head dim.
 void pad_head_dims(PreparedBackward& b, int64_t head_dim);
 
+// b.grad_q, grad_k and grad_v reallocated in the layouts of the kernels'
+// q, k and v (a packed batch's [1, H, total, d] views stay packed), the
+// params following.
+void allocate_gradients_like_operands(PreparedBackward& b);
+
 // t's first `head_dim` columns (its last dimension), contiguous: a padded
 // output cut back to the call's head dim (t itself where nothing was padded).
 at::Tensor unpadded(const at::Tensor& t, int64_t head_dim);

@@ -50,6 +50,12 @@ TORCH_LIBRARY(fusedattn, m) {
   m.def(
       "plan(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, float? scale=None, "
       "str? family=None, bool backward=False, int[]? window=None, float? softcap=None, Tensor? sinks=None) -> str");
+  // The plan forward_varlen (backward=True: backward_varlen) would run with
+  // these arguments, its work list included.
+  m.def(
+      "plan_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+      "int max_seqlen_k, bool is_causal=False, float? scale=None, str? family=None, bool backward=False, "
+      "int[]? window=None, float? softcap=None, Tensor? sinks=None) -> str");
   // The plan of forward_kvcache with these arguments (it depends on the
   // cache's capacity, not on cache_seqlens).
   m.def(

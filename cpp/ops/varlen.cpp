@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <vector>
+
 namespace fusedattn::ops {
 namespace {
 
@@ -54,6 +56,18 @@ VarlenLengths check_varlen_inputs(const char* op, const at::Tensor& q, const at:
               lengths.cu_q.size(0) - 1, " and ", lengths.cu_k.size(0) - 1);
   lengths.batch = lengths.cu_q.size(0) - 1;
   return lengths;
+}
+
+void check_varlen_outputs(const char* op, const at::Tensor& q, const at::Tensor& v, const at::Tensor& grad_out,
+                          const at::Tensor& out, const at::Tensor& lse) {
+  const std::vector<int64_t> out_sizes{q.size(0), q.size(1), v.size(2)};
+  TORCH_CHECK(grad_out.sizes() == c10::IntArrayRef(out_sizes) && out.sizes() == c10::IntArrayRef(out_sizes), op,
+              ": grad_out and out must be [total_q, Hq, d_v] = ", c10::IntArrayRef(out_sizes), ", got ",
+              grad_out.sizes(), " and ", out.sizes());
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0) &&
+                  lse.scalar_type() == at::kFloat,
+              op, ": lse must be float32 [Hq, total_q] = [", q.size(1), ", ", q.size(0), "], got ", lse.scalar_type(),
+              " ", lse.sizes());
 }
 
 at::Tensor sequence_view(const at::Tensor& packed, int64_t start, int64_t n) {

@@ -27,6 +27,11 @@ VarlenLengths check_varlen_inputs(const char* op, const at::Tensor& q, const at:
                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                   int64_t max_seqlen_q, int64_t max_seqlen_k);
 
+// backward_varlen's grad_out and out ([total_q, Hq, d_v], from q and v) and
+// lse (float32 [Hq, total_q]).
+void check_varlen_outputs(const char* op, const at::Tensor& q, const at::Tensor& v, const at::Tensor& grad_out,
+                          const at::Tensor& out, const at::Tensor& lse);
+
 // Rows [start, start + n) of a packed [total, H, d] tensor as [1, H, n, d]
 // (a view: strides H x d, d, 1 and the last dimension contiguous).
 at::Tensor sequence_view(const at::Tensor& packed, int64_t start, int64_t n);

@@ -180,23 +180,27 @@ struct KeyBlockWalk {
 
 // dK (scaled: S was scale Q K^T) and dV of one warp's 16 keys, rows
 // first_key + g and first_key + g + 8 of m16n8 accumulators (mma.sync's C
-// layout, which wgmma's accumulators share per warp): written, or added to
+// layout, which wgmma's accumulators share per warp) among the sequence's
+// seqlen_k keys, which start at row k0 of the kv head: written, or added to
 // the float32 sums when the group's query heads are split over blocks.
 template <int HeadDim, typename T>
-__device__ __forceinline__ void store_key_gradients(const BackwardParams& p, unsigned batch, unsigned head_kv,
-                                                    int64_t first_key, const float (&dk)[HeadDim / 8][4],
+__device__ __forceinline__ void store_key_gradients(const BackwardParams& p, int64_t batch, unsigned head_kv,
+                                                    int64_t k0, int64_t first_key, int64_t seqlen_k,
+                                                    const float (&dk)[HeadDim / 8][4],
                                                     const float (&dv)[HeadDim / 8][4]) {
   const AttentionShape& sh = p.fwd.shape;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t kv_row = (int64_t(batch) * sh.heads_kv + head_kv) * sh.seqlen_k;
+  const int64_t kv_row = (batch * sh.heads_kv + head_kv) * sh.seqlen_k + k0;
   const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * HeadDim;
   const float scale = p.fwd.scale;
-  T* grad_k = static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + head_kv * p.grad_k_strides.head;
-  T* grad_v = static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + head_kv * p.grad_v_strides.head;
+  T* grad_k = static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + head_kv * p.grad_k_strides.head +
+              k0 * p.grad_k_strides.row;
+  T* grad_v = static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + head_kv * p.grad_v_strides.head +
+              k0 * p.grad_v_strides.row;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int64_t key = first_key + g + 8 * h;
-    if (key >= sh.seqlen_k) continue;
+    if (key >= seqlen_k) continue;
 #pragma unroll
     for (int dt = 0; dt < HeadDim / 8; ++dt) {
       const int col = dt * 8 + 2 * t;

@@ -27,11 +27,15 @@ struct Band {
   __host__ __device__ static Band of(const ForwardParams& p) { return of(p, p.shape.seqlen_k); }
   // With the keys' length given (a decoded sequence's own length).
   __host__ __device__ static Band of(const ForwardParams& p, int64_t seqlen_k) {
+    return of(p, p.shape.seqlen_q, seqlen_k);
+  }
+  // With both lengths given (a packed sequence's).
+  __host__ __device__ static Band of(const ForwardParams& p, int64_t seqlen_q, int64_t seqlen_k) {
     Band b;
-    const int64_t offset = seqlen_k - p.shape.seqlen_q;
+    const int64_t offset = seqlen_k - seqlen_q;
     if (p.window_left >= 0) b.lower = offset - p.window_left;
     if (p.band_right() >= 0) b.upper = offset + p.band_right();
-    b.seqlen_q = p.shape.seqlen_q;
+    b.seqlen_q = seqlen_q;
     b.seqlen_k = seqlen_k;
     return b;
   }

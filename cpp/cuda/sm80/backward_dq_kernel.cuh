@@ -1,5 +1,5 @@
 // The deterministic way to grad_q: a pass of its own, one thread block per
-// (block of 64 queries, query head, sequence), that walks the key blocks the
+// (block of 64 queries, query head, sequence; packed: a work list's), that walks the key blocks the
 // queries can see and sums dQ in registers in a fixed order:
 //   S  = Q K^T;  P = 2^(S scale log2 e + mask - lse log2 e);  dP = dO V^T
 //   dS = P (dP - delta);  dQ += dS K;   grad_q = scale dQ
@@ -16,7 +16,9 @@
 #include "../common/device_math.cuh"
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
+#include "../common/sequences.cuh"
 #include "../common/tile_loads.cuh"
+#include "../tile_size.h"
 #include "fusedattn/params.h"
 
 namespace fusedattn::cuda {
@@ -26,6 +28,7 @@ struct DqTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockM = 16 * kWarps;  // queries per block, 16 per warp
+  static_assert(kBlockM == kSm80DqBlockM, "tile_size.h reports this tile");
   static constexpr int kBlockN = HeadDim <= 64 ? 64 : 32;  // keys per step (registers, as in the key-block kernel)
   static constexpr int kStride = HeadDim + 8;
   static constexpr int kChunksPerRow = HeadDim / 8;
@@ -51,26 +54,34 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
-  const GridBlock block = order.at<Banded>(blockIdx.x);  // common/block_order.h
+  // Dense: common/block_order.h's order; packed: the query tiles' work list.
   const unsigned heads_q = static_cast<unsigned>(sh.heads_q);
-  const unsigned batch = block.pair / heads_q, head = block.pair % heads_q;
+  const GridBlock block =
+      f.varlen.on() ? work_item(f.varlen.query_tiles, blockIdx.x, heads_q) : order.at<Banded>(blockIdx.x);
+  const unsigned head = block.pair % heads_q;
   const unsigned head_kv = head / static_cast<unsigned>(sh.heads_q / sh.heads_kv);
+  const SequenceRows seq = SequenceRows::of(f, block.pair / heads_q, f.varlen.on());  // common/sequences.cuh
+  const int64_t batch = seq.batch;
   const int64_t row0 = int64_t(block.block) * kBlockM;
-  const int64_t rows = min(int64_t(kBlockM), sh.seqlen_q - row0);
+  const int64_t rows = min(int64_t(kBlockM), seq.seqlen_q - row0);
   // Banded: the keys [key_begin, key_end) of common/band.cuh, from the tile holding key_begin.
-  const Band band = Band::of(f);
+  const Band band = Band::of(f, seq.seqlen_q, seq.seqlen_k);
   const int64_t key_begin = Banded ? band.key_begin(row0) : 0;
-  const int64_t key_end = Banded ? band.key_end(row0 + rows - 1) : sh.seqlen_k;
+  const int64_t key_end = Banded ? band.key_end(row0 + rows - 1) : seq.seqlen_k;
   const int64_t tile0 = key_begin / kBlockN;
   const int64_t n_steps = key_end > key_begin ? (key_end + kBlockN - 1) / kBlockN - tile0 : 0;
 
-  const T* k = static_cast<const T*>(f.k) + batch * f.k_strides.batch + head_kv * f.k_strides.head;
-  const T* v = static_cast<const T*>(f.v) + batch * f.v_strides.batch + head_kv * f.v_strides.head;
-  load_rows_async<kBlockM, Tr>(sQ, static_cast<const T*>(f.q) + batch * f.q_strides.batch + head * f.q_strides.head,
+  const T* k = static_cast<const T*>(f.k) + batch * f.k_strides.batch + head_kv * f.k_strides.head +
+               seq.k0 * f.k_strides.row;
+  const T* v = static_cast<const T*>(f.v) + batch * f.v_strides.batch + head_kv * f.v_strides.head +
+               seq.k0 * f.v_strides.row;
+  load_rows_async<kBlockM, Tr>(sQ,
+                               static_cast<const T*>(f.q) + batch * f.q_strides.batch + head * f.q_strides.head +
+                                   seq.q0 * f.q_strides.row,
                                f.q_strides.row, row0, rows);
   load_rows_async<kBlockM, Tr>(sdO,
                                static_cast<const T*>(p.grad_out) + batch * p.grad_out_strides.batch +
-                                   head * p.grad_out_strides.head,
+                                   head * p.grad_out_strides.head + seq.q0 * p.grad_out_strides.row,
                                p.grad_out_strides.row, row0, rows);
   auto load_keys = [&](int64_t step) {
     const int buf = step % 2;
@@ -84,7 +95,7 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
   // lse (base 2; +inf for rows past the queries and rows that saw no key, so
   // that P = 0) and delta of this thread's two rows.
   const int warp_row = warp * 16;
-  const int64_t row_base = (int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + row0;
+  const int64_t row_base = (batch * sh.heads_q + head) * sh.seqlen_q + seq.q0 + row0;
   float lse_log2[2], delta[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -141,7 +152,7 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
         if (needs_masking) {
           if (key >= key_end || (Banded && !band.sees(query, key))) {
             x = -INFINITY;
-          } else if (has_mask && query < sh.seqlen_q) {
+          } else if (has_mask && query < seq.seqlen_q) {
             x += mask_log2<T>(f.mask, mask_base, query, key);
           }
         }
@@ -159,7 +170,8 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
   }
   cp_async_wait<0>();
 
-  T* grad_q = static_cast<T*>(p.grad_q) + batch * p.grad_q_strides.batch + head * p.grad_q_strides.head;
+  T* grad_q = static_cast<T*>(p.grad_q) + batch * p.grad_q_strides.batch + head * p.grad_q_strides.head +
+              seq.q0 * p.grad_q_strides.row;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp_row + g + 8 * h;

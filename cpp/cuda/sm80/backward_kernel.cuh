@@ -30,6 +30,7 @@
 #include "../common/mask.cuh"
 #include "../common/mask_tiles.h"
 #include "../common/online_softmax.cuh"
+#include "../common/sequences.cuh"
 #include "../common/tile_loads.cuh"
 #include "../tile_size.h"
 #include "backward_dq_kernel.cuh"
@@ -98,22 +99,27 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   const int g = lane / 4, t = lane % 4;
 
   // Pairs are (sequence, kv head, head split); causal: key block 0, which
-  // the most queries see, first (common/block_order.h).
-  const GridBlock block = order.at<false>(blockIdx.x);
+  // the most queries see, first (common/block_order.h). Packed: the key
+  // tiles' work list (one split).
+  const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
+  const GridBlock block = f.varlen.on() ? work_item(f.varlen.key_tiles, blockIdx.x, heads_kv) : order.at<false>(blockIdx.x);
   const unsigned n_block = block.block;
   const unsigned head_split = block.pair % static_cast<unsigned>(p.head_splits);
   const unsigned bh = block.pair / static_cast<unsigned>(p.head_splits);
-  const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
-  const unsigned batch = bh / heads_kv, head_kv = bh % heads_kv;
+  const unsigned head_kv = bh % heads_kv;
+  const SequenceRows seq = SequenceRows::of(f, bh / heads_kv, f.varlen.on());  // common/sequences.cuh
+  const int64_t batch = seq.batch;
   const int64_t group = sh.heads_q / sh.heads_kv;
   const int64_t split_heads = group / p.head_splits;  // query heads this block walks
   const int64_t first_head = head_kv * group + head_split * split_heads;
   const int64_t key0 = int64_t(n_block) * kBlockN;
-  const int64_t keys = min(int64_t(kBlockN), sh.seqlen_k - key0);
-  const Band band = Band::of(f);
+  const int64_t keys = min(int64_t(kBlockN), seq.seqlen_k - key0);
+  const Band band = Band::of(f, seq.seqlen_q, seq.seqlen_k);
 
-  const T* k = static_cast<const T*>(f.k) + batch * f.k_strides.batch + head_kv * f.k_strides.head;
-  const T* v = static_cast<const T*>(f.v) + batch * f.v_strides.batch + head_kv * f.v_strides.head;
+  const T* k = static_cast<const T*>(f.k) + batch * f.k_strides.batch + head_kv * f.k_strides.head +
+               seq.k0 * f.k_strides.row;
+  const T* v = static_cast<const T*>(f.v) + batch * f.v_strides.batch + head_kv * f.v_strides.head +
+               seq.k0 * f.v_strides.row;
   load_rows_async<kBlockN, Tr>(sK, k, f.k_strides.row, key0, keys);
   load_rows_async<kBlockN, Tr>(sV, v, f.v_strides.row, key0, keys);
 
@@ -122,7 +128,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   // [first_query, query_end) (common/band.cuh); under attn_mask sorted into
   // tiles (common/mask_tiles.h), the query blocks of each head's list.
   const int64_t first_query = Banded ? band.query_begin(key0) : 0;
-  const int64_t query_end = Banded ? band.query_end(key0 + keys - 1) : sh.seqlen_q;
+  const int64_t query_end = Banded ? band.query_end(key0 + keys - 1) : seq.seqlen_q;
   const int64_t m_begin = first_query / kBlockM * kBlockM;
   const MaskTiles& tiles = f.mask.tiles;
   const bool listed = tiles.lists != nullptr;
@@ -164,16 +170,17 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     int64_t head, m0;
     bool reads;
     locate(s, head, m0, reads);
-    const int64_t rows = sh.seqlen_q - m0;
+    const int64_t rows = seq.seqlen_q - m0;
     load_rows_async<kBlockM, Tr>(sQ + buf * kBlockM * kStride,
-                                 static_cast<const T*>(f.q) + batch * f.q_strides.batch + head * f.q_strides.head,
+                                 static_cast<const T*>(f.q) + batch * f.q_strides.batch + head * f.q_strides.head +
+                                     seq.q0 * f.q_strides.row,
                                  f.q_strides.row, m0, rows);
     load_rows_async<kBlockM, Tr>(sdO + buf * kBlockM * kStride,
                                  static_cast<const T*>(p.grad_out) + batch * p.grad_out_strides.batch +
-                                     head * p.grad_out_strides.head,
+                                     head * p.grad_out_strides.head + seq.q0 * p.grad_out_strides.row,
                                  p.grad_out_strides.row, m0, rows);
     load_lse_delta_async<kBlockM, Tr::kThreads>(sLse + buf * kBlockM, sDelta + buf * kBlockM, p,
-                                                (int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + m0, rows);
+                                                (batch * sh.heads_q + head) * sh.seqlen_q + seq.q0 + m0, rows);
   };
   if (steps > 0) load_step(0, 0);
   cp_async_commit();
@@ -231,7 +238,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
 
     // P^T. Element (key row g + 8h, query column 2t + e) of each n-tile.
     const bool needs_masking =
-        reads_mask || key0 + kBlockN > sh.seqlen_k || (Banded && band.cuts(m0, kBlockM, key0, kBlockN));
+        reads_mask || key0 + kBlockN > seq.seqlen_k || (Banded && band.cuts(m0, kBlockM, key0, kBlockN));
     const int64_t mask_base = batch * f.mask.batch_stride + head * f.mask.head_stride;
 #pragma unroll
     for (int nt = 0; nt < kMTiles; ++nt) {
@@ -241,9 +248,9 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
         float x = st[nt][e] * scale_log2;  // the forward's score, mask included, then minus lse
         if (needs_masking) {
           const int64_t key = key0 + r, query = m0 + c;
-          if (key >= sh.seqlen_k || (Banded && !band.sees(query, key))) {
+          if (key >= seq.seqlen_k || (Banded && !band.sees(query, key))) {
             x = -INFINITY;
-          } else if (reads_mask && query < sh.seqlen_q) {
+          } else if (reads_mask && query < seq.seqlen_q) {
             x += mask_log2<T>(f.mask, mask_base, query, key);
           }
         }
@@ -294,11 +301,11 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
             mma_16x8x16<T>(dq[2 * dp + 1], a, b[2], b[3]);
           }
         }
-        float* accum = p.grad_q_accum + ((int64_t(batch) * sh.heads_q + head) * sh.seqlen_q + m0) * HeadDim + d0;
+        float* accum = p.grad_q_accum + ((batch * sh.heads_q + head) * sh.seqlen_q + seq.q0 + m0) * HeadDim + d0;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = mt * 16 + g + 8 * h;
-          if (m0 + r >= sh.seqlen_q) continue;
+          if (m0 + r >= seq.seqlen_q) continue;
 #pragma unroll
           for (int dt = 0; dt < Tr::kDqTiles; ++dt)
             red_add_float2(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h], dq[dt][2 * h + 1]);
@@ -308,7 +315,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   }
   cp_async_wait<0>();
 
-  store_key_gradients<HeadDim, T>(p, batch, head_kv, key0 + key_row, dk, dv);
+  store_key_gradients<HeadDim, T>(p, batch, head_kv, seq.k0, key0 + key_row, seq.seqlen_k, dk, dv);
 }
 
 template <int HeadDim, typename T, bool Banded, bool AtomicDq>
@@ -319,7 +326,9 @@ void launch_backward_kernel(const BackwardParams& p, cudaStream_t stream) {
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const BlockOrder order = make_key_block_order(p.fwd.shape, Tr::kBlockN, p.head_splits, sizeof(T), Banded);
   if (p.fwd.mask.tiles.lists != nullptr) sort_mask_into_key_tiles(p.fwd, Tr::kBlockN, Tr::kBlockM, stream);
-  kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
+  const unsigned blocks = grid_blocks(order, p.fwd.varlen.on(), p.fwd.varlen.key_items, p.fwd.shape.heads_kv);
+  if (blocks == 0) return;
+  kernel<<<blocks, Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -330,7 +339,9 @@ void launch_backward_dq_kernel(const BackwardParams& p, cudaStream_t stream) {
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const BlockOrder order = make_query_block_order(p.fwd.shape, Tr::kBlockM, sizeof(T), Banded);
-  kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
+  const unsigned blocks = grid_blocks(order, p.fwd.varlen.on(), p.fwd.varlen.query_items, p.fwd.shape.heads_q);
+  if (blocks == 0) return;
+  kernel<<<blocks, Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,6 +1,7 @@
 // FlashAttention 2's forward on mma.sync tensor cores (sm_80 and newer).
 //
-// One thread block per (block of kBlockM queries, batch x query head); 4 warps,
+// One thread block per (block of kBlockM queries, batch x query head; packed
+// sequences: an item of the work list, common/sequences.cuh, x head); 4 warps,
 // each owning kMTiles x 16 query rows. Q is loaded once; K/V tiles of kBlockN
 // keys stream through shared memory with cp.async, K and V loads alternating
 // so that one is always in flight while the other is computed on:
@@ -26,6 +27,7 @@
 #include "../common/mask.cuh"
 #include "../common/mask_tiles.h"
 #include "../common/online_softmax.cuh"
+#include "../common/sequences.cuh"
 #include "../common/tile_loads.cuh"
 #include "../tile_size.h"
 #include "forward_sm80.h"
@@ -78,24 +80,34 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   const AttentionShape& sh = p.shape;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // fragment row group and column pair
-  const GridBlock block = order.at<Banded>(blockIdx.x);  // common/block_order.h
+  // Dense: common/block_order.h's order; packed: the query tiles' work list.
+  // (Packed calls have no attn_mask: the branch in Listed's code made it
+  // spill at d=64 and take 212 registers at d=128, ptxas.)
+  const bool packed = !Listed && p.varlen.on();
   const unsigned heads_q = static_cast<unsigned>(sh.heads_q);
-  const unsigned batch = block.pair / heads_q, head = block.pair % heads_q;
+  const GridBlock block =
+      packed ? work_item(p.varlen.query_tiles, blockIdx.x, heads_q) : order.at<Banded>(blockIdx.x);
+  const unsigned head = block.pair % heads_q;
   const unsigned head_kv = head / static_cast<unsigned>(sh.heads_q / sh.heads_kv);
+  const SequenceRows seq = SequenceRows::of(p, block.pair / heads_q, packed);  // common/sequences.cuh
+  const int64_t batch = seq.batch;
   const int64_t row0 = int64_t(block.block) * kBlockM;
-  const int64_t rows = min(int64_t(kBlockM), sh.seqlen_q - row0);
-  const Band band = Band::of(p);
+  const int64_t rows = min(int64_t(kBlockM), seq.seqlen_q - row0);
+  const Band band = Band::of(p, seq.seqlen_q, seq.seqlen_k);
 
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head;
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_strides.batch + head_kv * p.k_strides.head;
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_strides.batch + head_kv * p.v_strides.head;
+  const T* q = static_cast<const T*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head +
+               seq.q0 * p.q_strides.row;
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_strides.batch + head_kv * p.k_strides.head +
+               seq.k0 * p.k_strides.row;
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_strides.batch + head_kv * p.v_strides.head +
+               seq.k0 * p.v_strides.row;
   const int64_t mask_base = batch * p.mask.batch_stride + head * p.mask.head_stride;
 
   // Keys outside [key_begin, key_end) are hidden from every query of the
   // block; it visits the tiles from the one holding key_begin, or (attn_mask)
   // those of its list. entry(j): 2 x tile j's key tile, + 1 where it reads the mask.
   const int64_t key_begin = Banded ? band.key_begin(row0) : 0;
-  const int64_t key_end = Banded ? band.key_end(row0 + rows - 1) : sh.seqlen_k;
+  const int64_t key_end = Banded ? band.key_end(row0 + rows - 1) : seq.seqlen_k;
   const int64_t tile0 = key_begin / kBlockN;
   int n_tiles = key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN - tile0) : 0;
   // (Listed, attn_mask's instantiation, a template argument: decided at run
@@ -218,7 +230,7 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
   // Epilogue: the head's sink (if any) joins the sum; normalise once, stage
   // the tile in shared memory (Q's space) and write it with 16-byte stores.
   // Rows that saw nothing (l = 0): out = 0, lse = -inf.
-  float* lse = p.lse + (batch * sh.heads_q + head) * sh.seqlen_q;
+  float* lse = p.lse + (batch * sh.heads_q + head) * sh.seqlen_q + seq.q0;
   const float sink = sink_in_log2(p.sinks, head);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
@@ -237,7 +249,8 @@ __global__ void __launch_bounds__(ForwardTraits<HeadDim>::kThreads, ForwardTrait
     }
   }
   __syncthreads();
-  T* out = static_cast<T*>(p.out) + batch * p.out_strides.batch + head * p.out_strides.head;
+  T* out = static_cast<T*>(p.out) + batch * p.out_strides.batch + head * p.out_strides.head +
+           seq.q0 * p.out_strides.row;
 #pragma unroll
   for (int c = threadIdx.x; c < kBlockM * Tr::kChunksPerRow; c += Tr::kThreads) {
     const int r = c / Tr::kChunksPerRow, col = c % Tr::kChunksPerRow * 8;
@@ -256,7 +269,9 @@ void launch_forward_kernel(const ForwardParams& p, cudaStream_t stream) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const BlockOrder order = make_query_block_order(p.shape, Tr::kBlockM, sizeof(T), Banded);
   if constexpr (Listed) sort_mask_into_tiles(p, Tr::kBlockM, Tr::kBlockN, stream);
-  kernel<<<static_cast<unsigned>(order.blocks()), Tr::kThreads, smem_bytes, stream>>>(p, order);
+  const unsigned blocks = grid_blocks(order, p.varlen.on(), p.varlen.query_items, p.shape.heads_q);
+  if (blocks == 0) return;
+  kernel<<<blocks, Tr::kThreads, smem_bytes, stream>>>(p, order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -344,7 +344,8 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
         red_add_float2(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h], dq[dt][2 * h + 1]);
     }
   }
-  store_key_gradients<HeadDim, T>(p, walk.batch, walk.head_kv, my_key0 + warp_row, dk, dv);
+  store_key_gradients<HeadDim, T>(p, walk.batch, walk.head_kv, 0, my_key0 + warp_row, p.fwd.shape.seqlen_k, dk,
+                                  dv);
 #else
   __trap();  // built for another target: sm90_available() keeps callers away
 #endif

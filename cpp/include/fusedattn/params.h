@@ -84,6 +84,24 @@ struct AttentionShape {
   int64_t causal_offset() const { return seqlen_k - seqlen_q; }
 };
 
+// Packed sequences of different lengths (forward_varlen, backward_varlen) on
+// CUDA: the operands are one [1, H, total, d] batch whose rows cu_seqlens cut
+// into sequences, each attending to its own keys, causal and windows aligned
+// on its own lengths (shape.seqlen_q and seqlen_k hold the totals). The
+// kernels take their blocks from a work list of (sequence, tile) pairs in
+// launch order, longest first (cpp/cuda/plan.h): block index = item x heads
+// + head. cu_seqlens_q null: a dense call.
+struct VarlenParams {
+  const int32_t* cu_seqlens_q = nullptr;  // [B + 1], device memory
+  const int32_t* cu_seqlens_k = nullptr;
+  const int32_t* query_tiles = nullptr;   // [query_items][2]: the forward's and the dQ pass's
+  int64_t query_items = 0;
+  const int32_t* key_tiles = nullptr;     // [key_items][2]: the backward's key blocks
+  int64_t key_items = 0;
+
+  FUSEDATTN_HOST_DEVICE bool on() const { return cu_seqlens_q != nullptr; }
+};
+
 struct ForwardParams {
   AttentionShape shape;
   DType dtype = DType::Float32;
@@ -125,6 +143,8 @@ struct ForwardParams {
   // Device workspace for the sm90 forward: one unsigned int, from which its
   // persistent blocks take work items (the launch zeroes it).
   unsigned* work_counter = nullptr;
+
+  VarlenParams varlen;
 };
 
 struct BackwardParams {

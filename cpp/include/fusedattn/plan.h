@@ -4,6 +4,7 @@
 // Nothing here depends on ATen or CUDA.
 #pragma once
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -46,6 +47,8 @@ struct Plan {
   bool deterministic = false;     // backward: dQ summed in a fixed order
   int num_splits = 1;             // decode: blocks splitting each sequence's keys
   bool merge_in_cluster = false;  // decode: the splits merge in a thread block cluster
+  bool varlen = false;            // packed sequences (VarlenParams, params.h)
+  int64_t work_items = 0;         // varlen: the work list's (sequence, tile) items, longest first
 
   // "family=sm90 block_m=128 ...": the fields a family uses, for fusedattn.plan().
   std::string describe() const {
@@ -58,6 +61,8 @@ struct Plan {
     if (family == Family::Decode)
       s += " num_splits=" + std::to_string(num_splits) + " merge_in_cluster=" + flag(merge_in_cluster);
     if (backward) s += " head_splits=" + std::to_string(head_splits) + " deterministic=" + flag(deterministic);
+    if (varlen) s += " varlen=true";
+    if (varlen && family != Family::Cpu) s += " schedule=longest-first work_items=" + std::to_string(work_items);
     return s;
   }
 };

@@ -1,0 +1,51 @@
+// What the CUDA operators (attention_cuda_ops.cpp, varlen_cuda_ops.cpp)
+// share: the kernels' support table, padding to the kernels' head dim, and
+// a plan's workspaces and launch.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
+#include <cuda_runtime.h>
+
+#include "../cuda/plan.h"
+#include "checks.h"
+#include "fusedattn/params.h"
+#include "fusedattn/plan.h"
+
+namespace fusedattn::ops {
+
+// Any head dims d, d_v up to the largest the forward (or backward) serves:
+// the kernels run them padded to kernel_head_dim. Soft-capping: the forward only.
+const DeviceSupport& cuda_support(bool backward = false);
+
+// Pads `prepared` (PreparedInputs or PreparedBackward, of shape sh) to the
+// head dim the forward's (or backward's) kernels run it at.
+template <typename Prepared>
+void pad_to_kernel_head_dim(Prepared& prepared, const AttentionShape sh, bool backward) {
+  const int64_t head_dim =
+      with_torch_errors([&] { return cuda::kernel_head_dim(sh.head_dim, sh.head_dim_v, backward); });
+  if (head_dim != sh.head_dim || head_dim != sh.head_dim_v) pad_head_dims(prepared, head_dim);
+}
+
+PlanRequest family_request(const char* op, const std::optional<c10::string_view>& family, const at::Tensor& q);
+
+// The current stream of q's device.
+cudaStream_t stream_of(const at::Tensor& q);
+
+// Launches the forward `plan` chose, with its workspaces (allocated like q).
+void run_forward(ForwardParams& p, const Plan& plan, const at::Tensor& q, cudaStream_t stream);
+
+// The backward's workspaces, as its plan needs them: delta always; the
+// float32 dQ accumulator unless deterministic; the dK/dV sums of the query
+// heads' splits when there are any; the mask's tile lists by key tiles.
+struct BackwardWorkspaces {
+  at::Tensor delta, grad_q_accum, grad_kv_accum, mask_tiles;
+  BackwardWorkspaces(BackwardParams& p, const Plan& plan, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& lse);
+};
+
+// Launches the backward `plan` chose (its workspaces set in p).
+void run_backward(const BackwardParams& p, const Plan& plan, cudaStream_t stream);
+
+}  // namespace fusedattn::ops

@@ -1,0 +1,160 @@
+// forward_varlen and backward_varlen on CUDA: the packed batch runs as one
+// [1, H, total, d] batch whose rows cu_seqlens cut into sequences
+// (VarlenParams, params.h), the kernels walking the planner's longest-first
+// work lists. The checks read cu_seqlens on the host, which waits for the
+// stream once a call.
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../cuda/plan.h"
+#include "checks.h"
+#include "operators_cuda.h"
+#include "varlen.h"
+
+namespace fusedattn::ops {
+namespace {
+
+// A packed [total, H, d] tensor as the [1, H, total, d] view the kernels take, and back
+// ([1, H, total, d] -> [total, H, head_dim], cut to the call's head dim).
+at::Tensor as_one_batch(const at::Tensor& packed) { return sequence_view(packed, 0, packed.size(0)); }
+at::Tensor as_packed(const at::Tensor& batch, int64_t head_dim) {
+  return unpadded(batch[0].transpose(0, 1), head_dim);
+}
+
+// The device memory a packed call's kernels read besides the operands:
+// cu_seqlens and the work lists, which `p` points at.
+struct VarlenOperands {
+  at::Tensor cu_q, cu_k, query_tiles, key_tiles;
+
+  VarlenOperands(VarlenParams& p, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k)
+      : cu_q(cu_seqlens_q.contiguous()), cu_k(cu_seqlens_k.contiguous()) {
+    p.cu_seqlens_q = cu_q.data_ptr<int32_t>();
+    p.cu_seqlens_k = cu_k.data_ptr<int32_t>();
+  }
+
+  // Copies the plan's work lists to the device (through pinned memory, without waiting) and points p at them.
+  void upload(VarlenParams& p, const cuda::VarlenWork& work, const at::Tensor& like) {
+    query_tiles = to_device(work.query_tiles, like);
+    key_tiles = to_device(work.key_tiles, like);
+    p.query_tiles = query_tiles.data_ptr<int32_t>();
+    p.query_items = query_tiles.numel() / 2;
+    p.key_tiles = key_tiles.data_ptr<int32_t>();
+    p.key_items = key_tiles.numel() / 2;
+  }
+
+ private:
+  static at::Tensor to_device(const std::vector<int32_t>& items, const at::Tensor& like) {
+    const int64_t n = static_cast<int64_t>(items.size());
+    at::Tensor host = at::empty({n}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    if (n > 0) std::memcpy(host.data_ptr<int32_t>(), items.data(), n * sizeof(int32_t));
+    return host.to(like.device(), /*non_blocking=*/true);
+  }
+};
+
+cuda::HostSequences host_sequences(const VarlenLengths& lengths) {
+  return {lengths.cu_q.data_ptr<int32_t>(), lengths.cu_k.data_ptr<int32_t>(), lengths.batch};
+}
+
+// The checks every packed call makes before it reads anything else.
+VarlenLengths check_varlen_call(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                int64_t max_seqlen_k, at::OptionalIntArrayRef window, std::optional<double> softcap,
+                                const std::optional<at::Tensor>& sinks, bool backward) {
+  check_window(op, window);
+  check_softcap_and_sinks(op, q, softcap, sinks, cuda_support(backward));
+  return check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_varlen_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+                                                       std::optional<double> scale,
+                                                       std::optional<c10::string_view> family,
+                                                       at::OptionalIntArrayRef window, std::optional<double> softcap,
+                                                       const std::optional<at::Tensor>& sinks) {
+  const char* op = "fusedattn.forward_varlen";
+  const VarlenLengths lengths = check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  window, softcap, sinks, /*backward=*/false);
+  PreparedInputs in = prepare_forward(op, as_one_batch(q), as_one_batch(k), as_one_batch(v), std::nullopt, is_causal,
+                                      scale, cuda_support(), window, softcap, sinks);
+  const c10::cuda::CUDAGuard guard(q.device());
+  pad_to_kernel_head_dim(in, in.params.shape, /*backward=*/false);
+  at::Tensor out = at::empty({q.size(0), q.size(1), in.params.shape.head_dim_v}, q.options());
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  set_forward_outputs(in.params, as_one_batch(out), lse.unsqueeze(0));
+  VarlenOperands operands(in.params.varlen, cu_seqlens_q, cu_seqlens_k);
+  Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, family_request(op, family, q)); });
+  operands.upload(in.params.varlen,
+                  with_torch_errors([&] { return cuda::schedule_varlen(in.params, host_sequences(lengths), plan); }), q);
+  run_forward(in.params, plan, q, stream_of(q));
+  return {unpadded(out, v.size(2)), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cuda(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family,
+    at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+  const char* op = "fusedattn.backward_varlen";
+  const VarlenLengths lengths = check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  window, softcap, sinks, /*backward=*/true);
+  check_varlen_outputs(op, q, v, grad_out, out, lse);
+  PreparedBackward b = prepare_backward(op, as_one_batch(grad_out), as_one_batch(q), as_one_batch(k), as_one_batch(v),
+                                        as_one_batch(out), lse.unsqueeze(0), std::nullopt, is_causal, scale,
+                                        cuda_support(/*backward=*/true), window, softcap, sinks);
+  const c10::cuda::CUDAGuard guard(q.device());
+  pad_to_kernel_head_dim(b, b.params.fwd.shape, /*backward=*/true);
+  allocate_gradients_like_operands(b);  // packed, as the inputs are (unless padded)
+  b.params.deterministic = at::globalContext().deterministicAlgorithms();
+  VarlenOperands operands(b.params.fwd.varlen, cu_seqlens_q, cu_seqlens_k);
+  Plan plan = with_torch_errors([&] { return cuda::plan_backward(b.params, family_request(op, family, q)); });
+  operands.upload(b.params.fwd.varlen,
+                  with_torch_errors([&] { return cuda::schedule_varlen(b.params.fwd, host_sequences(lengths), plan); }),
+                  q);
+  const BackwardWorkspaces workspaces(b.params, plan, b.fwd.q, b.fwd.k, b.lse);
+  run_backward(b.params, plan, stream_of(q));
+  at::Tensor grad_sinks = sinks ? sinks_gradient(*sinks, b.lse, workspaces.delta) : at::empty({0}, lse.options());
+  return {as_packed(b.grad_q, q.size(2)), as_packed(b.grad_k, k.size(2)), as_packed(b.grad_v, v.size(2)),
+          grad_sinks};
+}
+
+std::string plan_varlen_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                             int64_t max_seqlen_k, bool is_causal, std::optional<double> scale,
+                             std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window,
+                             std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+  const char* op = "fusedattn.plan_varlen";
+  const VarlenLengths lengths = check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  window, softcap, sinks, backward);
+  PreparedInputs in = prepare_forward(op, as_one_batch(q), as_one_batch(k), as_one_batch(v), std::nullopt, is_causal,
+                                      scale, cuda_support(backward), window, softcap, sinks);
+  const c10::cuda::CUDAGuard guard(q.device());
+  pad_to_kernel_head_dim(in, in.params.shape, backward);
+  VarlenOperands operands(in.params.varlen, cu_seqlens_q, cu_seqlens_k);
+  const PlanRequest request = family_request(op, family, q);
+  return with_torch_errors([&] {
+    BackwardParams b;  // the planner reads the forward's part and the mode (the family is sm80's)
+    b.fwd = in.params;
+    b.deterministic = at::globalContext().deterministicAlgorithms();
+    Plan plan = backward ? cuda::plan_backward(b, request) : cuda::plan_forward(in.params, request);
+    cuda::schedule_varlen(in.params, host_sequences(lengths), plan);
+    return plan.describe();
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedattn, CUDA, m) {
+  m.impl("forward_varlen", &forward_varlen_cuda);
+  m.impl("backward_varlen", &backward_varlen_cuda);
+  m.impl("plan_varlen", &plan_varlen_cuda);
+}
+
+}  // namespace fusedattn::ops
