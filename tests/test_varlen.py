@@ -1,6 +1,6 @@
 """attention_varlen: packed sequences of different lengths, with causal and
 sliding windows per sequence, against the float64 reference, sequence by
-sequence (CPU)."""
+sequence (CPU; CUDA in test_varlen_cuda.py)."""
 
 import pytest
 import torch
@@ -130,10 +130,3 @@ def test_varlen_max_seqlen_below_a_length_is_an_error():
     q, k, v, cu_q, cu_k = packed([3, 6], [4, 4])
     with pytest.raises(RuntimeError, match="sequence 1 has 6 rows, more than max_seqlen_q = 5"):
         fusedattn.attention_varlen(q, k, v, cu_q, cu_k, 5, 4)
-
-
-@pytest.mark.gpu
-def test_varlen_on_cuda_says_it_runs_on_the_cpu():
-    q, k, v, cu_q, cu_k = (t.cuda() for t in packed([3, 2], [4, 4], dtype=torch.float16))
-    with pytest.raises(NotImplementedError, match="runs packed sequences on the CPU only, got cuda tensors"):
-        fusedattn.attention_varlen(q, k, v, cu_q, cu_k)

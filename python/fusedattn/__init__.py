@@ -24,8 +24,8 @@ _load_library()
 
 from . import backends, distributed, nn, ops, reference  # noqa: E402  (ops registers fake functions and autograd)
 from .blockmask import BlockMask, block_mask  # noqa: E402
-from .ops import attention, attention_varlen, attention_with_kvcache, plan, plan_kvcache  # noqa: E402
+from .ops import attention, attention_varlen, attention_with_kvcache, plan, plan_kvcache, plan_varlen  # noqa: E402
 
 __all__ = ["BlockMask", "attention", "attention_varlen", "attention_with_kvcache", "backends", "block_mask",
-           "distributed", "nn", "ops", "plan", "plan_kvcache", "reference"]
+           "distributed", "nn", "ops", "plan", "plan_kvcache", "plan_varlen", "reference"]
 __version__ = "0.1.0"

@@ -148,13 +148,15 @@ def _check_plot(path: str) -> None:
 # Options that choose what a run measures; none applies to --from-json.
 _RUN_OPTIONS = ("device", "batch", "heads", "head_dim", "seqlens", "dtype", "causal", "repeats", "methods",
                 "warmup", "json", "decode", "backward", "kv_heads", "lengths", "capacity", "launch_gaps",
-                "num_splits", "ring", "layout", "mask")
+                "num_splits", "ring", "layout", "mask", "varlen")
 _DECODE_ONLY = ("lengths", "capacity", "launch_gaps", "num_splits")
 # What --ring times is fixed (the ring, compute alone, communication alone, one device; forward and
 # forward+backward): these choose other benchmarks' columns.
-_NOT_RING = ("decode", "mask", "backward", "methods", "plot", "wide") + _DECODE_ONLY
+_NOT_RING = ("decode", "mask", "varlen", "backward", "methods", "plot", "wide") + _DECODE_ONLY
 # --mask times its own columns (bench_mask.methods) and prints its own table.
-_NOT_MASK = ("causal", "methods", "plot", "wide", "kv_heads") + _DECODE_ONLY
+_NOT_MASK = ("causal", "methods", "plot", "wide", "kv_heads", "varlen") + _DECODE_ONLY
+# --varlen times its own mixes (bench_varlen.methods), causal, with the lengths the mix gives.
+_NOT_VARLEN = ("causal", "methods", "plot", "wide", "kv_heads", "batch", "seqlens") + _DECODE_ONLY
 
 
 def _flag(name: str) -> str:
@@ -178,13 +180,17 @@ def _check_bench(args) -> None:
             if _given(args, name):
                 raise UsageError(f"{_flag(name)} does not apply to --ring")
     elif args.decode:
-        for name in ("causal", "plot", "backward", "mask"):
+        for name in ("causal", "plot", "backward", "mask", "varlen"):
             if _given(args, name):
                 raise UsageError(f"{_flag(name)} does not apply to --decode")
     elif args.mask:
         for name in _NOT_MASK:
             if _given(args, name):
                 raise UsageError(f"{_flag(name)} does not apply to --mask")
+    elif args.varlen:
+        for name in _NOT_VARLEN:
+            if _given(args, name):
+                raise UsageError(f"{_flag(name)} does not apply to --varlen")
     else:
         for name in _DECODE_ONLY + ("kv_heads",):
             if _given(args, name):
@@ -304,6 +310,29 @@ def _bench_mask(args) -> int:
     return 0
 
 
+def _bench_varlen(args) -> int:
+    from . import bench_varlen
+
+    try:
+        mixes = bench_varlen.parse_mixes(args.varlen)
+    except ValueError as e:
+        raise UsageError(f"--varlen: {e}") from None
+    device = _device(args.device, "forward_varlen", default_cuda=False)
+    if args.backward and device.type == "cuda" and not has_kernel("backward_varlen", "cuda"):
+        raise UsageError("--backward: this build of fusedattn has no CUDA backward kernel")
+    cfg = bench_varlen.default_config(device, mixes)
+    _apply_options(cfg, args, ("heads", "head_dim", "repeats", "warmup"))
+    if len(cfg.dtypes) != 1:
+        raise UsageError(f"--dtype {args.dtype}: --varlen takes one dtype a run")
+    _cuda_takes(device, cfg.dtypes, cfg.head_dim, None if args.backward else "sm80_forward")
+    cfg.backward = args.backward
+    with _on(device):
+        result = bench_varlen.run(cfg, progress=not args.no_progress)
+    print(bench_varlen.format_table(result))
+    _write_json(result, args.json)
+    return 0
+
+
 def _ring_device(args) -> torch.device:
     """The device of this rank: the CPU, or (CUDA) cuda:LOCAL_RANK, one GPU per process."""
     if args.device is not None and args.device.startswith("cuda:"):
@@ -360,17 +389,19 @@ def _bench_ring(args) -> int:
 
 def _table(result: dict, wide: bool) -> str:
     """The table of a saved result, by the benchmark that wrote it."""
-    from . import bench, bench_decode, bench_mask, bench_ring
+    from . import bench, bench_decode, bench_mask, bench_ring, bench_varlen
 
     if result["config"].get("ring"):
         return bench_ring.format_table(result)
     if bench_mask.is_mask(result):
         return bench_mask.format_table(result)
+    if bench_varlen.is_varlen(result):
+        return bench_varlen.format_table(result)
     return (bench_decode if bench.is_decode(result) else bench).format_table(result, wide=wide)
 
 
 def _from_json(args) -> int:
-    from . import bench, bench_mask
+    from . import bench, bench_mask, bench_varlen
 
     results = []
     for path in args.from_json:
@@ -381,7 +412,7 @@ def _from_json(args) -> int:
     if args.plot:
         for path, r in zip(args.from_json, results):
             kind = ("--ring" if r["config"].get("ring") else "--decode" if bench.is_decode(r)
-                    else "--mask" if bench_mask.is_mask(r) else None)
+                    else "--mask" if bench_mask.is_mask(r) else "--varlen" if bench_varlen.is_varlen(r) else None)
             if kind:
                 raise UsageError(f"--plot: {path} holds {kind} results, which have no plot "
                                  f"(--plot draws the forward and backward bench)")
@@ -408,6 +439,8 @@ def _bench(args) -> int:
         return _bench_decode(args)
     if args.mask:
         return _bench_mask(args)
+    if args.varlen:
+        return _bench_varlen(args)
     device = _device(args.device, "forward", default_cuda=False)
     if args.backward and device.type == "cuda" and not has_kernel("backward", "cuda"):
         raise UsageError("--backward: this build of fusedattn has no CUDA backward kernel")
@@ -703,6 +736,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "mask (and window=), FlexAttention (CUDA), SDPA; TFLOP/s over the visible entries, and "
                         "the BlockMask's build time; --backward too. Defaults on CUDA B=4 H=16 d=128 "
                         "N=4K,8K,16K bfloat16")
+    b.add_argument("--varlen", action="append", metavar="MIX",
+                   help="packed sequences of different lengths instead, causal per sequence: MIX is mixed32k "
+                        "(8192, 2x4096, 4x2048, 4x1024, 8x512), short32k (32x512, 64x256) or lengths such as "
+                        "8192,8x512; --varlen repeated for several. Columns: fusedattn varlen, fusedattn padded "
+                        "to the longest with a key-padding mask, FlexAttention with a document mask (CUDA), SDPA "
+                        "on jagged nested tensors, the dense causal kernel at the mix's root-mean-square length; "
+                        "TFLOP/s over the visible entries; --backward too. Defaults on CUDA H=16 d=128 bfloat16")
     b.add_argument("--layout", choices=["contiguous", "zigzag"], help="--ring: how N is spread over the ranks "
                                                                       "(default zigzag)")
     b.add_argument("--kv-heads", type=int, dest="kv_heads",

@@ -18,7 +18,7 @@ from .blockmask import BlockMask
 from .distributed.routing import routed_attention
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "cuda_head_dims", "has_kernel", "plan",
-           "needs_gradients", "plan_kvcache", "supports"]
+           "needs_gradients", "plan_kvcache", "plan_varlen", "supports"]
 
 # What the CUDA kernels take; the CPU kernels take float32, float16 and
 # bfloat16 at any head dim.
@@ -261,11 +261,15 @@ def attention_varlen(
 
     Returns:
         ``[total_q, Hq, d_v]`` in q's dtype; rows that see no key are 0.
-        Differentiable with respect to q, k, v (and sinks). CPU tensors in this version.
+        Differentiable with respect to q, k, v (and sinks).
+
+    On CUDA the call reads ``cu_seqlens`` on the host to check them and to
+    order the work (longest first), so it waits for the device once; the
+    sm80 kernels serve it (:func:`plan_varlen` shows the plan).
     """
     if not torch.compiler.is_compiling() and not has_kernel("forward_varlen", q.device.type):
-        raise NotImplementedError(f"fusedattn.attention_varlen: this version runs packed sequences on the CPU only, "
-                                  f"got {q.device.type} tensors (pad them and use fusedattn.attention there)")
+        raise NotImplementedError(f"fusedattn.attention_varlen: this build runs packed sequences on the CPU and "
+                                  f"CUDA, got {q.device.type} tensors")
     if max_seqlen_q is None:
         max_seqlen_q = _longest(cu_seqlens_q)
     if max_seqlen_k is None:
@@ -356,6 +360,36 @@ def plan(
         attn_mask = attn_mask.for_call(q, k)
     return _parse_plan(torch.ops.fusedattn.plan(q, k, v, attn_mask, is_causal, scale, backends.forced().family,
                                                 backward, window, softcap, sinks))
+
+
+def plan_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    backward: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> dict:
+    """The plan :func:`attention_varlen` would run for these arguments (with
+    ``backward=True``, its backward's): :func:`plan`'s keys and ``"varlen":
+    True``; on CUDA also ``"schedule"`` ("longest-first") and
+    ``"work_items"``, the (sequence, tile) items of its work list (query
+    tiles; the backward's: key tiles)."""
+    if max_seqlen_q is None:
+        max_seqlen_q = _longest(cu_seqlens_q)
+    if max_seqlen_k is None:
+        max_seqlen_k = _longest(cu_seqlens_k)
+    return _parse_plan(torch.ops.fusedattn.plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                       max_seqlen_k, is_causal, scale, backends.forced().family,
+                                                       backward, window, softcap, sinks))
 
 
 def plan_kvcache(

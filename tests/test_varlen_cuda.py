@@ -1,0 +1,131 @@
+"""attention_varlen on CUDA: packed sequences through the sm80 kernels' work
+lists (longest first), forward and backward, against the float64 reference
+sequence by sequence; the plan (family, work items) asserted for each call."""
+
+import math
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.ops import cuda_head_dims
+from helpers.cuda import GPU_DTYPES, poison_allocator
+from helpers.varlen_cases import check_varlen, check_varlen_backward, packed
+
+pytestmark = pytest.mark.gpu
+
+# Empty sequences on either side, one token, Nq != Nk both ways, several tiles, a long one.
+LENGTHS_Q = [5, 0, 1, 200, 3, 130, 64, 700]
+LENGTHS_K = [5, 9, 1, 140, 0, 260, 64, 700]
+
+
+def tiles(lengths, tile):
+    return sum(math.ceil(n / tile) for n in lengths)
+
+
+def assert_planned(lengths_q, lengths_k, backward=False, head_dim=64, **options):
+    """The call runs sm80's varlen kernels with one work item per query (key) tile."""
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, d=head_dim, dtype=torch.float16, device="cuda")
+    plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, backward=backward, **options)
+    assert plan["family"] == "sm80" and plan["varlen"] and plan["schedule"] == "longest-first", plan
+    tile, rows = (plan["block_n"], lengths_k) if backward else (plan["block_m"], lengths_q)
+    assert plan["work_items"] == tiles(rows, tile), plan
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 128, 40, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_varlen_forward_matches_reference(dtype, d, is_causal):
+    assert_planned(LENGTHS_Q, LENGTHS_K, head_dim=d, is_causal=is_causal)
+    poison_allocator(((sum(LENGTHS_Q), 4, d), dtype), ((4, sum(LENGTHS_Q)), torch.float32))
+    check_varlen(LENGTHS_Q, LENGTHS_K, is_causal=is_causal, dtype=dtype, d=d, device="cuda", seed=d)
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("window", [None, (30, 0), (17, 40), (-1, 5)], ids=str)
+def test_varlen_forward_grouped_heads_and_windows(heads, window):
+    check_varlen(LENGTHS_Q, LENGTHS_K, is_causal=window is None, window=window, dtype=torch.bfloat16, hq=heads[0],
+                 hkv=heads[1], d=64, scale=0.2, device="cuda", seed=1)
+
+
+def test_varlen_forward_softcap_sinks_and_value_head_dim():
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device="cuda")
+    check_varlen(LENGTHS_Q, LENGTHS_K, is_causal=True, softcap=2.5, sinks=sinks, dtype=torch.float16, d=64,
+                 d_v=32, device="cuda", seed=2)
+
+
+def test_varlen_forward_many_short_sequences_and_one_long():
+    """The mix the longest-first order is for: 96 short sequences and one of 2K."""
+    lengths = [2048] + [17, 64, 100, 250] * 24
+    assert_planned(lengths, lengths, is_causal=True)
+    check_varlen(lengths, lengths, is_causal=True, dtype=torch.bfloat16, hq=2, hkv=1, d=64, device="cuda", seed=3)
+
+
+@pytest.mark.parametrize("d", [64, 128, 96], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("is_causal,window", [(False, None), (True, None), (False, (40, 3))],
+                         ids=["full", "causal", "window"])
+def test_varlen_backward_matches_reference(d, is_causal, window):
+    assert_planned(LENGTHS_Q, LENGTHS_K, backward=True, head_dim=d, is_causal=is_causal, window=window)
+    check_varlen_backward(LENGTHS_Q, LENGTHS_K, is_causal=is_causal, window=window, dtype=torch.float16, d=d,
+                          hq=4, hkv=2, device="cuda", seed=d)
+
+
+def test_varlen_backward_sinks_and_mqa():
+    sinks = torch.tensor([0.3, -0.7, 1.1, 0.0, 2.0, -2.0])
+    check_varlen_backward(LENGTHS_Q, LENGTHS_K, is_causal=True, sinks=sinks, dtype=torch.bfloat16, d=64, hq=6, hkv=1,
+                          device="cuda", seed=4)
+
+
+def test_varlen_backward_deterministic_is_bitwise_repeatable():
+    """torch.use_deterministic_algorithms: grad_q from the dQ pass's own work list, the same bits twice."""
+    q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, d=64, dtype=torch.float16, device="cuda", requires_grad=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, is_causal=True, backward=True)
+        assert plan["deterministic"] and plan["family"] == "sm80"
+        runs = []
+        for _ in range(2):
+            out = fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=True)
+            runs.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+        check_varlen_backward(LENGTHS_Q, LENGTHS_K, is_causal=True, dtype=torch.float16, d=64, device="cuda", seed=5)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_varlen_opcheck_and_compile_on_cuda():
+    q, k, v, cu_q, cu_k = packed([40, 0, 90], [60, 30, 90], d=64, dtype=torch.bfloat16, device="cuda",
+                                 requires_grad=True)
+    torch.library.opcheck(torch.ops.fusedattn.forward_varlen.default, (q, k, v, cu_q, cu_k, 90, 90, True))
+    q0, k0, v0 = (t.detach() for t in (q, k, v))
+    out, lse = torch.ops.fusedattn.forward_varlen(q0, k0, v0, cu_q, cu_k, 90, 90, True)
+    torch.library.opcheck(torch.ops.fusedattn.backward_varlen.default,
+                          (torch.randn_like(out), q0, k0, v0, out, lse, cu_q, cu_k, 90, 90, True))
+    torch._dynamo.reset()
+    compiled = torch.compile(fusedattn.attention_varlen, fullgraph=True)
+    out = compiled(q, k, v, cu_q, cu_k, 90, 90, True)
+    torch.testing.assert_close(out, fusedattn.attention_varlen(q, k, v, cu_q, cu_k, 90, 90, True), atol=0, rtol=0)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+def test_varlen_forced_sm90_says_why_not():
+    q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], d=64, dtype=torch.float16, device="cuda")
+    with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="no packed sequences"):
+        fusedattn.attention_varlen(q, k, v, cu_q, cu_k)
+
+
+def test_varlen_cuda_refusals_name_the_limit():
+    q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], d=64, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must be on q's device"):
+        fusedattn.attention_varlen(q, k, v, cu_q.cpu(), cu_k)
+    with pytest.raises(RuntimeError, match="cu_seqlens_k must not decrease"):
+        fusedattn.attention_varlen(q, k, v, cu_q, torch.tensor([0, 25, 20], dtype=torch.int32, device="cuda"))
+    big = max(cuda_head_dims("sm80_forward")) + 8
+    q, k, v, cu_q, cu_k = packed([10], [10], d=big, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match="head dims d and d_v up to"):
+        fusedattn.attention_varlen(q, k, v, cu_q, cu_k)
+    q, k, v, cu_q, cu_k = packed([10], [10], d=64, dtype=torch.float16, device="cuda", requires_grad=True)
+    with pytest.raises(RuntimeError, match="does not soft-cap scores"):
+        fusedattn.attention_varlen(q, k, v, cu_q, cu_k, softcap=3.0).sum().backward()
