@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fusedattn
-from fusedattn import bench, bench_decode, bench_mask, bench_ring, cli
+from fusedattn import bench, bench_decode, bench_mask, bench_ring, bench_varlen, cli
 
 from helpers.bench_results import GPU_METHODS, decode_result, gpu_result
 
@@ -38,6 +38,7 @@ def no_run(monkeypatch):
     monkeypatch.setattr(bench, "run", ran)
     monkeypatch.setattr(bench_decode, "run", ran)
     monkeypatch.setattr(bench_mask, "run", ran)
+    monkeypatch.setattr(bench_varlen, "run", ran)
     from fusedattn import engine
     monkeypatch.setattr(engine.Engine, "from_gguf", ran)
 
@@ -368,6 +369,53 @@ def test_bench_mask_on_cuda(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine can run --decode")
+def test_bench_varlen_options_are_checked(capsys, no_run):
+    def error(*argv):
+        return usage_error(capsys, ["bench", "--device", "cpu", *argv, "--no-progress"])
+
+    assert error("--varlen", "long9k") == (
+        "--varlen: 'long9k': give a named mix (mixed32k, short32k) or lengths such as 8192,2x4096,8x512")
+    assert error("--varlen", "64,0x32") == "--varlen: '64,0x32': lengths and counts must be >= 1, got '0x32'"
+    assert error("--varlen", "64,", "--heads", "2").startswith("--varlen: '64,': give a named mix")
+    assert error("--varlen", "64", "--dtype", "float32,bfloat16") == (
+        "--dtype float32,bfloat16: --varlen takes one dtype a run")
+    for option in (["--causal", "yes"], ["--batch", "2"], ["--seqlens", "64"], ["--methods", "sdpa"],
+                   ["--plot", "x.png"], ["--kv-heads", "2"]):
+        assert error("--varlen", "64", *option) == f"{option[0]} does not apply to --varlen"
+    assert error("--varlen", "64", "--decode") == "--varlen does not apply to --decode"
+
+
+def test_bench_varlen_on_the_cpu(tmp_path, capsys):
+    """A tiny mix: one row with the exact causal pair count, a rate per column that runs, the
+    dense column's own count, FlexAttention n/a on the CPU; --from-json prints the same table."""
+    out = tmp_path / "varlen.json"
+    assert cli.main(["bench", "--varlen", "96,2x32", "--device", "cpu", "--repeats", "1", "--warmup", "0",
+                     "--heads", "2", "--head-dim", "16", "--no-progress", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["config"]["varlen"] == ["96,2x32"] and result["config"]["dtype"] == "float32"
+    (row,) = result["rows"]
+    assert (row["sequences"], row["tokens"], row["longest"], row["rms_length"]) == (3, 160, 96, 64)
+    assert set(row["results"]) == {"fusedattn-varlen", "fusedattn-padded", "flex-docs", "sdpa-jagged",
+                                   "fusedattn-dense-rms"}
+    visible = 96 * 97 // 2 + 2 * (32 * 33 // 2)  # the padded column counts the mix's visible pairs too
+    pairs = {"fusedattn-varlen": visible, "fusedattn-padded": visible, "fusedattn-dense-rms": 2 * (64 * 65 // 2)}
+    for name, count in pairs.items():
+        cell = row["results"][name]
+        assert cell["status"] == "ok" and cell["seconds"] > 0, (name, cell)
+        assert cell["tflops"] == pytest.approx(4 * 2 * 16 * count / cell["seconds"] / 1e12)
+    assert row["results"]["flex-docs"]["status"].startswith("n/a")
+    assert "fusedattn-varlen/flex-docs" not in row["ratios"]
+    assert row["ratios"]["fusedattn-varlen/fusedattn-dense-rms"] == pytest.approx(
+        row["results"]["fusedattn-varlen"]["tflops"] / row["results"]["fusedattn-dense-rms"]["tflops"])
+    assert "packed sequences, causal per sequence, forward" in table and "| varlen/dense-rms |" in table
+    assert max(map(len, table.splitlines())) <= bench.TABLE_WIDTH
+    assert cli.main(["bench", "--from-json", str(out)]) == 0
+    assert bench_varlen.format_table(result) in capsys.readouterr().out
+    assert usage_error(capsys, ["bench", "--from-json", str(out), "--plot", str(tmp_path / "p.png")]).endswith(
+        "holds --varlen results, which have no plot (--plot draws the forward and backward bench)")
+
+
 def test_bench_decode_without_cuda_stops_before_the_progress_bar(capsys, no_run):
     """Once a progress bar, then `AssertionError: Torch not compiled with CUDA enabled`."""
     message = usage_error(capsys, ["bench", "--decode"])

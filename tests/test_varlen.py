@@ -77,6 +77,17 @@ def test_varlen_computes_max_seqlens_and_agrees_with_the_dense_call():
                                dense[0].transpose(0, 1), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_plan_varlen_on_the_cpu(backward):
+    """The CPU kernel serves packed calls; its plan says varlen and takes the options."""
+    q, k, v, cu_q, cu_k = packed([7, 0, 20], [7, 3, 25], seed=2)
+    plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, is_causal=True, backward=backward, window=(4, 0))
+    assert (plan["family"], plan["varlen"], "deterministic" in plan) == ("cpu", True, backward), plan
+    assert "work_items" not in plan and "schedule" not in plan
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must end at the 27 rows of q, got 7"):
+        fusedattn.plan_varlen(q, k, v, cu_q[:-1], cu_k)
+
+
 @pytest.mark.parametrize("window", [None, [3, 1]], ids=["no-window", "window"])
 def test_varlen_opcheck_and_compile(window):
     q, k, v, cu_q, cu_k = packed([4, 0, 9], [6, 3, 9], requires_grad=True, seed=6)
