@@ -1,6 +1,7 @@
-"""attention_varlen on CUDA: packed sequences through the sm80 kernels' work
-lists (longest first), forward and backward, against the float64 reference
-sequence by sequence; the plan (family, work items) asserted for each call."""
+"""attention_varlen on CUDA: packed sequences through the kernels' work lists
+(longest first): the forward on sm90 (where the GPU has it) and sm80, the
+backward on sm80, against the float64 reference sequence by sequence; the
+plan (family, work items) asserted for each call."""
 
 import math
 
@@ -9,7 +10,7 @@ import torch
 
 import fusedattn
 from fusedattn.ops import cuda_head_dims
-from helpers.cuda import GPU_DTYPES, poison_allocator
+from helpers.cuda import GPU_DTYPES, poison_allocator, sm90_available
 from helpers.varlen_cases import check_varlen, check_varlen_backward, packed
 
 pytestmark = pytest.mark.gpu
@@ -23,42 +24,63 @@ def tiles(lengths, tile):
     return sum(math.ceil(n / tile) for n in lengths)
 
 
+# "auto" takes sm90's forward where the GPU has it; "sm80" holds the Ampere kernels to the same cases.
+FAMILIES = ["auto", "sm80"]
+
+
 def assert_planned(lengths_q, lengths_k, backward=False, head_dim=64, **options):
-    """The call runs sm80's varlen kernels with one work item per query (key) tile."""
+    """The call runs the forced family (unforced: sm90's forward where it serves the head dim and
+    options, else sm80) with one work item per query (key) tile."""
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, d=head_dim, dtype=torch.float16, device="cuda")
     plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, backward=backward, **options)
-    assert plan["family"] == "sm80" and plan["varlen"] and plan["schedule"] == "longest-first", plan
+    sm90 = (sm90_available() and not backward and options.get("softcap") is None
+            and plan["head_dim"] in cuda_head_dims("sm90_forward"))
+    expected = fusedattn.backends.forced().family or ("sm90" if sm90 else "sm80")
+    assert plan["family"] == expected and plan["varlen"] and plan["schedule"] == "longest-first", plan
     tile, rows = (plan["block_n"], lengths_k) if backward else (plan["block_m"], lengths_q)
     assert plan["work_items"] == tiles(rows, tile), plan
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("d", [64, 128, 40, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_varlen_forward_matches_reference(dtype, d, is_causal):
-    assert_planned(LENGTHS_Q, LENGTHS_K, head_dim=d, is_causal=is_causal)
-    poison_allocator(((sum(LENGTHS_Q), 4, d), dtype), ((4, sum(LENGTHS_Q)), torch.float32))
-    check_varlen(LENGTHS_Q, LENGTHS_K, is_causal=is_causal, dtype=dtype, d=d, device="cuda", seed=d)
+def test_varlen_forward_matches_reference(family, dtype, d, is_causal):
+    with fusedattn.backends.force(family):
+        assert_planned(LENGTHS_Q, LENGTHS_K, head_dim=d, is_causal=is_causal)
+        poison_allocator(((sum(LENGTHS_Q), 4, d), dtype), ((4, sum(LENGTHS_Q)), torch.float32))
+        check_varlen(LENGTHS_Q, LENGTHS_K, is_causal=is_causal, dtype=dtype, d=d, device="cuda", seed=d)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("window", [None, (30, 0), (17, 40), (-1, 5)], ids=str)
-def test_varlen_forward_grouped_heads_and_windows(heads, window):
-    check_varlen(LENGTHS_Q, LENGTHS_K, is_causal=window is None, window=window, dtype=torch.bfloat16, hq=heads[0],
-                 hkv=heads[1], d=64, scale=0.2, device="cuda", seed=1)
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+def test_varlen_forward_grouped_heads_and_windows(family, heads, window, d):
+    with fusedattn.backends.force(family):
+        assert_planned(LENGTHS_Q, LENGTHS_K, head_dim=d, is_causal=window is None, window=window)
+        check_varlen(LENGTHS_Q, LENGTHS_K, is_causal=window is None, window=window, dtype=torch.bfloat16,
+                     hq=heads[0], hkv=heads[1], d=d, scale=0.2, device="cuda", seed=1)
 
 
-def test_varlen_forward_softcap_sinks_and_value_head_dim():
+@pytest.mark.parametrize("softcap", [None, 2.5], ids=["sinks", "softcap-sinks"])
+def test_varlen_forward_softcap_sinks_and_value_head_dim(softcap):
+    """Sinks alone run sm90's forward (where the GPU has it); soft-capping sm80's."""
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device="cuda")
-    check_varlen(LENGTHS_Q, LENGTHS_K, is_causal=True, softcap=2.5, sinks=sinks, dtype=torch.float16, d=64,
+    assert_planned(LENGTHS_Q, LENGTHS_K, is_causal=True, softcap=softcap, sinks=sinks)
+    check_varlen(LENGTHS_Q, LENGTHS_K, is_causal=True, softcap=softcap, sinks=sinks, dtype=torch.float16, d=64,
                  d_v=32, device="cuda", seed=2)
 
 
-def test_varlen_forward_many_short_sequences_and_one_long():
-    """The mix the longest-first order is for: 96 short sequences and one of 2K."""
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+def test_varlen_forward_many_short_sequences_and_one_long(family, d):
+    """The mix the longest-first order is for: 96 short sequences and one of 2K (sm90 at d=128:
+    persistent blocks taking items from the work list)."""
     lengths = [2048] + [17, 64, 100, 250] * 24
-    assert_planned(lengths, lengths, is_causal=True)
-    check_varlen(lengths, lengths, is_causal=True, dtype=torch.bfloat16, hq=2, hkv=1, d=64, device="cuda", seed=3)
+    with fusedattn.backends.force(family):
+        assert_planned(lengths, lengths, head_dim=d, is_causal=True)
+        check_varlen(lengths, lengths, is_causal=True, dtype=torch.bfloat16, hq=2, hkv=1, d=d, device="cuda", seed=3)
 
 
 @pytest.mark.parametrize("d", [64, 128, 96], ids=lambda d: f"d{d}")
@@ -110,10 +132,13 @@ def test_varlen_opcheck_and_compile_on_cuda():
     assert q.grad is not None and q.grad.shape == q.shape
 
 
-def test_varlen_forced_sm90_says_why_not():
-    q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], d=64, dtype=torch.float16, device="cuda")
-    with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="no packed sequences"):
-        fusedattn.attention_varlen(q, k, v, cu_q, cu_k)
+@pytest.mark.skipif(not sm90_available(), reason="needs the sm90 family (Hopper)")
+def test_varlen_forced_sm90_backward_says_why_not():
+    q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], d=64, dtype=torch.float16, device="cuda", requires_grad=True)
+    with fusedattn.backends.force("sm90"):
+        out = fusedattn.attention_varlen(q, k, v, cu_q, cu_k)  # the forward runs there
+        with pytest.raises(RuntimeError, match="the sm90 backward takes no packed sequences yet"):
+            out.sum().backward()
 
 
 def test_varlen_cuda_refusals_name_the_limit():
@@ -124,7 +149,7 @@ def test_varlen_cuda_refusals_name_the_limit():
         fusedattn.attention_varlen(q, k, v, cu_q, torch.tensor([0, 25, 20], dtype=torch.int32, device="cuda"))
     big = max(cuda_head_dims("sm80_forward")) + 8
     q, k, v, cu_q, cu_k = packed([10], [10], d=big, dtype=torch.float16, device="cuda")
-    with pytest.raises(RuntimeError, match="head dims d and d_v up to"):
+    with pytest.raises(RuntimeError, match=f"head dims d and d_v must be at most {big - 8}, got q"):
         fusedattn.attention_varlen(q, k, v, cu_q, cu_k)
     q, k, v, cu_q, cu_k = packed([10], [10], d=64, dtype=torch.float16, device="cuda", requires_grad=True)
     with pytest.raises(RuntimeError, match="does not soft-cap scores"):

@@ -65,12 +65,10 @@ constexpr const char* kLayoutRefusal =
     "the tensor memory accelerator cannot describe these operands' layouts (strides of 0 or not multiples of 16 "
     "bytes)";
 
-constexpr const char* kPackedRefusal = "the sm90 kernels take no packed sequences yet (sm80's do)";
 
 std::string sm90_forward_refusal(const ForwardParams& p) {
   const AttentionShape& sh = p.shape;
   const bool masked = p.mask.kind != MaskKind::None;
-  if (p.varlen.on()) return kPackedRefusal;
   if (!instantiated(Sm90ForwardHeadDims{}, sh.head_dim))
     return "the sm90 forward has head dims " + dims_text(Sm90ForwardHeadDims{}) + ", got " +
            std::to_string(sh.head_dim);
@@ -102,7 +100,7 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
 
 std::string sm90_backward_refusal(const BackwardParams& p) {
   const AttentionShape& sh = p.fwd.shape;
-  if (p.fwd.varlen.on()) return kPackedRefusal;
+  if (p.fwd.varlen.on()) return "the sm90 backward takes no packed sequences yet (sm80's does)";
   if (p.deterministic) return "the sm90 backward has no deterministic mode (torch.use_deterministic_algorithms)";
   if (!instantiated(Sm90BackwardHeadDims{}, sh.head_dim))
     return "the sm90 backward has head dims " + dims_text(Sm90BackwardHeadDims{}) + ", got " +
@@ -241,7 +239,8 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
   if (plan.family == Family::Sm90) {
     const int d = static_cast<int>(sh.head_dim);
     plan.block_m = 64 * sm90_forward_consumers(d);
-    plan.block_n = sm90_forward_block_n(d, banded, masked, p.has_window() ? 0 : sh.seqlen_k);
+    // A packed call's Nk is its total: its sequences may be short, so its tiles are.
+    plan.block_n = sm90_forward_block_n(d, banded, masked, p.has_window() || p.varlen.on() ? 0 : sh.seqlen_k);
     plan.warps = 4 * (1 + sm90_forward_consumers(d));
     plan.persistent = sm90_forward_persistent(d, banded);
   } else {
@@ -349,7 +348,8 @@ std::vector<int32_t> longest_first(const ForwardParams& p, const HostSequences& 
 }  // namespace
 
 VarlenWork schedule_varlen(const ForwardParams& p, const HostSequences& sequences, Plan& plan) {
-  if (plan.family != Family::Sm80 || !plan.varlen) throw_planner_bug("packed sequences run sm80's kernels");
+  if (!plan.varlen || (plan.backward && plan.family != Family::Sm80))
+    throw_planner_bug("packed sequences run sm80's backward or either forward");
   if (sequences.cu_q[sequences.batch] >= (int64_t(1) << 31) || sequences.cu_k[sequences.batch] >= (int64_t(1) << 31))
     throw std::invalid_argument("fusedattn: packed sequences take fewer than 2^31 rows");
   VarlenWork work;

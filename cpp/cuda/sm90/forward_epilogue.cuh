@@ -17,8 +17,9 @@ __device__ __forceinline__ void store_output(const ForwardParams& p, const Sm90F
                                              const float (&acc)[HeadDim / 8][4], const float (&m_i)[2],
                                              const float (&l_i)[2]) {
   constexpr int kDTiles = HeadDim / 8;
-  float* lse = p.lse + (int64_t(it.batch) * p.shape.heads_q + it.head) * p.shape.seqlen_q;
-  T* out = static_cast<T*>(p.out) + it.batch * p.out_strides.batch + it.head * p.out_strides.head;
+  float* lse = p.lse + (int64_t(it.batch) * p.shape.heads_q + it.head) * p.shape.seqlen_q + it.q0;
+  T* out = static_cast<T*>(p.out) + it.batch * p.out_strides.batch + it.head * p.out_strides.head +
+           int64_t(it.q0) * p.out_strides.row;
   const float sink = sink_in_log2(p.sinks, it.head);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -11,7 +11,8 @@
 //     epilogue (forward_epilogue.cuh). The consumers take turns issuing their
 //     GEMMs (named barriers), so one warpgroup's softmax overlaps the others'
 //     tensor-core work.
-// Work items come from the tile scheduler (forward_scheduler.cuh): at d=128,
+// Work items come from the tile scheduler (forward_scheduler.cuh; packed
+// sequences too, from the planner's work list): at d=128,
 // and at d=64 banded (tile_size.h), the blocks are persistent, one per
 // SM, and the producer loads the next item's Q and first tiles while the
 // consumers finish the last one; it hands each item's index to the consumers
@@ -208,7 +209,8 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
   // each from entry, as setmaxnreg needs: 64512 or 65536, no room for a
   // second block), each taking items from the counter, zeroed here; else a
   // block per item.
-  int64_t blocks = launch_args.order.blocks();
+  const VarlenParams& varlen = args.p.varlen;
+  int64_t blocks = grid_blocks(launch_args.order, varlen.on(), varlen.query_items, args.p.shape.heads_q);
   if constexpr (sm90_forward_persistent(HeadDim, Banded)) {
     const int sms = device_sms();
     if (blocks > sms) {

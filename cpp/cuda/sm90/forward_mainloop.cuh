@@ -3,7 +3,9 @@
 //   load (producer, one thread): Q once per item, then K and V tiles of
 //     kBlockN keys into the rings, K one tile ahead of V (the order the
 //     consumers use them), each after its stage is released; under attn_mask
-//     only the tiles of the item's mask list.
+//     only the tiles of the item's mask list. A packed sequence's last tiles
+//     reach into the next sequence's rows, which the softmax hides (keys) and
+//     the epilogue does not write (queries).
 //   mma (each consumer warpgroup, 64 queries):
 //     S_j = Q K_j^T   wgmma m64n{kBlockN}k16, both operands from shared memory
 //     O += P V_j      wgmma m64n{d}k16, P from registers, V read transposed
@@ -41,15 +43,16 @@ struct Sm90ForwardLoad {
     mbarrier_wait(&empty[s], ring_phases.phase(j) ^ 1);  // the first round finds it free
     mbarrier_arrive_expect_bytes(&full[s], Tr::kTileBytes);
     for (int slab = 0; slab < Tr::kSlabs; ++slab)
-      tma_load_box(ring + s * Tr::kTileBytes + slab * Tr::kBlockN * 128, map, 64 * slab, key_tile * Tr::kBlockN, it.head_kv,
-                   it.batch, &full[s]);
+      tma_load_box(ring + s * Tr::kTileBytes + slab * Tr::kBlockN * 128, map, 64 * slab,
+                   it.k0 + key_tile * Tr::kBlockN, it.head_kv, it.batch, &full[s]);
   }
 
   // The item's Q, then every K and V tile it sees (n_tiles > 0).
   __device__ __forceinline__ void item(const Sm90ForwardItem& it, const RingPhases<Tr::kStages>& ring_phases) const {
     mbarrier_arrive_expect_bytes(smem.q_full, Tr::kQBytes);
     for (int slab = 0; slab < Tr::kSlabs; ++slab)
-      tma_load_box(smem.q + slab * Tr::kBlockM * 128, &args.q_map, 64 * slab, it.row0, it.head, it.batch, smem.q_full);
+      tma_load_box(smem.q + slab * Tr::kBlockM * 128, &args.q_map, 64 * slab, it.q0 + it.row0, it.head, it.batch,
+                   smem.q_full);
     int previous = 0;  // key tile j - 1
     for (int j = 0; j < it.n_tiles; ++j) {
       const int key_tile = MaskTiles::tile_of(tile_entry<HasMask>(args.p, it, j));

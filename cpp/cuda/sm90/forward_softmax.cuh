@@ -54,7 +54,7 @@ struct Sm90ForwardSoftmax {
   __device__ __forceinline__ void step(float (&s)[kNTiles][4], float (&m_i)[2], float (&l_i)[2], float (&rescale)[2],
                                        const Sm90ForwardItem& it, int wg_row0, int entry) const {
     const int col0 = MaskTiles::tile_of(entry) * BlockN;
-    const Band band = Band::of(p);
+    const Band band = Band::of(p, it.seqlen_q, it.seqlen_k);
     const bool needs_masking = col0 + BlockN > it.key_end || (Banded && band.cuts(wg_row0, 64, col0, BlockN));
     if (needs_masking) {
       // Row h of this thread sees tile columns [first[h], visible[h]): the
