@@ -1,7 +1,7 @@
 """attention_varlen on CUDA: packed sequences through the kernels' work lists
-(longest first): the forward on sm90 (where the GPU has it) and sm80, the
-backward on sm80, against the float64 reference sequence by sequence; the
-plan (family, work items) asserted for each call."""
+(longest first), forward and backward on sm90 (where the GPU has it) and
+sm80, against the float64 reference sequence by sequence; the plan (family,
+work items) asserted for each call."""
 
 import math
 
@@ -29,12 +29,13 @@ FAMILIES = ["auto", "sm80"]
 
 
 def assert_planned(lengths_q, lengths_k, backward=False, head_dim=64, **options):
-    """The call runs the forced family (unforced: sm90's forward where it serves the head dim and
-    options, else sm80) with one work item per query (key) tile."""
+    """The call runs the forced family (unforced: sm90 where it serves the head dim and options,
+    else sm80) with one work item per query (key) tile."""
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, d=head_dim, dtype=torch.float16, device="cuda")
     plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, backward=backward, **options)
-    sm90 = (sm90_available() and not backward and options.get("softcap") is None
-            and plan["head_dim"] in cuda_head_dims("sm90_forward"))
+    sm90 = (sm90_available() and options.get("softcap") is None
+            and not (backward and torch.are_deterministic_algorithms_enabled())
+            and plan["head_dim"] in cuda_head_dims("sm90_backward" if backward else "sm90_forward"))
     expected = fusedattn.backends.forced().family or ("sm90" if sm90 else "sm80")
     assert plan["family"] == expected and plan["varlen"] and plan["schedule"] == "longest-first", plan
     tile, rows = (plan["block_n"], lengths_k) if backward else (plan["block_m"], lengths_q)
@@ -83,19 +84,34 @@ def test_varlen_forward_many_short_sequences_and_one_long(family, d):
         check_varlen(lengths, lengths, is_causal=True, dtype=torch.bfloat16, hq=2, hkv=1, d=d, device="cuda", seed=3)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("d", [64, 128, 96], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("is_causal,window", [(False, None), (True, None), (False, (40, 3))],
                          ids=["full", "causal", "window"])
-def test_varlen_backward_matches_reference(d, is_causal, window):
-    assert_planned(LENGTHS_Q, LENGTHS_K, backward=True, head_dim=d, is_causal=is_causal, window=window)
-    check_varlen_backward(LENGTHS_Q, LENGTHS_K, is_causal=is_causal, window=window, dtype=torch.float16, d=d,
-                          hq=4, hkv=2, device="cuda", seed=d)
+def test_varlen_backward_matches_reference(family, d, is_causal, window):
+    with fusedattn.backends.force(family):
+        assert_planned(LENGTHS_Q, LENGTHS_K, backward=True, head_dim=d, is_causal=is_causal, window=window)
+        check_varlen_backward(LENGTHS_Q, LENGTHS_K, is_causal=is_causal, window=window, dtype=torch.float16, d=d,
+                              hq=4, hkv=2, device="cuda", seed=d)
 
 
-def test_varlen_backward_sinks_and_mqa():
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+def test_varlen_backward_sinks_and_mqa(family, d):
     sinks = torch.tensor([0.3, -0.7, 1.1, 0.0, 2.0, -2.0])
-    check_varlen_backward(LENGTHS_Q, LENGTHS_K, is_causal=True, sinks=sinks, dtype=torch.bfloat16, d=64, hq=6, hkv=1,
-                          device="cuda", seed=4)
+    with fusedattn.backends.force(family):
+        assert_planned(LENGTHS_Q, LENGTHS_K, backward=True, head_dim=d, is_causal=True)
+        check_varlen_backward(LENGTHS_Q, LENGTHS_K, is_causal=True, sinks=sinks, dtype=torch.bfloat16, d=d, hq=6,
+                              hkv=1, device="cuda", seed=4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_varlen_backward_many_short_sequences_and_one_long(family):
+    lengths = [2048] + [17, 64, 100, 250] * 24
+    with fusedattn.backends.force(family):
+        assert_planned(lengths, lengths, backward=True, head_dim=128, is_causal=True)
+        check_varlen_backward(lengths, lengths, is_causal=True, dtype=torch.bfloat16, hq=2, hkv=1, d=128,
+                              device="cuda", seed=6)
 
 
 def test_varlen_backward_deterministic_is_bitwise_repeatable():
@@ -133,12 +149,10 @@ def test_varlen_opcheck_and_compile_on_cuda():
 
 
 @pytest.mark.skipif(not sm90_available(), reason="needs the sm90 family (Hopper)")
-def test_varlen_forced_sm90_backward_says_why_not():
-    q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], d=64, dtype=torch.float16, device="cuda", requires_grad=True)
-    with fusedattn.backends.force("sm90"):
-        out = fusedattn.attention_varlen(q, k, v, cu_q, cu_k)  # the forward runs there
-        with pytest.raises(RuntimeError, match="the sm90 backward takes no packed sequences yet"):
-            out.sum().backward()
+def test_varlen_forced_sm90_says_why_not():
+    q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], d=96, dtype=torch.float16, device="cuda")
+    with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="the sm90 forward has head dims"):
+        fusedattn.attention_varlen(q, k, v, cu_q, cu_k)
 
 
 def test_varlen_cuda_refusals_name_the_limit():

@@ -100,7 +100,6 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
 
 std::string sm90_backward_refusal(const BackwardParams& p) {
   const AttentionShape& sh = p.fwd.shape;
-  if (p.fwd.varlen.on()) return "the sm90 backward takes no packed sequences yet (sm80's does)";
   if (p.deterministic) return "the sm90 backward has no deterministic mode (torch.use_deterministic_algorithms)";
   if (!instantiated(Sm90BackwardHeadDims{}, sh.head_dim))
     return "the sm90 backward has head dims " + dims_text(Sm90BackwardHeadDims{}) + ", got " +
@@ -348,8 +347,7 @@ std::vector<int32_t> longest_first(const ForwardParams& p, const HostSequences& 
 }  // namespace
 
 VarlenWork schedule_varlen(const ForwardParams& p, const HostSequences& sequences, Plan& plan) {
-  if (!plan.varlen || (plan.backward && plan.family != Family::Sm80))
-    throw_planner_bug("packed sequences run sm80's backward or either forward");
+  if (!plan.varlen) throw_planner_bug("schedule_varlen takes a packed call's plan");
   if (sequences.cu_q[sequences.batch] >= (int64_t(1) << 31) || sequences.cu_k[sequences.batch] >= (int64_t(1) << 31))
     throw std::invalid_argument("fusedattn: packed sequences take fewer than 2^31 rows");
   VarlenWork work;

@@ -13,6 +13,7 @@
 #include "block_order.h"
 #include "device_math.cuh"
 #include "launch_check.h"
+#include "sequences.cuh"
 #include "fusedattn/params.h"
 
 namespace fusedattn::cuda {
@@ -113,7 +114,9 @@ __global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_
 // sm80 kernel computes the same inline, where this struct cost it a spill at
 // d=64 on sm_90a). The grid's order is make_key_block_order's: pairs of
 // (sequence, kv head, head split), key block 0 (the most queries see it)
-// first under causal. A block walks every query block of every query head
+// first under causal; packed (not Listed), the key tiles' work list, one
+// split, and rows and keys count from the sequence's first (`seq`). A block
+// walks every query block of every query head
 // of its share of the group that can see one of its keys: banded, the
 // queries from band.query_begin(key0) to band.query_end(last key); Listed
 // (attn_mask sorted by key tiles, common/mask_tiles.h), the query blocks of
@@ -121,7 +124,8 @@ __global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_
 template <int BlockN, int BlockM, bool Banded, bool Listed = false>
 struct KeyBlockWalk {
   unsigned batch, head_kv, n_block;
-  int64_t key0, keys;              // the block's keys: [key0, key0 + keys)
+  SequenceRows seq;                // the block's sequence
+  int64_t key0, keys;              // the block's keys: [key0, key0 + keys) of the sequence
   int64_t first_head, m_begin;     // the walk starts at this query head and query
   int steps_per_head, steps;       // query blocks per head (Listed: of the first head), and in all (< 2^31)
   const MaskTiles& tiles;
@@ -134,20 +138,23 @@ struct KeyBlockWalk {
 
   __device__ KeyBlockWalk(const BackwardParams& p, const BlockOrder& order) : tiles(p.fwd.mask.tiles) {
     const AttentionShape& sh = p.fwd.shape;
-    const GridBlock block = order.at<false>(blockIdx.x);
+    const bool packed = !Listed && p.fwd.varlen.on();  // packed calls take no attn_mask
+    const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
+    const GridBlock block = packed ? work_item(p.fwd.varlen.key_tiles, blockIdx.x, heads_kv) : order.at<false>(blockIdx.x);
     n_block = block.block;
     const unsigned head_split = block.pair % static_cast<unsigned>(p.head_splits);
     const unsigned bh = block.pair / static_cast<unsigned>(p.head_splits);
-    batch = bh / static_cast<unsigned>(sh.heads_kv);
-    head_kv = bh % static_cast<unsigned>(sh.heads_kv);
+    seq = SequenceRows::of(p.fwd, bh / heads_kv, packed);
+    batch = static_cast<unsigned>(seq.batch);
+    head_kv = bh % heads_kv;
     const int64_t group = sh.heads_q / sh.heads_kv;
     const int64_t split_heads = group / p.head_splits;
     first_head = head_kv * group + head_split * split_heads;
     key0 = int64_t(n_block) * BlockN;
-    keys = min(int64_t(BlockN), sh.seqlen_k - key0);
-    const Band band = Band::of(p.fwd);
+    keys = min(int64_t(BlockN), seq.seqlen_k - key0);
+    const Band band = Band::of(p.fwd, seq.seqlen_q, seq.seqlen_k);
     const int64_t first_query = Banded ? band.query_begin(key0) : 0;
-    const int64_t query_end = Banded ? band.query_end(key0 + keys - 1) : sh.seqlen_q;
+    const int64_t query_end = Banded ? band.query_end(key0 + keys - 1) : seq.seqlen_q;
     m_begin = first_query / BlockM * BlockM;
     steps_per_head = static_cast<int>(first_query < query_end ? (query_end - m_begin + BlockM - 1) / BlockM : 0);
     steps = steps_per_head * static_cast<int>(split_heads);

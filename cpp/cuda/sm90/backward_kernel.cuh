@@ -77,9 +77,9 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const Walk walk(p, args.order);
   auto stage_of = [](int s) { return s % kStages; };
   auto phase_of = [](int s) { return static_cast<uint32_t>((s / kStages) & 1); };
-  // A step's first row in the flat [B x Hq x Nq] lse and delta.
+  // A step's first row in the flat [B x Hq x Nq] lse and delta (m0 counts from the sequence's first query).
   auto flat_row = [&](int64_t head, int64_t m0) {
-    return static_cast<int>((walk.batch * sh.heads_q + head) * sh.seqlen_q + m0);
+    return static_cast<int>((walk.batch * sh.heads_q + head) * sh.seqlen_q + walk.seq.q0 + m0);
   };
 
   if (threadIdx.x == 0) {
@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     if (threadIdx.x != 0 || walk.steps == 0) return;
     for (const CUtensorMap* map : {&args.q_map, &args.k_map, &args.v_map, &args.do_map, &args.lse_map, &args.delta_map})
       prefetch_tensor_map(map);
-    const int key0 = static_cast<int>(walk.key0), batch = static_cast<int>(walk.batch);
+    const int key0 = static_cast<int>(walk.seq.k0 + walk.key0), batch = static_cast<int>(walk.batch);
+    const int q0 = static_cast<int>(walk.seq.q0);
     mbarrier_arrive_expect_bytes(kv_full, 2 * Tr::kKVTileBytes);
     for (int slab = 0; slab < Tr::kSlabs; ++slab) {
       tma_load_box(sK + slab * kBlockN * 128, &args.k_map, 64 * slab, key0, static_cast<int>(walk.head_kv), batch, kv_full);
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       const int stage = stage_of(s);
       mbarrier_wait(&step_empty[stage], phase_of(s) ^ 1);  // the first round finds it free
       const auto step = walk.at(s);
-      const int head = static_cast<int>(step.head), m0 = static_cast<int>(step.m0);
+      const int head = static_cast<int>(step.head), m0 = static_cast<int>(step.m0);  // of the sequence
       if constexpr (kListed) {
         step_info[3 * stage] = head;
         step_info[3 * stage + 1] = m0;
@@ -118,10 +119,10 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       // The arrival releases step_info's writes to the consumers, whose wait acquires them.
       mbarrier_arrive_expect_bytes(&step_full[stage], 2 * Tr::kQTileBytes + 2 * Tr::kRowsBox * 4);
       for (int slab = 0; slab < Tr::kSlabs; ++slab) {
-        tma_load_box(sQ + stage * Tr::kQTileBytes + slab * kBlockM * 128, &args.q_map, 64 * slab, m0, head, batch,
-                     &step_full[stage]);
-        tma_load_box(sdO + stage * Tr::kQTileBytes + slab * kBlockM * 128, &args.do_map, 64 * slab, m0, head, batch,
-                     &step_full[stage]);
+        tma_load_box(sQ + stage * Tr::kQTileBytes + slab * kBlockM * 128, &args.q_map, 64 * slab, q0 + m0, head,
+                     batch, &step_full[stage]);
+        tma_load_box(sdO + stage * Tr::kQTileBytes + slab * kBlockM * 128, &args.do_map, 64 * slab, q0 + m0, head,
+                     batch, &step_full[stage]);
       }
       // lse and delta are flat: from the 16-byte boundary at or below the
       // step's first row (traits' kRowsBox), then (past the queries) the next
@@ -145,7 +146,9 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   constexpr int kMaskRounds = (16 * kBlockM * int(sizeof(MaskEntry)) + Tr::kMaskStageBytes - 1) / Tr::kMaskStageBytes;
   static_assert(kMTiles % kMaskRounds == 0);
   const int64_t my_key0 = walk.key0 + 64 * consumer;  // this warpgroup's 64 keys
-  const Band band = Band::of(f);  // banded: query i sees key j iff band.sees(i, j)
+  // The sequence's lengths (the call's, dense); banded: query i sees key j iff band.sees(i, j).
+  const int64_t seqlen_q = walk.seq.seqlen_q, seqlen_k = walk.seq.seqlen_k;
+  const Band band = Band::of(f, seqlen_q, seqlen_k);
   const float scale_log2 = f.scale * kLog2e;
   const unsigned char* k_mine = sK + consumer * 64 * 128;  // rows 64c.. of every slab
   const unsigned char* v_mine = sV + consumer * 64 * 128;
@@ -192,7 +195,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     fence_registers(dpt_flat);
 
     // P^T and dS^T, element (key row g + 8h, query column 2t + e) of each n-tile.
-    const bool needs_masking = reads_mask || my_key0 + 64 > sh.seqlen_k || m0 + kBlockM > sh.seqlen_q ||
+    const bool needs_masking = reads_mask || my_key0 + 64 > seqlen_k || m0 + kBlockM > seqlen_q ||
                                (Banded && band.cuts(m0, kBlockM, my_key0, 64));
     static_assert(4 * kMTiles <= 64, "a bit per element");
     // A hidden entry is 0 in P^T and dS^T outright: past the keys or the
@@ -206,7 +209,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     const int64_t warp_key0 = my_key0 + warp_row;
     auto outside = [&](int nt, int e) {
       const int64_t key = warp_key0 + g + (e >> 1) * 8, query = m0 + nt * 8 + 2 * t + (e & 1);
-      return key >= sh.seqlen_k || query >= sh.seqlen_q || (Banded && !band.sees(query, key));
+      return key >= seqlen_k || query >= seqlen_q || (Banded && !band.sees(query, key));
     };
     uint64_t hidden = 0;
     float score_scale = scale_log2;  // S^T to base-2 scores
@@ -231,7 +234,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
               for (int u = 0; u < kBatch; ++u) {
                 const int i = (b0 + u) * 32 + lane;
                 const int64_t query = query0 + i / 16, key = warp_key0 + i % 16;
-                staged[u] = query < sh.seqlen_q && key < sh.seqlen_k
+                staged[u] = query < seqlen_q && key < seqlen_k
                                 ? static_cast<const MaskEntry*>(f.mask.ptr)[mask_base + query * f.mask.row_stride +
                                                                             key * f.mask.col_stride]
                                 : MaskEntry{};
@@ -334,18 +337,18 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(dq_flat);
-    float* accum = p.grad_q_accum + ((int64_t(walk.batch) * sh.heads_q + head) * sh.seqlen_q + m0) * HeadDim + column0;
+    const int64_t dq_row = (int64_t(walk.batch) * sh.heads_q + head) * sh.seqlen_q + walk.seq.q0 + m0;
+    float* accum = p.grad_q_accum + dq_row * HeadDim + column0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = query0 + warp_row + g + 8 * h;  // the query, within the step
-      if (m0 + r >= sh.seqlen_q) continue;
+      if (m0 + r >= seqlen_q) continue;
 #pragma unroll
       for (int dt = 0; dt < 8; ++dt)
         red_add_float2(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h], dq[dt][2 * h + 1]);
     }
   }
-  store_key_gradients<HeadDim, T>(p, walk.batch, walk.head_kv, 0, my_key0 + warp_row, p.fwd.shape.seqlen_k, dk,
-                                  dv);
+  store_key_gradients<HeadDim, T>(p, walk.batch, walk.head_kv, walk.seq.k0, my_key0 + warp_row, seqlen_k, dk, dv);
 #else
   __trap();  // built for another target: sm90_available() keeps callers away
 #endif
@@ -359,7 +362,9 @@ void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stre
   Sm90BackwardArgs launch_args = args;
   launch_args.order = make_key_block_order(args.p.fwd.shape, Tr::kBlockN, args.p.head_splits, sizeof(T), Banded);
   if constexpr (Mask != MaskKind::None) sort_mask_into_key_tiles(args.p.fwd, Tr::kBlockN, Tr::kBlockM, stream);
-  kernel<<<static_cast<unsigned>(launch_args.order.blocks()), Tr::kThreads, Tr::kSmemBytes, stream>>>(launch_args);
+  const VarlenParams& varlen = args.p.fwd.varlen;
+  const unsigned blocks = grid_blocks(launch_args.order, varlen.on(), varlen.key_items, args.p.fwd.shape.heads_kv);
+  kernel<<<blocks, Tr::kThreads, Tr::kSmemBytes, stream>>>(launch_args);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
