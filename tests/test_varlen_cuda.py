@@ -168,3 +168,50 @@ def test_varlen_cuda_refusals_name_the_limit():
     q, k, v, cu_q, cu_k = packed([10], [10], d=64, dtype=torch.float16, device="cuda", requires_grad=True)
     with pytest.raises(RuntimeError, match="does not soft-cap scores"):
         fusedattn.attention_varlen(q, k, v, cu_q, cu_k, softcap=3.0).sum().backward()
+
+
+# Packed queries against KV caches: a prefill from empty, decodes, a chunk onto a long cache,
+# a sequence without new queries, one filling its cache.
+KV_N_Q = [300, 1, 1, 130, 0, 1, 64, 1]
+KV_CACHED = [0, 700, 3, 500, 12, 0, 959, 1023]
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
+def test_packed_kvcache_matches_reference_and_appends(dtype, d, is_causal):
+    """forward_kvcache with cu_seqlens_q runs sm80's varlen forward over the caches' rows."""
+    from helpers.kvcache_cases import check_packed_kvcache, packed_cache
+
+    q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache(KV_N_Q, KV_CACHED, d=d, max_len=1024, dtype=dtype,
+                                                               device="cuda")
+    plan = fusedattn.plan_kvcache(q, k_cache, v_cache, lens, k_new, v_new, is_causal=is_causal, cu_seqlens_q=cu)
+    assert (plan["family"], plan["varlen"], plan["schedule"]) == ("sm80", True, "longest-first"), plan
+    assert plan["work_items"] == tiles(KV_N_Q, plan["block_m"]), plan
+    check_packed_kvcache(KV_N_Q, KV_CACHED, is_causal=is_causal, d=d, max_len=1024, dtype=dtype, device="cuda")
+
+
+def test_packed_kvcache_gqa_window_sinks_and_no_new_keys():
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5], device="cuda")
+    check_packed_kvcache(KV_N_Q, KV_CACHED, window=(100, 0), sinks=sinks, Hq=6, Hkv=2, d=64, max_len=1024,
+                         dtype=torch.bfloat16, device="cuda", seed=3)
+    check_packed_kvcache([5, 1, 40], [100, 1, 0], appends=False, Hq=4, Hkv=1, d=128, max_len=256,
+                         dtype=torch.float16, device="cuda", seed=4)
+
+
+def test_packed_kvcache_refusals():
+    from helpers.kvcache_cases import packed_cache
+
+    q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache([3, 1], [4, 9], d=40, max_len=16, dtype=torch.float16,
+                                                               device="cuda")
+    with pytest.raises(RuntimeError, match="read the caches in place, at head dims"):
+        fusedattn.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, cu_seqlens_q=cu)
+    q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache([3, 1], [4, 9], d=64, max_len=16, dtype=torch.float16,
+                                                               device="cuda")
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="batch strides that are the same multiple"):
+        fusedattn.attention_with_kvcache(q, k_cache, v_cache[:, :, :8], lens.clamp(max=4), k_new, v_new,
+                                         cu_seqlens_q=cu)
+    with pytest.raises(RuntimeError, match="packed queries \\(cu_seqlens_q\\) run the varlen forward, pass None"):
+        fusedattn.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, num_splits=2, cu_seqlens_q=cu)
+    assert torch.equal(k_cache, before)

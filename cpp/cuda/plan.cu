@@ -69,6 +69,8 @@ constexpr const char* kLayoutRefusal =
 std::string sm90_forward_refusal(const ForwardParams& p) {
   const AttentionShape& sh = p.shape;
   const bool masked = p.mask.kind != MaskKind::None;
+  // Its K and V tensor maps describe [B, Hkv, N, d] batches, not a cache's rows from b x cache_rows.
+  if (p.varlen.seqused_k != nullptr) return "the sm90 forward takes no packed queries against a KV cache yet";
   if (!instantiated(Sm90ForwardHeadDims{}, sh.head_dim))
     return "the sm90 forward has head dims " + dims_text(Sm90ForwardHeadDims{}) + ", got " +
            std::to_string(sh.head_dim);

@@ -69,20 +69,23 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
     const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
     const std::optional<at::Tensor>& v_new, bool is_causal, std::optional<double> scale,
     std::optional<int64_t> num_splits, std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
-    at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+    at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& cu_seqlens_q) {
   const char* op = "fusedattn.forward_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
   check_window(op, window);  // before any sequence's keys are appended
   check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
-  return forward_kvcache_by_sequence(
-      q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-      [&](const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
-          const at::Tensor& out_b, const at::Tensor& lse_b) {
-        PreparedInputs in = prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cpu_support(),
-                                            window, softcap, sinks);
-        set_forward_outputs(in.params, out_b, lse_b);
-        cpu::forward(in.params);
-      });
+  const SequenceForward forward = [&](const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
+                                      const at::Tensor& out_b, const at::Tensor& lse_b) {
+    PreparedInputs in =
+        prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cpu_support(), window, softcap, sinks);
+    set_forward_outputs(in.params, out_b, lse_b);
+    cpu::forward(in.params);
+  };
+  if (cu_seqlens_q)
+    return forward_packed_kvcache_by_sequence(op, q, k_cache, v_cache, cache_seqlens, *cu_seqlens_q, k_new, v_new,
+                                              forward);
+  return forward_kvcache_by_sequence(q, k_cache, v_cache, cache_seqlens, k_new, v_new, forward);
 }
 
 // Packed sequences, one dense problem per sequence, written into the packed
@@ -178,11 +181,21 @@ std::string plan_kvcache_cpu(const at::Tensor& q, const at::Tensor& k_cache, con
                              bool is_causal, std::optional<double> scale, std::optional<int64_t> num_splits,
                              std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
                              at::OptionalIntArrayRef window, std::optional<double> softcap,
-                             const std::optional<at::Tensor>& sinks) {
+                             const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seqlens_q,
+                             const std::optional<at::Tensor>& seqused_k) {
   const char* op = "fusedattn.plan_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
-  prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, cpu_support(), window, softcap, sinks);
-  return cpu::plan(/*backward=*/false).describe();
+  Plan plan = cpu::plan(/*backward=*/false);
+  if (cu_seqlens_q) {
+    check_window(op, window);
+    check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
+    check_packed_kvcache_inputs(op, q, k_cache, v_cache, seqused_k_of(op, seqused_k), *cu_seqlens_q, std::nullopt,
+                                std::nullopt);
+    plan.varlen = true;
+  } else {
+    prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, cpu_support(), window, softcap, sinks);
+  }
+  return plan.describe();
 }
 
 }  // namespace

@@ -3,6 +3,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <limits>
+
+#include "varlen.h"
+
 namespace fusedattn::ops {
 
 int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
@@ -91,6 +95,104 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
             v_cache.narrow(0, b, 1).narrow(2, 0, end), out.narrow(0, b, 1), lse.narrow(0, b, 1));
   }
   return {out, lse};
+}
+
+PackedCacheLengths check_packed_kvcache_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                               const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                                               const at::Tensor& cu_seqlens_q, const std::optional<at::Tensor>& k_new,
+                                               const std::optional<at::Tensor>& v_new) {
+  TORCH_CHECK(q.dim() == 3, op, ": with cu_seqlens_q, q must be [total_q, Hq, d] (packed sequences), got shape ",
+              q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
+              op, ": k_cache must be [B, Hkv, max_len, d] and v_cache [B, Hkv, max_len, d_v], got ", k_cache.sizes(),
+              " and ", v_cache.sizes());
+  TORCH_CHECK(!k_cache.is_same(v_cache), op, ": k_cache and v_cache must be different tensors");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.device() == k_cache.device() && q.device() == v_cache.device(),
+              op, ": q, k_cache and v_cache must share dtype and device, got q ", q.scalar_type(), " on ", q.device(),
+              ", k_cache ", k_cache.scalar_type(), " on ", k_cache.device(), ", v_cache ", v_cache.scalar_type(),
+              " on ", v_cache.device());
+  const int64_t heads_kv = k_cache.size(1);
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && heads_kv > 0 && q.size(1) % heads_kv == 0, op,
+              ": q [total_q, Hq, d] and the caches [B, Hkv, max_len, d] need the same d and Hq a multiple of Hkv, "
+              "got q ", q.sizes(), " and caches ", k_cache.sizes());
+  PackedCacheLengths lengths;
+  lengths.cu_q = check_cu_seqlens(op, cu_seqlens_q, "cu_seqlens_q", q, "q", std::numeric_limits<int64_t>::max(),
+                                  "max_seqlen_q");
+  const int64_t batch = lengths.cu_q.size(0) - 1;
+  TORCH_CHECK(k_cache.size(0) == batch, op, ": the caches hold ", k_cache.size(0), " sequences but cu_seqlens_q ",
+              batch);
+  TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == batch && cache_seqlens.scalar_type() == at::kInt,
+              op, ": cache_seqlens must be int32 [B] = [", batch, "], got ", cache_seqlens.scalar_type(), " ",
+              cache_seqlens.sizes());
+  TORCH_CHECK(cache_seqlens.device() == q.device(), op, ": cache_seqlens must be on q's device (", q.device(),
+              "), got ", cache_seqlens.device());
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), op, ": k_new and v_new must be given together");
+  if (k_new) {
+    TORCH_CHECK(k_new->dim() == 3 && v_new->dim() == 3 &&
+                    k_new->sizes() == c10::IntArrayRef({q.size(0), heads_kv, k_cache.size(3)}) &&
+                    v_new->sizes() == c10::IntArrayRef({q.size(0), heads_kv, v_cache.size(3)}),
+                op, ": with cu_seqlens_q, k_new must be [total_q, Hkv, d] = [", q.size(0), ", ", heads_kv, ", ",
+                k_cache.size(3), "] and v_new [total_q, Hkv, d_v] with d_v = ", v_cache.size(3), ", got ",
+                k_new->sizes(), " and ", v_new->sizes());
+    TORCH_CHECK(k_new->scalar_type() == k_cache.scalar_type() && v_new->scalar_type() == k_cache.scalar_type() &&
+                    k_new->device() == k_cache.device() && v_new->device() == k_cache.device(),
+                op, ": k_new and v_new must have the caches' dtype and device (", k_cache.scalar_type(), " on ",
+                k_cache.device(), "), got ", k_new->scalar_type(), " and ", v_new->scalar_type());
+  }
+  lengths.appends = k_new.has_value();
+  const at::Tensor cached = cache_seqlens.to(at::kCPU).contiguous();
+  lengths.cached.assign(cached.data_ptr<int32_t>(), cached.data_ptr<int32_t>() + batch);
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(lengths.cached[b] >= 0 && lengths.keys(b) <= k_cache.size(2), op, ": sequence ", b, " has ",
+                lengths.cached[b], " cached positions and ", lengths.appends ? lengths.len_q(b) : 0,
+                " new ones, but the cache holds ", k_cache.size(2));
+  return lengths;
+}
+
+const at::Tensor& seqused_k_of(const char* op, const std::optional<at::Tensor>& seqused_k) {
+  TORCH_CHECK(seqused_k.has_value(), op, ": packed queries (cu_seqlens_q) need seqused_k, the keys each sequence "
+              "attends to (cached and new)");
+  return *seqused_k;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
+    const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cache_seqlens, const at::Tensor& cu_seqlens_q, const std::optional<at::Tensor>& k_new,
+    const std::optional<at::Tensor>& v_new, const SequenceForward& forward) {
+  const PackedCacheLengths lengths =
+      check_packed_kvcache_inputs(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new);
+  if (k_new) append_packed(k_cache, v_cache, *k_new, *v_new, lengths);
+  at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  for (int64_t b = 0; b < lengths.batch(); ++b) {
+    const int64_t start = lengths.start_q(b), n = lengths.len_q(b), keys = lengths.keys(b);
+    if (n == 0) continue;
+    const at::Tensor lse_b = at::empty({1, q.size(1), n}, lse.options());
+    forward(sequence_view(q, start, n), k_cache.narrow(0, b, 1).narrow(2, 0, keys),
+            v_cache.narrow(0, b, 1).narrow(2, 0, keys), sequence_view(out, start, n), lse_b);
+    lse.narrow(1, start, n).copy_(lse_b[0]);
+  }
+  return {out, lse};
+}
+
+void append_packed(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_new,
+                   const at::Tensor& v_new, const PackedCacheLengths& lengths) {
+  const int64_t total = k_new.size(0);
+  if (total == 0) return;
+  at::Tensor sequence = at::empty({total}, at::kLong), position = at::empty({total}, at::kLong);
+  int64_t* seq = sequence.data_ptr<int64_t>();
+  int64_t* pos = position.data_ptr<int64_t>();
+  for (int64_t b = 0; b < lengths.batch(); ++b)
+    for (int64_t i = 0; i < lengths.len_q(b); ++i) {
+      seq[lengths.start_q(b) + i] = b;
+      pos[lengths.start_q(b) + i] = lengths.cached[b] + i;
+    }
+  const c10::List<std::optional<at::Tensor>> at_rows{std::optional<at::Tensor>(sequence.to(k_cache.device())),
+                                                     std::optional<at::Tensor>(position.to(k_cache.device()))};
+  // [B, max_len, Hkv, d] views: (sequence, position) pairs pick rows [Hkv, d] of k_new.
+  k_cache.transpose(1, 2).index_put_(at_rows, k_new);
+  v_cache.transpose(1, 2).index_put_(at_rows, v_new);
 }
 
 }  // namespace fusedattn::ops

@@ -1,11 +1,13 @@
 // forward_kvcache's device-independent part: checks, and (for devices without
 // a decode kernel) the in-place append of k_new/v_new followed by one
-// attention problem per sequence over its valid prefix.
+// attention problem per sequence over its valid prefix; with cu_seqlens_q,
+// packed queries of many lengths (chunked prefill and decoding in one call).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <vector>
 
 #include "checks.h"
 
@@ -30,5 +32,41 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
     const at::Tensor& cache_seqlens,
     const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
     const SequenceForward& forward);
+
+// Packed queries: q [total_q, Hq, d], sequence b's rows cu_seqlens_q[b] :
+// cu_seqlens_q[b + 1]; k_new and v_new (if given) [total_q, Hkv, d] and
+// [total_q, Hkv, d_v], the new keys of a sequence being its queries' rows.
+// The lengths on the host, checked against the caches.
+struct PackedCacheLengths {
+  at::Tensor cu_q;              // int32 [B + 1]
+  std::vector<int32_t> cached;  // cache_seqlens
+  bool appends = false;
+  int64_t batch() const { return static_cast<int64_t>(cached.size()); }
+  int64_t start_q(int64_t b) const { return cu_q.data_ptr<int32_t>()[b]; }
+  int64_t len_q(int64_t b) const { return start_q(b + 1) - start_q(b); }
+  // The keys sequence b attends to: its cached positions and (appending) its new ones.
+  int64_t keys(int64_t b) const { return cached[b] + (appends ? len_q(b) : 0); }
+};
+
+PackedCacheLengths check_packed_kvcache_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                               const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                                               const at::Tensor& cu_seqlens_q, const std::optional<at::Tensor>& k_new,
+                                               const std::optional<at::Tensor>& v_new);
+
+// plan_kvcache's seqused_k, which packed queries need (their work list's order).
+const at::Tensor& seqused_k_of(const char* op, const std::optional<at::Tensor>& seqused_k);
+
+// forward_kvcache_by_sequence for packed queries: the append, then
+// `forward` per sequence with queries, its keys, and the [1, Hq, n, d_v]
+// view of out and a [1, Hq, n] lse (copied into lse [Hq, total_q]).
+std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
+    const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cache_seqlens, const at::Tensor& cu_seqlens_q, const std::optional<at::Tensor>& k_new,
+    const std::optional<at::Tensor>& v_new, const SequenceForward& forward);
+
+// Writes sequence b's new rows into the caches at positions cached[b] ..:
+// one indexed copy per cache (in place).
+void append_packed(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_new,
+                   const at::Tensor& v_new, const PackedCacheLengths& lengths);
 
 }  // namespace fusedattn::ops

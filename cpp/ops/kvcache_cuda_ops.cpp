@@ -1,6 +1,7 @@
 // forward_kvcache on CUDA: the decode family (cpp/cuda/decode). Nothing here
 // waits for the device, so decoding steps queue back to back and can be
-// captured in a CUDA graph.
+// captured in a CUDA graph. Packed queries (cu_seqlens_q) run the varlen
+// forward instead (varlen_cuda_ops.cpp), which reads their lengths on the host.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -17,6 +18,7 @@
 #include "../cuda/plan.h"
 #include "checks.h"
 #include "kvcache.h"
+#include "operators_cuda.h"
 
 namespace fusedattn::ops {
 namespace {
@@ -66,7 +68,11 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
     const std::optional<at::Tensor>& v_new, bool is_causal, std::optional<double> scale,
     std::optional<int64_t> num_splits, std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
-    at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+    at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& cu_seqlens_q) {
+  if (cu_seqlens_q)
+    return forward_packed_kvcache_cuda(q, k_cache, v_cache, cache_seqlens, *cu_seqlens_q, k_new, v_new, is_causal,
+                                       scale, num_splits, merge_in_cluster, warps, window, softcap, sinks);
   const char* op = "fusedattn.forward_kvcache";
   const int64_t n_new = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new);
   PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale,
@@ -118,7 +124,11 @@ std::string plan_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
                               bool is_causal, std::optional<double> scale, std::optional<int64_t> num_splits,
                               std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
                               at::OptionalIntArrayRef window, std::optional<double> softcap,
-                              const std::optional<at::Tensor>& sinks) {
+                              const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seqlens_q,
+                              const std::optional<at::Tensor>& seqused_k) {
+  if (cu_seqlens_q)
+    return plan_packed_kvcache_cuda(q, k_cache, v_cache, *cu_seqlens_q, seqused_k_of("fusedattn.plan_kvcache", seqused_k),
+                                    is_causal, scale, num_splits, merge_in_cluster, warps, window, softcap, sinks);
   const char* op = "fusedattn.plan_kvcache";
   const PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale,
                                             decode_support(), window, softcap, sinks);

@@ -1,12 +1,16 @@
-// What the CUDA operators (attention_cuda_ops.cpp, varlen_cuda_ops.cpp)
-// share: the kernels' support table, padding to the kernels' head dim, and
-// a plan's workspaces and launch.
+// What the CUDA operators (attention_cuda_ops.cpp, varlen_cuda_ops.cpp,
+// kvcache_cuda_ops.cpp) share: the kernels' support table, padding to the
+// kernels' head dim, a plan's workspaces and launch, and forward_kvcache's
+// packed queries (varlen_cuda_ops.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 #include <c10/util/string_view.h>
 #include <cuda_runtime.h>
+
+#include <string>
+#include <tuple>
 
 #include "../cuda/plan.h"
 #include "checks.h"
@@ -47,5 +51,20 @@ struct BackwardWorkspaces {
 
 // Launches the backward `plan` chose (its workspaces set in p).
 void run_backward(const BackwardParams& p, const Plan& plan, cudaStream_t stream);
+
+// forward_kvcache and plan_kvcache with cu_seqlens_q: the varlen forward
+// over the caches' rows (varlen_cuda_ops.cpp).
+std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_cuda(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const at::Tensor& cu_seqlens_q, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+    bool is_causal, std::optional<double> scale, std::optional<int64_t> num_splits,
+    std::optional<bool> merge_in_cluster, std::optional<int64_t> warps, at::OptionalIntArrayRef window,
+    std::optional<double> softcap, const std::optional<at::Tensor>& sinks);
+std::string plan_packed_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k, bool is_causal,
+                                     std::optional<double> scale, std::optional<int64_t> num_splits,
+                                     std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
+                                     at::OptionalIntArrayRef window, std::optional<double> softcap,
+                                     const std::optional<at::Tensor>& sinks);
 
 }  // namespace fusedattn::ops

@@ -27,11 +27,15 @@ TORCH_LIBRARY(fusedattn, m) {
   // cache_seqlens[b] + Nnew positions of sequence b. num_splits: None (the
   // planner's count) or the blocks each sequence's keys are split over on
   // CUDA; merge_in_cluster and warps force the decode kernel's other choices.
+  // With cu_seqlens_q (int32 [B + 1]): q [total_q, Hq, d] packed, sequence b's
+  // queries (and new keys: k_new [total_q, Hkv, d]) its rows cu_seqlens_q[b] :
+  // cu_seqlens_q[b + 1]; out [total_q, Hq, d_v], lse [Hq, total_q]; the
+  // lengths are read on the host and the decode overrides must be None.
   m.def(
       "forward_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
       "Tensor? k_new=None, Tensor? v_new=None, bool is_causal=True, float? scale=None, "
       "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None, int[]? window=None, "
-      "float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+      "float? softcap=None, Tensor? sinks=None, Tensor? cu_seqlens_q=None) -> (Tensor out, Tensor lse)");
   // Packed sequences: q [total_q, Hq, d], k and v [total_k, Hkv, d]; sequence
   // b is rows cu_seqlens[b] : cu_seqlens[b + 1] (int32 [B + 1]) and attends
   // to its own keys only, causal and window bottom-right per sequence. lse is float32
@@ -57,11 +61,13 @@ TORCH_LIBRARY(fusedattn, m) {
       "int max_seqlen_k, bool is_causal=False, float? scale=None, str? family=None, bool backward=False, "
       "int[]? window=None, float? softcap=None, Tensor? sinks=None) -> str");
   // The plan of forward_kvcache with these arguments (it depends on the
-  // cache's capacity, not on cache_seqlens).
+  // cache's capacity, not on cache_seqlens). Packed queries (cu_seqlens_q):
+  // seqused_k (int32 [B]) holds the keys each sequence attends to, cached
+  // and new, which order the work list.
   m.def(
       "plan_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, bool is_causal=True, float? scale=None, "
       "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None, int[]? window=None, "
-      "float? softcap=None, Tensor? sinks=None) -> str");
+      "float? softcap=None, Tensor? sinks=None, Tensor? cu_seqlens_q=None, Tensor? seqused_k=None) -> str");
   // The head dims a CUDA kernel is instantiated for (cpp/generate_kernels.py's table).
   m.def("instantiated_head_dims(str kernel) -> int[]");
   // Seed 2's naive path (materialises S), the baseline of the GPU benchmark. CUDA only.

@@ -6,12 +6,9 @@
 #include <vector>
 
 namespace fusedattn::ops {
-namespace {
 
-// cu_seqlens on the host after its checks; `name` and `rows` (the packed
-// tensor's total) appear in the messages.
-at::Tensor checked_offsets(const char* op, const at::Tensor& cu, const char* name, const at::Tensor& packed,
-                           const char* packed_name, int64_t max_seqlen, const char* max_name) {
+at::Tensor check_cu_seqlens(const char* op, const at::Tensor& cu, const char* name, const at::Tensor& packed,
+                            const char* packed_name, int64_t max_seqlen, const char* max_name) {
   TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && cu.scalar_type() == at::kInt, op, ": ", name,
               " must be int32 [B + 1], got ", cu.scalar_type(), " of shape ", cu.sizes());
   TORCH_CHECK(cu.device() == packed.device(), op, ": ", name, " must be on ", packed_name, "'s device (",
@@ -31,8 +28,6 @@ at::Tensor checked_offsets(const char* op, const at::Tensor& cu, const char* nam
   return host;
 }
 
-}  // namespace
-
 VarlenLengths check_varlen_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                   int64_t max_seqlen_q, int64_t max_seqlen_k) {
@@ -49,8 +44,8 @@ VarlenLengths check_varlen_inputs(const char* op, const at::Tensor& q, const at:
               op, ": q, k and v must share dtype and device, got q ", q.scalar_type(), " on ", q.device(), ", k ",
               k.scalar_type(), " on ", k.device(), ", v ", v.scalar_type(), " on ", v.device());
   VarlenLengths lengths;
-  lengths.cu_q = checked_offsets(op, cu_seqlens_q, "cu_seqlens_q", q, "q", max_seqlen_q, "max_seqlen_q");
-  lengths.cu_k = checked_offsets(op, cu_seqlens_k, "cu_seqlens_k", k, "k", max_seqlen_k, "max_seqlen_k");
+  lengths.cu_q = check_cu_seqlens(op, cu_seqlens_q, "cu_seqlens_q", q, "q", max_seqlen_q, "max_seqlen_q");
+  lengths.cu_k = check_cu_seqlens(op, cu_seqlens_k, "cu_seqlens_k", k, "k", max_seqlen_k, "max_seqlen_k");
   TORCH_CHECK(lengths.cu_q.size(0) == lengths.cu_k.size(0), op,
               ": cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got ",
               lengths.cu_q.size(0) - 1, " and ", lengths.cu_k.size(0) - 1);

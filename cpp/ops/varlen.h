@@ -27,6 +27,11 @@ VarlenLengths check_varlen_inputs(const char* op, const at::Tensor& q, const at:
                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                   int64_t max_seqlen_q, int64_t max_seqlen_k);
 
+// cu_seqlens (int32 [B + 1] on `packed`'s device, 0 first, non-decreasing,
+// ending at packed's rows, no sequence longer than max_seqlen) on the host.
+at::Tensor check_cu_seqlens(const char* op, const at::Tensor& cu, const char* name, const at::Tensor& packed,
+                            const char* packed_name, int64_t max_seqlen, const char* max_name);
+
 // backward_varlen's grad_out and out ([total_q, Hq, d_v], from q and v) and
 // lse (float32 [Hq, total_q]).
 void check_varlen_outputs(const char* op, const at::Tensor& q, const at::Tensor& v, const at::Tensor& grad_out,

@@ -2,19 +2,22 @@
 // [1, H, total, d] batch whose rows cu_seqlens cut into sequences
 // (VarlenParams, params.h), the kernels walking the planner's longest-first
 // work lists. The checks read cu_seqlens on the host, which waits for the
-// stream once a call.
+// stream once a call. Also forward_kvcache's packed queries (cu_seqlens_q):
+// the same kernels, the keys a KV cache's rows (VarlenParams::seqused_k).
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "../cuda/plan.h"
 #include "checks.h"
+#include "kvcache.h"
 #include "operators_cuda.h"
 #include "varlen.h"
 
@@ -29,7 +32,7 @@ at::Tensor as_packed(const at::Tensor& batch, int64_t head_dim) {
 }
 
 // The device memory a packed call's kernels read besides the operands:
-// cu_seqlens and the work lists, which `p` points at.
+// cu_seqlens (or a KV cache's lengths) and the work lists, which `p` points at.
 struct VarlenOperands {
   at::Tensor cu_q, cu_k, query_tiles, key_tiles;
 
@@ -37,6 +40,13 @@ struct VarlenOperands {
       : cu_q(cu_seqlens_q.contiguous()), cu_k(cu_seqlens_k.contiguous()) {
     p.cu_seqlens_q = cu_q.data_ptr<int32_t>();
     p.cu_seqlens_k = cu_k.data_ptr<int32_t>();
+  }
+  // Keys from a KV cache: seqused_k int32 [B] on the device, rows b x cache_rows on.
+  VarlenOperands(VarlenParams& p, const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k, int64_t cache_rows)
+      : cu_q(cu_seqlens_q.contiguous()), cu_k(seqused_k.contiguous()) {
+    p.cu_seqlens_q = cu_q.data_ptr<int32_t>();
+    p.seqused_k = cu_k.data_ptr<int32_t>();
+    p.cache_rows = cache_rows;
   }
 
   // Copies the plan's work lists to the device (through pinned memory, without waiting) and points p at them.
@@ -149,7 +159,119 @@ std::string plan_varlen_cuda(const at::Tensor& q, const at::Tensor& k, const at:
   });
 }
 
+// Host offsets of the keys packed queries attend to in a cache (their
+// lengths as if packed: the planner orders the work by them).
+struct CacheSequences {
+  std::vector<int32_t> cu_k;
+  cuda::HostSequences host;
+
+  explicit CacheSequences(const PackedCacheLengths& lengths) : cu_k(lengths.batch() + 1, 0) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < lengths.batch(); ++b) {
+      total += lengths.keys(b);
+      TORCH_CHECK(total < (int64_t(1) << 31), "fusedattn.forward_kvcache: packed queries attend to fewer than 2^31 "
+                  "cached positions in all");
+      cu_k[b + 1] = static_cast<int32_t>(total);
+    }
+    host = {lengths.cu_q.data_ptr<int32_t>(), cu_k.data(), lengths.batch()};
+  }
+
+  // The keys per sequence, int32 [B] on q's device.
+  at::Tensor seqused_k(const at::Tensor& q) const {
+    std::vector<int32_t> used(host.batch);
+    for (int64_t b = 0; b < host.batch; ++b) used[b] = cu_k[b + 1] - cu_k[b];
+    return at::tensor(used, at::TensorOptions().dtype(at::kInt)).to(q.device());
+  }
+};
+
+// Packed queries and the caches as the varlen kernels take them: q as one
+// [1, Hq, total_q, d] batch, the caches as their first sequence's [1, Hkv,
+// max_len, d], whose rows continue into the next sequences' (cache_rows);
+// read in place, so at a head dim the kernels serve and rows they can load.
+PreparedInputs prepare_packed_kvcache(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                      const at::Tensor& v_cache, bool is_causal, std::optional<double> scale,
+                                      at::OptionalIntArrayRef window, std::optional<double> softcap,
+                                      const std::optional<at::Tensor>& sinks) {
+  const std::vector<int64_t> served = cuda::served_head_dims(/*backward=*/false);
+  const int64_t d = k_cache.size(3);
+  TORCH_CHECK(v_cache.size(3) == d && std::find(served.begin(), served.end(), d) != served.end(), op,
+              ": on CUDA packed queries (cu_seqlens_q) read the caches in place, at head dims ", c10::IntArrayRef(served),
+              " with d_v = d, got d = ", d, " and d_v = ", v_cache.size(3));
+  const at::Tensor k0 = k_cache.narrow(0, 0, 1), v0 = v_cache.narrow(0, 0, 1);
+  PreparedInputs in = prepare_forward(op, as_one_batch(q), k0, v0, std::nullopt, is_causal, scale, cuda_support(),
+                                      window, softcap, sinks);
+  const int64_t rows = k_cache.stride(0) / k_cache.stride(2);
+  TORCH_CHECK(in.k.data_ptr() == k0.data_ptr() && in.v.data_ptr() == v0.data_ptr() &&
+                  in.k.strides() == k0.strides() && in.v.strides() == v0.strides() &&
+                  (k_cache.size(0) == 1 || (k_cache.stride(0) == rows * k_cache.stride(2) &&
+                                            v_cache.stride(0) == rows * v_cache.stride(2))),
+              op, ": on CUDA packed queries (cu_seqlens_q) need caches with a contiguous last dimension, rows on "
+              "16-byte boundaries and batch strides that are the same multiple of K's and V's row strides "
+              "(contiguous caches are), got strides ", k_cache.strides(), " and ", v_cache.strides());
+  in.params.varlen.cache_rows = rows;
+  return in;
+}
+
+void check_no_decode_overrides(const char* op, std::optional<int64_t> num_splits,
+                               std::optional<bool> merge_in_cluster, std::optional<int64_t> warps) {
+  TORCH_CHECK(!num_splits && !merge_in_cluster && !warps, op, ": num_splits, merge_in_cluster and warps choose "
+              "decode blocks; packed queries (cu_seqlens_q) run the varlen forward, pass None");
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_cuda(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const at::Tensor& cu_seqlens_q, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+    bool is_causal, std::optional<double> scale, std::optional<int64_t> num_splits,
+    std::optional<bool> merge_in_cluster, std::optional<int64_t> warps, at::OptionalIntArrayRef window,
+    std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+  const char* op = "fusedattn.forward_kvcache";
+  check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
+  check_window(op, window);
+  check_softcap_and_sinks(op, q, softcap, sinks, cuda_support());
+  const PackedCacheLengths lengths =
+      check_packed_kvcache_inputs(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new);
+  const c10::cuda::CUDAGuard guard(q.device());
+  // Every check before the append: an error leaves the caches as they were.
+  PreparedInputs in = prepare_packed_kvcache(op, q, k_cache, v_cache, is_causal, scale, window, softcap, sinks);
+  const CacheSequences sequences(lengths);
+  const PlanRequest request = family_request(op, std::nullopt, q);
+  Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, request); });
+  if (k_new) append_packed(k_cache, v_cache, *k_new, *v_new, lengths);
+  at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  set_forward_outputs(in.params, as_one_batch(out), lse.unsqueeze(0));
+  VarlenOperands operands(in.params.varlen, cu_seqlens_q, sequences.seqused_k(q), in.params.varlen.cache_rows);
+  operands.upload(in.params.varlen,
+                  with_torch_errors([&] { return cuda::schedule_varlen(in.params, sequences.host, plan); }), q);
+  run_forward(in.params, plan, q, stream_of(q));
+  return {out, lse};
+}
+
+std::string plan_packed_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k, bool is_causal,
+                                     std::optional<double> scale, std::optional<int64_t> num_splits,
+                                     std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
+                                     at::OptionalIntArrayRef window, std::optional<double> softcap,
+                                     const std::optional<at::Tensor>& sinks) {
+  const char* op = "fusedattn.plan_kvcache";
+  check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
+  check_window(op, window);
+  check_softcap_and_sinks(op, q, softcap, sinks, cuda_support());
+  const PackedCacheLengths lengths =
+      check_packed_kvcache_inputs(op, q, k_cache, v_cache, seqused_k, cu_seqlens_q, std::nullopt, std::nullopt);
+  const c10::cuda::CUDAGuard guard(q.device());
+  PreparedInputs in = prepare_packed_kvcache(op, q, k_cache, v_cache, is_causal, scale, window, softcap, sinks);
+  const CacheSequences sequences(lengths);
+  VarlenOperands operands(in.params.varlen, cu_seqlens_q, seqused_k, in.params.varlen.cache_rows);
+  const PlanRequest request = family_request(op, std::nullopt, q);
+  return with_torch_errors([&] {
+    Plan plan = cuda::plan_forward(in.params, request);
+    cuda::schedule_varlen(in.params, sequences.host, plan);
+    return plan.describe();
+  });
+}
 
 TORCH_LIBRARY_IMPL(fusedattn, CUDA, m) {
   m.impl("forward_varlen", &forward_varlen_cuda);

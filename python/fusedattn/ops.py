@@ -88,7 +88,10 @@ def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False,
 @torch.library.register_fake("fusedattn::forward_kvcache")
 def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, is_causal=True,
                           scale=None, num_splits=None, merge_in_cluster=None, warps=None, window=None,
-                          softcap=None, sinks=None):
+                          softcap=None, sinks=None, cu_seqlens_q=None):
+    if cu_seqlens_q is not None:  # packed: out [total_q, Hq, d_v], lse [Hq, total_q]
+        return q.new_empty((*q.shape[:2], v_cache.shape[3])), q.new_empty((q.shape[1], q.shape[0]),
+                                                                          dtype=torch.float32)
     return q.new_empty((*q.shape[:3], v_cache.shape[3])), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -292,6 +295,7 @@ def attention_with_kvcache(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
 ) -> Tensor:
     """Attention of a few new queries per sequence against a preallocated KV cache.
 
@@ -314,6 +318,14 @@ def attention_with_kvcache(
         window: ``(left, right)`` as :func:`attention`'s, per sequence against its
             ``L_b`` positions (so ``(W - 1, 0)`` lets a query see its last W positions).
         softcap, sinks: as :func:`attention`'s.
+        cu_seqlens_q: int32 ``[B + 1]``: queries of many lengths in one call (chunked
+            prefill beside decoding), packed as :func:`attention_varlen`'s: q
+            ``[total_q, Hq, d]``, sequence b's queries its rows ``cu_seqlens_q[b] :
+            cu_seqlens_q[b + 1]``, and k_new, v_new ``[total_q, Hkv, d]`` (or None)
+            its new keys, so ``L_b = cache_seqlens[b] + Nq_b`` (without them
+            ``cache_seqlens[b]``). Returns ``[total_q,
+            Hq, d_v]``. The lengths are read on the host (a sync: no CUDA graph);
+            on CUDA the varlen forward serves it, with num_splits None.
 
     Returns:
         ``[B, Hq, Nq, d_v]``. Not differentiable (an inference operator).
@@ -321,7 +333,7 @@ def attention_with_kvcache(
     forced = backends.forced()
     out, _ = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, is_causal, scale,
                                                  num_splits, forced.decode_merge_in_cluster, forced.decode_warps,
-                                                 window, softcap, sinks)
+                                                 window, softcap, sinks, cu_seqlens_q)
     return out
 
 
@@ -405,13 +417,21 @@ def plan_kvcache(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
 ) -> dict:
     """The plan :func:`attention_with_kvcache` would run for these arguments:
     on CUDA ``"family": "decode"`` with ``"num_splits"``,
     ``"merge_in_cluster"``, ``"warps"``, ``"block_m"`` and ``"block_n"``. It
     depends on the caches' capacity, not on ``cache_seqlens`` or the new keys
-    (accepted so that the call's arguments can be passed as they are)."""
+    (accepted so that the call's arguments can be passed as they are). With
+    ``cu_seqlens_q`` (packed queries), the varlen forward's plan
+    (:func:`plan_varlen`'s keys), ordered by ``cache_seqlens`` and the new keys."""
     forced = backends.forced()
+    seqused_k = None
+    if cu_seqlens_q is not None:
+        if cache_seqlens is None:
+            raise ValueError("fusedattn.plan_kvcache: packed queries (cu_seqlens_q) need cache_seqlens")
+        seqused_k = cache_seqlens if k_new is None else (cache_seqlens + cu_seqlens_q.diff()).int()
     return _parse_plan(torch.ops.fusedattn.plan_kvcache(q, k_cache, v_cache, is_causal, scale, num_splits,
                                                         forced.decode_merge_in_cluster, forced.decode_warps, window,
-                                                        softcap, sinks))
+                                                        softcap, sinks, cu_seqlens_q, seqused_k))

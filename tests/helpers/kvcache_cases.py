@@ -35,3 +35,51 @@ def check_against_reference(q, k_cache, v_cache, lens, k_new, v_new, is_causal, 
         hidden = oracle_lse == float("-inf")
         assert torch.equal(lse[b:b + 1] == float("-inf"), hidden)
         torch.testing.assert_close(lse[b:b + 1][~hidden].double(), oracle_lse[~hidden], atol=1e-4, rtol=1e-5)
+
+
+def packed_cache(n_q, cached, Hq=4, Hkv=2, d=32, max_len=64, dtype=torch.float32, seed=0, appends=True,
+                 device="cpu"):
+    """Packed queries (n_q[b] of sequence b) against caches holding cached[b] positions: q
+    [total_q, Hq, d], the caches [B, Hkv, max_len, d], cache_seqlens, cu_seqlens_q, and (appends)
+    k_new, v_new [total_q, Hkv, d]."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    total, B = sum(n_q), len(n_q)
+    cu = torch.tensor([0] + list(torch.tensor(n_q).cumsum(0)), dtype=torch.int32, device=device)
+    lens = torch.tensor(cached, dtype=torch.int32, device=device)
+    new = (rand(total, Hkv, d), rand(total, Hkv, d)) if appends else (None, None)
+    return rand(total, Hq, d), rand(B, Hkv, max_len, d), rand(B, Hkv, max_len, d), lens, cu, *new
+
+
+def check_packed_kvcache(n_q, cached, is_causal=True, window=None, softcap=None, sinks=None, **kwargs):
+    """forward_kvcache with cu_seqlens_q against the float64 reference, sequence by sequence: the
+    appended rows land at cached[b].. and nothing else in the caches changes; out [total_q, Hq, d]
+    and lse [Hq, total_q] per sequence as a dense call on its L_b positions."""
+    q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache(n_q, cached, **kwargs)
+    k_after, v_after = k_cache.clone(), v_cache.clone()
+    out, lse = torch.ops.fusedattn.forward_kvcache(q, k_after, v_after, lens, k_new, v_new, is_causal, None, None,
+                                                   None, None, window, softcap, sinks, cu)
+    assert out.shape == (q.shape[0], q.shape[1], v_cache.shape[3]) and lse.shape == (q.shape[1], q.shape[0])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b, (start, n) in enumerate(zip(cu[:-1].tolist(), n_q)):
+        if k_new is not None:
+            expected_k[b, :, cached[b]:cached[b] + n] = k_new[start:start + n].transpose(0, 1)
+            expected_v[b, :, cached[b]:cached[b] + n] = v_new[start:start + n].transpose(0, 1)
+    assert torch.equal(k_after, expected_k) and torch.equal(v_after, expected_v)
+    for b, (start, n) in enumerate(zip(cu[:-1].tolist(), n_q)):
+        if n == 0:
+            continue
+        end = cached[b] + (n if k_new is not None else 0)
+        q_b = q[start:start + n].transpose(0, 1).unsqueeze(0)
+        k_b, v_b = expected_k[b:b + 1, :, :end], expected_v[b:b + 1, :, :end]
+        args = (None, is_causal, None, window, softcap, None if sinks is None else sinks.cpu())
+        oracle, oracle_lse = reference.attention_with_lse(q_b.double().cpu(), k_b.double().cpu(), v_b.double().cpu(),
+                                                          *args)
+        low, _ = reference.attention_with_lse(q_b.cpu(), k_b.cpu(), v_b.cpu(), *args)
+        out_b = out[start:start + n].transpose(0, 1).unsqueeze(0).cpu()
+        assert_within_rule(f"out of sequence {b}", out_b, oracle, low, q.dtype, factor=2)
+        lse_b = lse[:, start:start + n].unsqueeze(0).cpu()
+        hidden = oracle_lse == float("-inf")
+        assert torch.equal(lse_b == float("-inf"), hidden)
+        torch.testing.assert_close(lse_b[~hidden].double(), oracle_lse[~hidden], atol=1e-4, rtol=1e-5)
+    return out

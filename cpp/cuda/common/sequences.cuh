@@ -20,10 +20,13 @@ struct SequenceRows {
 
   // Dense: batch b of the call's shape. Packed (p.varlen.on(), which a
   // kernel may pass as a constant false where it takes no packed calls):
-  // sequence b of cu_seqlens, in batch 0.
+  // sequence b of cu_seqlens (or of a KV cache), in batch 0.
   __device__ static SequenceRows of(const ForwardParams& p, unsigned b, bool packed) {
     if (!packed) return {b, 0, 0, p.shape.seqlen_q, p.shape.seqlen_k};
-    const int64_t q0 = p.varlen.cu_seqlens_q[b], k0 = p.varlen.cu_seqlens_k[b];
+    const int64_t q0 = p.varlen.cu_seqlens_q[b];
+    if (p.varlen.seqused_k != nullptr)  // a KV cache (VarlenParams)
+      return {0, q0, b * p.varlen.cache_rows, p.varlen.cu_seqlens_q[b + 1] - q0, p.varlen.seqused_k[b]};
+    const int64_t k0 = p.varlen.cu_seqlens_k[b];
     return {0, q0, k0, p.varlen.cu_seqlens_q[b + 1] - q0, p.varlen.cu_seqlens_k[b + 1] - k0};
   }
 };

@@ -90,10 +90,16 @@ struct AttentionShape {
 // on its own lengths (shape.seqlen_q and seqlen_k hold the totals). The
 // kernels take their blocks from a work list of (sequence, tile) pairs in
 // launch order, longest first (cpp/cuda/plan.h): block index = item x heads
-// + head. cu_seqlens_q null: a dense call.
+// + head. cu_seqlens_q null: a dense call. Packed queries against a KV
+// cache (forward_kvcache with cu_seqlens_q) have seqused_k instead of
+// cu_seqlens_k: sequence b's keys are the first seqused_k[b] rows from row
+// b x cache_rows of the [1, Hkv, rows, d] view of the cache (its batch
+// stride over its row stride; the operators check that K's and V's agree).
 struct VarlenParams {
   const int32_t* cu_seqlens_q = nullptr;  // [B + 1], device memory
   const int32_t* cu_seqlens_k = nullptr;
+  const int32_t* seqused_k = nullptr;     // [B]: a KV cache's lengths, or null
+  int64_t cache_rows = 0;
   const int32_t* query_tiles = nullptr;   // [query_items][2]: the forward's and the dQ pass's
   int64_t query_items = 0;
   const int32_t* key_tiles = nullptr;     // [key_items][2]: the backward's key blocks
