@@ -374,7 +374,8 @@ def test_bench_varlen_options_are_checked(capsys, no_run):
         return usage_error(capsys, ["bench", "--device", "cpu", *argv, "--no-progress"])
 
     assert error("--varlen", "long9k") == (
-        "--varlen: 'long9k': give a named mix (mixed32k, short32k) or lengths such as 8192,2x4096,8x512")
+        "--varlen: 'long9k': give a named mix (mixed32k, short32k), a serving step (step32x4k+2x512) or lengths "
+        "such as 8192,2x4096,8x512")
     assert error("--varlen", "64,0x32") == "--varlen: '64,0x32': lengths and counts must be >= 1, got '0x32'"
     assert error("--varlen", "64,", "--heads", "2").startswith("--varlen: '64,': give a named mix")
     assert error("--varlen", "64", "--dtype", "float32,bfloat16") == (
@@ -414,6 +415,24 @@ def test_bench_varlen_on_the_cpu(tmp_path, capsys):
     assert bench_varlen.format_table(result) in capsys.readouterr().out
     assert usage_error(capsys, ["bench", "--from-json", str(out), "--plot", str(tmp_path / "p.png")]).endswith(
         "holds --varlen results, which have no plot (--plot draws the forward and backward bench)")
+
+
+def test_bench_varlen_serving_step_on_the_cpu(tmp_path, capsys):
+    """The named serving step: its three columns, the step's time over its parts', its own table;
+    --backward refused (an inference call)."""
+    out = tmp_path / "step.json"
+    assert cli.main(["bench", "--varlen", "step32x4k+2x512", "--device", "cpu", "--repeats", "1", "--warmup", "0",
+                     "--heads", "2", "--head-dim", "16", "--no-progress", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["step"] == {"decodes": 32, "context": 4096, "prefills": [512, 512]}
+    seconds = {name: cell["seconds"] for name, cell in row["results"].items()}
+    assert set(seconds) == {"fusedattn-step", "fusedattn-decode", "fusedattn-prefill"} and min(seconds.values()) > 0
+    assert row["step_over_parts"] == pytest.approx(
+        seconds["fusedattn-step"] / (seconds["fusedattn-decode"] + seconds["fusedattn-prefill"]))
+    assert "| step32x4k+2x512 |      32 |    4096 |  512,512 |" in table and "step/(decode+prefill)" in table
+    assert usage_error(capsys, ["bench", "--varlen", "step32x4k+2x512", "--backward", "--device", "cpu"]) == (
+        "--backward: the serving step step32x4k+2x512 is inference (attention_with_kvcache)")
 
 
 def test_bench_decode_without_cuda_stops_before_the_progress_bar(capsys, no_run):

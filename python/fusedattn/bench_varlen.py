@@ -1,5 +1,7 @@
 """`fusedattn bench --varlen MIX`: packed batches of sequences of different
-lengths, causal per sequence, TFLOP/s over the visible score entries.
+lengths, causal per sequence, TFLOP/s over the visible score entries; and
+serving steps (STEPS): one packed call of decodes and prefills against KV
+caches, timed against a decode step and a prefill of the same sizes.
 
 Per mix: fusedattn.attention_varlen on the packed batch, fusedattn.attention
 on the batch padded to its longest sequence with a key-padding mask,
@@ -34,6 +36,9 @@ MIXES = {
     "short32k": [512] * 32 + [256] * 64,
 }
 SHUFFLE_SEED = 0  # the sequences of a mix are packed in an order shuffled with it
+# Named serving steps (the varlen issue's): `decodes` sequences decoding one token at `context`
+# cached positions, beside prompts of `prefills` tokens entering empty caches.
+STEPS = {"step32x4k+2x512": {"decodes": 32, "context": 4096, "prefills": [512, 512]}}
 
 
 def parse_mixes(specs: list[str]) -> list[tuple[str, list[int]]]:
@@ -41,8 +46,8 @@ def parse_mixes(specs: list[str]) -> list[tuple[str, list[int]]]:
     (NxL repeats L N times). Raises ValueError saying which one is wrong and why."""
     mixes = []
     for spec in specs:
-        if spec in MIXES:
-            mixes.append((spec, MIXES[spec]))
+        if spec in MIXES or spec in STEPS:
+            mixes.append((spec, MIXES.get(spec, [])))
             continue
         lengths = []
         for part in spec.split(","):
@@ -50,8 +55,8 @@ def parse_mixes(specs: list[str]) -> list[tuple[str, list[int]]]:
             try:
                 n, times = int(length), int(count) if x else 1
             except ValueError:
-                raise ValueError(f"{spec!r}: give a named mix ({', '.join(MIXES)}) or lengths such as "
-                                 f"8192,2x4096,8x512") from None
+                raise ValueError(f"{spec!r}: give a named mix ({', '.join(MIXES)}), a serving step "
+                                 f"({', '.join(STEPS)}) or lengths such as 8192,2x4096,8x512") from None
             if n < 1 or times < 1:
                 raise ValueError(f"{spec!r}: lengths and counts must be >= 1, got {part.strip()!r}")
             lengths += [n] * times
@@ -192,10 +197,73 @@ def measure_row(cfg: VarlenConfig, name: str, lengths: list[int]) -> dict:
             "rms_length": n, "backward": cfg.backward, "results": results, "ratios": ratios}
 
 
+def step_methods(cfg: VarlenConfig, step: dict) -> dict[str, Callable[[], Callable[[], None]]]:
+    """The serving step's columns: the packed call of decodes and prefills against their caches
+    (attention_with_kvcache with cu_seqlens_q), the decodes alone (the decode kernel), and the
+    prefills alone (attention_varlen); each appends its new keys in place, at unchanged lengths."""
+    h, d, dev = cfg.heads, cfg.head_dim, cfg.device
+    decodes, context, prefills = step["decodes"], step["context"], step["prefills"]
+    dtype = bench.DTYPES[cfg.dtypes[0]]
+    rand = lambda *shape: torch.randn(shape, device=dev, dtype=dtype)  # noqa: E731
+    cu = lambda lengths: torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32,  # noqa: E731
+                                      device=dev)
+
+    def packed_step():
+        n_q = [1] * decodes + prefills
+        total, capacity = sum(n_q), max(context, *prefills)
+        k_cache, v_cache = rand(len(n_q), h, capacity, d), rand(len(n_q), h, capacity, d)
+        lens = torch.tensor([context - 1] * decodes + [0] * len(prefills), dtype=torch.int32, device=dev)
+        q, k_new, v_new, cu_q = rand(total, h, d), rand(total, h, d), rand(total, h, d), cu(n_q)
+        return lambda: fusedattn.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, cu_seqlens_q=cu_q)
+
+    def decode():
+        k_cache, v_cache = rand(decodes, h, context, d), rand(decodes, h, context, d)
+        lens = torch.full((decodes,), context - 1, dtype=torch.int32, device=dev)
+        q, k_new, v_new = (rand(decodes, h, 1, d) for _ in range(3))
+        return lambda: fusedattn.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new)
+
+    def prefill():
+        total, cu_p = sum(prefills), cu(prefills)
+        q, k, v = (rand(total, h, d) for _ in range(3))
+        return lambda: fusedattn.attention_varlen(q, k, v, cu_p, cu_p, max(prefills), max(prefills), is_causal=True)
+
+    return {"fusedattn-step": packed_step, "fusedattn-decode": decode, "fusedattn-prefill": prefill}
+
+
+def measure_step(cfg: VarlenConfig, name: str) -> dict:
+    """One serving step: per column its median time, or why it did not run; the packed step's
+    time over the decode step's and the prefill's together."""
+    step = STEPS[name]
+    torch.manual_seed(0)
+    results, timed = {}, {}
+    with torch.no_grad():
+        try:
+            for column, build in step_methods(cfg, step).items():
+                try:
+                    call = build()
+                    for _ in range(cfg.warmup):
+                        call()
+                except (RuntimeError, NotImplementedError) as e:
+                    results[column] = bench.not_available(e)
+                    continue
+                results[column] = {"status": "ok"}
+                timed[column] = lambda call=call: bench._time_once(call, cfg.device)
+            for column, seconds in bench.interleaved_medians(timed, cfg.repeats).items():
+                results[column] = seconds if isinstance(seconds, dict) else {"status": "ok", "seconds": seconds}
+        finally:
+            if cfg.device.type == "cuda":
+                torch.cuda.empty_cache()
+    seconds = {c: r["seconds"] for c, r in results.items() if r["status"] == "ok"}
+    parts = ("fusedattn-decode", "fusedattn-prefill")
+    over = (seconds["fusedattn-step"] / sum(seconds[c] for c in parts)
+            if "fusedattn-step" in seconds and all(c in seconds for c in parts) else None)
+    return {"mix": name, "step": step, "backward": False, "results": results, "step_over_parts": over}
+
+
 def run(cfg: VarlenConfig, progress: bool = True) -> dict:
     from tqdm import tqdm
 
-    rows = [measure_row(cfg, name, lengths)
+    rows = [measure_step(cfg, name) if name in STEPS else measure_row(cfg, name, lengths)
             for name, lengths in tqdm(cfg.mixes, desc="fusedattn bench --varlen", disable=not progress, unit="mix")]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -215,7 +283,8 @@ def is_varlen(result: dict) -> bool:
 
 
 def format_table(result: dict) -> str:
-    """One markdown table: per mix its shape, each column's rate, and fusedattn varlen's ratios."""
+    """The markdown tables: per mix its shape, each column's rate and fusedattn varlen's ratios;
+    per serving step its times and the packed step's over its parts'."""
     cfg = result["config"]
     unit, mult = bench._rate_unit(result)
     what = "forward + backward (FLOPs: 3.5x the forward)" if cfg["backward"] else "forward"
@@ -225,8 +294,33 @@ def format_table(result: dict) -> str:
         f"padded: attention on the batch padded to its longest with a key-padding mask; flex-docs: "
         f"FlexAttention with a document mask; sdpa-jagged: SDPA on jagged nested tensors; dense-rms: the dense "
         f"causal kernel at the mix's root-mean-square length); a/b = rate of a / rate of b")
-    names = result["methods"]
-    ratio_names = list(dict.fromkeys(r for row in result["rows"] for r in row["ratios"]
+    rows = [row for row in result["rows"] if "step" not in row]
+    steps = [row for row in result["rows"] if "step" in row]
+    tables = [title]
+    if rows:
+        tables.append(_mix_table(result, rows, mult))
+    if steps:
+        tables.append(_step_table(steps))
+    return "\n\n".join(tables)
+
+
+def _step_table(steps: list[dict]) -> str:
+    """Serving steps: microseconds of the packed step, the decode step and the prefill, and the ratio."""
+    header = ["step", "decodes", "context", "prefills", "step us", "decode us", "prefill us", "step/(decode+prefill)"]
+    us = lambda row, c: bench.cell(row["results"][c], lambda r: bench.fmt3(r["seconds"] * 1e6))  # noqa: E731
+    lines = [[row["mix"], str(row["step"]["decodes"]), str(row["step"]["context"]),
+              ",".join(map(str, row["step"]["prefills"])), us(row, "fusedattn-step"), us(row, "fusedattn-decode"),
+              us(row, "fusedattn-prefill"),
+              bench.fmt_ratio(row["step_over_parts"]) if row["step_over_parts"] is not None else "-"]
+             for row in steps]
+    return bench._wrap("serving steps, forward, median microseconds per call: the packed step "
+                       "(attention_with_kvcache with cu_seqlens_q), the decode step alone, the prefills alone "
+                       "(attention_varlen)") + "\n\n" + bench.markdown_table(header, lines)
+
+
+def _mix_table(result: dict, rows: list[dict], mult: float) -> str:
+    names = [m for m in result["methods"] if any(m in row["results"] for row in rows)]
+    ratio_names = list(dict.fromkeys(r for row in rows for r in row["ratios"]
                                      if r.startswith("fusedattn-varlen/")))
     label = lambda m: m.removeprefix("fusedattn-")  # noqa: E731
     header = (["mix", "seqs", "longest", "rms"] + [label(m) for m in names]
@@ -235,5 +329,5 @@ def format_table(result: dict) -> str:
              + [bench.cell(row["results"][m], lambda r: bench.fmt3(r["tflops"] * mult)) if m in row["results"]
                 else "-" for m in names]
              + [bench.fmt_ratio(row["ratios"][r]) if r in row["ratios"] else "-" for r in ratio_names]
-             for row in result["rows"]]
-    return title + "\n\n" + bench.markdown_table(header, lines)
+             for row in rows]
+    return bench.markdown_table(header, lines)

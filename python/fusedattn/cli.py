@@ -325,6 +325,9 @@ def _bench_varlen(args) -> int:
     if len(cfg.dtypes) != 1:
         raise UsageError(f"--dtype {args.dtype}: --varlen takes one dtype a run")
     _cuda_takes(device, cfg.dtypes, cfg.head_dim, None if args.backward else "sm80_forward")
+    steps = [name for name, _ in mixes if name in bench_varlen.STEPS]
+    if args.backward and steps:
+        raise UsageError(f"--backward: the serving step {steps[0]} is inference (attention_with_kvcache)")
     cfg.backward = args.backward
     with _on(device):
         result = bench_varlen.run(cfg, progress=not args.no_progress)
@@ -739,7 +742,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--varlen", action="append", metavar="MIX",
                    help="packed sequences of different lengths instead, causal per sequence: MIX is mixed32k "
                         "(8192, 2x4096, 4x2048, 4x1024, 8x512), short32k (32x512, 64x256) or lengths such as "
-                        "8192,8x512; --varlen repeated for several. Columns: fusedattn varlen, fusedattn padded "
+                        "8192,8x512, or the serving step step32x4k+2x512 (32 decodes at 4K cached positions and 2 "
+                        "prefills of 512 in one attention_with_kvcache call, against the decode step and the "
+                        "prefills alone); --varlen repeated for several. Columns: fusedattn varlen, fusedattn padded "
                         "to the longest with a key-padding mask, FlexAttention with a document mask (CUDA), SDPA "
                         "on jagged nested tensors, the dense causal kernel at the mix's root-mean-square length; "
                         "TFLOP/s over the visible entries; --backward too. Defaults on CUDA H=16 d=128 bfloat16")
