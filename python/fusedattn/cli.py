@@ -284,6 +284,19 @@ def _bench_decode(args) -> int:
     return 0
 
 
+def _check_backward_kernel(args, device: torch.device, op: str) -> None:
+    if args.backward and device.type == "cuda" and not has_kernel(op, "cuda"):
+        raise UsageError("--backward: this build of fusedattn has no CUDA backward kernel")
+
+
+def _apply_one_dtype_options(cfg, args, flag: str, device: torch.device, options: tuple[str, ...]) -> None:
+    """The options into cfg, for a benchmark that times one dtype a run; checks that CUDA takes them."""
+    _apply_options(cfg, args, options)
+    if len(cfg.dtypes) != 1:
+        raise UsageError(f"--dtype {args.dtype}: {flag} takes one dtype a run")
+    _cuda_takes(device, cfg.dtypes, cfg.head_dim, None if args.backward else "sm80_forward")
+
+
 def _bench_mask(args) -> int:
     from . import bench_mask
 
@@ -292,13 +305,9 @@ def _bench_mask(args) -> int:
     except ValueError as e:
         raise UsageError(f"--mask: {e}") from None
     device = _device(args.device, "forward", default_cuda=False)
-    if args.backward and device.type == "cuda" and not has_kernel("backward", "cuda"):
-        raise UsageError("--backward: this build of fusedattn has no CUDA backward kernel")
+    _check_backward_kernel(args, device, "backward")
     cfg = bench_mask.default_config(device, kinds)
-    _apply_options(cfg, args, ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
-    if len(cfg.dtypes) != 1:
-        raise UsageError(f"--dtype {args.dtype}: --mask takes one dtype a run")
-    _cuda_takes(device, cfg.dtypes, cfg.head_dim, None if args.backward else "sm80_forward")
+    _apply_one_dtype_options(cfg, args, "--mask", device, ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
     problem = bench_mask.seqlen_problem(kinds, cfg.seqlens)
     if problem:
         raise UsageError(problem)
@@ -318,13 +327,9 @@ def _bench_varlen(args) -> int:
     except ValueError as e:
         raise UsageError(f"--varlen: {e}") from None
     device = _device(args.device, "forward_varlen", default_cuda=False)
-    if args.backward and device.type == "cuda" and not has_kernel("backward_varlen", "cuda"):
-        raise UsageError("--backward: this build of fusedattn has no CUDA backward kernel")
+    _check_backward_kernel(args, device, "backward_varlen")
     cfg = bench_varlen.default_config(device, mixes)
-    _apply_options(cfg, args, ("heads", "head_dim", "repeats", "warmup"))
-    if len(cfg.dtypes) != 1:
-        raise UsageError(f"--dtype {args.dtype}: --varlen takes one dtype a run")
-    _cuda_takes(device, cfg.dtypes, cfg.head_dim, None if args.backward else "sm80_forward")
+    _apply_one_dtype_options(cfg, args, "--varlen", device, ("heads", "head_dim", "repeats", "warmup"))
     steps = [name for name, _ in mixes if name in bench_varlen.STEPS]
     if args.backward and steps:
         raise UsageError(f"--backward: the serving step {steps[0]} is inference (attention_with_kvcache)")
@@ -445,8 +450,7 @@ def _bench(args) -> int:
     if args.varlen:
         return _bench_varlen(args)
     device = _device(args.device, "forward", default_cuda=False)
-    if args.backward and device.type == "cuda" and not has_kernel("backward", "cuda"):
-        raise UsageError("--backward: this build of fusedattn has no CUDA backward kernel")
+    _check_backward_kernel(args, device, "backward")
     cfg = bench.default_config(device)
     _apply_options(cfg, args, ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
     _cuda_takes(device, cfg.dtypes, cfg.head_dim, None if args.backward else "sm80_forward")
