@@ -175,3 +175,32 @@ def test_sinks_or_softcap_that_fusedattn_cannot_serve_raise():
         fusedattn.hf.attention_forward(module, q, q, q, None, dropout=0.1, s_aux=torch.zeros(4))
     with pytest.raises(NotImplementedError, match="soft-capping, which transformers' SDPA would drop.*dropout 0.1"):
         fusedattn.hf.attention_forward(module, q, q, q, None, dropout=0.1, softcap=50.0)
+
+
+def test_packed_documents_run_unpadded_through_attention_varlen(monkeypatch):
+    """FlashAttention's packing kwargs (DataCollatorWithFlattening(return_flash_attn_kwargs=True)):
+    three documents in one row give each document's logits as alone, through attention_varlen
+    only; gradients flow."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                                      max_position_embeddings=128)
+    sdpa, fused = twin_models(transformers.LlamaForCausalLM, config)
+    packed_calls = []
+    real = fusedattn.hf.attention_varlen
+    monkeypatch.setattr(fusedattn.hf, "attention_varlen", lambda *a, **kw: packed_calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(fusedattn.hf, "attention", lambda *a, **kw: pytest.fail("the dense path ran"))
+    lengths = [7, 1, 12]
+    docs = [torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    ids = torch.cat(docs, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
+    logits = fused(ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12,
+                   max_length_k=12).logits
+    assert len(packed_calls) == config.num_hidden_layers
+    with torch.no_grad():
+        alone = torch.cat([sdpa(doc).logits for doc in docs], dim=1)
+    torch.testing.assert_close(logits, alone, atol=1e-5, rtol=1e-5)
+    logits.sum().backward()
+    assert all(p.grad is not None for p in fused.model.layers[0].self_attn.parameters())
+    with pytest.raises(ValueError, match="describe documents packed into one row, got query batch 2"):
+        fused(ids.expand(2, -1), cu_seq_lens_q=cu, cu_seq_lens_k=cu)

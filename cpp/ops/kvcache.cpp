@@ -138,7 +138,8 @@ PackedCacheLengths check_packed_kvcache_inputs(const char* op, const at::Tensor&
     TORCH_CHECK(k_new->scalar_type() == k_cache.scalar_type() && v_new->scalar_type() == k_cache.scalar_type() &&
                     k_new->device() == k_cache.device() && v_new->device() == k_cache.device(),
                 op, ": k_new and v_new must have the caches' dtype and device (", k_cache.scalar_type(), " on ",
-                k_cache.device(), "), got ", k_new->scalar_type(), " and ", v_new->scalar_type());
+                k_cache.device(), "), got ", k_new->scalar_type(), " on ", k_new->device(), " and ",
+                v_new->scalar_type(), " on ", v_new->device());
   }
   lengths.appends = k_new.has_value();
   const at::Tensor cached = cache_seqlens.to(at::kCPU).contiguous();

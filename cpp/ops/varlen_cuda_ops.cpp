@@ -165,6 +165,8 @@ struct CacheSequences {
   std::vector<int32_t> cu_k;
   cuda::HostSequences host;
 
+  CacheSequences(const CacheSequences&) = delete;  // host points into cu_k
+  CacheSequences& operator=(const CacheSequences&) = delete;
   explicit CacheSequences(const PackedCacheLengths& lengths) : cu_k(lengths.batch() + 1, 0) {
     int64_t total = 0;
     for (int64_t b = 0; b < lengths.batch(); ++b) {
@@ -200,10 +202,10 @@ PreparedInputs prepare_packed_kvcache(const char* op, const at::Tensor& q, const
   const at::Tensor k0 = k_cache.narrow(0, 0, 1), v0 = v_cache.narrow(0, 0, 1);
   PreparedInputs in = prepare_forward(op, as_one_batch(q), k0, v0, std::nullopt, is_causal, scale, cuda_support(),
                                       window, softcap, sinks);
-  const int64_t rows = k_cache.stride(0) / k_cache.stride(2);
+  const int64_t rows = k_cache.stride(2) > 0 ? k_cache.stride(0) / k_cache.stride(2) : 0;
   TORCH_CHECK(in.k.data_ptr() == k0.data_ptr() && in.v.data_ptr() == v0.data_ptr() &&
                   in.k.strides() == k0.strides() && in.v.strides() == v0.strides() &&
-                  (k_cache.size(0) == 1 || (k_cache.stride(0) == rows * k_cache.stride(2) &&
+                  (k_cache.size(0) == 1 || (rows > 0 && k_cache.stride(0) == rows * k_cache.stride(2) &&
                                             v_cache.stride(0) == rows * v_cache.stride(2))),
               op, ": on CUDA packed queries (cu_seqlens_q) need caches with a contiguous last dimension, rows on "
               "16-byte boundaries and batch strides that are the same multiple of K's and V's row strides "
@@ -233,18 +235,18 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_cuda(
   const PackedCacheLengths lengths =
       check_packed_kvcache_inputs(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new);
   const c10::cuda::CUDAGuard guard(q.device());
-  // Every check before the append: an error leaves the caches as they were.
+  // Every check and the plan before the append: an error leaves the caches as they were.
   PreparedInputs in = prepare_packed_kvcache(op, q, k_cache, v_cache, is_causal, scale, window, softcap, sinks);
   const CacheSequences sequences(lengths);
+  VarlenOperands operands(in.params.varlen, cu_seqlens_q, sequences.seqused_k(q), in.params.varlen.cache_rows);
   const PlanRequest request = family_request(op, std::nullopt, q);
   Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, request); });
-  if (k_new) append_packed(k_cache, v_cache, *k_new, *v_new, lengths);
+  operands.upload(in.params.varlen,
+                  with_torch_errors([&] { return cuda::schedule_varlen(in.params, sequences.host, plan); }), q);
   at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   set_forward_outputs(in.params, as_one_batch(out), lse.unsqueeze(0));
-  VarlenOperands operands(in.params.varlen, cu_seqlens_q, sequences.seqused_k(q), in.params.varlen.cache_rows);
-  operands.upload(in.params.varlen,
-                  with_torch_errors([&] { return cuda::schedule_varlen(in.params, sequences.host, plan); }), q);
+  if (k_new) append_packed(k_cache, v_cache, *k_new, *v_new, lengths);
   run_forward(in.params, plan, q, stream_of(q));
   return {out, lse};
 }

@@ -13,11 +13,18 @@ broadcast against the keys', a dtype, head dims or soft-capping the device's
 kernels do not take, such as head dims above 128 on CUDA when gradients are
 needed) go to transformers' own SDPA function; a call with sinks or soft-capping
 that fusedattn cannot serve raises, since SDPA would drop them.
+
+Packed sequences (several documents in one row, as
+``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives them): a
+call whose kwargs carry FlashAttention's ``cu_seq_lens_q`` and
+``cu_seq_lens_k`` (and ``max_length_q``/``max_length_k``) runs
+``attention_varlen`` on them, unpadded, each document causal (and windowed)
+on its own; the mask transformers built for the row is not read.
 """
 
 from __future__ import annotations
 
-from .ops import attention, needs_gradients, supports
+from .ops import attention, attention_varlen, needs_gradients, supports
 
 __all__ = ["attention_forward", "register"]
 
@@ -46,6 +53,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
 
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
+        return _packed_forward(module, query, key, value, scaling, is_causal, softcap, sinks, kwargs), None
+
     # transformers' causal rule, as for SDPA: only for several queries and no
     # explicit mask, aligned top-left. Keys past the queries then are empty
     # static-cache slots; dropping them makes fusedattn's bottom-right rule the same.
@@ -58,6 +68,21 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     out = attention(query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling,
                     softcap=softcap, sinks=None if sinks is None else sinks.float())
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_forward(module, query, key, value, scaling, is_causal, softcap, sinks, kwargs):
+    """One row of packed documents through attention_varlen: [1, H, total, d] in, [1, total, Hq, d_v] out."""
+    if query.shape[0] != 1 or key.shape[0] != 1:
+        raise ValueError(f"fusedattn.hf: cu_seq_lens_q/cu_seq_lens_k describe documents packed into one row, got "
+                         f"query batch {query.shape[0]} and key batch {key.shape[0]}")
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    sliding_window = kwargs.get("sliding_window")  # transformers': a query sees its last sliding_window keys
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = attention_varlen(q, k, v, kwargs["cu_seq_lens_q"].int(), kwargs["cu_seq_lens_k"].int(),
+                           kwargs.get("max_length_q"), kwargs.get("max_length_k"), is_causal=bool(is_causal),
+                           scale=scaling, window=None if sliding_window is None else (sliding_window - 1, 0),
+                           softcap=softcap, sinks=None if sinks is None else sinks.float())
+    return out.unsqueeze(0)
 
 
 def register(name: str = "fusedattn") -> None:

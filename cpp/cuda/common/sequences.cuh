@@ -42,7 +42,7 @@ __device__ __forceinline__ GridBlock work_item(const int32_t* items, unsigned in
 // The blocks of a grid: order's, or a packed call's items x heads.
 inline unsigned grid_blocks(const BlockOrder& order, bool packed, int64_t items, int64_t heads) {
   const int64_t blocks = packed ? items * heads : order.blocks();
-  if (blocks > 2147483647) throw std::runtime_error("fusedattn: a packed call's tiles x heads exceed one launch");
+  if (blocks > 2147483647) throw std::runtime_error("fusedattn: the call's blocks exceed one launch (2^31 - 1)");
   return static_cast<unsigned>(blocks);
 }
 
