@@ -4,6 +4,13 @@
 (same constructor, parameter names, state dict, forward signature and return
 values); :func:`swap_attention` turns every ``nn.MultiheadAttention`` of a model
 into it, in place.
+
+Packed batches (documents of different lengths without padding) do not fit
+``nn.MultiheadAttention``'s ``[B, N, E]`` interface: project q, k and v
+yourself, keep them ``[total, H, d]`` and call :func:`fusedattn.attention_varlen`
+with the documents' ``cu_seqlens`` (int32 offsets, as FlashAttention's
+``flash_attn_varlen_func``), then apply the output projection to its
+``[total, H, d]`` result flattened to ``[total, H x d]``.
 """
 
 from __future__ import annotations

@@ -267,8 +267,11 @@ def attention_varlen(
         Differentiable with respect to q, k, v (and sinks).
 
     On CUDA the call reads ``cu_seqlens`` on the host to check them and to
-    order the work (longest first), so it waits for the device once; the
-    sm80 kernels serve it (:func:`plan_varlen` shows the plan).
+    order the work (longest first), so it waits for the device once;
+    :func:`plan_varlen` shows the plan. As FlashAttention 3's, the sm90
+    kernels' last tile of a sequence reads the next sequence's rows and
+    multiplies them by 0: an Inf or NaN in one sequence's v (or, in the
+    backward, q, k and grad_out) can make a neighbour's results NaN.
     """
     if not torch.compiler.is_compiling() and not has_kernel("forward_varlen", q.device.type):
         raise NotImplementedError(f"fusedattn.attention_varlen: this build runs packed sequences on the CPU and "
