@@ -11,6 +11,7 @@ import torch
 import fusedattn
 from fusedattn.ops import cuda_head_dims
 from helpers.cuda import GPU_DTYPES, poison_allocator, sm90_available
+from helpers.kvcache_cases import check_packed_kvcache, packed_cache
 from helpers.varlen_cases import check_varlen, check_varlen_backward, packed
 
 pytestmark = pytest.mark.gpu
@@ -150,7 +151,7 @@ def test_varlen_opcheck_and_compile_on_cuda():
 
 @pytest.mark.skipif(not sm90_available(), reason="needs the sm90 family (Hopper)")
 def test_varlen_forced_sm90_says_why_not():
-    q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], d=96, dtype=torch.float16, device="cuda")
+    q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], d=256, dtype=torch.float16, device="cuda")
     with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="the sm90 forward has head dims"):
         fusedattn.attention_varlen(q, k, v, cu_q, cu_k)
 
@@ -181,8 +182,6 @@ KV_CACHED = [0, 700, 3, 500, 12, 0, 959, 1023]
 @pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
 def test_packed_kvcache_matches_reference_and_appends(dtype, d, is_causal):
     """forward_kvcache with cu_seqlens_q runs sm80's varlen forward over the caches' rows."""
-    from helpers.kvcache_cases import check_packed_kvcache, packed_cache
-
     q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache(KV_N_Q, KV_CACHED, d=d, max_len=1024, dtype=dtype,
                                                                device="cuda")
     plan = fusedattn.plan_kvcache(q, k_cache, v_cache, lens, k_new, v_new, is_causal=is_causal, cu_seqlens_q=cu)
@@ -200,8 +199,6 @@ def test_packed_kvcache_gqa_window_sinks_and_no_new_keys():
 
 
 def test_packed_kvcache_refusals():
-    from helpers.kvcache_cases import packed_cache
-
     q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache([3, 1], [4, 9], d=40, max_len=16, dtype=torch.float16,
                                                                device="cuda")
     with pytest.raises(RuntimeError, match="read the caches in place, at head dims"):

@@ -60,9 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   return {unpadded(b.grad_q, q.size(3)), unpadded(b.grad_k, k.size(3)), unpadded(b.grad_v, v.size(3)), grad_sinks};
 }
 
-// The plan of forward (or backward) for these arguments. The backward's
-// grad_out is contiguous (fusedattn's autograd makes it so) and its lse the
-// forward's, so aligned stand-ins take their place; nothing is read.
+// The plan of forward (or backward) for these arguments; nothing is read.
 std::string plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
                       std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window,
@@ -74,13 +72,8 @@ std::string plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   pad_to_kernel_head_dim(in, in.params.shape, backward);
   const PlanRequest request = family_request(op, family, q);
   if (!backward) return with_torch_errors([&] { return cuda::plan_forward(in.params, request); }).describe();
-  BackwardParams b;
-  b.fwd = in.params;
-  b.fwd.lse = reinterpret_cast<float*>(uintptr_t(256));
-  b.grad_out = reinterpret_cast<const void*>(uintptr_t(256));
   const int64_t d = in.params.shape.head_dim;
-  b.grad_out_strides = {q.size(1) * q.size(2) * d, q.size(2) * d, d};
-  b.deterministic = at::globalContext().deterministicAlgorithms();
+  const BackwardParams b = backward_plan_params(in.params, {q.size(1) * q.size(2) * d, q.size(2) * d, d});
   return with_torch_errors([&] { return cuda::plan_backward(b, request); }).describe();
 }
 

@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 
 #include "../cuda/common/mask_tiles.h"
 #include "../cuda/sm80/backward_sm80.h"
@@ -74,6 +75,16 @@ BackwardWorkspaces::BackwardWorkspaces(BackwardParams& p, const Plan& plan, cons
     grad_kv_accum = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, q.options().dtype(at::kFloat));
     p.grad_kv_accum = grad_kv_accum.data_ptr<float>();
   }
+}
+
+BackwardParams backward_plan_params(const ForwardParams& fwd, const TensorStrides& grad_out_strides) {
+  BackwardParams b;
+  b.fwd = fwd;
+  b.fwd.lse = reinterpret_cast<float*>(uintptr_t(256));
+  b.grad_out = reinterpret_cast<const void*>(uintptr_t(256));
+  b.grad_out_strides = grad_out_strides;
+  b.deterministic = at::globalContext().deterministicAlgorithms();
+  return b;
 }
 
 void run_backward(const BackwardParams& p, const Plan& plan, cudaStream_t stream) {

@@ -49,6 +49,11 @@ struct BackwardWorkspaces {
                      const at::Tensor& lse);
 };
 
+// The backward's params for its plan alone: the forward's, with aligned
+// stand-ins for lse and for grad_out, whose strides (contiguous like the
+// call's out: fusedattn's autograd makes it so) the caller gives; nothing is read.
+BackwardParams backward_plan_params(const ForwardParams& fwd, const TensorStrides& grad_out_strides);
+
 // Launches the backward `plan` chose (its workspaces set in p).
 void run_backward(const BackwardParams& p, const Plan& plan, cudaStream_t stream);
 

@@ -149,10 +149,9 @@ std::string plan_varlen_cuda(const at::Tensor& q, const at::Tensor& k, const at:
   pad_to_kernel_head_dim(in, in.params.shape, backward);
   VarlenOperands operands(in.params.varlen, cu_seqlens_q, cu_seqlens_k);
   const PlanRequest request = family_request(op, family, q);
+  const int64_t d = in.params.shape.head_dim;  // grad_out [total_q, Hq, d], as [1, Hq, total_q, d]
+  const BackwardParams b = backward_plan_params(in.params, {q.size(0) * q.size(1) * d, d, q.size(1) * d});
   return with_torch_errors([&] {
-    BackwardParams b;  // the planner reads the forward's part and the mode (the family is sm80's)
-    b.fwd = in.params;
-    b.deterministic = at::globalContext().deterministicAlgorithms();
     Plan plan = backward ? cuda::plan_backward(b, request) : cuda::plan_forward(in.params, request);
     cuda::schedule_varlen(in.params, host_sequences(lengths), plan);
     return plan.describe();
