@@ -4,6 +4,7 @@
     python lab/readme_tables.py decode docs/bench/readme/h200-...-decode-mha.json [...]
     python lab/readme_tables.py cpu docs/bench/readme/cpu-...json
     python lab/readme_tables.py mask FORWARD.json BACKWARD.json   (`fusedattn bench --mask`, then --backward)
+    python lab/readme_tables.py varlen FORWARD.json BACKWARD.json [...]   (`fusedattn bench --varlen`, pairs per d)
 
 `forward` also takes --backward tables; `--dtype=float16` after the kind picks
 the dtype shown (default bfloat16; `cpu` wants `--dtype=float32`). Each row shows
@@ -117,10 +118,40 @@ def mask_table(forward, backward) -> str:
     return "\n".join(lines)
 
 
+def varlen_table(pairs) -> str:
+    """Rows (d, mix): fusedattn varlen, forward and forward + backward, with x FlexAttention's
+    document mask, x SDPA on jagged tensors and x the dense causal kernel at the mix's rms length."""
+    def rate(row, m):
+        r = row["results"].get(m, {})
+        return r["tflops"] if r.get("status") == "ok" else None
+
+    anchors = ("flex-docs", "sdpa-jagged", "fusedattn-dense-rms")
+    head = ["d", "mix", "forward TFLOP/s", "x Flex", "x jagged", "x dense", "fwd+bwd TFLOP/s", "x Flex", "x jagged",
+            "x dense"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for forward, backward in pairs:
+        back = {row["mix"]: row for row in backward["rows"] if "step" not in row}
+        for row in (r for r in forward["rows"] if "step" not in r):
+            line = [str(forward["config"]["head_dim"]), row["mix"]]
+            for r in (row, back.get(row["mix"])):
+                ours = rate(r, "fusedattn-varlen") if r else None
+                line.append(f"{ours:.0f}" if ours else "-")
+                line += [f"{ours / rate(r, m):.2f}" if ours and rate(r, m) else "-" for m in anchors]
+            lines.append("| " + " | ".join(line) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("forward", "decode", "cpu", "mask"):
+    if len(argv) < 2 or argv[0] not in ("forward", "decode", "cpu", "mask", "varlen"):
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2
+    if argv[0] == "varlen":
+        if len(argv) < 3 or len(argv) % 2 != 1:
+            print(__doc__.strip().splitlines()[6], file=sys.stderr)
+            return 2
+        results = _load(argv[1:])
+        print(varlen_table(list(zip(results[::2], results[1::2]))))
+        return 0
     if argv[0] == "mask":
         if len(argv) != 3:
             print(__doc__.strip().splitlines()[5], file=sys.stderr)
