@@ -70,16 +70,13 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
     load.prefetch_maps();
     unsigned index = scheduler.first();
     for (uint32_t item = 0;; ++item) {
-      const bool done = scheduler.done(index);
-      // The item before the wait for Q's buffer: a packed call's work list
-      // and cu_seqlens loads then overlap the consumers' last tiles.
-      const Sm90ForwardItem it = done ? Sm90ForwardItem{} : scheduler.item(index);
       mbarrier_wait(smem.q_empty, (item & 1) ^ 1);  // the first item finds Q's buffer free
       *smem.item_slot = index;
-      if (done) {
+      if (scheduler.done(index)) {
         mbarrier_arrive(smem.q_full);  // no Q: the consumers read the end of the work
         return;
       }
+      const Sm90ForwardItem it = scheduler.item(index);
       if (it.n_tiles == 0) {
         mbarrier_arrive(smem.q_full);  // rows that see no key: the consumers write zeros
       } else {
