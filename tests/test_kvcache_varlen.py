@@ -60,7 +60,7 @@ def test_packed_queries_bad_input_says_what_was_expected_and_leaves_the_caches()
     def call(q=q, lens=lens, cu=cu, k_new=k_new, v_new=v_new, num_splits=None):
         return op(q, k_cache, v_cache, lens, k_new, v_new, True, None, num_splits, None, None, None, None, None, cu)
 
-    with pytest.raises(RuntimeError, match=r"sequence 6 has 60 cached positions and 5 new ones, but the cache holds 64"):
+    with pytest.raises(RuntimeError, match="sequence 6 has 60 cached positions and 5 new ones, but the cache holds 64"):
         call(lens=lens + torch.tensor([0, 0, 0, 0, 0, 0, 1], dtype=torch.int32))
     with pytest.raises(RuntimeError, match=r"with cu_seqlens_q, q must be \[total_q, Hq, d\]"):
         call(q=q.unsqueeze(0))

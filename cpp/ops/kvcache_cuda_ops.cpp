@@ -127,8 +127,9 @@ std::string plan_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
                               const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seqlens_q,
                               const std::optional<at::Tensor>& seqused_k) {
   if (cu_seqlens_q)
-    return plan_packed_kvcache_cuda(q, k_cache, v_cache, *cu_seqlens_q, seqused_k_of("fusedattn.plan_kvcache", seqused_k),
-                                    is_causal, scale, num_splits, merge_in_cluster, warps, window, softcap, sinks);
+    return plan_packed_kvcache_cuda(q, k_cache, v_cache, *cu_seqlens_q,
+                                    seqused_k_of("fusedattn.plan_kvcache", seqused_k), is_causal, scale, num_splits,
+                                    merge_in_cluster, warps, window, softcap, sinks);
   const char* op = "fusedattn.plan_kvcache";
   const PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale,
                                             decode_support(), window, softcap, sinks);

@@ -196,8 +196,8 @@ PreparedInputs prepare_packed_kvcache(const char* op, const at::Tensor& q, const
   const std::vector<int64_t> served = cuda::served_head_dims(/*backward=*/false);
   const int64_t d = k_cache.size(3);
   TORCH_CHECK(v_cache.size(3) == d && std::find(served.begin(), served.end(), d) != served.end(), op,
-              ": on CUDA packed queries (cu_seqlens_q) read the caches in place, at head dims ", c10::IntArrayRef(served),
-              " with d_v = d, got d = ", d, " and d_v = ", v_cache.size(3));
+              ": on CUDA packed queries (cu_seqlens_q) read the caches in place, at head dims ",
+              c10::IntArrayRef(served), " with d_v = d, got d = ", d, " and d_v = ", v_cache.size(3));
   const at::Tensor k0 = k_cache.narrow(0, 0, 1), v0 = v_cache.narrow(0, 0, 1);
   PreparedInputs in = prepare_forward(op, as_one_batch(q), k0, v0, std::nullopt, is_causal, scale, cuda_support(),
                                       window, softcap, sinks);

@@ -307,7 +307,8 @@ def _bench_mask(args) -> int:
     device = _device(args.device, "forward", default_cuda=False)
     _check_backward_kernel(args, device, "backward")
     cfg = bench_mask.default_config(device, kinds)
-    _apply_one_dtype_options(cfg, args, "--mask", device, ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
+    _apply_one_dtype_options(cfg, args, "--mask", device,
+                             ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
     problem = bench_mask.seqlen_problem(kinds, cfg.seqlens)
     if problem:
         raise UsageError(problem)

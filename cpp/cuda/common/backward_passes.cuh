@@ -140,7 +140,8 @@ struct KeyBlockWalk {
     const AttentionShape& sh = p.fwd.shape;
     const bool packed = !Listed && p.fwd.varlen.on();  // packed calls take no attn_mask
     const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
-    const GridBlock block = packed ? work_item(p.fwd.varlen.key_tiles, blockIdx.x, heads_kv) : order.at<false>(blockIdx.x);
+    const GridBlock block =
+        packed ? work_item(p.fwd.varlen.key_tiles, blockIdx.x, heads_kv) : order.at<false>(blockIdx.x);
     n_block = block.block;
     const unsigned head_split = block.pair % static_cast<unsigned>(p.head_splits);
     const unsigned bh = block.pair / static_cast<unsigned>(p.head_splits);

@@ -102,7 +102,8 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   // the most queries see, first (common/block_order.h). Packed: the key
   // tiles' work list (one split).
   const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
-  const GridBlock block = f.varlen.on() ? work_item(f.varlen.key_tiles, blockIdx.x, heads_kv) : order.at<false>(blockIdx.x);
+  const GridBlock block =
+      f.varlen.on() ? work_item(f.varlen.key_tiles, blockIdx.x, heads_kv) : order.at<false>(blockIdx.x);
   const unsigned n_block = block.block;
   const unsigned head_split = block.pair % static_cast<unsigned>(p.head_splits);
   const unsigned bh = block.pair / static_cast<unsigned>(p.head_splits);
