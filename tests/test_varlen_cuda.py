@@ -205,10 +205,10 @@ def test_packed_kvcache_refusals():
         fusedattn.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, cu_seqlens_q=cu)
     q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache([3, 1], [4, 9], d=64, max_len=16, dtype=torch.float16,
                                                                device="cuda")
-    before = k_cache.clone()
+    before, before_v = k_cache.clone(), v_cache.clone()
     v_strided = torch.randn(2, 2, 32, 64, device="cuda", dtype=torch.float16)[:, :, :16]  # its batch stride is K's x 2
     with pytest.raises(RuntimeError, match="batch strides that are the same multiple"):
         fusedattn.attention_with_kvcache(q, k_cache, v_strided, lens, k_new, v_new, cu_seqlens_q=cu)
     with pytest.raises(RuntimeError, match="packed queries \\(cu_seqlens_q\\) run the varlen forward, pass None"):
         fusedattn.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, num_splits=2, cu_seqlens_q=cu)
-    assert torch.equal(k_cache, before)
+    assert torch.equal(k_cache, before) and torch.equal(v_cache, before_v)

@@ -30,13 +30,13 @@ import fusedattn
 from . import bench
 from .memory import peak_bytes
 
-# Named mixes of 32K tokens (the varlen issue's): one long document and shorter ones, and only short ones.
+# Named mixes of 32K tokens: one long document and shorter ones, and only short ones.
 MIXES = {
     "mixed32k": [8192] + [4096] * 2 + [2048] * 4 + [1024] * 4 + [512] * 8,
     "short32k": [512] * 32 + [256] * 64,
 }
 SHUFFLE_SEED = 0  # the sequences of a mix are packed in an order shuffled with it
-# Named serving steps (the varlen issue's): `decodes` sequences decoding one token at `context`
+# Named serving steps: `decodes` sequences decoding one token at `context`
 # cached positions, beside prompts of `prefills` tokens entering empty caches.
 STEPS = {"step32x4k+2x512": {"decodes": 32, "context": 4096, "prefills": [512, 512]}}
 
@@ -87,12 +87,18 @@ def _rand(shape, cfg: VarlenConfig) -> torch.Tensor:
     return torch.randn(shape, device=cfg.device, dtype=bench.DTYPES[cfg.dtypes[0]]).requires_grad_(cfg.backward)
 
 
-def _call(make: Callable[[], torch.Tensor], backward: bool) -> Callable[[], None]:
-    """One timed call of an output-making function: the forward, or forward and backward."""
+def _offsets(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """cu_seqlens of sequences of these lengths: int32 [B + 1]."""
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+
+
+def _call(make: Callable[[], torch.Tensor], backward: bool, inputs: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+    """One timed call of an output-making function: the forward, or forward and backward (the
+    gradients of `inputs` returned, not accumulated)."""
     if not backward:
         return lambda: make()
     grad = make().detach().normal_()
-    return lambda: make().backward(grad)
+    return lambda: torch.autograd.grad(make(), inputs, grad)
 
 
 def methods(cfg: VarlenConfig, lengths: list[int]) -> dict[str, Callable[[], Callable[[], None]]]:
@@ -100,18 +106,18 @@ def methods(cfg: VarlenConfig, lengths: list[int]) -> dict[str, Callable[[], Cal
     (raising NotImplementedError or RuntimeError where the column cannot run)."""
     h, d, dev = cfg.heads, cfg.head_dim, cfg.device
     total, longest = sum(lengths), max(lengths)
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=dev)
+    cu = _offsets(lengths, dev)
 
     def varlen():
         q, k, v = (_rand((total, h, d), cfg) for _ in range(3))
         return _call(lambda: fusedattn.attention_varlen(q, k, v, cu, cu, longest, longest, is_causal=True),
-                     cfg.backward)
+                     cfg.backward, (q, k, v))
 
     def padded():
         q, k, v = (_rand((len(lengths), h, longest, d), cfg) for _ in range(3))
         keys = torch.arange(longest, device=dev) < torch.tensor(lengths, device=dev)[:, None]
         mask = keys[:, None, None, :]
-        return _call(lambda: fusedattn.attention(q, k, v, attn_mask=mask, is_causal=True), cfg.backward)
+        return _call(lambda: fusedattn.attention(q, k, v, attn_mask=mask, is_causal=True), cfg.backward, (q, k, v))
 
     def flex():
         if dev.type != "cuda":
@@ -124,19 +130,19 @@ def methods(cfg: VarlenConfig, lengths: list[int]) -> dict[str, Callable[[], Cal
                                        total, device=dev)
         compiled = torch.compile(flex_attention)
         q, k, v = (_rand((1, h, total, d), cfg) for _ in range(3))
-        return _call(lambda: compiled(q, k, v, block_mask=block_mask), cfg.backward)
+        return _call(lambda: compiled(q, k, v, block_mask=block_mask), cfg.backward, (q, k, v))
 
     def jagged():
         offsets = cu.long()
-        q, k, v = (torch.nested.nested_tensor_from_jagged(_rand((total, h, d), cfg), offsets).transpose(1, 2)
-                   for _ in range(3))
+        leaves = tuple(_rand((total, h, d), cfg) for _ in range(3))
+        q, k, v = (torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2) for x in leaves)
         return _call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).values(),
-                     cfg.backward)
+                     cfg.backward, leaves)
 
     def dense():
         n = rms_length(lengths)
         q, k, v = (_rand((max(1, total // n), h, n, d), cfg) for _ in range(3))
-        return _call(lambda: fusedattn.attention(q, k, v, is_causal=True), cfg.backward)
+        return _call(lambda: fusedattn.attention(q, k, v, is_causal=True), cfg.backward, (q, k, v))
 
     return {"fusedattn-varlen": varlen, "fusedattn-padded": padded, "flex-docs": flex, "sdpa-jagged": jagged,
             "fusedattn-dense-rms": dense}
@@ -154,7 +160,7 @@ def causal_pairs(lengths: list[int]) -> int:
 
 def measure_row(cfg: VarlenConfig, name: str, lengths: list[int]) -> dict:
     """One mix: per column its median time, rate and peak memory, or why it did not run;
-    each fusedattn column's rate over flex's and over SDPA's."""
+    fusedattn varlen's rate over each other column's."""
     lengths = list(lengths)
     random.Random(SHUFFLE_SEED).shuffle(lengths)
     torch.manual_seed(0)
@@ -188,11 +194,9 @@ def measure_row(cfg: VarlenConfig, name: str, lengths: list[int]) -> dict:
         else:
             results[column].update(seconds=seconds, tflops=per_pair * pairs[column] / seconds / 1e12)
     rate = lambda c: results[c]["tflops"] if results[c]["status"] == "ok" else None  # noqa: E731
-    ratios = {}
-    for column in ("fusedattn-varlen", "fusedattn-padded"):
-        for anchor in ("flex-docs", "sdpa-jagged", "fusedattn-dense-rms"):
-            if rate(column) and rate(anchor) and column != anchor:
-                ratios[f"{column}/{anchor}"] = rate(column) / rate(anchor)
+    ratios = {f"fusedattn-varlen/{anchor}": rate("fusedattn-varlen") / rate(anchor)
+              for anchor in ("fusedattn-padded", "flex-docs", "sdpa-jagged", "fusedattn-dense-rms")
+              if rate("fusedattn-varlen") and rate(anchor)}
     return {"mix": name, "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
             "rms_length": n, "backward": cfg.backward, "results": results, "ratios": ratios}
 
@@ -205,8 +209,7 @@ def step_methods(cfg: VarlenConfig, step: dict) -> dict[str, Callable[[], Callab
     decodes, context, prefills = step["decodes"], step["context"], step["prefills"]
     dtype = bench.DTYPES[cfg.dtypes[0]]
     rand = lambda *shape: torch.randn(shape, device=dev, dtype=dtype)  # noqa: E731
-    cu = lambda lengths: torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32,  # noqa: E731
-                                      device=dev)
+    cu = lambda lengths: _offsets(lengths, dev)  # noqa: E731
 
     def packed_step():
         n_q = [1] * decodes + prefills
@@ -291,9 +294,9 @@ def format_table(result: dict) -> str:
     title = bench.run_line(result) + "\n" + bench._wrap(
         f"packed sequences, causal per sequence, {what}, H={cfg['heads']} d={cfg['head_dim']} {cfg['dtype']}, "
         f"median of {cfg['repeats']} calls per cell; {unit} over the visible entries (varlen: attention_varlen; "
-        f"padded: attention on the batch padded to its longest with a key-padding mask; flex-docs: "
-        f"FlexAttention with a document mask; sdpa-jagged: SDPA on jagged nested tensors; dense-rms: the dense "
-        f"causal kernel at the mix's root-mean-square length); a/b = rate of a / rate of b")
+        f"padded: attention on the batch padded to its longest with a key-padding mask; flex: "
+        f"FlexAttention with a document mask; jagged: SDPA on jagged nested tensors; dense-rms: the dense "
+        f"causal kernel at the mix's root-mean-square length); x m = varlen's rate / m's")
     rows = [row for row in result["rows"] if "step" not in row]
     steps = [row for row in result["rows"] if "step" in row]
     tables = [title]
@@ -318,13 +321,17 @@ def _step_table(steps: list[dict]) -> str:
                        "(attention_varlen)") + "\n\n" + bench.markdown_table(header, lines)
 
 
+# Column labels short enough for bench.TABLE_WIDTH; the caption spells them out.
+_LABELS = {"fusedattn-varlen": "varlen", "fusedattn-padded": "padded", "flex-docs": "flex", "sdpa-jagged": "jagged",
+           "fusedattn-dense-rms": "dense-rms"}
+
+
 def _mix_table(result: dict, rows: list[dict], mult: float) -> str:
     names = [m for m in result["methods"] if any(m in row["results"] for row in rows)]
-    ratio_names = list(dict.fromkeys(r for row in rows for r in row["ratios"]
-                                     if r.startswith("fusedattn-varlen/")))
-    label = lambda m: m.removeprefix("fusedattn-")  # noqa: E731
+    ratio_names = list(dict.fromkeys(r for row in rows for r in row["ratios"] if r.startswith("fusedattn-varlen/")))
+    label = lambda m: _LABELS.get(m, m)  # noqa: E731
     header = (["mix", "seqs", "longest", "rms"] + [label(m) for m in names]
-              + ["varlen/" + label(r.split("/")[1]) for r in ratio_names])
+              + ["x " + label(r.split("/")[1]) for r in ratio_names])
     lines = [[row["mix"], str(row["sequences"]), str(row["longest"]), str(row["rms_length"])]
              + [bench.cell(row["results"][m], lambda r: bench.fmt3(r["tflops"] * mult)) if m in row["results"]
                 else "-" for m in names]

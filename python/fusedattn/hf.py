@@ -76,11 +76,13 @@ def _packed_forward(module, query, key, value, scaling, is_causal, softcap, sink
         raise ValueError(f"fusedattn.hf: cu_seq_lens_q/cu_seq_lens_k describe documents packed into one row, got "
                          f"query batch {query.shape[0]} and key batch {key.shape[0]}")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    sliding_window = kwargs.get("sliding_window")  # transformers': a query sees its last sliding_window keys
+    # transformers' sliding_window: keys less than sliding_window positions away (before the query, if causal).
+    sliding_window = kwargs.get("sliding_window")
+    window = None if sliding_window is None else (sliding_window - 1, 0 if is_causal else sliding_window - 1)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     out = attention_varlen(q, k, v, kwargs["cu_seq_lens_q"].int(), kwargs["cu_seq_lens_k"].int(),
                            kwargs.get("max_length_q"), kwargs.get("max_length_k"), is_causal=bool(is_causal),
-                           scale=scaling, window=None if sliding_window is None else (sliding_window - 1, 0),
+                           scale=scaling, window=window,
                            softcap=softcap, sinks=None if sinks is None else sinks.float())
     return out.unsqueeze(0)
 

@@ -274,8 +274,8 @@ def attention_varlen(
     backward, q, k and grad_out) can make a neighbour's results NaN.
     """
     if not torch.compiler.is_compiling() and not has_kernel("forward_varlen", q.device.type):
-        raise NotImplementedError(f"fusedattn.attention_varlen: this build runs packed sequences on the CPU and "
-                                  f"CUDA, got {q.device.type} tensors")
+        raise NotImplementedError(f"fusedattn.attention_varlen: this build has no {q.device.type} kernel for packed "
+                                  f"sequences")
     if max_seqlen_q is None:
         max_seqlen_q = _longest(cu_seqlens_q)
     if max_seqlen_k is None:
@@ -324,14 +324,14 @@ def attention_with_kvcache(
         cu_seqlens_q: int32 ``[B + 1]``: queries of many lengths in one call (chunked
             prefill beside decoding), packed as :func:`attention_varlen`'s: q
             ``[total_q, Hq, d]``, sequence b's queries its rows ``cu_seqlens_q[b] :
-            cu_seqlens_q[b + 1]``, and k_new, v_new ``[total_q, Hkv, d]`` (or None)
-            its new keys, so ``L_b = cache_seqlens[b] + Nq_b`` (without them
-            ``cache_seqlens[b]``). Returns ``[total_q,
-            Hq, d_v]``. The lengths are read on the host (a sync: no CUDA graph);
+            cu_seqlens_q[b + 1]``, and k_new, v_new ``[total_q, Hkv, d]`` and
+            ``[total_q, Hkv, d_v]`` (or None) its new keys, so ``L_b =
+            cache_seqlens[b] + Nq_b`` (without them ``cache_seqlens[b]``). The lengths are read on the host (a sync: no CUDA graph);
             on CUDA the varlen forward serves it, with num_splits None.
 
     Returns:
-        ``[B, Hq, Nq, d_v]``. Not differentiable (an inference operator).
+        ``[B, Hq, Nq, d_v]`` (with cu_seqlens_q ``[total_q, Hq, d_v]``). Not
+        differentiable (an inference operator).
     """
     forced = backends.forced()
     out, _ = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, is_causal, scale,

@@ -5,6 +5,7 @@ import torch
 from fusedattn import reference
 
 from .attention_cases import assert_within_rule
+from .varlen_cases import offsets
 
 
 def make_cache(B=3, Hq=4, Hkv=2, d=32, max_len=300, nq=1, n_new=1, dtype=torch.float32, seed=0, d_v=None):
@@ -45,7 +46,7 @@ def packed_cache(n_q, cached, Hq=4, Hkv=2, d=32, max_len=64, dtype=torch.float32
     g = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
     total, B = sum(n_q), len(n_q)
-    cu = torch.tensor([0] + list(torch.tensor(n_q).cumsum(0)), dtype=torch.int32, device=device)
+    cu = offsets(n_q, device)
     lens = torch.tensor(cached, dtype=torch.int32, device=device)
     new = (rand(total, Hkv, d), rand(total, Hkv, d)) if appends else (None, None)
     return rand(total, Hq, d), rand(B, Hkv, max_len, d), rand(B, Hkv, max_len, d), lens, cu, *new

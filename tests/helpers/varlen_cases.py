@@ -14,9 +14,12 @@ def packed(lengths_q, lengths_k, hq=4, hkv=2, d=16, dtype=torch.float32, seed=0,
     g = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)  # noqa: E731
     q, k, v = rand(sum(lengths_q), hq, d), rand(sum(lengths_k), hkv, d), rand(sum(lengths_k), hkv, d_v or d)
-    offsets = lambda lengths: torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32,  # noqa: E731
-                                           device=device)
-    return q, k, v, offsets(lengths_q), offsets(lengths_k)
+    return q, k, v, offsets(lengths_q, device), offsets(lengths_k, device)
+
+
+def offsets(lengths, device="cpu"):
+    """cu_seqlens of sequences of these lengths: int32 [B + 1] on `device`."""
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
 
 
 def sequence(t, cu, b):
