@@ -295,8 +295,8 @@ def format_table(result: dict) -> str:
         f"packed sequences, causal per sequence, {what}, H={cfg['heads']} d={cfg['head_dim']} {cfg['dtype']}, "
         f"median of {cfg['repeats']} calls per cell; {unit} over the visible entries (varlen: attention_varlen; "
         f"padded: attention on the batch padded to its longest with a key-padding mask; flex: "
-        f"FlexAttention with a document mask; jagged: SDPA on jagged nested tensors; dense-rms: the dense "
-        f"causal kernel at the mix's root-mean-square length); x m = varlen's rate / m's")
+        f"FlexAttention with a document mask; jagged: SDPA on jagged nested tensors; dense: the dense "
+        f"causal kernel at the mix's root-mean-square length, rms; max: the longest); x m = varlen's rate / m's")
     rows = [row for row in result["rows"] if "step" not in row]
     steps = [row for row in result["rows"] if "step" in row]
     tables = [title]
@@ -323,14 +323,14 @@ def _step_table(steps: list[dict]) -> str:
 
 # Column labels short enough for bench.TABLE_WIDTH; the caption spells them out.
 _LABELS = {"fusedattn-varlen": "varlen", "fusedattn-padded": "padded", "flex-docs": "flex", "sdpa-jagged": "jagged",
-           "fusedattn-dense-rms": "dense-rms"}
+           "fusedattn-dense-rms": "dense"}
 
 
 def _mix_table(result: dict, rows: list[dict], mult: float) -> str:
     names = [m for m in result["methods"] if any(m in row["results"] for row in rows)]
     ratio_names = list(dict.fromkeys(r for row in rows for r in row["ratios"] if r.startswith("fusedattn-varlen/")))
     label = lambda m: _LABELS.get(m, m)  # noqa: E731
-    header = (["mix", "seqs", "longest", "rms"] + [label(m) for m in names]
+    header = (["mix", "seqs", "max", "rms"] + [label(m) for m in names]
               + ["x " + label(r.split("/")[1]) for r in ratio_names])
     lines = [[row["mix"], str(row["sequences"]), str(row["longest"]), str(row["rms_length"])]
              + [bench.cell(row["results"][m], lambda r: bench.fmt3(r["tflops"] * mult)) if m in row["results"]
