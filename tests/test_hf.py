@@ -204,3 +204,36 @@ def test_packed_documents_run_unpadded_through_attention_varlen(monkeypatch):
     assert all(p.grad is not None for p in fused.model.layers[0].self_attn.parameters())
     with pytest.raises(ValueError, match="describe documents packed into one row, got query batch 2"):
         fused(ids.expand(2, -1), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def test_packed_documents_from_position_ids_alone(monkeypatch):
+    """No FlashAttention kwargs: the row's position_ids restart and transformers (without a cache,
+    as in training) builds the block-causal mask they imply, which fusedattn.hf recognises and runs
+    through attention_varlen; a mask that also hides a padded tail is read as it is (the dense
+    path), both equal to SDPA's."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                                      max_position_embeddings=128)
+    sdpa, fused = twin_models(transformers.LlamaForCausalLM, config)
+    calls = {"varlen": 0, "dense": 0}
+    real_varlen, real_dense = fusedattn.hf.attention_varlen, fusedattn.hf.attention
+
+    def count(name, real):
+        return lambda *a, **kw: calls.__setitem__(name, calls[name] + 1) or real(*a, **kw)
+
+    monkeypatch.setattr(fusedattn.hf, "attention_varlen", count("varlen", real_varlen))
+    monkeypatch.setattr(fusedattn.hf, "attention", count("dense", real_dense))
+    lengths = [5, 9, 6]
+    ids = torch.randint(0, 97, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids, position_ids=position_ids, use_cache=False).logits,
+                                   sdpa(ids, position_ids=position_ids, use_cache=False).logits, atol=1e-5, rtol=1e-5)
+        assert calls == {"varlen": config.num_hidden_layers, "dense": 0}
+        padded = torch.ones(1, sum(lengths), dtype=torch.long)
+        padded[0, -2:] = 0
+        torch.testing.assert_close(
+            fused(ids, attention_mask=padded, position_ids=position_ids, use_cache=False).logits[:, :-2],
+            sdpa(ids, attention_mask=padded, position_ids=position_ids, use_cache=False).logits[:, :-2],
+            atol=1e-5, rtol=1e-5)
+    assert calls == {"varlen": config.num_hidden_layers, "dense": config.num_hidden_layers}

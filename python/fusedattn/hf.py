@@ -15,14 +15,21 @@ needed) go to transformers' own SDPA function; a call with sinks or soft-capping
 that fusedattn cannot serve raises, since SDPA would drop them.
 
 Packed sequences (several documents in one row, as
-``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives them): a
-call whose kwargs carry FlashAttention's ``cu_seq_lens_q`` and
-``cu_seq_lens_k`` (and ``max_length_q``/``max_length_k``) runs
-``attention_varlen`` on them, unpadded, each document causal (and windowed)
-on its own; the mask transformers built for the row is not read.
+``DataCollatorWithFlattening`` gives them): a call whose kwargs carry
+FlashAttention's ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (and
+``max_length_q``/``max_length_k``) runs ``attention_varlen`` on them,
+unpadded, each document causal (and windowed) on its own; the mask
+transformers built for the row is not read. Without them, a row whose
+``position_ids`` restart (transformers' rule: a position that is not the
+previous one plus 1 starts a document) and whose mask is exactly the
+block-diagonal (causal) mask they imply runs the same way, after one
+comparison of that mask (a host sync; transformers builds that mask without
+a cache, as in training); any other mask is read as it is.
 """
 
 from __future__ import annotations
+
+import torch
 
 from .ops import attention, attention_varlen, needs_gradients, supports
 
@@ -53,6 +60,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
 
+    if kwargs.get("cu_seq_lens_q") is None or kwargs.get("cu_seq_lens_k") is None:
+        cu = _documents_of_the_mask(module, query, key, attention_mask, is_causal, kwargs.get("position_ids"))
+        if cu is not None:
+            kwargs = {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
         return _packed_forward(module, query, key, value, scaling, is_causal, softcap, sinks, kwargs), None
 
@@ -68,6 +79,27 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     out = attention(query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling,
                     softcap=softcap, sinks=None if sinks is None else sinks.float())
     return out.transpose(1, 2).contiguous(), None
+
+
+def _documents_of_the_mask(module, query, key, attention_mask, is_causal, position_ids):
+    """cu_seqlens (int32) of the documents packed into one row, from where its position_ids restart,
+    when the call's bool mask is exactly the block-diagonal mask they imply (causal for a causal
+    module), so that attention_varlen computes the same; else None."""
+    n = query.shape[2]
+    if (position_ids is None or attention_mask is None or attention_mask.dtype != torch.bool
+            or query.shape[0] != 1 or key.shape[2] != n or n < 2 or tuple(position_ids.shape) != (1, n)
+            or attention_mask.numel() != n * n):
+        return None
+    document = torch.cat([position_ids.new_zeros(1), (position_ids[0].diff() != 1).cumsum(0)])
+    if int(document[-1]) == 0:  # one document: the dense path
+        return None
+    expected = document[:, None] == document[None, :]
+    if (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        expected &= torch.ones(n, n, dtype=torch.bool, device=expected.device).tril()
+    if not torch.equal(attention_mask.reshape(n, n), expected.to(attention_mask.device)):
+        return None
+    lengths = torch.bincount(document)
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device=query.device, dtype=torch.int32)
 
 
 def _packed_forward(module, query, key, value, scaling, is_causal, softcap, sinks, kwargs):
