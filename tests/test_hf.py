@@ -92,6 +92,12 @@ def test_smollm2_logits_and_greedy_generation_match_sdpa(device, fused_calls):
     assert len(fused_calls) >= 30 * 32  # 30 layers, prefill and every decode step
 
 
+def small_llama_config():
+    """A two-layer Llama with grouped-query heads, small enough for the CPU."""
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=97, max_position_embeddings=128)
+
+
 def twin_models(cls, config, reference="sdpa"):
     """A model on `reference` attention and the same weights on fusedattn; each
     gets its own config (_from_config writes the implementation into it)."""
@@ -106,9 +112,7 @@ def twin_models(cls, config, reference="sdpa"):
 def test_causal_branch_without_padding_on_a_small_llama(monkeypatch):
     """No mask: transformers relies on the causal flag (prefill) and on a
     single query (decode); both must equal the sdpa implementation."""
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                      max_position_embeddings=128)
+    config = small_llama_config()
     sdpa, fused = twin_models(transformers.LlamaForCausalLM, config)
     causal_calls = []
     real = fusedattn.hf.attention
@@ -181,9 +185,7 @@ def test_packed_documents_run_unpadded_through_attention_varlen(monkeypatch):
     """FlashAttention's packing kwargs (DataCollatorWithFlattening(return_flash_attn_kwargs=True)):
     three documents in one row give each document's logits as alone, through attention_varlen
     only; gradients flow."""
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                      max_position_embeddings=128)
+    config = small_llama_config()
     sdpa, fused = twin_models(transformers.LlamaForCausalLM, config)
     packed_calls = []
     real = fusedattn.hf.attention_varlen
@@ -211,9 +213,7 @@ def test_packed_documents_from_position_ids_alone(monkeypatch):
     as in training) builds the block-causal mask they imply, which fusedattn.hf recognises and runs
     through attention_varlen; a mask that also hides a padded tail is read as it is (the dense
     path), both equal to SDPA's."""
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                      max_position_embeddings=128)
+    config = small_llama_config()
     sdpa, fused = twin_models(transformers.LlamaForCausalLM, config)
     calls = {"varlen": 0, "dense": 0}
     real_varlen, real_dense = fusedattn.hf.attention_varlen, fusedattn.hf.attention

@@ -9,33 +9,54 @@
 
 namespace fusedattn::ops {
 
+namespace {
+
+// The checks of the caches that dense and packed queries share.
+void check_caches(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
+              op, ": k_cache must be [B, Hkv, max_len, d] and v_cache [B, Hkv, max_len, d_v], got ", k_cache.sizes(),
+              " and ", v_cache.sizes());
+  TORCH_CHECK(!k_cache.is_same(v_cache), op, ": k_cache and v_cache must be different tensors");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.device() == k_cache.device() && q.device() == v_cache.device(),
+              op, ": q, k_cache and v_cache must share dtype and device, got q ", q.scalar_type(), " on ", q.device(),
+              ", k_cache ", k_cache.scalar_type(), " on ", k_cache.device(), ", v_cache ", v_cache.scalar_type(),
+              " on ", v_cache.device());
+}
+
+void check_cache_seqlens(const char* op, const at::Tensor& cache_seqlens, int64_t batch, const at::Tensor& q) {
+  TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == batch && cache_seqlens.scalar_type() == at::kInt,
+              op, ": cache_seqlens must be int32 [B] = [", batch, "], got ", cache_seqlens.scalar_type(), " ",
+              cache_seqlens.sizes());
+  TORCH_CHECK(cache_seqlens.device() == q.device(), op, ": cache_seqlens must be on q's device (", q.device(),
+              "), got ", cache_seqlens.device());
+}
+
+void check_new_keys_like_the_caches(const char* op, const at::Tensor& k_new, const at::Tensor& v_new,
+                                    const at::Tensor& k_cache) {
+  TORCH_CHECK(k_new.scalar_type() == k_cache.scalar_type() && v_new.scalar_type() == k_cache.scalar_type() &&
+                  k_new.device() == k_cache.device() && v_new.device() == k_cache.device(),
+              op, ": k_new and v_new must have the caches' dtype and device (", k_cache.scalar_type(), " on ",
+              k_cache.device(), "), got ", k_new.scalar_type(), " on ", k_new.device(), " and ",
+              v_new.scalar_type(), " on ", v_new.device());
+}
+
+}  // namespace
+
 int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                              const std::optional<at::Tensor>& k_new,
                              const std::optional<at::Tensor>& v_new) {
   const char* op = "fusedattn.forward_kvcache";
   TORCH_CHECK(q.dim() == 4, op, ": q must be [B, Hq, Nq, d], got shape ", q.sizes());
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
-              op, ": k_cache must be [B, Hkv, max_len, d] and v_cache [B, Hkv, max_len, d_v], got ", k_cache.sizes(),
-              " and ", v_cache.sizes());
+  check_caches(op, q, k_cache, v_cache);
   TORCH_CHECK(k_cache.size(0) == q.size(0), op, ": the caches hold ", k_cache.size(0),
               " sequences but q has batch ", q.size(0));
-  TORCH_CHECK(!k_cache.is_same(v_cache), op, ": k_cache and v_cache must be different tensors");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  q.device() == k_cache.device() && q.device() == v_cache.device(),
-              op, ": q, k_cache and v_cache must share dtype and device, got q ", q.scalar_type(),
-              " on ", q.device(), ", k_cache ", k_cache.scalar_type(), " on ", k_cache.device(),
-              ", v_cache ", v_cache.scalar_type(), " on ", v_cache.device());
   TORCH_CHECK(q.size(3) == k_cache.size(3) && k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
               op, ": q [B, Hq, Nq, d] and the caches [B, Hkv, max_len, d] need the same d and Hq a "
               "multiple of Hkv, got q ", q.sizes(), " and caches ", k_cache.sizes());
   const int64_t batch = q.size(0);
-  TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == batch &&
-                  cache_seqlens.scalar_type() == at::kInt,
-              op, ": cache_seqlens must be int32 [B] = [", batch, "], got ",
-              cache_seqlens.scalar_type(), " ", cache_seqlens.sizes());
-  TORCH_CHECK(cache_seqlens.device() == q.device(), op, ": cache_seqlens must be on q's device (",
-              q.device(), "), got ", cache_seqlens.device());
+  check_cache_seqlens(op, cache_seqlens, batch, q);
   TORCH_CHECK(k_new.has_value() == v_new.has_value(), op,
               ": k_new and v_new must be given together");
   int64_t n_new = 0;
@@ -46,12 +67,7 @@ int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
                 op, ": k_new must be [B, Hkv, Nnew, d] = [", batch, ", ", k_cache.size(1), ", Nnew, ",
                 k_cache.size(3), "] and v_new [B, Hkv, Nnew, d_v] with d_v = ", v_cache.size(3), ", got ",
                 k_new->sizes(), " and ", v_new->sizes());
-    TORCH_CHECK(k_new->scalar_type() == k_cache.scalar_type() &&
-                    v_new->scalar_type() == k_cache.scalar_type() &&
-                    k_new->device() == k_cache.device() && v_new->device() == k_cache.device(),
-                op, ": k_new and v_new must have the caches' dtype and device (", k_cache.scalar_type(),
-                " on ", k_cache.device(), "), got ", k_new->scalar_type(), " and ",
-                v_new->scalar_type());
+    check_new_keys_like_the_caches(op, *k_new, *v_new, k_cache);
     n_new = k_new->size(2);
   }
   return n_new;
@@ -103,15 +119,7 @@ PackedCacheLengths check_packed_kvcache_inputs(const char* op, const at::Tensor&
                                                const std::optional<at::Tensor>& v_new) {
   TORCH_CHECK(q.dim() == 3, op, ": with cu_seqlens_q, q must be [total_q, Hq, d] (packed sequences), got shape ",
               q.sizes());
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
-              op, ": k_cache must be [B, Hkv, max_len, d] and v_cache [B, Hkv, max_len, d_v], got ", k_cache.sizes(),
-              " and ", v_cache.sizes());
-  TORCH_CHECK(!k_cache.is_same(v_cache), op, ": k_cache and v_cache must be different tensors");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  q.device() == k_cache.device() && q.device() == v_cache.device(),
-              op, ": q, k_cache and v_cache must share dtype and device, got q ", q.scalar_type(), " on ", q.device(),
-              ", k_cache ", k_cache.scalar_type(), " on ", k_cache.device(), ", v_cache ", v_cache.scalar_type(),
-              " on ", v_cache.device());
+  check_caches(op, q, k_cache, v_cache);
   const int64_t heads_kv = k_cache.size(1);
   TORCH_CHECK(q.size(2) == k_cache.size(3) && heads_kv > 0 && q.size(1) % heads_kv == 0, op,
               ": q [total_q, Hq, d] and the caches [B, Hkv, max_len, d] need the same d and Hq a multiple of Hkv, "
@@ -122,11 +130,7 @@ PackedCacheLengths check_packed_kvcache_inputs(const char* op, const at::Tensor&
   const int64_t batch = lengths.cu_q.size(0) - 1;
   TORCH_CHECK(k_cache.size(0) == batch, op, ": the caches hold ", k_cache.size(0), " sequences but cu_seqlens_q ",
               batch);
-  TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == batch && cache_seqlens.scalar_type() == at::kInt,
-              op, ": cache_seqlens must be int32 [B] = [", batch, "], got ", cache_seqlens.scalar_type(), " ",
-              cache_seqlens.sizes());
-  TORCH_CHECK(cache_seqlens.device() == q.device(), op, ": cache_seqlens must be on q's device (", q.device(),
-              "), got ", cache_seqlens.device());
+  check_cache_seqlens(op, cache_seqlens, batch, q);
   TORCH_CHECK(k_new.has_value() == v_new.has_value(), op, ": k_new and v_new must be given together");
   if (k_new) {
     TORCH_CHECK(k_new->dim() == 3 && v_new->dim() == 3 &&
@@ -135,11 +139,7 @@ PackedCacheLengths check_packed_kvcache_inputs(const char* op, const at::Tensor&
                 op, ": with cu_seqlens_q, k_new must be [total_q, Hkv, d] = [", q.size(0), ", ", heads_kv, ", ",
                 k_cache.size(3), "] and v_new [total_q, Hkv, d_v] with d_v = ", v_cache.size(3), ", got ",
                 k_new->sizes(), " and ", v_new->sizes());
-    TORCH_CHECK(k_new->scalar_type() == k_cache.scalar_type() && v_new->scalar_type() == k_cache.scalar_type() &&
-                    k_new->device() == k_cache.device() && v_new->device() == k_cache.device(),
-                op, ": k_new and v_new must have the caches' dtype and device (", k_cache.scalar_type(), " on ",
-                k_cache.device(), "), got ", k_new->scalar_type(), " on ", k_new->device(), " and ",
-                v_new->scalar_type(), " on ", v_new->device());
+    check_new_keys_like_the_caches(op, *k_new, *v_new, k_cache);
   }
   lengths.appends = k_new.has_value();
   const at::Tensor cached = cache_seqlens.to(at::kCPU).contiguous();
