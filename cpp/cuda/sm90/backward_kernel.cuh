@@ -17,11 +17,14 @@
 //                                         dQ (64 columns of d at d=128, 64 queries
 //                                         at d=64) over all 128 keys; added to the
 //                                         float32 accumulator with 8-byte reductions.
+// The last three products of a step are asynchronous groups the consumers
+// wait on only where they need a result: dV's runs while they meet, and at
+// d=128 (traits' kDkBehindDq) dK's while dQ is added.
 // dK and dV stay in registers across the walk (GQA's sum costs nothing).
 // Under attn_mask (its kind a template argument) a block walks its key
 // tile's lists (common/mask_tiles.h) and reads the mask on the steps they mark,
 // each warp copying its entries to shared memory first.
-// Not yet: overlap between the products of one step and the next, and the
+// Not yet: overlap between one step's products and the next step's, and the
 // deterministic mode (the dispatcher sends it to sm80).
 #pragma once
 
@@ -294,28 +297,46 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     }
     fence_proxy_async_shared();  // dS: written through the generic proxy, read by wgmma
 
-    // dV += P^T dO, dK += dS^T Q (scaled at the end); Q and dO are B operands
-    // stored [query][d], read transposed.
+    // dV += P^T dO is issued before the consumers meet (dS written); dK +=
+    // dS^T Q (scaled at the end; Q and dO are B operands stored [query][d],
+    // read transposed) with it, or (kDkBehindDq) after dQ = dS K, so dQ's
+    // additions to global memory run under dK's products.
+    constexpr bool kDkBehindDq = Tr::kDkBehindDq;
+    auto issue_dk = [&] {
 #pragma unroll
-    for (int kq = 0; kq < kBlockM / 16; ++kq) {
-      fence_registers(p_a[kq]);
-      fence_registers(ds_a[kq]);
-    }
+      for (int kq = 0; kq < kBlockM / 16; ++kq) fence_registers(ds_a[kq]);
+      fence_registers(dk_flat);
+      wgmma_fence();
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq)
+        wgmma_rs<T, HeadDim>(dk_flat, ds_a[kq], mn_major_descriptor(q_tile, kBlockM, kq), true);
+    };
+    // After the wait for dK (and dV): the stage's Q and dO are read.
+    auto release_stage = [&] {
+      fence_registers(dv_flat);
+      fence_registers(dk_flat);
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq) {
+        fence_registers(p_a[kq]);
+        fence_registers(ds_a[kq]);
+      }
+      if (lane == 0) mbarrier_arrive(&step_empty[stage]);
+    };
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq) fence_registers(p_a[kq]);
     fence_registers(dv_flat);
-    fence_registers(dk_flat);
     wgmma_fence();
 #pragma unroll
     for (int kq = 0; kq < kBlockM / 16; ++kq)
       wgmma_rs<T, HeadDim>(dv_flat, p_a[kq], mn_major_descriptor(do_tile, kBlockM, kq), true);
-#pragma unroll
-    for (int kq = 0; kq < kBlockM / 16; ++kq)
-      wgmma_rs<T, HeadDim>(dk_flat, ds_a[kq], mn_major_descriptor(q_tile, kBlockM, kq), true);
-    wgmma_commit();
-    // Waiting here frees P^T's and dS^T's registers for dQ's, and the stage.
-    wgmma_wait<0>();
-    fence_registers(dv_flat);
-    fence_registers(dk_flat);
-    if (lane == 0) mbarrier_arrive(&step_empty[stage]);
+    if constexpr (!kDkBehindDq) {
+      issue_dk();
+      wgmma_commit();
+      wgmma_wait<0>();
+      release_stage();
+    } else {
+      wgmma_commit();
+    }
     // Both warpgroups' dS written (and fenced). It also orders this buffer's
     // next use, two steps on, after both warpgroups' dQ of this step.
     named_barrier_sync(Tr::kDsWrittenBarrier, 128 * Tr::kConsumers);
@@ -335,7 +356,13 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       wgmma_ss<T, 64, true>(dq_flat, k_major_descriptor(ds_a_tile, kBlockM, kk), mn_major_descriptor(k_b_tile, kBlockN, kk),
                             kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
+    if constexpr (kDkBehindDq) {
+      issue_dk();
+      wgmma_commit();
+      wgmma_wait<1>();  // dV and dQ
+    } else {
+      wgmma_wait<0>();
+    }
     fence_registers(dq_flat);
     const int64_t dq_row = (int64_t(walk.batch) * sh.heads_q + head) * sh.seqlen_q + walk.seq.q0 + m0;
     float* accum = p.grad_q_accum + dq_row * HeadDim + column0;
@@ -346,6 +373,10 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
 #pragma unroll
       for (int dt = 0; dt < 8; ++dt)
         red_add_float2(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h], dq[dt][2 * h + 1]);
+    }
+    if constexpr (kDkBehindDq) {
+      wgmma_wait<0>();
+      release_stage();
     }
   }
   store_key_gradients<HeadDim, T>(p, walk.batch, walk.head_kv, walk.seq.k0, my_key0 + warp_row, seqlen_k, dk, dv);

@@ -46,6 +46,11 @@ struct Sm90BackwardTraits {
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static constexpr int kDsWrittenBarrier = 1;  // named barrier of the consumers
+  // dK's products queued behind dQ's, so dQ's additions to global memory run
+  // under them: 5-6% less kernel time at d=128 (docs/cuda-notes.md, "The sm90
+  // backward, rung 4"); at d=64 (128-query steps) ptxas spills the consumers
+  // that way and the kernel ran 2% slower, so dK runs beside dV.
+  static constexpr bool kDkBehindDq = HeadDim == 128;
   static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of 64-column slabs");
   // dQ = dS K, [kBlockM queries][d] per step, is two 64 x 64 quarters, one
   // per consumer: at d=128 64 columns each, at d=64 64 queries each.
