@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fusedattn
-from fusedattn import bench, bench_decode, bench_mask, bench_ring, bench_varlen, cli
+from fusedattn import bench, bench_decode, bench_mask, bench_ring, bench_train, bench_varlen, cli
 
 from helpers.bench_results import GPU_METHODS, decode_result, gpu_result
 
@@ -39,6 +39,7 @@ def no_run(monkeypatch):
     monkeypatch.setattr(bench_decode, "run", ran)
     monkeypatch.setattr(bench_mask, "run", ran)
     monkeypatch.setattr(bench_varlen, "run", ran)
+    monkeypatch.setattr(bench_train, "run", ran)
     from fusedattn import engine
     monkeypatch.setattr(engine.Engine, "from_gguf", ran)
 
@@ -383,6 +384,36 @@ def test_bench_varlen_options_are_checked(capsys, no_run):
                    ["--plot", "x.png"], ["--kv-heads", "2"]):
         assert error("--varlen", "64", *option) == f"{option[0]} does not apply to --varlen"
     assert error("--varlen", "64", "--decode") == "--varlen does not apply to --decode"
+
+
+def test_bench_train_options_are_checked(capsys, no_run):
+    def error(*argv):
+        return usage_error(capsys, ["bench", "--device", "cpu", *argv, "--no-progress"])
+
+    for option in (["--heads", "2"], ["--seqlens", "64"], ["--causal", "yes"], ["--backward"], ["--batch", "2"],
+                   ["--mask", "keypad"], ["--decode"], ["--plot", "x.png"]):
+        assert error("--train", "tiny", *option) == f"{option[0]} does not apply to --train"
+    assert error("--eager") == "--eager needs --train"
+    assert error("--train", "tiny", "--dtype", "float32,bfloat16") == (
+        "--dtype float32,bfloat16: --train takes one dtype a run")
+    assert error("--train", "tiny", "--methods", "sdpa-cudnn") == (
+        "--methods: sdpa-cudnn is not a --train column on cpu; choose from fusedattn, sdpa")
+    assert error("--train", "bert").startswith("argument --train: invalid choice: 'bert'")
+
+
+def test_bench_train_on_the_cpu(tmp_path, capsys):
+    """The tiny model: both columns train, their losses agree; --from-json prints the same table."""
+    out = tmp_path / "train.json"
+    assert cli.main(["bench", "--train", "tiny", "--device", "cpu", "--repeats", "3", "--warmup", "0",
+                     "--no-progress", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["config"]["train"] == "tiny" and result["config"]["compile"] is False
+    assert [len(result["rows"][0]["results"][m]["losses"]) for m in ("fusedattn", "sdpa")] == [4, 4]
+    assert bench_train.loss_gap(result, "sdpa", "fusedattn") < 1e-4
+    assert "| fusedattn |" in table and "|      sdpa |" in table
+    assert cli.main(["bench", "--from-json", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == table.split("\nwrote ")[0].strip()
 
 
 def test_bench_varlen_on_the_cpu(tmp_path, capsys):

@@ -69,16 +69,19 @@ def timed_flops(cfg: Config, n: int, causal: bool) -> float:
     return forward_flops(cfg, n, causal) * (1 + BACKWARD_FLOP_RATIO if cfg.backward else 1)
 
 
-def _sdpa_backend(name: str):
+def sdpa_kernel_of(name: str):
+    """The context manager holding SDPA to one backend: flash, efficient or cudnn."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-               "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                        "cudnn": SDPBackend.CUDNN_ATTENTION}[name])
 
+
+def _sdpa_backend(name: str):
     def run(q, k, v, causal):
         # enable_gqa exists from torch 2.5: pass it only for grouped heads.
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        with sdpa_kernel(backend):
+        with sdpa_kernel_of(name):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
 
     return run

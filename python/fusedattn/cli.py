@@ -148,7 +148,7 @@ def _check_plot(path: str) -> None:
 # Options that choose what a run measures; none applies to --from-json.
 _RUN_OPTIONS = ("device", "batch", "heads", "head_dim", "seqlens", "dtype", "causal", "repeats", "methods",
                 "warmup", "json", "decode", "backward", "kv_heads", "lengths", "capacity", "launch_gaps",
-                "num_splits", "ring", "layout", "mask", "varlen")
+                "num_splits", "ring", "layout", "mask", "varlen", "train", "eager")
 _DECODE_ONLY = ("lengths", "capacity", "launch_gaps", "num_splits")
 # What --ring times is fixed (the ring, compute alone, communication alone, one device; forward and
 # forward+backward): these choose other benchmarks' columns.
@@ -157,6 +157,9 @@ _NOT_RING = ("decode", "mask", "varlen", "backward", "methods", "plot", "wide") 
 _NOT_MASK = ("causal", "methods", "plot", "wide", "kv_heads", "varlen") + _DECODE_ONLY
 # --varlen times its own mixes (bench_varlen.methods), causal, with the lengths the mix gives.
 _NOT_VARLEN = ("causal", "methods", "plot", "wide", "kv_heads", "batch", "seqlens") + _DECODE_ONLY
+# --train times a model's steps: its shape is the model's, the attention causal, the backward included.
+_NOT_TRAIN = ("batch", "heads", "head_dim", "seqlens", "causal", "backward", "plot", "wide", "kv_heads", "ring",
+              "decode", "mask", "varlen", "layout") + _DECODE_ONLY
 
 
 def _flag(name: str) -> str:
@@ -175,7 +178,13 @@ def _check_bench(args) -> None:
         if given:
             raise UsageError(f"--from-json shows saved results and runs nothing: {given[0]} does not apply")
         return
-    if args.ring:
+    if args.eager and not args.train:
+        raise UsageError("--eager needs --train")
+    if args.train:
+        for name in _NOT_TRAIN:
+            if _given(args, name):
+                raise UsageError(f"{_flag(name)} does not apply to --train")
+    elif args.ring:
         for name in _NOT_RING:
             if _given(args, name):
                 raise UsageError(f"{_flag(name)} does not apply to --ring")
@@ -342,6 +351,36 @@ def _bench_varlen(args) -> int:
     return 0
 
 
+def _bench_train(args) -> int:
+    from . import bench_train
+
+    device = _device(args.device, "backward", default_cuda=False)
+    if device.type == "cuda" and not has_kernel("backward", "cuda"):
+        raise UsageError("--train: this build of fusedattn has no CUDA backward kernel")
+    cfg = bench_train.default_config(device, args.train)
+    _apply_options(cfg, args, ("repeats", "warmup"))
+    if args.dtype:
+        names = [d for d in args.dtype.split(",") if d]
+        if len(names) != 1:
+            raise UsageError(f"--dtype {args.dtype}: --train takes one dtype a run")
+        cfg.dtype = names[0]
+    shape = bench_train.MODELS[args.train]
+    _cuda_takes(device, [cfg.dtype], shape.d_model // shape.heads)
+    if args.methods:
+        names = [m for m in args.methods.split(",") if m]
+        unknown = [m for m in names if m not in bench_train.method_names(device)]
+        if unknown:
+            raise UsageError(f"--methods: {unknown[0]} is not a --train column on {device.type}; choose from "
+                             f"{', '.join(bench_train.method_names(device))}")
+        cfg.methods = ["fusedattn"] + [m for m in names if m != "fusedattn"]
+    cfg.compile = cfg.compile and not args.eager
+    with _on(device):
+        result = bench_train.run(cfg, progress=not args.no_progress)
+    print(bench_train.format_table(result))
+    _write_json(result, args.json)
+    return 0
+
+
 def _ring_device(args) -> torch.device:
     """The device of this rank: the CPU, or (CUDA) cuda:LOCAL_RANK, one GPU per process."""
     if args.device is not None and args.device.startswith("cuda:"):
@@ -398,7 +437,7 @@ def _bench_ring(args) -> int:
 
 def _table(result: dict, wide: bool) -> str:
     """The table of a saved result, by the benchmark that wrote it."""
-    from . import bench, bench_decode, bench_mask, bench_ring, bench_varlen
+    from . import bench, bench_decode, bench_mask, bench_ring, bench_train, bench_varlen
 
     if result["config"].get("ring"):
         return bench_ring.format_table(result)
@@ -406,11 +445,13 @@ def _table(result: dict, wide: bool) -> str:
         return bench_mask.format_table(result)
     if bench_varlen.is_varlen(result):
         return bench_varlen.format_table(result)
+    if bench_train.is_train(result):
+        return bench_train.format_table(result)
     return (bench_decode if bench.is_decode(result) else bench).format_table(result, wide=wide)
 
 
 def _from_json(args) -> int:
-    from . import bench, bench_mask, bench_varlen
+    from . import bench, bench_mask, bench_train, bench_varlen
 
     results = []
     for path in args.from_json:
@@ -421,7 +462,8 @@ def _from_json(args) -> int:
     if args.plot:
         for path, r in zip(args.from_json, results):
             kind = ("--ring" if r["config"].get("ring") else "--decode" if bench.is_decode(r)
-                    else "--mask" if bench_mask.is_mask(r) else "--varlen" if bench_varlen.is_varlen(r) else None)
+                    else "--mask" if bench_mask.is_mask(r) else "--varlen" if bench_varlen.is_varlen(r)
+                    else "--train" if bench_train.is_train(r) else None)
             if kind:
                 raise UsageError(f"--plot: {path} holds {kind} results, which have no plot "
                                  f"(--plot draws the forward and backward bench)")
@@ -450,6 +492,8 @@ def _bench(args) -> int:
         return _bench_mask(args)
     if args.varlen:
         return _bench_varlen(args)
+    if args.train:
+        return _bench_train(args)
     device = _device(args.device, "forward", default_cuda=False)
     _check_backward_kernel(args, device, "backward")
     cfg = bench.default_config(device)
@@ -753,6 +797,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "to the longest with a key-padding mask, FlexAttention with a document mask (CUDA), SDPA "
                         "on jagged nested tensors, the dense causal kernel at the mix's root-mean-square length; "
                         "TFLOP/s over the visible entries; --backward too. Defaults on CUDA H=16 d=128 bfloat16")
+    b.add_argument("--train", choices=["gpt2", "llama", "tiny"], metavar="MODEL",
+                   help="training steps instead: MODEL is gpt2 (GPT-2 small's shape, 12 layers of 12 heads of 64, "
+                        "B=8 N=4096), llama (4 Llama-3-8B-shaped blocks: 32 query and 8 key-value heads of 128, "
+                        "B=1 N=8192) or tiny (for tests); its attention is fusedattn's or an SDPA backend's, all "
+                        "else the same: step time, tokens/s, peak memory and the loss curves from one seed. "
+                        "Defaults on CUDA bfloat16 autocast, torch.compile, 10 warm-up and 200 timed steps")
+    b.add_argument("--eager", action="store_true", help="--train: no torch.compile")
     b.add_argument("--layout", choices=["contiguous", "zigzag"], help="--ring: how N is spread over the ranks "
                                                                       "(default zigzag)")
     b.add_argument("--kv-heads", type=int, dest="kv_heads",
