@@ -48,6 +48,38 @@ def test_a_wrong_attention_shows_in_the_loss_gap(monkeypatch):
     assert bench_train.loss_gap(tiny_run(), "sdpa", "fusedattn") > 1e-2
 
 
+def test_bfloat16_autocast_keeps_the_attention_in_one_dtype():
+    """Under autocast the rotary positions stay in q's dtype, so fusedattn's column runs (q, k and v
+    of one dtype) and follows SDPA's within bfloat16 rounding."""
+    cfg = bench_train.default_config(torch.device("cpu"), "tiny")
+    cfg.dtype, cfg.repeats, cfg.warmup = "bfloat16", 4, 1
+    result = bench_train.run(cfg, progress=False)
+    assert [result["rows"][0]["results"][m]["status"] for m in ("fusedattn", "sdpa")] == ["ok", "ok"]
+    assert bench_train.loss_gap(result, "sdpa", "fusedattn") < 1e-2
+
+
+def test_the_loss_gap_of_a_diverged_column_is_infinite():
+    row = {"results": {"a": {"status": "ok", "losses": [4.5, 4.4, 4.3]},
+                       "b": {"status": "ok", "losses": [4.5, float("nan"), float("nan")]},
+                       "c": {"status": "n/a (no kernel)"}}}
+    result = {"rows": [row]}
+    assert bench_train.loss_gap(result, "b", "a") == float("inf")
+    assert bench_train.loss_gap(result, "c", "a") is None
+    assert bench_train.loss_gap(result, "a", "a") == 0.0
+
+
+def test_each_sdpa_column_compiles_its_own_backend():
+    """The backend is held inside the attention function, so a compiled column cannot reuse another
+    SDPA column's graph: held to the efficient backend (none on the CPU) the call fails, where the
+    flash one (the CPU's) compiled first runs."""
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    flash = torch.compile(bench_train.attention_of("sdpa-flash"), backend="eager")
+    efficient = torch.compile(bench_train.attention_of("sdpa-efficient"), backend="eager")
+    torch.testing.assert_close(flash(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    with pytest.raises(RuntimeError):
+        efficient(q, k, v)
+
+
 def test_the_batches_repeat_a_block_and_the_model_is_seeded():
     s = bench_train.MODELS["tiny"]
     (batch,) = bench_train.batches(s, 1, torch.device("cpu"), seed=3)

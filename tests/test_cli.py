@@ -399,17 +399,24 @@ def test_bench_train_options_are_checked(capsys, no_run):
     assert error("--train", "tiny", "--methods", "sdpa-cudnn") == (
         "--methods: sdpa-cudnn is not a --train column on cpu; choose from fusedattn, sdpa")
     assert error("--train", "bert").startswith("argument --train: invalid choice: 'bert'")
+    assert error("--train", "tiny", "--dtype", "float16") == (
+        "--dtype float16: --train takes bfloat16 or float32 (float16 training needs a gradient scaler, which the "
+        "benchmark has not)")
+    assert error("--train", "tiny", "--warmup", "0") == (
+        "--warmup 0: --train needs at least 1 (AdamW makes its state in the first step, which the peak-memory "
+        "step must not count)")
 
 
 def test_bench_train_on_the_cpu(tmp_path, capsys):
     """The tiny model: both columns train, their losses agree; --from-json prints the same table."""
     out = tmp_path / "train.json"
-    assert cli.main(["bench", "--train", "tiny", "--device", "cpu", "--repeats", "3", "--warmup", "0",
-                     "--no-progress", "--json", str(out)]) == 0
+    assert cli.main(["bench", "--train", "tiny", "--device", "cpu", "--repeats", "3", "--warmup", "1",
+                     "--methods", "sdpa,sdpa", "--no-progress", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["config"]["train"] == "tiny" and result["config"]["compile"] is False
-    assert [len(result["rows"][0]["results"][m]["losses"]) for m in ("fusedattn", "sdpa")] == [4, 4]
+    assert result["methods"] == ["fusedattn", "sdpa"]  # fusedattn first, each column once
+    assert [len(result["rows"][0]["results"][m]["losses"]) for m in ("fusedattn", "sdpa")] == [5, 5]
     assert bench_train.loss_gap(result, "sdpa", "fusedattn") < 1e-4
     assert "| fusedattn |" in table and "|      sdpa |" in table
     assert cli.main(["bench", "--from-json", str(out)]) == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import math
 from typing import Callable
 
@@ -77,11 +78,18 @@ def method_names(device: torch.device) -> list[str]:
 
 
 def attention_of(method: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Causal attention of [B, H, N, d] q and [B, Hkv, N, d] k, v: fusedattn's, or SDPA's (held
-    to a backend around the whole step, Trainer.step, so torch.compile traces that backend)."""
+    """Causal attention of [B, H, N, d] q and [B, Hkv, N, d] k, v: fusedattn's, or SDPA's held to
+    the method's backend inside the function: torch.compile guards on the closure's backend, not
+    on a context entered around the compiled model, whose graph the next SDPA column would reuse."""
     if method == "fusedattn":
         return lambda q, k, v: fusedattn.attention(q, k, v, is_causal=True)
-    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    backend = method.removeprefix("sdpa-") if method != "sdpa" else None
+
+    def sdpa(q, k, v):
+        with bench.sdpa_kernel_of(backend) if backend else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+    return sdpa
 
 
 class Block(nn.Module):
@@ -152,19 +160,22 @@ class Trainer:
         self.model = Model(s, attention_of(method)).to(cfg.device)
         self.forward = torch.compile(self.model) if cfg.compile else self.model
         self.autocast = torch.autocast(cfg.device.type, bench.DTYPES[cfg.dtype], enabled=cfg.dtype != "float32")
-        backend = method.removeprefix("sdpa-") if method.startswith("sdpa-") else None
-        self.backend = (lambda: bench.sdpa_kernel_of(backend)) if backend else contextlib.nullcontext
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3 if cfg.model == "tiny" else 3e-4)
         self.data, self.losses = data, []
 
     def step(self) -> None:
-        with self.backend():
-            with self.autocast:
-                loss = self.forward(self.data[len(self.losses)])
-            loss.backward()
+        with self.autocast:
+            loss = self.forward(self.data[len(self.losses)])
+        loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.append(loss.detach())
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run(cfg: TrainConfig, progress: bool = True) -> dict:
@@ -180,11 +191,10 @@ def run(cfg: TrainConfig, progress: bool = True) -> dict:
             for _ in range(cfg.warmup):
                 trainer.step()
             results[method] = {"status": "ok", "peak_bytes": peak_bytes(trainer.step, cfg.device)}
-        except torch.OutOfMemoryError:
-            results[method] = {"status": "OOM"}
-            continue
-        except (RuntimeError, NotImplementedError) as e:
-            results[method] = bench.not_available(e)
+        except (torch.OutOfMemoryError, RuntimeError, NotImplementedError) as e:
+            results[method] = {"status": "OOM"} if isinstance(e, torch.OutOfMemoryError) else bench.not_available(e)
+            trainer = None  # its weights and AdamW state go before the next column's are made
+            _release(cfg.device)
             continue
         trainers[method] = trainer
         timed[method] = lambda t=trainer: bench._time_once(t.step, cfg.device)
@@ -196,6 +206,8 @@ def run(cfg: TrainConfig, progress: bool = True) -> dict:
     for method, seconds in medians.items():
         if isinstance(seconds, dict):
             results[method] = seconds
+            del trainers[method]
+            _release(cfg.device)
             continue
         losses = torch.stack(trainers[method].losses).float().tolist()
         results[method].update(seconds=seconds, tokens_per_s=tokens / seconds, losses=losses)
@@ -217,11 +229,14 @@ def is_train(result: dict) -> bool:
 
 
 def loss_gap(result: dict, method: str, anchor: str) -> float | None:
-    """The largest |loss difference| of two methods at any step, or None if either did not run."""
+    """The largest |loss difference| of two methods at any step (inf where a loss is not finite),
+    or None if either did not run."""
     (row,) = result["rows"]
     a, b = row["results"].get(method, {}), row["results"].get(anchor, {})
     if a.get("status") != "ok" or b.get("status") != "ok":
         return None
+    if len(a["losses"]) != len(b["losses"]) or not all(map(math.isfinite, a["losses"] + b["losses"])):
+        return math.inf
     return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
 
 

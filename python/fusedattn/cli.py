@@ -364,6 +364,12 @@ def _bench_train(args) -> int:
         if len(names) != 1:
             raise UsageError(f"--dtype {args.dtype}: --train takes one dtype a run")
         cfg.dtype = names[0]
+    if cfg.dtype == "float16":
+        raise UsageError("--dtype float16: --train takes bfloat16 or float32 (float16 training needs a gradient "
+                         "scaler, which the benchmark has not)")
+    if cfg.warmup < 1:
+        raise UsageError(f"--warmup {cfg.warmup}: --train needs at least 1 (AdamW makes its state in the first step, "
+                         f"which the peak-memory step must not count)")
     shape = bench_train.MODELS[args.train]
     _cuda_takes(device, [cfg.dtype], shape.d_model // shape.heads)
     if args.methods:
@@ -372,7 +378,7 @@ def _bench_train(args) -> int:
         if unknown:
             raise UsageError(f"--methods: {unknown[0]} is not a --train column on {device.type}; choose from "
                              f"{', '.join(bench_train.method_names(device))}")
-        cfg.methods = ["fusedattn"] + [m for m in names if m != "fusedattn"]
+        cfg.methods = ["fusedattn"] + [m for m in dict.fromkeys(names) if m != "fusedattn"]
     cfg.compile = cfg.compile and not args.eager
     with _on(device):
         result = bench_train.run(cfg, progress=not args.no_progress)

@@ -18,8 +18,8 @@
 //                                         at d=64) over all 128 keys; added to the
 //                                         float32 accumulator with 8-byte reductions.
 // The last three products of a step are asynchronous groups the consumers
-// wait on only where they need a result: dV's runs while they meet, and at
-// d=128 (traits' kDkBehindDq) dK's while dQ is added.
+// wait on only where they need a result: at d=128 (traits' kDkBehindDq) dV's
+// run while they meet and dK's while dQ is added.
 // dK and dV stay in registers across the walk (GQA's sum costs nothing).
 // Under attn_mask (its kind a template argument) a block walks its key
 // tile's lists (common/mask_tiles.h) and reads the mask on the steps they mark,
@@ -205,14 +205,18 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     // queries (where lse and delta are the next head's, and a NaN there must
     // not reach dK), outside the band, or hidden by attn_mask (whose row's lse
     // may be -inf). On the steps that need it, a first pass marks those (bit
-    // 4 nt + e) and turns S^T into base-2 scores with attn_mask added; the
-    // exponentials stay one straight run the compiler interleaves (a branch
-    // per element in their loop serialised them).
+    // 4 nt + e) and, under attn_mask, turns S^T into base-2 scores with the
+    // mask added; the exponentials stay one straight run the compiler
+    // interleaves. A test per element in their loop became a branch per
+    // element, which serialised them (docs/cuda-notes.md, rung 4).
     // Element (nt, e): past the keys or queries, or outside the band.
     const int64_t warp_key0 = my_key0 + warp_row;
+    // Bitwise, not short-circuit: each || can become a branch.
     auto outside = [&](int nt, int e) {
       const int64_t key = warp_key0 + g + (e >> 1) * 8, query = m0 + nt * 8 + 2 * t + (e & 1);
-      return key >= seqlen_k || query >= seqlen_q || (Banded && !band.sees(query, key));
+      bool out = (key >= seqlen_k) | (query >= seqlen_q);
+      if constexpr (Banded) out |= !band.sees(query, key);
+      return out;
     };
     uint64_t hidden = 0;
     float score_scale = scale_log2;  // S^T to base-2 scores
@@ -265,15 +269,18 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
         }
         score_scale = 1.0f;
       }
+    } else if (needs_masking) {
+#pragma unroll
+      for (int nt = 0; nt < kMTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) hidden |= uint64_t(outside(nt, e)) << (4 * nt + e);
     }
 #pragma unroll
     for (int nt = 0; nt < kMTiles; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = nt * 8 + 2 * t + (e & 1);
-        // Unmasked, the bounds and band are tested here: a 64-bit mask of
-        // them would cost the d=64 kernel registers it does not have.
-        const bool is_hidden = kListed ? (hidden >> (4 * nt + e)) & 1u : needs_masking && outside(nt, e);
+        const bool is_hidden = (hidden >> (4 * nt + e)) & 1u;
         const float prob = is_hidden ? 0.0f : exp2f(st[nt][e] * score_scale - lse_in_log2(lse[c]));
         st[nt][e] = prob;
         dpt[nt][e] = is_hidden ? 0.0f : prob * (dpt[nt][e] - delta[c]);
