@@ -23,9 +23,13 @@
 # Each version is timed by its own bench: `--decode` queues each interval's
 # calls while the GPU sleeps from 4b141e1 on, and timed the host's launches
 # too before it, so a decode A/B across that commit compares two measures.
+#   lab/ab_bench.sh grid OUTDIR [backward_grid.py args]
+# builds every tree the same way and times the backward's key-block kernel
+# alone with this checkout's lab/backward_grid.py (the same tool for every
+# version): OUTDIR/grid.txt, and grid.md with each version's ratio to the first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:?usage: lab/ab_bench.sh export REF... | run OUTDIR [bench args] [--and bench args]...}
+mode=${1:?usage: lab/ab_bench.sh export REF... | run OUTDIR [bench args] [--and bench args]... | grid OUTDIR [args]}
 shift
 
 if [ "$mode" = export ]; then
@@ -45,7 +49,52 @@ if [ "$mode" = export ]; then
   done
   exit 0
 fi
-[ "$mode" = run ] || { echo "ab_bench: unknown mode '$mode' (export or run)"; exit 2; }
+[ "$mode" = run ] || [ "$mode" = grid ] || { echo "ab_bench: unknown mode '$mode' (export, run or grid)"; exit 2; }
+
+# Installs tree $1 (named $2) against this machine's torch; says how long it took.
+build() {
+  local t0=$SECONDS
+  if ! python3 -m pip install --no-build-isolation --no-deps -q "$1" > "/tmp/ab-build-$2.log" 2>&1; then
+    tail -20 "/tmp/ab-build-$2.log"
+    echo "ab_bench: $2: BUILD FAILED"
+    return 1
+  fi
+  echo "ab_bench: $2 built in $((SECONDS - t0)) s"
+}
+
+if [ "$mode" = grid ]; then
+  out=${2:?usage: lab/ab_bench.sh grid OUTDIR [backward_grid.py args]}
+  shift 2
+  mkdir -p "$out"
+  . lab/device_env.sh
+  [ -d .ab ] || { echo "ab_bench: no .ab folder (lab/ab_bench.sh export REF... here, then carry .ab)"; exit 2; }
+  tool="$PWD/lab/backward_grid.py"
+  : > "$out/grid.txt"
+  for dir in .ab/*/; do
+    name=$(basename "$dir")
+    build "$dir" "$name" || continue
+    (cd /tmp && python3 "$tool" --tag "$name" "$@") | tee -a "$out/grid.txt"
+  done
+  python3 - "$out/grid.txt" <<'PY' > "$out/grid.md"
+import collections, re, sys
+rows = collections.OrderedDict()
+for line in open(sys.argv[1]):
+    tag, *fields = line.split()
+    kv = dict(f.split("=", 1) for f in fields)
+    key = " ".join(f"{k}={kv[k]}" for k in ("d", "N", "B", "H", "causal"))
+    rows.setdefault(key, {})[tag] = float(kv["kernel_us"])
+names = list(dict.fromkeys(t for r in rows.values() for t in r))
+print("| shape | " + " | ".join(f"{n} us" for n in names) + " | " + " | ".join(f"x {n}" for n in names[1:]) + " |")
+print("|" + "---|" * (2 * len(names)))
+for key, r in rows.items():
+    base = r.get(names[0])
+    cells = [f"{r[n]:.0f}" if n in r else "-" for n in names]
+    ratios = [f"{r[n] / base:.3f}" if n in r and base else "-" for n in names[1:]]
+    print(f"| {key} | " + " | ".join(cells + ratios) + " |")
+PY
+  cat "$out/grid.md"
+  exit 0
+fi
 
 out=${1:?usage: lab/ab_bench.sh run OUTDIR [bench args] [--and bench args]...}
 shift
@@ -65,14 +114,7 @@ status=0
 names=()
 for dir in .ab/*/; do
   name=$(basename "$dir")
-  t0=$SECONDS
-  if ! python3 -m pip install --no-build-isolation --no-deps -q "$dir" > "/tmp/ab-build-$name.log" 2>&1; then
-    tail -20 "/tmp/ab-build-$name.log"
-    echo "ab_bench: $name: BUILD FAILED"
-    status=1
-    continue
-  fi
-  echo "ab_bench: $name built in $((SECONDS - t0)) s"
+  build "$dir" "$name" || { status=1; continue; }
   ok=1
   for i in "${!sets[@]}"; do
     json="$out/$name-$((i + 1)).json"
