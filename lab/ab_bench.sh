@@ -76,7 +76,7 @@ if [ "$mode" = grid ]; then
     (cd /tmp && python3 "$tool" --tag "$name" "$@") | tee -a "$out/grid.txt"
   done
   python3 - "$out/grid.txt" <<'PY' > "$out/grid.md"
-import collections, re, sys
+import collections, sys
 rows = collections.OrderedDict()
 for line in open(sys.argv[1]):
     tag, *fields = line.split()

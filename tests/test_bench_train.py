@@ -52,7 +52,7 @@ def test_bfloat16_autocast_keeps_the_attention_in_one_dtype():
     """Under autocast the rotary positions stay in q's dtype, so fusedattn's column runs (q, k and v
     of one dtype) and follows SDPA's within bfloat16 rounding."""
     cfg = bench_train.default_config(torch.device("cpu"), "tiny")
-    cfg.dtype, cfg.repeats, cfg.warmup = "bfloat16", 4, 1
+    cfg.dtypes, cfg.repeats, cfg.warmup = ["bfloat16"], 4, 1
     result = bench_train.run(cfg, progress=False)
     assert [result["rows"][0]["results"][m]["status"] for m in ("fusedattn", "sdpa")] == ["ok", "ok"]
     assert bench_train.loss_gap(result, "sdpa", "fusedattn") < 1e-2

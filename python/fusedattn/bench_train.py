@@ -57,7 +57,7 @@ class TrainConfig:
     """What `fusedattn bench --train` times; cli._bench_train sets its fields."""
     device: torch.device
     model: str
-    dtype: str
+    dtypes: list[str]  # one (the command line refuses more): autocast's, or float32
     repeats: int  # timed steps per method
     warmup: int  # steps before the timed ones (compilation happens there)
     compile: bool
@@ -67,9 +67,9 @@ class TrainConfig:
 
 def default_config(device: torch.device, model: str) -> TrainConfig:
     if device.type == "cuda":
-        return TrainConfig(device, model, "bfloat16", repeats=200, warmup=10, compile=True,
+        return TrainConfig(device, model, ["bfloat16"], repeats=200, warmup=10, compile=True,
                            methods=["fusedattn", "sdpa-cudnn", "sdpa-flash"])
-    return TrainConfig(device, model, "float32", repeats=5, warmup=1, compile=False, methods=["fusedattn", "sdpa"])
+    return TrainConfig(device, model, ["float32"], repeats=5, warmup=1, compile=False, methods=["fusedattn", "sdpa"])
 
 
 def method_names(device: torch.device) -> list[str]:
@@ -159,7 +159,8 @@ class Trainer:
         # float32 weights; a lower dtype is autocast's (mixed precision, as models train).
         self.model = Model(s, attention_of(method)).to(cfg.device)
         self.forward = torch.compile(self.model) if cfg.compile else self.model
-        self.autocast = torch.autocast(cfg.device.type, bench.DTYPES[cfg.dtype], enabled=cfg.dtype != "float32")
+        dtype = cfg.dtypes[0]
+        self.autocast = torch.autocast(cfg.device.type, bench.DTYPES[dtype], enabled=dtype != "float32")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3 if cfg.model == "tiny" else 3e-4)
         self.data, self.losses = data, []
 
@@ -193,11 +194,14 @@ def run(cfg: TrainConfig, progress: bool = True) -> dict:
             results[method] = {"status": "ok", "peak_bytes": peak_bytes(trainer.step, cfg.device)}
         except (torch.OutOfMemoryError, RuntimeError, NotImplementedError) as e:
             results[method] = {"status": "OOM"} if isinstance(e, torch.OutOfMemoryError) else bench.not_available(e)
-            trainer = None  # its weights and AdamW state go before the next column's are made
-            _release(cfg.device)
+        else:
+            trainers[method] = trainer
+            timed[method] = lambda t=trainer: bench._time_once(t.step, cfg.device)
             continue
-        trainers[method] = trainer
-        timed[method] = lambda t=trainer: bench._time_once(t.step, cfg.device)
+        # Out of the except clause, whose traceback held the failed step's frames: the column's
+        # weights and AdamW state go before the next column's are made.
+        trainer = None
+        _release(cfg.device)
     bar = tqdm(total=cfg.repeats * len(timed), desc="fusedattn bench --train", unit="step", disable=not progress)
     ticking = {m: (lambda f=f: (f(), bar.update())[0]) for m, f in timed.items()}
     medians = bench.interleaved_medians(ticking, cfg.repeats)
@@ -216,7 +220,7 @@ def run(cfg: TrainConfig, progress: bool = True) -> dict:
         "device": bench.describe_device(cfg.device),
         "device_type": cfg.device.type,
         "torch": torch.__version__,
-        "config": {"train": cfg.model, "shape": dataclasses.asdict(s), "dtype": cfg.dtype, "repeats": cfg.repeats,
+        "config": {"train": cfg.model, "shape": dataclasses.asdict(s), "dtype": cfg.dtypes[0], "repeats": cfg.repeats,
                    "warmup": cfg.warmup, "compile": cfg.compile, "seed": cfg.seed},
         "methods": list(cfg.methods),
         "rows": [{"model": cfg.model, "results": results}],  # one model a run
@@ -245,9 +249,10 @@ def format_table(result: dict) -> str:
     title = bench.run_line(result) + "\n" + bench._wrap(
         f"training steps of {cfg['train']} ({s['layers']} layers, d_model {s['d_model']}, {s['heads']} query / "
         f"{s['kv_heads']} key-value heads, B={s['batch']} N={s['seqlen']}), {cfg['dtype']}, "
-        f"{'torch.compile' if cfg['compile'] else 'eager'}, AdamW (float32 weights); median of {cfg['repeats']} steps after "
-        f"{cfg['warmup']} (+1 for the peak: a step's memory above the model's and AdamW's); x m = m's step time / fusedattn's; loss gap: the largest "
-        f"|loss difference| from fusedattn's at any of the {cfg['warmup'] + 1 + cfg['repeats']} steps")
+        f"{'torch.compile' if cfg['compile'] else 'eager'}, AdamW (float32 weights); median of "
+        f"{cfg['repeats']} steps after {cfg['warmup']} (+1 for the peak: a step's memory above the model's "
+        f"and AdamW's); x m = m's step time / fusedattn's; loss gap: the largest |loss difference| from "
+        f"fusedattn's at any of the {cfg['warmup'] + 1 + cfg['repeats']} steps")
     header = ["method", "step ms", "tokens/s", "peak", "first loss", "last loss", "x", "loss gap"]
     (row,) = result["rows"]
     fa = row["results"].get("fusedattn", {})
@@ -259,7 +264,8 @@ def format_table(result: dict) -> str:
             continue
         ratio = r["seconds"] / fa["seconds"] if m != "fusedattn" and fa.get("status") == "ok" else None
         gap = loss_gap(result, m, "fusedattn") if m != "fusedattn" else None
-        lines.append([m, bench.fmt3(r["seconds"] * 1e3), f"{r['tokens_per_s']:.0f}", bench._fmt_bytes(r["peak_bytes"]),
+        lines.append([m, bench.fmt3(r["seconds"] * 1e3), f"{r['tokens_per_s']:.0f}",
+                      bench._fmt_bytes(r["peak_bytes"]),
                       f"{r['losses'][0]:.4f}", f"{r['losses'][-1]:.4f}",
                       bench.fmt_ratio(ratio) if ratio else "-", f"{gap:.2e}" if gap is not None else "-"])
     return title + "\n\n" + bench.markdown_table(header, lines)

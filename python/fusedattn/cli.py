@@ -359,19 +359,16 @@ def _bench_train(args) -> int:
         raise UsageError("--train: this build of fusedattn has no CUDA backward kernel")
     cfg = bench_train.default_config(device, args.train)
     _apply_options(cfg, args, ("repeats", "warmup"))
-    if args.dtype:
-        names = [d for d in args.dtype.split(",") if d]
-        if len(names) != 1:
-            raise UsageError(f"--dtype {args.dtype}: --train takes one dtype a run")
-        cfg.dtype = names[0]
-    if cfg.dtype == "float16":
+    if len(cfg.dtypes) != 1:
+        raise UsageError(f"--dtype {args.dtype}: --train takes one dtype a run")
+    if cfg.dtypes == ["float16"]:
         raise UsageError("--dtype float16: --train takes bfloat16 or float32 (float16 training needs a gradient "
                          "scaler, which the benchmark has not)")
     if cfg.warmup < 1:
         raise UsageError(f"--warmup {cfg.warmup}: --train needs at least 1 (AdamW makes its state in the first step, "
                          f"which the peak-memory step must not count)")
     shape = bench_train.MODELS[args.train]
-    _cuda_takes(device, [cfg.dtype], shape.d_model // shape.heads)
+    _cuda_takes(device, cfg.dtypes, shape.d_model // shape.heads)
     if args.methods:
         names = [m for m in args.methods.split(",") if m]
         unknown = [m for m in names if m not in bench_train.method_names(device)]
