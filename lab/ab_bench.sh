@@ -63,8 +63,8 @@ build() {
 }
 
 if [ "$mode" = grid ]; then
-  out=${2:?usage: lab/ab_bench.sh grid OUTDIR [backward_grid.py args]}
-  shift 2
+  out=${1:?usage: lab/ab_bench.sh grid OUTDIR [backward_grid.py args]}
+  shift
   mkdir -p "$out"
   . lab/device_env.sh
   [ -d .ab ] || { echo "ab_bench: no .ab folder (lab/ab_bench.sh export REF... here, then carry .ab)"; exit 2; }
