@@ -68,6 +68,34 @@ def test_the_loss_gap_of_a_diverged_column_is_infinite():
     assert bench_train.loss_gap(result, "a", "a") == 0.0
 
 
+def test_the_table_shows_the_gap_between_the_anchors_themselves():
+    """Two SDPA columns: the table's last line is their own largest gap (the scale a user reads
+    fusedattn's against); with one anchor there is no such line."""
+    ok = {"status": "ok", "seconds": 0.1, "tokens_per_s": 10.0, "peak_bytes": 1}
+    row = {"model": "tiny", "results": {"fusedattn": dict(ok, losses=[4.5, 4.4]), "x": dict(ok, losses=[4.5, 4.3]),
+                                        "y": dict(ok, losses=[4.5, 4.0])}}
+    result = {"date": "d", "device": "cpu", "device_type": "cpu", "torch": "t", "methods": ["fusedattn", "x", "y"],
+              "config": {"train": "tiny", "shape": vars(bench_train.MODELS["tiny"]), "dtype": "float32",
+                         "repeats": 1, "warmup": 1, "compile": False}, "rows": [row]}
+    last = bench_train.format_table(result).splitlines()[-1]
+    assert last.startswith("loss gap between x, y themselves: 3.00e-01")
+    result["methods"] = ["fusedattn", "x"]
+    assert "themselves" not in bench_train.format_table(result)
+
+
+def test_the_learning_rate_warms_up_over_the_warmup_steps():
+    cfg = bench_train.default_config(torch.device("cpu"), "tiny")
+    cfg.warmup = 4
+    data = bench_train.batches(bench_train.MODELS["tiny"], 5, cfg.device, cfg.seed)
+    trainer = bench_train.Trainer(cfg, "sdpa", data)
+    rates = []
+    for _ in range(5):
+        rates.append(trainer.optimizer.param_groups[0]["lr"])
+        trainer.step()
+    lr = bench_train.MODELS["tiny"].lr
+    assert rates == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr, lr])
+
+
 def test_each_sdpa_column_compiles_its_own_backend():
     """The backend is held inside the attention function, so a compiled column cannot reuse another
     SDPA column's graph: held to the efficient backend (none on the CPU) the call fails, where the
