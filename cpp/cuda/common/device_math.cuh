@@ -65,6 +65,12 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// addr[0] = x, addr[1] = y in shared memory (addr 8-byte aligned), as st.shared:
+// through a generic pointer the compiler may not see the state space.
+__device__ __forceinline__ void store_shared_float2(void* addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(smem_addr(addr)), "f"(x), "f"(y) : "memory");
+}
+
 // Four 8x8 matrices of 16-bit elements; lanes 8i..8i+7 give the row addresses of matrix i.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row_addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

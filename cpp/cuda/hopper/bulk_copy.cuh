@@ -95,6 +95,25 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 #endif
 }
 
+// Closes this thread's bulk group: the bulk operations it issued since the last one.
+__device__ __forceinline__ void bulk_commit() {
+#ifdef FUSEDATTN_BULK_COPIES
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most `Pending` of this thread's bulk groups still read their
+// shared-memory sources (Read), or are still running at all (!Read).
+template <int Pending, bool Read>
+__device__ __forceinline__ void bulk_wait() {
+#ifdef FUSEDATTN_BULK_COPIES
+  if constexpr (Read)
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(Pending) : "memory");
+  else
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(Pending) : "memory");
+#endif
+}
+
 // Asks L2 to fetch `bytes` (a multiple of 16, 16-byte aligned) of global
 // memory without waiting for them: a hint, so nothing before sm_90.
 __device__ __forceinline__ void bulk_prefetch_l2(const void* gmem, uint32_t bytes) {

@@ -2,7 +2,8 @@
 // (built on the host, tensor_maps.h) describes a [B, H, N, d] operand as the
 // 4-D box grid (d, N, H, B); one load brings a box of 64 columns x `rows`
 // rows into a 128-byte-swizzled slab and completes its bytes on an mbarrier.
-// Rows past N are written as zeros. And a run of a flat float array.
+// Rows past N are written as zeros. And a run of a flat float array; and the
+// reverse for float32 sums: a box of shared memory added into global memory.
 #pragma once
 
 #include <cuda.h>
@@ -35,6 +36,17 @@ __device__ __forceinline__ void tma_load_row(void* smem, const CUtensorMap* map,
           smem_addr(smem)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(index), "r"(smem_addr(bar))
       : "memory");
+}
+
+// Adds the box at (column, row) of a 2-D float32 map (encode_float_matrix_tensor_map)
+// from `smem` into global memory, element by element (the adds happen in L2);
+// elements outside the map are dropped. One operation of this thread's bulk
+// group (bulk_commit, bulk_wait): `smem` must not change until it has been read.
+__device__ __forceinline__ void tma_reduce_add_box(const void* smem, const CUtensorMap* map, int column, int row) {
+  asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(column), "r"(row), "r"(smem_addr(smem))
+               : "memory");
 }
 
 }  // namespace fusedattn::cuda

@@ -15,8 +15,9 @@
 //                                         half of a K-major [query][128 keys] tile;
 //                                         each consumer takes a 64 x 64 quarter of
 //                                         dQ (64 columns of d at d=128, 64 queries
-//                                         at d=64) over all 128 keys; added to the
-//                                         float32 accumulator with 8-byte reductions.
+//                                         at d=64) over all 128 keys; staged in shared
+//                                         memory and added to the float32 accumulator
+//                                         by tensor reduces (TMA, adds in L2).
 // The last three products of a step are asynchronous groups the consumers
 // wait on only where they need a result: at d=128 (traits' kDkBehindDq) dV's
 // run while they meet and dK's while dQ is added.
@@ -45,6 +46,14 @@
 #include "backward_traits.h"
 
 namespace fusedattn::cuda {
+
+// Byte offset of dQ quarter element (row, column) in its staging buffer:
+// boxes of 32 columns, [64 rows][128 bytes] each, 16-byte chunk j of row r at
+// j ^ (r % 8) (the tensor map's 128-byte swizzle).
+__device__ __forceinline__ int dq_stage_offset(int row, int column) {
+  const int box = column / 32, within = column % 32;
+  return box * 64 * 128 + row * 128 + (((within / 4) ^ (row % 8)) * 16) + (within % 4) * 4;
+}
 
 template <int HeadDim, typename T, bool Banded, MaskKind Mask>
 __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
@@ -100,7 +109,8 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     // ---------------- producer ----------------
     warpgroup_release_registers<Tr::kProducerRegisters>();
     if (threadIdx.x != 0 || walk.steps == 0) return;
-    for (const CUtensorMap* map : {&args.q_map, &args.k_map, &args.v_map, &args.do_map, &args.lse_map, &args.delta_map})
+    for (const CUtensorMap* map :
+         {&args.q_map, &args.k_map, &args.v_map, &args.do_map, &args.lse_map, &args.delta_map, &args.dq_map})
       prefetch_tensor_map(map);
     const int key0 = static_cast<int>(walk.seq.k0 + walk.key0), batch = static_cast<int>(walk.batch);
     const int q0 = static_cast<int>(walk.seq.q0);
@@ -155,6 +165,8 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const float scale_log2 = f.scale * kLog2e;
   const unsigned char* k_mine = sK + consumer * 64 * 128;  // rows 64c.. of every slab
   const unsigned char* v_mine = sV + consumer * 64 * 128;
+  unsigned char* sDq_mine = smem + Tr::kDqOffset + consumer * Tr::kDqTileBytes;
+  const bool issues_dq = threadIdx.x % 128 == 0;  // one thread of each consumer issues its dQ reduces
 
   float dk[kDTiles][4] = {}, dv[kDTiles][4] = {};
   float (&dk_flat)[kDTiles * 4] = reinterpret_cast<float (&)[kDTiles * 4]>(dk);
@@ -344,6 +356,9 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     } else {
       wgmma_commit();
     }
+    // The last step's dQ quarter has been read out of sDq (the wait is the
+    // issuing thread's; the barrier tells its warpgroup).
+    if (issues_dq) bulk_wait<0, true>();
     // Both warpgroups' dS written (and fenced). It also orders this buffer's
     // next use, two steps on, after both warpgroups' dQ of this step.
     named_barrier_sync(Tr::kDsWrittenBarrier, 128 * Tr::kConsumers);
@@ -371,21 +386,30 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       wgmma_wait<0>();
     }
     fence_registers(dq_flat);
-    const int64_t dq_row = (int64_t(walk.batch) * sh.heads_q + head) * sh.seqlen_q + walk.seq.q0 + m0;
-    float* accum = p.grad_q_accum + dq_row * HeadDim + column0;
+    // The quarter to sDq, then one tensor reduce per 32 columns adds it to
+    // the accumulator. Rows past the queries (the next head's or sequence's)
+    // are 0 (their dS is), so adding them changes nothing.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = query0 + warp_row + g + 8 * h;  // the query, within the step
-      if (m0 + r >= seqlen_q) continue;
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int dt = 0; dt < 8; ++dt)
-        red_add_float2(accum + r * HeadDim + dt * 8 + 2 * t, dq[dt][2 * h], dq[dt][2 * h + 1]);
+        store_shared_float2(sDq_mine + dq_stage_offset(warp_row + g + 8 * h, dt * 8 + 2 * t), dq[dt][2 * h],
+                            dq[dt][2 * h + 1]);
+    fence_proxy_async_shared();  // written through the generic proxy, read by the tensor reduce
+    named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
+    if (issues_dq) {
+      const int row = flat_row(head, m0) + query0;
+#pragma unroll
+      for (int box = 0; box < 2; ++box)
+        tma_reduce_add_box(sDq_mine + box * Tr::kDqBoxBytes, &args.dq_map, column0 + 32 * box, row);
+      bulk_commit();
     }
     if constexpr (kDkBehindDq) {
       wgmma_wait<0>();
       release_stage();
     }
   }
+  if (issues_dq) bulk_wait<0, false>();  // the reduces done before the block leaves
   store_key_gradients<HeadDim, T>(p, walk.batch, walk.head_kv, walk.seq.k0, my_key0 + warp_row, seqlen_k, dk, dv);
 #else
   __trap();  // built for another target: sm90_available() keeps callers away

@@ -34,11 +34,18 @@ struct Sm90BackwardTraits {
   // entries of its 16 keys by the step's queries to shared memory, all its
   // loads in flight at once, in rounds of at most this many bytes.
   static constexpr int kMaskStageBytes = 2048;
-  // K, V, the Q and dO rings, dS double-buffered, each slab 1024-byte aligned
-  // (the swizzle pattern's period); the warps' mask stages; the lse and delta rings; the mbarriers
-  // (K and V; a full and an empty one per stage); each stage's step (3
-  // ints); room to align the base.
-  static constexpr int kMaskStageOffset = 2 * kKVTileBytes + 2 * kStages * kQTileBytes + 2 * kDsBytes;
+  // A consumer's quarter of dQ (64 x 64 floats) is staged for the tensor
+  // reduce that adds it to the accumulator: two boxes of [64 rows][32 floats],
+  // 128-byte swizzled, so the consumers' stores hit distinct banks.
+  static constexpr int kDqBoxRows = 64;
+  static constexpr int kDqBoxBytes = kDqBoxRows * 32 * 4;
+  static constexpr int kDqTileBytes = 2 * kDqBoxBytes;
+  // K, V, the Q and dO rings, dS double-buffered, the dQ quarters, each slab
+  // 1024-byte aligned (the swizzle pattern's period); the warps' mask stages;
+  // the lse and delta rings; the mbarriers (K and V; a full and an empty one
+  // per stage); each stage's step (3 ints); room to align the base.
+  static constexpr int kDqOffset = 2 * kKVTileBytes + 2 * kStages * kQTileBytes + 2 * kDsBytes;
+  static constexpr int kMaskStageOffset = kDqOffset + kConsumers * kDqTileBytes;
   static constexpr int kFloatsOffset = kMaskStageOffset + 4 * kConsumers * kMaskStageBytes;
   static constexpr int kSmemBytes =
       kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + kStages * 3 * 4 + 1024;
@@ -46,6 +53,7 @@ struct Sm90BackwardTraits {
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static constexpr int kDsWrittenBarrier = 1;  // named barrier of the consumers
+  static constexpr int kDqWrittenBarrier = 2;  // + consumer index: each consumer warpgroup's own
   // dK's products queued behind dQ's, so dQ's additions to global memory run
   // under them: 5-6% less kernel time at d=128 (docs/cuda-notes.md, "The sm90
   // backward, rung 4"); at d=64 (128-query steps) ptxas spills the consumers
@@ -61,9 +69,10 @@ struct Sm90BackwardTraits {
 };
 
 // The kernel's argument: the call's parameters and tensor maps of q, k, v,
-// grad_out (4-D, see tensor_maps.h) and of lse and delta (flat rows).
+// grad_out (4-D, see tensor_maps.h), of lse and delta (flat rows) and of the
+// float32 dQ accumulator ([rows][d], added into).
 struct Sm90BackwardArgs {
-  CUtensorMap q_map, k_map, v_map, do_map, lse_map, delta_map;
+  CUtensorMap q_map, k_map, v_map, do_map, lse_map, delta_map, dq_map;
   BackwardParams p;
   BlockOrder order;  // filled at launch
 };

@@ -104,7 +104,8 @@ void backward_sm90(const BackwardParams& p, cudaStream_t stream) {
           encode_head_tensor_map(&args.do_map, p.fwd.dtype, p.grad_out, sh.batch, sh.heads_q, sh.seqlen_q,
                                  sh.head_dim, p.grad_out_strides, Tr::kBlockM) &&
           encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, Tr::kRowsBox) &&
-          encode_rows_tensor_map(&args.delta_map, p.delta, rows, Tr::kRowsBox))) &&
+          encode_rows_tensor_map(&args.delta_map, p.delta, rows, Tr::kRowsBox) &&
+          encode_float_matrix_tensor_map(&args.dq_map, p.grad_q_accum, rows, sh.head_dim, Tr::kDqBoxRows))) &&
         encode_key_value_maps(p.fwd, &args.k_map, &args.v_map, Tr::kBlockN);
     if (!encoded) throw_planner_bug("the sm90 backward's tensor maps cannot describe its operands as planned");
     launch_backward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);

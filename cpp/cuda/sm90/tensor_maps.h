@@ -30,4 +30,10 @@ bool encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* base, int
 // driver refuses (a base not 16-byte aligned, say).
 bool encode_rows_tensor_map(CUtensorMap* map, const float* base, int64_t count, int box);
 
+// Describes a row-major float32 [rows, cols] matrix (cols a multiple of 32)
+// in boxes of 32 columns (128 bytes, the swizzle's width) x box_rows rows,
+// 128-byte-swizzled in shared memory: the layout tma_reduce_add_box adds from.
+// false where the driver refuses.
+bool encode_float_matrix_tensor_map(CUtensorMap* map, const float* base, int64_t rows, int64_t cols, int box_rows);
+
 }  // namespace fusedattn::cuda
