@@ -81,7 +81,7 @@ def test_bad_inputs():
         op(q, k_cache, v_cache, lens, k_new[..., :5], v_new[..., :5])
     with pytest.raises(RuntimeError, match=r"v_new \[B, Hkv, Nnew, d_v\] with d_v = 32, got .* and \[3, 2, 2, 5\]"):
         op(q, k_cache, v_cache, lens, k_new, v_new[..., :5])
-    with pytest.raises(RuntimeError, match="caches hold 3 sequences but q has batch 2"):
+    with pytest.raises(RuntimeError, match="the caches hold 3 sequences but the call has 2"):
         op(q[:2], k_cache, v_cache, lens, k_new, v_new)
 
 

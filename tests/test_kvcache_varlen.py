@@ -66,7 +66,7 @@ def test_packed_queries_bad_input_says_what_was_expected_and_leaves_the_caches()
         call(q=q.unsqueeze(0))
     with pytest.raises(RuntimeError, match="cu_seqlens_q must end at the 34 rows of q, got 33"):
         call(cu=torch.tensor([0, 9, 10, 11, 28, 28, 29, 33], dtype=torch.int32))
-    with pytest.raises(RuntimeError, match="the caches hold 7 sequences but cu_seqlens_q 6"):
+    with pytest.raises(RuntimeError, match="the caches hold 7 sequences but the call has 6"):
         call(cu=cu[1:] - 9, q=q[9:], k_new=k_new[9:], v_new=v_new[9:])
     with pytest.raises(RuntimeError, match=r"k_new must be \[total_q, Hkv, d\] = \[34, 2, 32\]"):
         call(k_new=k_new[:5], v_new=v_new[:5])

@@ -70,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
     const std::optional<at::Tensor>& v_new, bool is_causal, std::optional<double> scale,
     std::optional<int64_t> num_splits, std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
     at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& cu_seqlens_q) {
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& block_table) {
   const char* op = "fusedattn.forward_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
   check_window(op, window);  // before any sequence's keys are appended
@@ -84,8 +84,8 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
   };
   if (cu_seqlens_q)
     return forward_packed_kvcache_by_sequence(op, q, k_cache, v_cache, cache_seqlens, *cu_seqlens_q, k_new, v_new,
-                                              forward);
-  return forward_kvcache_by_sequence(q, k_cache, v_cache, cache_seqlens, k_new, v_new, forward);
+                                              block_table, forward);
+  return forward_kvcache_by_sequence(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, forward);
 }
 
 // Packed sequences, one dense problem per sequence, written into the packed

@@ -5,6 +5,7 @@
 
 #include <limits>
 
+#include "paged_cache.h"
 #include "varlen.h"
 
 namespace fusedattn::ops {
@@ -46,12 +47,12 @@ void check_new_keys_like_the_caches(const char* op, const at::Tensor& k_new, con
 int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                              const std::optional<at::Tensor>& k_new,
-                             const std::optional<at::Tensor>& v_new) {
+                             const std::optional<at::Tensor>& v_new,
+                             const std::optional<at::Tensor>& block_table) {
   const char* op = "fusedattn.forward_kvcache";
   TORCH_CHECK(q.dim() == 4, op, ": q must be [B, Hq, Nq, d], got shape ", q.sizes());
   check_caches(op, q, k_cache, v_cache);
-  TORCH_CHECK(k_cache.size(0) == q.size(0), op, ": the caches hold ", k_cache.size(0),
-              " sequences but q has batch ", q.size(0));
+  (void)CacheStore(op, q, k_cache, v_cache, q.size(0), block_table);  // the caches' batch, or the block table
   TORCH_CHECK(q.size(3) == k_cache.size(3) && k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
               op, ": q [B, Hq, Nq, d] and the caches [B, Hkv, max_len, d] need the same d and Hq a "
               "multiple of Hkv, got q ", q.sizes(), " and caches ", k_cache.sizes());
@@ -75,15 +76,19 @@ int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
 
 namespace {
 
-// Checks that every sequence's cached positions plus n_new fit the caches and
-// returns cache_seqlens on the host, contiguous.
-at::Tensor checked_cache_lengths(const at::Tensor& cache_seqlens, int64_t n_new, int64_t max_len) {
+// Checks that every sequence's cached positions plus n_new fit the store and
+// its pages, and returns cache_seqlens on the host, contiguous.
+at::Tensor checked_cache_lengths(const at::Tensor& cache_seqlens, int64_t n_new, const CacheStore& store) {
   at::Tensor lengths = cache_seqlens.to(at::kCPU).contiguous();
   const int32_t* len = lengths.data_ptr<int32_t>();
-  for (int64_t b = 0; b < lengths.size(0); ++b)
-    TORCH_CHECK(len[b] >= 0 && len[b] + n_new <= max_len, "fusedattn.forward_kvcache: sequence ",
+  std::vector<int64_t> cached(lengths.size(0)), keys(lengths.size(0));
+  for (int64_t b = 0; b < lengths.size(0); ++b) {
+    TORCH_CHECK(len[b] >= 0 && len[b] + n_new <= store.capacity(), "fusedattn.forward_kvcache: sequence ",
                 b, " has ", len[b], " cached positions and ", n_new,
-                " new ones, but the cache holds ", max_len);
+                " new ones, but the cache holds ", store.capacity());
+    cached[b] = len[b], keys[b] = len[b] + n_new;
+  }
+  store.check_pages(cached, keys);
   return lengths;
 }
 
@@ -93,22 +98,19 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_seqlens,
     const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-    const SequenceForward& forward) {
-  const int64_t n_new = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new);
+    const std::optional<at::Tensor>& block_table, const SequenceForward& forward) {
+  const int64_t n_new = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table);
   const int64_t batch = q.size(0);
-  const at::Tensor lengths = checked_cache_lengths(cache_seqlens, n_new, k_cache.size(2));
+  const CacheStore store("fusedattn.forward_kvcache", q, k_cache, v_cache, batch, block_table);
+  const at::Tensor lengths = checked_cache_lengths(cache_seqlens, n_new, store);
   const int32_t* len = lengths.data_ptr<int32_t>();
 
   at::Tensor out = at::empty({batch, q.size(1), q.size(2), v_cache.size(3)}, q.options());
   at::Tensor lse = at::empty({batch, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t start = len[b], end = len[b] + n_new;
-    if (k_new) {
-      k_cache[b].narrow(1, start, n_new).copy_((*k_new)[b]);
-      v_cache[b].narrow(1, start, n_new).copy_((*v_new)[b]);
-    }
-    forward(q.narrow(0, b, 1), k_cache.narrow(0, b, 1).narrow(2, 0, end),
-            v_cache.narrow(0, b, 1).narrow(2, 0, end), out.narrow(0, b, 1), lse.narrow(0, b, 1));
+    if (k_new) store.append(b, len[b], (*k_new)[b], (*v_new)[b]);
+    const auto [k_b, v_b] = store.keys_of(b, len[b] + n_new);
+    forward(q.narrow(0, b, 1), k_b, v_b, out.narrow(0, b, 1), lse.narrow(0, b, 1));
   }
   return {out, lse};
 }
@@ -116,7 +118,8 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
 PackedCacheLengths check_packed_kvcache_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                                const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                                                const at::Tensor& cu_seqlens_q, const std::optional<at::Tensor>& k_new,
-                                               const std::optional<at::Tensor>& v_new) {
+                                               const std::optional<at::Tensor>& v_new,
+                                               const std::optional<at::Tensor>& block_table) {
   TORCH_CHECK(q.dim() == 3, op, ": with cu_seqlens_q, q must be [total_q, Hq, d] (packed sequences), got shape ",
               q.sizes());
   check_caches(op, q, k_cache, v_cache);
@@ -128,8 +131,7 @@ PackedCacheLengths check_packed_kvcache_inputs(const char* op, const at::Tensor&
   lengths.cu_q = check_cu_seqlens(op, cu_seqlens_q, "cu_seqlens_q", q, "q", std::numeric_limits<int64_t>::max(),
                                   "max_seqlen_q");
   const int64_t batch = lengths.cu_q.size(0) - 1;
-  TORCH_CHECK(k_cache.size(0) == batch, op, ": the caches hold ", k_cache.size(0), " sequences but cu_seqlens_q ",
-              batch);
+  const CacheStore store(op, q, k_cache, v_cache, batch, block_table);
   check_cache_seqlens(op, cache_seqlens, batch, q);
   TORCH_CHECK(k_new.has_value() == v_new.has_value(), op, ": k_new and v_new must be given together");
   if (k_new) {
@@ -144,10 +146,14 @@ PackedCacheLengths check_packed_kvcache_inputs(const char* op, const at::Tensor&
   lengths.appends = k_new.has_value();
   const at::Tensor cached = cache_seqlens.to(at::kCPU).contiguous();
   lengths.cached.assign(cached.data_ptr<int32_t>(), cached.data_ptr<int32_t>() + batch);
-  for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK(lengths.cached[b] >= 0 && lengths.keys(b) <= k_cache.size(2), op, ": sequence ", b, " has ",
+  std::vector<int64_t> cached_from(batch), keys(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lengths.cached[b] >= 0 && lengths.keys(b) <= store.capacity(), op, ": sequence ", b, " has ",
                 lengths.cached[b], " cached positions and ", lengths.appends ? lengths.len_q(b) : 0,
-                " new ones, but the cache holds ", k_cache.size(2));
+                " new ones, but the cache holds ", store.capacity());
+    cached_from[b] = lengths.cached[b], keys[b] = lengths.keys(b);
+  }
+  store.check_pages(cached_from, keys);
   return lengths;
 }
 
@@ -160,18 +166,27 @@ const at::Tensor& seqused_k_of(const char* op, const std::optional<at::Tensor>& 
 std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
     const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_seqlens, const at::Tensor& cu_seqlens_q, const std::optional<at::Tensor>& k_new,
-    const std::optional<at::Tensor>& v_new, const SequenceForward& forward) {
+    const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& block_table,
+    const SequenceForward& forward) {
   const PackedCacheLengths lengths =
-      check_packed_kvcache_inputs(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new);
-  if (k_new) append_packed(k_cache, v_cache, *k_new, *v_new, lengths);
+      check_packed_kvcache_inputs(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new, block_table);
+  const CacheStore store(op, q, k_cache, v_cache, lengths.batch(), block_table);
+  if (k_new && !store.paged()) append_packed(k_cache, v_cache, *k_new, *v_new, lengths);
   at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  // Every append before any sequence's attention, as the unpaged path's one indexed copy.
+  if (k_new && store.paged())
+    for (int64_t b = 0; b < lengths.batch(); ++b) {
+      const int64_t start = lengths.start_q(b), n = lengths.len_q(b);
+      store.append(b, lengths.cached[b], k_new->narrow(0, start, n).transpose(0, 1),
+                   v_new->narrow(0, start, n).transpose(0, 1));
+    }
   for (int64_t b = 0; b < lengths.batch(); ++b) {
-    const int64_t start = lengths.start_q(b), n = lengths.len_q(b), keys = lengths.keys(b);
+    const int64_t start = lengths.start_q(b), n = lengths.len_q(b);
     if (n == 0) continue;
+    const auto [k_b, v_b] = store.keys_of(b, lengths.keys(b));
     const at::Tensor lse_b = at::empty({1, q.size(1), n}, lse.options());
-    forward(sequence_view(q, start, n), k_cache.narrow(0, b, 1).narrow(2, 0, keys),
-            v_cache.narrow(0, b, 1).narrow(2, 0, keys), sequence_view(out, start, n), lse_b);
+    forward(sequence_view(q, start, n), k_b, v_b, sequence_view(out, start, n), lse_b);
     lse.narrow(1, start, n).copy_(lse_b[0]);
   }
   return {out, lse};

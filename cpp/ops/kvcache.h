@@ -15,14 +15,16 @@ namespace fusedattn::ops {
 
 // Checks shapes, dtypes and devices of every argument (not the values of
 // cache_seqlens) and returns Nnew, the positions k_new/v_new append (0 if none).
+// With block_table the caches are pages (paged_cache.h).
 int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                              const std::optional<at::Tensor>& k_new,
-                             const std::optional<at::Tensor>& v_new);
+                             const std::optional<at::Tensor>& v_new,
+                             const std::optional<at::Tensor>& block_table = std::nullopt);
 
 // Runs `forward(q_b, k_b, v_b, out_b, lse_b)` for every sequence b, where k_b
 // and v_b are the first cache_seqlens[b] + Nnew cached positions (after the
-// append), and returns (out, lse).
+// append; through block_table's pages if given), and returns (out, lse).
 using SequenceForward = std::function<void(const at::Tensor& q, const at::Tensor& k,
                                            const at::Tensor& v, const at::Tensor& out,
                                            const at::Tensor& lse)>;
@@ -31,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_seqlens,
     const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-    const SequenceForward& forward);
+    const std::optional<at::Tensor>& block_table, const SequenceForward& forward);
 
 // Packed queries: q [total_q, Hq, d], sequence b's rows cu_seqlens_q[b] :
 // cu_seqlens_q[b + 1]; k_new and v_new (if given) [total_q, Hkv, d] and
@@ -51,7 +53,8 @@ struct PackedCacheLengths {
 PackedCacheLengths check_packed_kvcache_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                                const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                                                const at::Tensor& cu_seqlens_q, const std::optional<at::Tensor>& k_new,
-                                               const std::optional<at::Tensor>& v_new);
+                                               const std::optional<at::Tensor>& v_new,
+                                               const std::optional<at::Tensor>& block_table = std::nullopt);
 
 // plan_kvcache's seqused_k, which packed queries need (their work list's order).
 const at::Tensor& seqused_k_of(const char* op, const std::optional<at::Tensor>& seqused_k);
@@ -62,7 +65,8 @@ const at::Tensor& seqused_k_of(const char* op, const std::optional<at::Tensor>& 
 std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
     const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_seqlens, const at::Tensor& cu_seqlens_q, const std::optional<at::Tensor>& k_new,
-    const std::optional<at::Tensor>& v_new, const SequenceForward& forward);
+    const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& block_table,
+    const SequenceForward& forward);
 
 // Writes sequence b's new rows into the caches at positions cached[b] ..:
 // one indexed copy per cache (in place).

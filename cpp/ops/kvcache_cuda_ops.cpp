@@ -69,7 +69,9 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     const std::optional<at::Tensor>& v_new, bool is_causal, std::optional<double> scale,
     std::optional<int64_t> num_splits, std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
     at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& cu_seqlens_q) {
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& block_table) {
+  TORCH_CHECK(!block_table, "fusedattn.forward_kvcache: block_table (a paged KV cache) runs on the CPU only so far; "
+              "on CUDA pass the caches as [B, Hkv, max_len, d] without it");
   if (cu_seqlens_q)
     return forward_packed_kvcache_cuda(q, k_cache, v_cache, cache_seqlens, *cu_seqlens_q, k_new, v_new, is_causal,
                                        scale, num_splits, merge_in_cluster, warps, window, softcap, sinks);

@@ -31,11 +31,15 @@ TORCH_LIBRARY(fusedattn, m) {
   // queries (and new keys: k_new [total_q, Hkv, d]) its rows cu_seqlens_q[b] :
   // cu_seqlens_q[b + 1]; out [total_q, Hq, d_v], lse [Hq, total_q]; the
   // lengths are read on the host and the decode overrides must be None.
+  // With block_table (int32 [B, max_blocks]; the CPU only so far) the caches
+  // are pages [pages, Hkv, page_size, d]: position p of sequence b is row
+  // p % page_size of page block_table[b, p / page_size] (cpp/ops/paged_cache.h).
   m.def(
       "forward_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
       "Tensor? k_new=None, Tensor? v_new=None, bool is_causal=True, float? scale=None, "
       "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None, int[]? window=None, "
-      "float? softcap=None, Tensor? sinks=None, Tensor? cu_seqlens_q=None) -> (Tensor out, Tensor lse)");
+      "float? softcap=None, Tensor? sinks=None, Tensor? cu_seqlens_q=None, Tensor? block_table=None) "
+      "-> (Tensor out, Tensor lse)");
   // Packed sequences: q [total_q, Hq, d], k and v [total_k, Hkv, d]; sequence
   // b is rows cu_seqlens[b] : cu_seqlens[b + 1] (int32 [B + 1]) and attends
   // to its own keys only, causal and window bottom-right per sequence. lse is float32

@@ -88,7 +88,7 @@ def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False,
 @torch.library.register_fake("fusedattn::forward_kvcache")
 def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, is_causal=True,
                           scale=None, num_splits=None, merge_in_cluster=None, warps=None, window=None,
-                          softcap=None, sinks=None, cu_seqlens_q=None):
+                          softcap=None, sinks=None, cu_seqlens_q=None, block_table=None):
     if cu_seqlens_q is not None:  # packed: out [total_q, Hq, d_v], lse [Hq, total_q]
         return q.new_empty((*q.shape[:2], v_cache.shape[3])), q.new_empty((q.shape[1], q.shape[0]),
                                                                           dtype=torch.float32)
@@ -299,6 +299,7 @@ def attention_with_kvcache(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     cu_seqlens_q: Tensor | None = None,
+    block_table: Tensor | None = None,
 ) -> Tensor:
     """Attention of a few new queries per sequence against a preallocated KV cache.
 
@@ -328,6 +329,12 @@ def attention_with_kvcache(
             ``[total_q, Hkv, d_v]`` (or None) its new keys, so ``L_b =
             cache_seqlens[b] + Nq_b`` (without them ``cache_seqlens[b]``). The lengths are read on the host (a sync: no CUDA graph);
             on CUDA the varlen forward serves it, with num_splits None.
+        block_table: int32 ``[B, max_blocks]``, or None: a paged cache (the CPU only so far).
+            k_cache and v_cache are then ``[pages, Hkv, page_size, d]`` and ``[pages, Hkv,
+            page_size, d_v]``, shared by the sequences: position p of sequence b is row
+            ``p % page_size`` of page ``block_table[b, p // page_size]``, so a sequence holds
+            ``max_blocks * page_size`` positions. Sequences may read the same pages (a shared
+            prefix), but a page a sequence appends into is that sequence's alone in the call.
 
     Returns:
         ``[B, Hq, Nq, d_v]`` (with cu_seqlens_q ``[total_q, Hq, d_v]``). Not
@@ -336,7 +343,7 @@ def attention_with_kvcache(
     forced = backends.forced()
     out, _ = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, is_causal, scale,
                                                  num_splits, forced.decode_merge_in_cluster, forced.decode_warps,
-                                                 window, softcap, sinks, cu_seqlens_q)
+                                                 window, softcap, sinks, cu_seqlens_q, block_table)
     return out
 
 

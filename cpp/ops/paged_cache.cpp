@@ -1,0 +1,84 @@
+#include "paged_cache.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <unordered_map>
+
+namespace fusedattn::ops {
+
+CacheStore::CacheStore(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       int64_t batch, const std::optional<at::Tensor>& block_table)
+    : op_(op), k_cache_(k_cache), v_cache_(v_cache) {
+  if (!block_table) {
+    TORCH_CHECK(k_cache.size(0) == batch, op, ": the caches hold ", k_cache.size(0), " sequences but the call has ",
+                batch, " (or pass block_table: the caches are then [pages, Hkv, page_size, d])");
+    capacity_ = k_cache.size(2);
+    return;
+  }
+  const at::Tensor& table = *block_table;
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == batch && table.scalar_type() == at::kInt, op,
+              ": block_table must be int32 [B, max_blocks] = [", batch, ", max_blocks], got ", table.scalar_type(),
+              " ", table.sizes());
+  TORCH_CHECK(table.device() == q.device(), op, ": block_table must be on q's device (", q.device(), "), got ",
+              table.device());
+  TORCH_CHECK(k_cache.size(0) > 0 && k_cache.size(2) > 0 && table.size(1) > 0, op,
+              ": a paged cache needs pages of at least one position and a block_table of at least one column, got "
+              "caches ", k_cache.sizes(), " and block_table ", table.sizes());
+  table_ = table.to(at::kCPU).contiguous();
+  page_size_ = k_cache.size(2);
+  capacity_ = table.size(1) * page_size_;
+}
+
+void CacheStore::check_pages(const std::vector<int64_t>& cached, const std::vector<int64_t>& keys) const {
+  if (!paged()) return;
+  const int64_t pages = k_cache_.size(0);
+  std::unordered_map<int32_t, int64_t> writer;  // page -> the sequence appending into it
+  for (size_t b = 0; b < keys.size(); ++b) {
+    for (int64_t i = 0; i < pages_for(keys[b]); ++i)
+      TORCH_CHECK(page(b, i) >= 0 && page(b, i) < pages, op_, ": block_table[", b, ", ", i, "] = ", page(b, i),
+                  " holds positions of sequence ", b, " but the caches have pages 0 .. ", pages - 1);
+    for (int64_t i = cached[b] / page_size_; i < pages_for(keys[b]); ++i) {
+      const auto [it, added] = writer.emplace(page(b, i), b);
+      TORCH_CHECK(added || it->second == int64_t(b), op_, ": sequences ", it->second, " and ", b,
+                  " both append into page ", page(b, i), " (block_table)");
+    }
+  }
+  for (size_t b = 0; b < keys.size(); ++b)
+    for (int64_t i = 0; i < pages_for(keys[b]); ++i) {
+      const auto it = writer.find(page(b, i));
+      TORCH_CHECK(it == writer.end() || it->second == int64_t(b), op_, ": sequence ", it->second,
+                  " appends into page ", page(b, i), ", which sequence ", b, " reads (block_table)");
+    }
+}
+
+std::pair<at::Tensor, at::Tensor> CacheStore::keys_of(int64_t b, int64_t keys) const {
+  if (!paged()) return {k_cache_.narrow(0, b, 1).narrow(2, 0, keys), v_cache_.narrow(0, b, 1).narrow(2, 0, keys)};
+  const int64_t n = pages_for(keys);
+  const at::Tensor pages = table_[b].narrow(0, 0, n).to(at::kLong).to(k_cache_.device());
+  // [n, Hkv, page_size, d] -> [1, Hkv, n * page_size, d], then the first `keys` rows.
+  auto gather = [&](const at::Tensor& cache) {
+    return cache.index_select(0, pages).transpose(0, 1).reshape({1, cache.size(1), n * page_size_, cache.size(3)})
+        .narrow(2, 0, keys);
+  };
+  return {gather(k_cache_), gather(v_cache_)};
+}
+
+void CacheStore::append(int64_t b, int64_t position, const at::Tensor& k_rows, const at::Tensor& v_rows) const {
+  const int64_t n = k_rows.size(1);
+  if (!paged()) {
+    k_cache_[b].narrow(1, position, n).copy_(k_rows);
+    v_cache_[b].narrow(1, position, n).copy_(v_rows);
+    return;
+  }
+  for (int64_t done = 0; done < n;) {
+    const int64_t p = position + done, row = p % page_size_, count = std::min(page_size_ - row, n - done);
+    const int32_t target = page(b, p / page_size_);
+    k_cache_[target].narrow(1, row, count).copy_(k_rows.narrow(1, done, count));
+    v_cache_[target].narrow(1, row, count).copy_(v_rows.narrow(1, done, count));
+    done += count;
+  }
+}
+
+}  // namespace fusedattn::ops

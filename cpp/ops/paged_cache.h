@@ -1,0 +1,46 @@
+// Where forward_kvcache reads and appends a sequence's keys and values: a
+// cache of its own per sequence ([B, Hkv, max_len, d]), or pages shared by
+// all of them through a block table (FlashAttention's block_table): k_cache
+// [pages, Hkv, page_size, d], and sequence b's position p at row
+// p % page_size of page block_table[b, p / page_size].
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace fusedattn::ops {
+
+class CacheStore {
+ public:
+  // Checks block_table (int32 [B, max_blocks] on q's device; read on the
+  // host) against the caches; without it the caches must hold B sequences.
+  CacheStore(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t batch,
+             const std::optional<at::Tensor>& block_table);
+
+  bool paged() const { return table_.defined(); }
+  // The positions a sequence can hold.
+  int64_t capacity() const { return capacity_; }
+  // Checks that the pages of sequence b's first keys[b] positions exist and
+  // that a page it appends into (positions cached[b] .. keys[b]) is read or
+  // written by no other sequence of the call (nothing to check unpaged).
+  void check_pages(const std::vector<int64_t>& cached, const std::vector<int64_t>& keys) const;
+  // Sequence b's first `keys` positions, [1, Hkv, keys, d] and [1, Hkv, keys,
+  // d_v]: views of its cache, or its pages gathered into new tensors.
+  std::pair<at::Tensor, at::Tensor> keys_of(int64_t b, int64_t keys) const;
+  // Writes k_rows [Hkv, n, d] and v_rows [Hkv, n, d_v] at positions
+  // position .. position + n of sequence b (in place).
+  void append(int64_t b, int64_t position, const at::Tensor& k_rows, const at::Tensor& v_rows) const;
+
+ private:
+  const char* op_;
+  at::Tensor k_cache_, v_cache_;
+  at::Tensor table_;  // int32 [B, max_blocks] on the host, contiguous; undefined unpaged
+  int64_t page_size_ = 0, capacity_ = 0;
+  int64_t pages_for(int64_t positions) const { return (positions + page_size_ - 1) / page_size_; }
+  int32_t page(int64_t b, int64_t index) const { return table_.data_ptr<int32_t>()[b * table_.size(1) + index]; }
+};
+
+}  // namespace fusedattn::ops

@@ -1,0 +1,144 @@
+"""forward_kvcache with block_table: the caches as pages shared by the sequences, on the CPU. A
+paged call answers bit for bit as the same call on contiguous caches, and appends into the pages
+the table names."""
+
+import pytest
+import torch
+
+import fusedattn
+from helpers.kvcache_cases import make_cache, packed_cache
+
+op = torch.ops.fusedattn.forward_kvcache
+
+
+def paged(k_cache, v_cache, page_size, spare_pages=3, seed=0):
+    """The contiguous caches [B, Hkv, max_len, d] cut into pages [pages, Hkv, page_size, d] in a
+    shuffled order (plus spare pages of noise), and the block table that reassembles them."""
+    B, Hkv, max_len, d = k_cache.shape
+    blocks = max_len // page_size
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(B * blocks + spare_pages, generator=g)[:B * blocks]
+    pages = [torch.randn(B * blocks + spare_pages, Hkv, page_size, c.shape[3], generator=g).to(c.dtype)
+             for c in (k_cache, v_cache)]
+    for cache, paged_cache in zip((k_cache, v_cache), pages):
+        paged_cache[order] = cache.reshape(B, Hkv, blocks, page_size, -1).permute(0, 2, 1, 3, 4).reshape(
+            B * blocks, Hkv, page_size, -1)
+    return pages[0], pages[1], order.view(B, blocks).to(torch.int32)
+
+
+def unpaged(pages, table):
+    """The contiguous [B, Hkv, blocks * page_size, d] view of each sequence's pages."""
+    p = pages[table.long()]  # [B, blocks, Hkv, page_size, d]
+    return p.permute(0, 2, 1, 3, 4).reshape(table.shape[0], pages.shape[1], -1, pages.shape[3])
+
+
+@pytest.mark.parametrize("nq, n_new", [(1, 1), (5, 5), (3, 0)], ids=["decode", "chunk", "no-append"])
+@pytest.mark.parametrize("page_size", [1, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_paged_equals_contiguous_bit_for_bit(nq, n_new, page_size, dtype):
+    q, k_cache, v_cache, lens, k_new, v_new = make_cache(Hq=4, Hkv=2, max_len=64, nq=nq, n_new=n_new, dtype=dtype,
+                                                         seed=page_size)
+    k_pages, v_pages, table = paged(k_cache, v_cache, page_size, seed=nq)
+    expected = op(q, k_cache, v_cache, lens, k_new, v_new, True, None)
+    got = op(q, k_pages, v_pages, lens, k_new, v_new, True, None, block_table=table)
+    for e, g in zip(expected, got):
+        assert torch.equal(g, e)
+    # The appends landed in the pages the table names, and nothing else changed.
+    assert torch.equal(unpaged(k_pages, table), k_cache) and torch.equal(unpaged(v_pages, table), v_cache)
+
+
+def test_the_python_wrapper_decodes_through_pages():
+    """Token-by-token decoding into pages allocated as the sequences grow (their pages interleaved
+    in the pool) equals one causal pass."""
+    torch.manual_seed(0)
+    B, H, d, n, page_size = 2, 4, 16, 21, 4
+    q, k, v = (torch.randn(B, H, n, d) for _ in range(3))
+    full = fusedattn.attention(q, k, v, is_causal=True)
+    blocks = -(-n // page_size)
+    k_pages, v_pages = torch.zeros(B * blocks, H, page_size, d), torch.zeros(B * blocks, H, page_size, d)
+    table = torch.arange(B * blocks, dtype=torch.int32).view(blocks, B).t().contiguous()  # b's pages: b, b + B, ..
+    lens = torch.zeros(B, dtype=torch.int32)
+    for t in range(n):
+        step = fusedattn.attention_with_kvcache(q[:, :, t:t + 1], k_pages, v_pages, lens, k[:, :, t:t + 1],
+                                                v[:, :, t:t + 1], block_table=table)
+        torch.testing.assert_close(step, full[:, :, t:t + 1], atol=1e-6, rtol=1e-6)
+        lens += 1
+
+
+def test_packed_queries_through_pages():
+    """Chunked prefill beside decoding (cu_seqlens_q) with paged caches equals the contiguous call."""
+    n_q, cached = [3, 0, 1, 6], [10, 5, 31, 0]
+    q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache(n_q, cached, max_len=40)
+    k_pages, v_pages, table = paged(k_cache, v_cache, page_size=8)
+    expected = op(q, k_cache, v_cache, lens, k_new, v_new, True, None, cu_seqlens_q=cu)
+    got = op(q, k_pages, v_pages, lens, k_new, v_new, True, None, cu_seqlens_q=cu, block_table=table)
+    for e, g in zip(expected, got):
+        assert torch.equal(g, e)
+    assert torch.equal(unpaged(k_pages, table), k_cache) and torch.equal(unpaged(v_pages, table), v_cache)
+
+
+def test_sequences_may_share_prefix_pages():
+    """Two sequences read the same first page (a shared prompt) and append into pages of their own."""
+    torch.manual_seed(1)
+    H, d, page_size = 2, 8, 4
+    k_pages, v_pages = torch.randn(5, H, page_size, d), torch.randn(5, H, page_size, d)
+    table = torch.tensor([[0, 1, 3], [0, 2, 4]], dtype=torch.int32)
+    lens = torch.tensor([6, 5], dtype=torch.int32)
+    q, k_new, v_new = torch.randn(2, H, 1, d), torch.randn(2, H, 1, d), torch.randn(2, H, 1, d)
+    k_cache, v_cache = unpaged(k_pages, table).clone(), unpaged(v_pages, table).clone()
+    expected = op(q, k_cache, v_cache, lens, k_new, v_new, True, None)
+    got = op(q, k_pages, v_pages, lens, k_new, v_new, True, None, block_table=table)
+    for e, g in zip(expected, got):
+        assert torch.equal(g, e)
+    assert torch.equal(k_pages[1, :, 2], k_new[0, :, 0]) and torch.equal(k_pages[2, :, 1], k_new[1, :, 0])
+
+
+def test_bad_block_tables():
+    H, d, page_size = 2, 8, 4
+    k_pages, v_pages = torch.randn(4, H, page_size, d), torch.randn(4, H, page_size, d)
+    q, k_new, v_new = torch.randn(2, H, 1, d), torch.randn(2, H, 1, d), torch.randn(2, H, 1, d)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    before = k_pages.clone()
+    with pytest.raises(RuntimeError, match=r"block_table must be int32 \[B, max_blocks\] = \[2, max_blocks\], got Long"):
+        op(q, k_pages, v_pages, lens, k_new, v_new, block_table=table.long())
+    with pytest.raises(RuntimeError, match=r"block_table must be int32 .* got Int \[3, 2\]"):
+        op(q, k_pages, v_pages, lens, k_new, v_new, block_table=torch.zeros(3, 2, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"block_table\[1, 1\] = 7 holds positions of sequence 1 but the caches "
+                                           r"have pages 0 .. 3"):
+        op(q, k_pages, v_pages, lens, k_new, v_new, block_table=torch.tensor([[0, 1], [2, 7]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="sequences 0 and 1 both append into page 1"):
+        op(q, k_pages, v_pages, torch.tensor([4, 5], dtype=torch.int32), k_new, v_new,
+           block_table=torch.tensor([[0, 1], [2, 1]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="sequence 0 appends into page 0, which sequence 1 reads"):
+        op(q, k_pages, v_pages, lens, k_new, v_new, block_table=torch.tensor([[0, 1], [0, 3]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="sequence 1 has 8 cached positions and 1 new ones, but the cache holds 8"):
+        op(q, k_pages, v_pages, torch.tensor([3, 8], dtype=torch.int32), k_new, v_new, block_table=table)
+    assert torch.equal(k_pages, before)  # every refusal before any append
+    # Unused entries of the table are not read: -1 past a sequence's pages is fine.
+    op(q, k_pages, v_pages, torch.tensor([0, 1], dtype=torch.int32), k_new, v_new,
+       block_table=torch.tensor([[0, -1], [2, -1]], dtype=torch.int32))
+
+
+def test_the_fake_function_and_compile():
+    q, k_cache, v_cache, lens, k_new, v_new = make_cache(max_len=32, nq=2, n_new=2)
+    k_pages, v_pages, table = paged(k_cache, v_cache, page_size=8)
+    torch.library.opcheck(op.default, (q, k_pages.clone(), v_pages.clone(), lens, k_new, v_new, True, None),
+                          {"block_table": table})
+    torch._dynamo.reset()
+    k_e, v_e = k_pages.clone(), v_pages.clone()
+    expected = op(q, k_e, v_e, lens, k_new, v_new, block_table=table)[0]
+    compiled = torch.compile(fusedattn.attention_with_kvcache, fullgraph=True)
+    k_c, v_c = k_pages.clone(), v_pages.clone()
+    assert torch.equal(compiled(q, k_c, v_c, lens, k_new, v_new, block_table=table), expected)
+    assert torch.equal(k_c, k_e) and torch.equal(v_c, v_e)  # the in-place appends survive compilation
+    assert not torch.equal(k_c, k_pages)
+
+
+@pytest.mark.skipif(not fusedattn.ops.has_kernel("forward_kvcache", "cuda") or not torch.cuda.is_available(),
+                    reason="needs CUDA")
+def test_cuda_refuses_block_table_by_name():
+    q, k_cache, v_cache, lens, k_new, v_new = (t.cuda() for t in make_cache(max_len=32, dtype=torch.float16))
+    k_pages, v_pages, table = (t.cuda() for t in paged(k_cache.cpu(), v_cache.cpu(), page_size=8))
+    with pytest.raises(RuntimeError, match="block_table .* runs on the CPU only so far"):
+        op(q, k_pages, v_pages, lens, k_new, v_new, block_table=table)
