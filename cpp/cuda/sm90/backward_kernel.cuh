@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     // dV += P^T dO is issued before the consumers meet (dS written); dK +=
     // dS^T Q (scaled at the end; Q and dO are B operands stored [query][d],
     // read transposed) with it, or (kDkBehindDq) after dQ = dS K, so dQ's
-    // additions to global memory run under dK's products.
+    // staging and the issue of its reduces run under dK's products.
     constexpr bool kDkBehindDq = Tr::kDkBehindDq;
     auto issue_dk = [&] {
 #pragma unroll
@@ -387,14 +387,18 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     }
     fence_registers(dq_flat);
     // The quarter to sDq, then one tensor reduce per 32 columns adds it to
-    // the accumulator. Rows past the queries (the next head's or sequence's)
-    // are 0 (their dS is), so adding them changes nothing.
+    // the accumulator. The box also covers rows past the queries (the next
+    // head's or sequence's): they are staged as 0, as their dS is, so that
+    // an inf or NaN in this block's keys stays in this head's dQ.
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp_row + g + 8 * h;
+      const bool is_query = m0 + query0 + row < seqlen_q;
 #pragma unroll
       for (int dt = 0; dt < 8; ++dt)
-        store_shared_float2(sDq_mine + dq_stage_offset(warp_row + g + 8 * h, dt * 8 + 2 * t), dq[dt][2 * h],
-                            dq[dt][2 * h + 1]);
+        store_shared_float2(sDq_mine + dq_stage_offset(row, dt * 8 + 2 * t), is_query ? dq[dt][2 * h] : 0.0f,
+                            is_query ? dq[dt][2 * h + 1] : 0.0f);
+    }
     fence_proxy_async_shared();  // written through the generic proxy, read by the tensor reduce
     named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
     if (issues_dq) {

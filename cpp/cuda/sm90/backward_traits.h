@@ -36,7 +36,8 @@ struct Sm90BackwardTraits {
   static constexpr int kMaskStageBytes = 2048;
   // A consumer's quarter of dQ (64 x 64 floats) is staged for the tensor
   // reduce that adds it to the accumulator: two boxes of [64 rows][32 floats],
-  // 128-byte swizzled, so the consumers' stores hit distinct banks.
+  // 128-byte swizzled (the map's layout), which spreads a warp's 8-byte stores
+  // over the banks (8 rows in one bank group unswizzled).
   static constexpr int kDqBoxRows = 64;
   static constexpr int kDqBoxBytes = kDqBoxRows * 32 * 4;
   static constexpr int kDqTileBytes = 2 * kDqBoxBytes;
@@ -54,10 +55,11 @@ struct Sm90BackwardTraits {
   static constexpr int kConsumerRegisters = 240;
   static constexpr int kDsWrittenBarrier = 1;  // named barrier of the consumers
   static constexpr int kDqWrittenBarrier = 2;  // + consumer index: each consumer warpgroup's own
-  // dK's products queued behind dQ's, so dQ's additions to global memory run
-  // under them: 5-6% less kernel time at d=128 (docs/cuda-notes.md, "The sm90
-  // backward, rung 4"); at d=64 (128-query steps) ptxas spills the consumers
-  // that way and the kernel ran 2% slower, so dK runs beside dV.
+  // dK's products queued behind dQ's, so what follows dQ's products runs
+  // under them: 5-6% less kernel time at d=128 when dQ was added with
+  // reductions per thread (docs/cuda-notes.md, "The sm90 backward, rung 4");
+  // at d=64 (128-query steps) ptxas spilled the consumers that way and the
+  // kernel ran 2% slower, so dK runs beside dV (not re-measured since rung 5).
   static constexpr bool kDkBehindDq = HeadDim == 128;
   static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of 64-column slabs");
   // dQ = dS K, [kBlockM queries][d] per step, is two 64 x 64 quarters, one

@@ -86,8 +86,9 @@ bool encode_rows_tensor_map(CUtensorMap* map, const float* base, int64_t count, 
 
 bool encode_float_matrix_tensor_map(CUtensorMap* map, const float* base, int64_t rows, int64_t cols, int box_rows) {
   const auto encode = encode_tiled();
+  // Rows below 2^31: the kernels' box coordinates are signed 32-bit.
   if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || rows < 1 || cols % 32 != 0 ||
-      rows >= (int64_t(1) << 32))
+      rows >= (int64_t(1) << 31))
     return false;
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(float)};

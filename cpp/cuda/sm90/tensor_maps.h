@@ -33,7 +33,8 @@ bool encode_rows_tensor_map(CUtensorMap* map, const float* base, int64_t count, 
 // Describes a row-major float32 [rows, cols] matrix (cols a multiple of 32)
 // in boxes of 32 columns (128 bytes, the swizzle's width) x box_rows rows,
 // 128-byte-swizzled in shared memory: the layout tma_reduce_add_box adds from.
-// false where the driver refuses.
+// false for 2^31 rows or more (the kernels' coordinates are int32) or where
+// the driver refuses.
 bool encode_float_matrix_tensor_map(CUtensorMap* map, const float* base, int64_t rows, int64_t cols, int box_rows);
 
 }  // namespace fusedattn::cuda
