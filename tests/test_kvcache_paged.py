@@ -135,6 +135,25 @@ def test_the_fake_function_and_compile():
     assert not torch.equal(k_c, k_pages)
 
 
+def test_plan_kvcache_takes_the_block_table():
+    """The CPU's plan of a paged call, its checks the call's: a table of the wrong batch and a
+    paged cache passed without its table are refused."""
+    q, k_cache, v_cache, lens, k_new, v_new = make_cache(max_len=32)
+    k_pages, v_pages, table = paged(k_cache, v_cache, page_size=8)
+    assert fusedattn.plan_kvcache(q, k_pages, v_pages, lens, k_new, v_new, block_table=table)["family"] == "cpu"
+    with pytest.raises(RuntimeError, match=r"block_table must be int32 \[B, max_blocks\] = \[3, max_blocks\]"):
+        fusedattn.plan_kvcache(q, k_pages, v_pages, block_table=table[:2])
+    with pytest.raises(RuntimeError, match="the caches hold 15 sequences but the call has 3 .or pass block_table"):
+        op(q, k_pages, v_pages, lens, k_new, v_new)
+    n_q, cached = [2, 1, 0], [3, 30, 0]
+    q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache(n_q, cached, max_len=32)
+    k_pages, v_pages, table = paged(k_cache, v_cache, page_size=8)
+    plan = fusedattn.plan_kvcache(q, k_pages, v_pages, lens, k_new, v_new, cu_seqlens_q=cu, block_table=table)
+    assert plan["family"] == "cpu" and plan["varlen"]
+    with pytest.raises(RuntimeError, match="sequence 1 has 31 cached positions and 0 new ones, but the cache holds 24"):
+        fusedattn.plan_kvcache(q, k_pages, v_pages, lens, k_new, v_new, cu_seqlens_q=cu, block_table=table[:, :3])
+
+
 @pytest.mark.skipif(not fusedattn.ops.has_kernel("forward_kvcache", "cuda") or not torch.cuda.is_available(),
                     reason="needs CUDA")
 def test_cuda_refuses_block_table_by_name():
@@ -142,3 +161,5 @@ def test_cuda_refuses_block_table_by_name():
     k_pages, v_pages, table = (t.cuda() for t in paged(k_cache.cpu(), v_cache.cpu(), page_size=8))
     with pytest.raises(RuntimeError, match="block_table .* runs on the CPU only so far"):
         op(q, k_pages, v_pages, lens, k_new, v_new, block_table=table)
+    with pytest.raises(RuntimeError, match="plan_kvcache: block_table .* runs on the CPU only so far"):
+        fusedattn.plan_kvcache(q, k_pages, v_pages, lens, block_table=table)

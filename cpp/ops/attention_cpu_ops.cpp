@@ -8,6 +8,7 @@
 #include "../cpu/attention_cpu.h"
 #include "checks.h"
 #include "kvcache.h"
+#include "paged_cache.h"
 #include "varlen.h"
 
 namespace fusedattn::ops {
@@ -182,7 +183,7 @@ std::string plan_kvcache_cpu(const at::Tensor& q, const at::Tensor& k_cache, con
                              std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
                              at::OptionalIntArrayRef window, std::optional<double> softcap,
                              const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seqlens_q,
-                             const std::optional<at::Tensor>& seqused_k) {
+                             const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table) {
   const char* op = "fusedattn.plan_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
   Plan plan = cpu::plan(/*backward=*/false);
@@ -190,8 +191,17 @@ std::string plan_kvcache_cpu(const at::Tensor& q, const at::Tensor& k_cache, con
     check_window(op, window);
     check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
     check_packed_kvcache_inputs(op, q, k_cache, v_cache, seqused_k_of(op, seqused_k), *cu_seqlens_q, std::nullopt,
-                                std::nullopt);
+                                std::nullopt, block_table);
     plan.varlen = true;
+  } else if (block_table) {
+    // Pages: every sequence's call is planned as one over a page of keys.
+    check_caches(op, q, k_cache, v_cache);
+    (void)CacheStore(op, q, k_cache, v_cache, q.size(0), block_table);
+    auto page_per_sequence = [&](const at::Tensor& cache) {
+      return cache.narrow(0, 0, 1).expand({q.size(0), cache.size(1), cache.size(2), cache.size(3)});
+    };
+    prepare_forward(op, q, page_per_sequence(k_cache), page_per_sequence(v_cache), std::nullopt, is_causal, scale,
+                    cpu_support(), window, softcap, sinks);
   } else {
     prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale, cpu_support(), window, softcap, sinks);
   }

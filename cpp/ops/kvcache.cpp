@@ -10,9 +10,6 @@
 
 namespace fusedattn::ops {
 
-namespace {
-
-// The checks of the caches that dense and packed queries share.
 void check_caches(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
               op, ": k_cache must be [B, Hkv, max_len, d] and v_cache [B, Hkv, max_len, d_v], got ", k_cache.sizes(),
@@ -24,6 +21,8 @@ void check_caches(const char* op, const at::Tensor& q, const at::Tensor& k_cache
               ", k_cache ", k_cache.scalar_type(), " on ", k_cache.device(), ", v_cache ", v_cache.scalar_type(),
               " on ", v_cache.device());
 }
+
+namespace {
 
 void check_cache_seqlens(const char* op, const at::Tensor& cache_seqlens, int64_t batch, const at::Tensor& q) {
   TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == batch && cache_seqlens.scalar_type() == at::kInt,

@@ -13,6 +13,10 @@
 
 namespace fusedattn::ops {
 
+// The checks of the caches that every forward_kvcache call shares: 4-D, k's
+// and v's first three sizes equal, two tensors, q's dtype and device.
+void check_caches(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache);
+
 // Checks shapes, dtypes and devices of every argument (not the values of
 // cache_seqlens) and returns Nnew, the positions k_new/v_new append (0 if none).
 // With block_table the caches are pages (paged_cache.h).

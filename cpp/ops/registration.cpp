@@ -71,7 +71,8 @@ TORCH_LIBRARY(fusedattn, m) {
   m.def(
       "plan_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, bool is_causal=True, float? scale=None, "
       "int? num_splits=None, bool? merge_in_cluster=None, int? warps=None, int[]? window=None, "
-      "float? softcap=None, Tensor? sinks=None, Tensor? cu_seqlens_q=None, Tensor? seqused_k=None) -> str");
+      "float? softcap=None, Tensor? sinks=None, Tensor? cu_seqlens_q=None, Tensor? seqused_k=None, "
+      "Tensor? block_table=None) -> str");
   // The head dims a CUDA kernel is instantiated for (cpp/generate_kernels.py's table).
   m.def("instantiated_head_dims(str kernel) -> int[]");
   // Seed 2's naive path (materialises S), the baseline of the GPU benchmark. CUDA only.

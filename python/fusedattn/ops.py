@@ -428,6 +428,7 @@ def plan_kvcache(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     cu_seqlens_q: Tensor | None = None,
+    block_table: Tensor | None = None,
 ) -> dict:
     """The plan :func:`attention_with_kvcache` would run for these arguments:
     on CUDA ``"family": "decode"`` with ``"num_splits"``,
@@ -435,7 +436,8 @@ def plan_kvcache(
     depends on the caches' capacity, not on ``cache_seqlens`` or the new keys
     (accepted so that the call's arguments can be passed as they are). With
     ``cu_seqlens_q`` (packed queries), the varlen forward's plan
-    (:func:`plan_varlen`'s keys), ordered by ``cache_seqlens`` and the new keys."""
+    (:func:`plan_varlen`'s keys), ordered by ``cache_seqlens`` and the new keys.
+    ``block_table``: paged caches, as :func:`attention_with_kvcache` takes them."""
     forced = backends.forced()
     seqused_k = None
     if cu_seqlens_q is not None:
@@ -444,4 +446,4 @@ def plan_kvcache(
         seqused_k = cache_seqlens if k_new is None else (cache_seqlens + cu_seqlens_q.diff()).int()
     return _parse_plan(torch.ops.fusedattn.plan_kvcache(q, k_cache, v_cache, is_causal, scale, num_splits,
                                                         forced.decode_merge_in_cluster, forced.decode_warps, window,
-                                                        softcap, sinks, cu_seqlens_q, seqused_k))
+                                                        softcap, sinks, cu_seqlens_q, seqused_k, block_table))
