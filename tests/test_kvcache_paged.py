@@ -39,12 +39,25 @@ def test_paged_equals_contiguous_bit_for_bit(nq, n_new, page_size, dtype):
     q, k_cache, v_cache, lens, k_new, v_new = make_cache(Hq=4, Hkv=2, max_len=64, nq=nq, n_new=n_new, dtype=dtype,
                                                          seed=page_size)
     k_pages, v_pages, table = paged(k_cache, v_cache, page_size, seed=nq)
+    spare = [i for i in range(k_pages.shape[0]) if i not in set(table.flatten().tolist())]
+    spares_before = k_pages[spare].clone(), v_pages[spare].clone()
     expected = op(q, k_cache, v_cache, lens, k_new, v_new, True, None)
     got = op(q, k_pages, v_pages, lens, k_new, v_new, True, None, block_table=table)
     for e, g in zip(expected, got):
         assert torch.equal(g, e)
     # The appends landed in the pages the table names, and nothing else changed.
     assert torch.equal(unpaged(k_pages, table), k_cache) and torch.equal(unpaged(v_pages, table), v_cache)
+    assert torch.equal(k_pages[spare], spares_before[0]) and torch.equal(v_pages[spare], spares_before[1])
+
+
+def test_a_non_contiguous_block_table():
+    q, k_cache, v_cache, lens, k_new, v_new = make_cache(max_len=32, nq=2, n_new=2)
+    k_pages, v_pages, table = paged(k_cache, v_cache, page_size=4)
+    wide = torch.stack([table, torch.full_like(table, -1)], dim=2).flatten(1)[:, ::2]  # column stride 2
+    assert not wide.is_contiguous() and torch.equal(wide, table)
+    expected = op(q, k_cache, v_cache, lens, k_new, v_new)
+    for e, g in zip(expected, op(q, k_pages, v_pages, lens, k_new, v_new, block_table=wide)):
+        assert torch.equal(g, e)
 
 
 def test_the_python_wrapper_decodes_through_pages():
@@ -77,6 +90,28 @@ def test_packed_queries_through_pages():
     assert torch.equal(unpaged(k_pages, table), k_cache) and torch.equal(unpaged(v_pages, table), v_cache)
 
 
+def test_a_partly_filled_page_may_be_read_by_several_sequences():
+    """Sequences that append nothing only read their pages, full or not: a shared last page
+    (lengths 3 and 2 of page size 4) is no conflict, dense or packed (an empty sequence)."""
+    torch.manual_seed(2)
+    H, d = 2, 8
+    k_pages, v_pages = torch.randn(3, H, 4, d), torch.randn(3, H, 4, d)
+    table = torch.tensor([[0, 1], [0, 2]], dtype=torch.int32)
+    lens = torch.tensor([3, 2], dtype=torch.int32)
+    q = torch.randn(2, H, 1, d)
+    k_cache, v_cache = unpaged(k_pages, table), unpaged(v_pages, table)
+    for e, g in zip(op(q, k_cache, v_cache, lens), op(q, k_pages, v_pages, lens, block_table=table)):
+        assert torch.equal(g, e)
+    cu = torch.tensor([0, 0, 1], dtype=torch.int32)  # sequence 0 has no queries, so no new keys
+    q1, k1, v1 = torch.randn(1, H, d), torch.randn(1, H, d), torch.randn(1, H, d)
+    table = torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    k_cache, v_cache = unpaged(k_pages, table).clone(), unpaged(v_pages, table).clone()
+    expected = op(q1, k_cache, v_cache, lens, k1, v1, cu_seqlens_q=cu)
+    for e, g in zip(expected, op(q1, k_pages, v_pages, lens, k1, v1, cu_seqlens_q=cu, block_table=table)):
+        assert torch.equal(g, e)
+
+
 def test_sequences_may_share_prefix_pages():
     """Two sequences read the same first page (a shared prompt) and append into pages of their own."""
     torch.manual_seed(1)
@@ -99,7 +134,7 @@ def test_bad_block_tables():
     q, k_new, v_new = torch.randn(2, H, 1, d), torch.randn(2, H, 1, d), torch.randn(2, H, 1, d)
     lens = torch.tensor([3, 4], dtype=torch.int32)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    before = k_pages.clone()
+    before, v_before = k_pages.clone(), v_pages.clone()
     with pytest.raises(RuntimeError, match=r"block_table must be int32 \[B, max_blocks\] = \[2, max_blocks\], got Long"):
         op(q, k_pages, v_pages, lens, k_new, v_new, block_table=table.long())
     with pytest.raises(RuntimeError, match=r"block_table must be int32 .* got Int \[3, 2\]"):
@@ -114,7 +149,16 @@ def test_bad_block_tables():
         op(q, k_pages, v_pages, lens, k_new, v_new, block_table=torch.tensor([[0, 1], [0, 3]], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="sequence 1 has 8 cached positions and 1 new ones, but the cache holds 8"):
         op(q, k_pages, v_pages, torch.tensor([3, 8], dtype=torch.int32), k_new, v_new, block_table=table)
-    assert torch.equal(k_pages, before)  # every refusal before any append
+    with pytest.raises(RuntimeError, match=r"block_table\[1, 0\] and block_table\[1, 1\] are both page 2"):
+        op(q, k_pages, v_pages, lens, k_new, v_new, block_table=torch.tensor([[0, 1], [2, 2]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="scale must be finite"):
+        op(q, k_pages, v_pages, lens, k_new, v_new, True, float("nan"), block_table=table)
+    with pytest.raises(RuntimeError, match="sequence 1 appends into page 1, which sequence 0 reads"):
+        op(q[:1].transpose(1, 2).reshape(1, H, d), k_pages, v_pages, torch.tensor([5, 4], dtype=torch.int32),
+           k_new[:1, :, 0], v_new[:1, :, 0],
+           cu_seqlens_q=torch.tensor([0, 0, 1], dtype=torch.int32),
+           block_table=torch.tensor([[0, 1], [2, 1]], dtype=torch.int32))
+    assert torch.equal(k_pages, before) and torch.equal(v_pages, v_before)  # every refusal before any append
     # Unused entries of the table are not read: -1 past a sequence's pages is fine.
     op(q, k_pages, v_pages, torch.tensor([0, 1], dtype=torch.int32), k_new, v_new,
        block_table=torch.tensor([[0, -1], [2, -1]], dtype=torch.int32))
@@ -136,8 +180,8 @@ def test_the_fake_function_and_compile():
 
 
 def test_plan_kvcache_takes_the_block_table():
-    """The CPU's plan of a paged call, its checks the call's: a table of the wrong batch and a
-    paged cache passed without its table are refused."""
+    """The CPU's plan of a paged call: a table of the wrong batch, a paged cache passed without
+    its table and a table too short for the lengths are refused."""
     q, k_cache, v_cache, lens, k_new, v_new = make_cache(max_len=32)
     k_pages, v_pages, table = paged(k_cache, v_cache, page_size=8)
     assert fusedattn.plan_kvcache(q, k_pages, v_pages, lens, k_new, v_new, block_table=table)["family"] == "cpu"

@@ -75,6 +75,7 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
   const char* op = "fusedattn.forward_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
   check_window(op, window);  // before any sequence's keys are appended
+  check_scale(op, scale);
   check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
   const SequenceForward forward = [&](const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
                                       const at::Tensor& out_b, const at::Tensor& lse_b) {

@@ -120,6 +120,15 @@ void check_lse(const char* op, const at::Tensor& lse, const at::Tensor& q) {
               lse.device());
 }
 
+void check_scale(const char* op, std::optional<double> scale) {
+  // The kernels work in float32 with the scale times log2(e): a larger one
+  // would be inf there and every output NaN.
+  constexpr double kMaxScale = std::numeric_limits<float>::max() / 1.4426950408889634;  // log2(e)
+  if (scale)
+    TORCH_CHECK(std::isfinite(*scale) && std::abs(*scale) <= kMaxScale, op,
+                ": scale must be finite and at most ", kMaxScale, " in magnitude, got ", *scale);
+}
+
 void check_window(const char* op, at::OptionalIntArrayRef window) {
   if (!window) return;
   const c10::IntArrayRef w = *window;
@@ -234,12 +243,7 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
   TORCH_CHECK(support.max_head_dim == 0 || std::max(q.size(3), v.size(3)) <= support.max_head_dim, op, ": on ",
               support.device_name, " the head dims d and d_v must be at most ", support.max_head_dim, ", got q ",
               shape_str(q), " and v ", shape_str(v));
-  // The kernels work in float32 with the scale times log2(e): a larger one
-  // would be inf there and every output NaN.
-  constexpr double kMaxScale = std::numeric_limits<float>::max() / 1.4426950408889634;  // log2(e)
-  if (scale)
-    TORCH_CHECK(std::isfinite(*scale) && std::abs(*scale) <= kMaxScale, op,
-                ": scale must be finite and at most ", kMaxScale, " in magnitude, got ", *scale);
+  check_scale(op, scale);
 
   check_softcap_and_sinks(op, q, softcap, sinks, support);
 

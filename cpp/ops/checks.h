@@ -65,6 +65,10 @@ at::Tensor output_delta(const at::Tensor& grad_out, const at::Tensor& out);
 // bad window before they write anything.
 void check_window(const char* op, at::OptionalIntArrayRef window);
 
+// prepare_forward's check of `scale` alone (finite, within float32 once
+// multiplied by log2(e)), likewise.
+void check_scale(const char* op, std::optional<double> scale);
+
 // The last dimension made contiguous (copying if it is not), other strides
 // kept; where the device needs it, also a copy when the data or a stride is not
 // a multiple of 16 bytes.

@@ -63,9 +63,14 @@ at::Tensor arrival_counters(const at::Tensor& like, int64_t count, cudaStream_t 
   return buffer;
 }
 
-constexpr const char* kNoPagesOnCuda =
-    "block_table (a paged KV cache) runs on the CPU only so far; on CUDA pass the caches as [B, Hkv, max_len, d] "
-    "without it";
+// A CUDA block_table also brings a CPU call here (the dispatcher follows any CUDA argument).
+void check_block_table_refused(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& block_table) {
+  if (!block_table) return;
+  TORCH_CHECK(q.is_cuda(), op, ": block_table must be on q's device (", q.device(), "), got ",
+              block_table->device());
+  TORCH_CHECK(false, op, ": block_table (a paged KV cache) runs on the CPU only so far; on CUDA pass the caches "
+              "as [B, Hkv, max_len, d] without it");
+}
 
 std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -74,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     std::optional<int64_t> num_splits, std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
     at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& block_table) {
-  TORCH_CHECK(!block_table, "fusedattn.forward_kvcache: ", kNoPagesOnCuda);
+  check_block_table_refused("fusedattn.forward_kvcache", q, block_table);
   if (cu_seqlens_q)
     return forward_packed_kvcache_cuda(q, k_cache, v_cache, cache_seqlens, *cu_seqlens_q, k_new, v_new, is_causal,
                                        scale, num_splits, merge_in_cluster, warps, window, softcap, sinks);
@@ -132,7 +137,7 @@ std::string plan_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
                               const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seqlens_q,
                               const std::optional<at::Tensor>& seqused_k,
                               const std::optional<at::Tensor>& block_table) {
-  TORCH_CHECK(!block_table, "fusedattn.plan_kvcache: ", kNoPagesOnCuda);
+  check_block_table_refused("fusedattn.plan_kvcache", q, block_table);
   if (cu_seqlens_q)
     return plan_packed_kvcache_cuda(q, k_cache, v_cache, *cu_seqlens_q,
                                     seqused_k_of("fusedattn.plan_kvcache", seqused_k), is_causal, scale, num_splits,

@@ -36,9 +36,15 @@ void CacheStore::check_pages(const std::vector<int64_t>& cached, const std::vect
   const int64_t pages = k_cache_.size(0);
   std::unordered_map<int32_t, int64_t> writer;  // page -> the sequence appending into it
   for (size_t b = 0; b < keys.size(); ++b) {
-    for (int64_t i = 0; i < pages_for(keys[b]); ++i)
+    std::unordered_map<int32_t, int64_t> index_of;  // a page of this sequence -> its table column
+    for (int64_t i = 0; i < pages_for(keys[b]); ++i) {
       TORCH_CHECK(page(b, i) >= 0 && page(b, i) < pages, op_, ": block_table[", b, ", ", i, "] = ", page(b, i),
                   " holds positions of sequence ", b, " but the caches have pages 0 .. ", pages - 1);
+      const auto [it, added] = index_of.emplace(page(b, i), i);
+      TORCH_CHECK(added, op_, ": block_table[", b, ", ", it->second, "] and block_table[", b, ", ", i,
+                  "] are both page ", page(b, i), ": a sequence's positions need pages of their own");
+    }
+    if (keys[b] == cached[b]) continue;  // appends nothing: only reads its pages
     for (int64_t i = cached[b] / page_size_; i < pages_for(keys[b]); ++i) {
       const auto [it, added] = writer.emplace(page(b, i), b);
       TORCH_CHECK(added || it->second == int64_t(b), op_, ": sequences ", it->second, " and ", b,

@@ -24,8 +24,9 @@ class CacheStore {
   // The positions a sequence can hold.
   int64_t capacity() const { return capacity_; }
   // Checks that the pages of sequence b's first keys[b] positions exist and
-  // that a page it appends into (positions cached[b] .. keys[b]) is read or
-  // written by no other sequence of the call (nothing to check unpaged).
+  // are distinct, and that a page it appends into (positions cached[b] ..
+  // keys[b]) is read or written by no other sequence of the call (nothing to
+  // check unpaged).
   void check_pages(const std::vector<int64_t>& cached, const std::vector<int64_t>& keys) const;
   // Sequence b's first `keys` positions, [1, Hkv, keys, d] and [1, Hkv, keys,
   // d_v]: views of its cache, or its pages gathered into new tensors.
