@@ -170,16 +170,9 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
   const PackedCacheLengths lengths =
       check_packed_kvcache_inputs(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new, block_table);
   const CacheStore store(op, q, k_cache, v_cache, lengths.batch(), block_table);
-  if (k_new && !store.paged()) append_packed(k_cache, v_cache, *k_new, *v_new, lengths);
   at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
-  // Every append before any sequence's attention, as the unpaged path's one indexed copy.
-  if (k_new && store.paged())
-    for (int64_t b = 0; b < lengths.batch(); ++b) {
-      const int64_t start = lengths.start_q(b), n = lengths.len_q(b);
-      store.append(b, lengths.cached[b], k_new->narrow(0, start, n).transpose(0, 1),
-                   v_new->narrow(0, start, n).transpose(0, 1));
-    }
+  if (k_new) store.append_packed(*k_new, *v_new, lengths);  // before any sequence's attention
   for (int64_t b = 0; b < lengths.batch(); ++b) {
     const int64_t start = lengths.start_q(b), n = lengths.len_q(b);
     if (n == 0) continue;
@@ -189,25 +182,6 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
     lse.narrow(1, start, n).copy_(lse_b[0]);
   }
   return {out, lse};
-}
-
-void append_packed(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_new,
-                   const at::Tensor& v_new, const PackedCacheLengths& lengths) {
-  const int64_t total = k_new.size(0);
-  if (total == 0) return;
-  at::Tensor sequence = at::empty({total}, at::kLong), position = at::empty({total}, at::kLong);
-  int64_t* seq = sequence.data_ptr<int64_t>();
-  int64_t* pos = position.data_ptr<int64_t>();
-  for (int64_t b = 0; b < lengths.batch(); ++b)
-    for (int64_t i = 0; i < lengths.len_q(b); ++i) {
-      seq[lengths.start_q(b) + i] = b;
-      pos[lengths.start_q(b) + i] = lengths.cached[b] + i;
-    }
-  const c10::List<std::optional<at::Tensor>> at_rows{std::optional<at::Tensor>(sequence.to(k_cache.device())),
-                                                     std::optional<at::Tensor>(position.to(k_cache.device()))};
-  // [B, max_len, Hkv, d] views: (sequence, position) pairs pick rows [Hkv, d] of k_new.
-  k_cache.transpose(1, 2).index_put_(at_rows, k_new);
-  v_cache.transpose(1, 2).index_put_(at_rows, v_new);
 }
 
 }  // namespace fusedattn::ops

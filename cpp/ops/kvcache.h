@@ -72,9 +72,4 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
     const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& block_table,
     const SequenceForward& forward);
 
-// Writes sequence b's new rows into the caches at positions cached[b] ..:
-// one indexed copy per cache (in place).
-void append_packed(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_new,
-                   const at::Tensor& v_new, const PackedCacheLengths& lengths);
-
 }  // namespace fusedattn::ops

@@ -4,7 +4,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <tuple>
 #include <unordered_map>
+
+#include "kvcache.h"
 
 namespace fusedattn::ops {
 
@@ -79,12 +82,29 @@ void CacheStore::append(int64_t b, int64_t position, const at::Tensor& k_rows, c
     return;
   }
   for (int64_t done = 0; done < n;) {
-    const int64_t p = position + done, row = p % page_size_, count = std::min(page_size_ - row, n - done);
-    const int32_t target = page(b, p / page_size_);
+    const auto [target, row] = slot_of(b, position + done);
+    const int64_t count = std::min(page_size_ - row, n - done);
     k_cache_[target].narrow(1, row, count).copy_(k_rows.narrow(1, done, count));
     v_cache_[target].narrow(1, row, count).copy_(v_rows.narrow(1, done, count));
     done += count;
   }
+}
+
+void CacheStore::append_packed(const at::Tensor& k_new, const at::Tensor& v_new,
+                               const PackedCacheLengths& lengths) const {
+  const int64_t total = k_new.size(0);
+  if (total == 0) return;
+  at::Tensor slots = at::empty({total}, at::kLong), rows = at::empty({total}, at::kLong);
+  int64_t* slot = slots.data_ptr<int64_t>();
+  int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < lengths.batch(); ++b)
+    for (int64_t i = 0; i < lengths.len_q(b); ++i)
+      std::tie(slot[lengths.start_q(b) + i], row[lengths.start_q(b) + i]) = slot_of(b, lengths.cached[b] + i);
+  const c10::List<std::optional<at::Tensor>> at_rows{std::optional<at::Tensor>(slots.to(k_cache_.device())),
+                                                     std::optional<at::Tensor>(rows.to(k_cache_.device()))};
+  // [slots, rows, Hkv, d] views: (slot, row) pairs pick rows [Hkv, d] of k_new.
+  k_cache_.transpose(1, 2).index_put_(at_rows, k_new);
+  v_cache_.transpose(1, 2).index_put_(at_rows, v_new);
 }
 
 }  // namespace fusedattn::ops

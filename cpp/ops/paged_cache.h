@@ -13,6 +13,8 @@
 
 namespace fusedattn::ops {
 
+struct PackedCacheLengths;
+
 class CacheStore {
  public:
   // Checks block_table (int32 [B, max_blocks] on q's device; read on the
@@ -34,6 +36,10 @@ class CacheStore {
   // Writes k_rows [Hkv, n, d] and v_rows [Hkv, n, d_v] at positions
   // position .. position + n of sequence b (in place).
   void append(int64_t b, int64_t position, const at::Tensor& k_rows, const at::Tensor& v_rows) const;
+  // Packed queries' new keys: row cu_q[b] + i of k_new [total_q, Hkv, d] and
+  // v_new [total_q, Hkv, d_v] at position cached[b] + i of sequence b, all
+  // in one indexed copy per cache (in place).
+  void append_packed(const at::Tensor& k_new, const at::Tensor& v_new, const PackedCacheLengths& lengths) const;
 
  private:
   const char* op_;
@@ -42,6 +48,11 @@ class CacheStore {
   int64_t page_size_ = 0, capacity_ = 0;
   int64_t pages_for(int64_t positions) const { return (positions + page_size_ - 1) / page_size_; }
   int32_t page(int64_t b, int64_t index) const { return table_.data_ptr<int32_t>()[b * table_.size(1) + index]; }
+  // The cache's first index (the sequence, or its page) and row that hold position p of sequence b.
+  std::pair<int64_t, int64_t> slot_of(int64_t b, int64_t p) const {
+    return paged() ? std::pair<int64_t, int64_t>{page(b, p / page_size_), p % page_size_}
+                   : std::pair<int64_t, int64_t>{b, p};
+  }
 };
 
 }  // namespace fusedattn::ops

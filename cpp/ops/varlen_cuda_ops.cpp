@@ -19,6 +19,7 @@
 #include "checks.h"
 #include "kvcache.h"
 #include "operators_cuda.h"
+#include "paged_cache.h"
 #include "varlen.h"
 
 namespace fusedattn::ops {
@@ -245,7 +246,8 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_cuda(
   at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   set_forward_outputs(in.params, as_one_batch(out), lse.unsqueeze(0));
-  if (k_new) append_packed(k_cache, v_cache, *k_new, *v_new, lengths);
+  if (k_new)
+    CacheStore(op, q, k_cache, v_cache, lengths.batch(), std::nullopt).append_packed(*k_new, *v_new, lengths);
   run_forward(in.params, plan, q, stream_of(q));
   return {out, lse};
 }
