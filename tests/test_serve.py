@@ -118,13 +118,21 @@ def engine_greedy(engine, ids, max_tokens):
     return engine.tokenizer.decode(out, skip_special_tokens=True)
 
 
+def idle(server) -> bool:
+    """Whether no request runs or waits and no page of the KV cache is held."""
+    pool = get(server.url + "/health").json()["requests"]
+    return pool["running"] == pool["waiting"] == pool["kv_pages"]["held"] == 0
+
+
 def complete(client, model, prompt, **kw):
     return client.completions.create(model=model, prompt=prompt, temperature=0, **kw)
 
 
 def test_health_and_models(server, model):
     health = get(server.url + "/health").json()
-    assert health == {"status": "ok", "requests": {"running": 0, "waiting": 0}}
+    assert health["status"] == "ok"
+    assert {k: health["requests"][k] for k in ("running", "waiting")} == {"running": 0, "waiting": 0}
+    assert health["requests"]["kv_pages"]["held"] == 0
     assert model == "SmolLM2-135M-Instruct.Q4_1"
 
 
@@ -222,9 +230,81 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(server, model):
     assert response.status == 200 and response.readline().startswith(b"data: ")
     connection.close()  # mid-stream
     deadline = time.monotonic() + 20  # the 4000 tokens would take minutes
-    while get(server.url + "/health").json()["requests"] != {"running": 0, "waiting": 0}:
+    while not idle(server):
         assert time.monotonic() < deadline, "the request kept running after its client left"
         time.sleep(0.2)
+
+
+def test_sixty_four_streaming_clients_of_mixed_lengths_are_batched_and_all_complete(server, client, model):
+    asked = [(PROMPTS[i % 4] + " " * (i % 3), 4 + i % 13) for i in range(64)]
+    peak, done = [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], get(server.url + "/health").json()["requests"]["running"])
+            time.sleep(0.02)
+
+    def stream(prompt, max_tokens):
+        chunks = list(complete(client, model, prompt, max_tokens=max_tokens, stream=True,
+                               stream_options={"include_usage": True}))
+        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            results = list(pool.map(lambda a: stream(*a), asked))
+    finally:
+        done.set()
+        watcher.join()
+    for (prompt, max_tokens), (text, usage) in zip(asked, results):
+        assert usage.completion_tokens <= max_tokens and usage.completion_tokens >= 1
+        assert usage.prompt_tokens + usage.completion_tokens == usage.total_tokens
+    # Equal requests stream equal texts, whatever they were batched with.
+    by_request = {}
+    for request, (text, usage) in zip(asked, results):
+        assert by_request.setdefault(request, (text, usage.completion_tokens)) == (text, usage.completion_tokens)
+    assert peak[0] > 1  # requests ran together
+    assert idle(server)
+
+
+def test_sixteen_clients_leaving_mid_stream_leave_no_page_held(server, model):
+    body = json.dumps({"model": model, "prompt": PROMPTS[1], "max_tokens": 4000, "temperature": 0, "stream": True})
+    connections = []
+    for _ in range(16):
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        connections.append(connection)
+    for connection in connections:
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        connection.close()
+    deadline = time.monotonic() + 30
+    while not idle(server):
+        assert time.monotonic() < deadline, get(server.url + "/health").json()
+        time.sleep(0.2)
+
+
+def test_a_kv_cache_that_runs_out_queues_requests_instead_of_failing(engine, model):
+    # 12 pages of 16 positions: each request needs up to 4, so they take turns
+    # and some are preempted and computed again.
+    running = Running(make_app(engine, model, kv_positions=192))
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        asked = [PROMPTS[i % 4] for i in range(8)]
+        with concurrent.futures.ThreadPoolExecutor(len(asked)) as pool:
+            replies = list(pool.map(lambda p: complete(client, model, p, max_tokens=40), asked))
+        assert all(r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("stop", "length")
+                   for r in replies)
+        pool = get(running.url + "/health").json()["requests"]
+        assert pool["preemptions"] > 0
+        assert pool["kv_pages"]["total"] == 12 and pool["kv_pages"]["held"] == 0
+        too_long = post(running.url + "/v1/completions", json_body={"model": model, "prompt": PROMPTS[0],
+                                                                     "max_tokens": 500})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+        assert "pages of the KV cache, which has 12" in too_long.json()["error"]["message"]
+    finally:
+        running.stop()
 
 
 def test_an_api_key_is_checked_in_constant_time_on_v1_routes(engine, model):

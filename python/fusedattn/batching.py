@@ -137,24 +137,28 @@ class Batcher:
     def add(self, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None,
             stop_tokens: set[int] | frozenset[int] = frozenset()) -> Sequence:
         """Queues a request; it runs from the next step on that has room."""
+        self.check(len(prompt), max_tokens)
         sampling = sampling or SamplingParams()
-        context = self.engine.config.context
-        if not prompt or max_tokens < 1:
-            raise ValueError(f"fusedattn.batching: a request needs a prompt of at least one token and max_tokens "
-                             f">= 1, got {len(prompt)} tokens and max_tokens={max_tokens}")
-        last = len(prompt) + max_tokens - 1  # positions whose keys it may cache
-        if last > context:
-            raise ValueError(f"fusedattn.batching: the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) "
-                             f"exceed the model's context of {context} tokens")
-        if self.paged and math.ceil(last / self.pool.page_size) > self.pool.pages:
-            raise ValueError(f"fusedattn.batching: the request needs {math.ceil(last / self.pool.page_size)} pages "
-                             f"of the KV cache, which has {self.pool.pages}")
         generator = None
         if sampling.temperature > 0:
             generator = torch.Generator(device=self.engine.device).manual_seed(sampling.seed)
         seq = Sequence(list(prompt), max_tokens, sampling, frozenset(stop_tokens), generator)
         self._waiting.append(seq)
         return seq
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raises ValueError where a request of these sizes could never run."""
+        context = self.engine.config.context
+        if prompt_tokens < 1 or max_tokens < 1:
+            raise ValueError(f"fusedattn.batching: a request needs a prompt of at least one token and max_tokens "
+                             f">= 1, got {prompt_tokens} tokens and max_tokens={max_tokens}")
+        last = prompt_tokens + max_tokens - 1  # positions whose keys it may cache
+        if last > context:
+            raise ValueError(f"fusedattn.batching: the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) "
+                             f"exceed the model's context of {context} tokens")
+        if self.paged and math.ceil(last / self.pool.page_size) > self.pool.pages:
+            raise ValueError(f"fusedattn.batching: the request needs {math.ceil(last / self.pool.page_size)} pages "
+                             f"of the KV cache, which has {self.pool.pages}")
 
     def cancel(self, seq: Sequence) -> None:
         """Ends a request now (its pages go back); nothing where it has ended."""

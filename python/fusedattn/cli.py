@@ -718,6 +718,9 @@ def _serve(args) -> int:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     if args.api_key == "":
         raise UsageError("--api-key is empty: give the key clients must send, or leave the option out")
+    for flag, value in (("--max-running", args.max_running), ("--kv-cache-tokens", args.kv_cache_tokens)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
     _check_cache_dir(args)
     device = _device(args.device, "forward_kvcache", default_cuda=False)
     _engine_dtype(args, device)
@@ -734,13 +737,13 @@ def _serve(args) -> int:
     from .serve import make_app, model_name
 
     engine = Engine.from_gguf(path, device=device, dtype=_engine_dtype(args, device),
-                              cuda_graph=not args.no_cuda_graph,
                               cache_dir=None if args.no_cache else args.cache_dir or default_cache_dir())
     name = model_name(path)
     print(f"fusedattn serve: {name} on {engine.device}, http://{args.host}:{args.port}/v1 "
           f"({'an API key is needed' if args.api_key else 'no API key'}); Ctrl-C or SIGTERM stops it", flush=True)
     try:
-        web.run_app(make_app(engine, name, args.api_key), host=args.host, port=args.port, print=None,
+        web.run_app(make_app(engine, name, args.api_key, max_running=args.max_running,
+                             kv_positions=args.kv_cache_tokens), host=args.host, port=args.port, print=None,
                     handler_cancellation=True, shutdown_timeout=5)
     except OSError as e:
         raise UsageError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
@@ -857,7 +860,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="the weights' and activations' dtype (default: float32 on the CPU, float16 on CUDA; "
                         "bfloat16 decodes about 1.8x faster on the CPU)")
-    v.add_argument("--no-cuda-graph", action="store_true", dest="no_cuda_graph", help="decode eagerly on CUDA")
+    v.add_argument("--max-running", type=int, default=32, dest="max_running",
+                   help="requests decoded together at most; more wait (default 32)")
+    v.add_argument("--kv-cache-tokens", type=int, default=16384, dest="kv_cache_tokens",
+                   help="positions of the paged KV cache, shared by the requests (default 16384; on CUDA, whose "
+                        "kernels read no pages yet, each running request holds the model's whole context instead)")
     return parser
 
 

@@ -31,8 +31,10 @@ def _json(body: dict, status: int = 200) -> web.Response:
     return web.json_response(body, status=status)
 
 
-def make_app(engine: Engine, model_name: str, api_key: str | None = None) -> web.Application:
-    """The application serving engine under model_name; api_key: the bearer key every /v1 request needs."""
+def make_app(engine: Engine, model_name: str, api_key: str | None = None, **batching) -> web.Application:
+    """The application serving engine under model_name; api_key: the bearer
+    key every /v1 request needs; batching: fusedattn.batching.Batcher's
+    options (max_running, kv_positions, page_size, token_budget, prefix_caching)."""
 
     @web.middleware
     async def errors_and_key(request: web.Request, handler):
@@ -48,7 +50,7 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None) -> web
             return _json(error_body(e.reason, "invalid_request_error"), e.status)
 
     app = web.Application(middlewares=[errors_and_key])
-    app[_SCHEDULER] = Scheduler(engine)
+    app[_SCHEDULER] = Scheduler(engine, **batching)
     app[_MODEL] = model_name
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
@@ -103,6 +105,10 @@ def _job(request: web.Request, req: Request) -> Job:
     if max_tokens > room:
         raise ApiError(400, f"the prompt ({len(ids)} tokens) and max_tokens ({max_tokens}) exceed the model's "
                        f"context of {context} tokens", "max_tokens", "context_length_exceeded")
+    try:
+        request.app[_SCHEDULER].batcher.check(len(ids), max_tokens)
+    except ValueError as e:  # more than the whole KV cache holds
+        raise ApiError(400, str(e).removeprefix("fusedattn.batching: "), "max_tokens") from None
     seed = req.seed if req.seed is not None else random.SystemRandom().randrange(2**63)
     return Job(ids, max_tokens, SamplingParams(req.temperature, req.top_k, req.top_p, seed), req.stop,
                asyncio.get_running_loop())

@@ -1,10 +1,11 @@
-"""The server's engine worker: one thread that runs the requests in arrival order.
+"""The server's engine worker: one thread that steps every request together.
 
 A handler submits a Job and reads its events (text deltas, then the finish)
-from an asyncio queue that the worker fills across threads. A job whose client
-went away is cancelled: the worker stops it at its next token (its KV cache is
-freed with it) or skips it if it has not started. Requests run one at a time;
-batching requests together is the continuous-batching step still to come.
+from an asyncio queue that the worker fills across threads. Between two steps
+of the ``fusedattn.batching.Batcher`` the worker admits the jobs that arrived
+and drops those whose client went away (their pages go back at once); each
+step then decodes a token of every running request and prefills a chunk of the
+newest ones (continuous batching), and each request's new text goes to its job.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import queue
 import threading
 
+from ..batching import Batcher, Sequence
 from ..engine import Engine, SamplingParams
 
 __all__ = ["Finish", "Job", "Scheduler"]
@@ -21,7 +23,7 @@ __all__ = ["Finish", "Job", "Scheduler"]
 
 @dataclasses.dataclass
 class Finish:
-    reason: str  # "stop" (end of text or a stop string) or "length" (max_tokens)
+    reason: str  # "stop" (end of text or a stop string), "length" (max_tokens) or "error"
     completion_tokens: int
     error: str | None = None
 
@@ -40,69 +42,109 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
+class _Text:
+    """A request's text as its tokens arrive: what can be sent now. A stop
+    string ends it (and is not sent); text that may begin one, or that ends
+    inside a multi-byte character, is held back."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """The text now ready to send, and whether a stop string ended it."""
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            return text[self.sent:min(hits)], True
+        ready = len(text) - self.hold
+        while ready > self.sent and text[ready - 1] == "\ufffd":  # half of a multi-byte character
+            ready -= 1
+        delta, self.sent = text[self.sent:max(ready, self.sent)], max(ready, self.sent)
+        return delta, False
+
+    def rest(self) -> str:
+        """What is still held back, once the request has ended."""
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)[self.sent:]
+
+
 class Scheduler:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, **batching):
+        """batching: fusedattn.batching.Batcher's options (max_running, kv_positions, ...)."""
         self.engine = engine
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._active = 0
+        self.batcher = Batcher(engine, **batching)
+        self._inbox: queue.Queue[Job | None] = queue.Queue()
+        self._jobs: dict[Sequence, tuple[Job, _Text]] = {}
         self._thread = threading.Thread(target=self._run, name="fusedattn-serve-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        self._jobs.put(job)
+        self._inbox.put(job)
 
     def pool(self) -> dict:
-        """What /health reports: requests running and waiting."""
-        return {"running": self._active, "waiting": self._jobs.qsize()}
+        """What /health reports: requests running and waiting (the submitted
+        ones not yet admitted among them), preemptions, and the KV cache's pages."""
+        counts = self.batcher.counts()
+        return {**counts, "waiting": counts["waiting"] + self._inbox.qsize()}
 
     def close(self) -> None:
         """Cancels nothing by itself: the server cancels its jobs, then closes."""
-        self._jobs.put(None)
+        self._inbox.put(None)
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while self._admit():
+            for seq, (job, _) in list(self._jobs.items()):
+                if job.cancelled.is_set():  # its client went away
+                    self._end(seq)
+            try:
+                events = self.batcher.step()
+            except Exception as e:  # noqa: BLE001  (the step's requests fail; the server goes on)
+                for seq, (job, text) in list(self._jobs.items()):
+                    self._end(seq, Finish("error", len(text.tokens), f"{type(e).__name__}: {e}"))
+                continue
+            for event in events:
+                job, text = self._jobs[event.sequence]
+                delta, stopped = text.push(event.token)
+                if delta:
+                    job.emit(delta)
+                if stopped:
+                    self._end(event.sequence, Finish("stop", len(text.tokens)))
+                elif event.finish is not None:
+                    rest = text.rest()
+                    if rest:
+                        job.emit(rest)
+                    self._end(event.sequence, Finish(event.finish, len(text.tokens)))
+        for seq in list(self._jobs):
+            self._end(seq)
+
+    def _admit(self) -> bool:
+        """Adds the jobs that arrived (waiting for one while nothing runs);
+        False once the server closes."""
+        block = not self.batcher.busy()
+        while True:
+            try:
+                job = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            block = False
             if job.cancelled.is_set():
                 continue
-            self._active = 1
             try:
-                job.emit(self._serve(job))
-            except Exception as e:  # noqa: BLE001  (the request fails; the server goes on)
-                job.emit(Finish("error", 0, f"{type(e).__name__}: {e}"))
-            finally:
-                self._active = 0
+                seq = self.batcher.add(job.ids, job.max_tokens, job.sampling, {self.engine.tokenizer.eos_token_id})
+            except ValueError as e:  # larger than the whole KV cache
+                job.emit(Finish("error", 0, str(e)))
+                continue
+            self._jobs[seq] = (job, _Text(self.engine.tokenizer, job.stop))
 
-    def _serve(self, job: Job) -> Finish:
-        """Runs the job, emitting its text as it grows; a stop string ends it
-        (and is not emitted), and text that may begin one is held back."""
-        tokenizer = self.engine.tokenizer
-        hold = max((len(s) for s in job.stop), default=1) - 1
-        tokens: list[int] = []
-        sent = 0
-        steps = self.engine.generate([job.ids], job.max_tokens, job.sampling)
-        try:
-            for step in steps:
-                if job.cancelled.is_set():
-                    return Finish("cancelled", len(tokens))
-                token = step[0]
-                if token is None:
-                    break
-                tokens.append(token)
-                text = tokenizer.decode(tokens, skip_special_tokens=True)
-                hits = [i for i in (text.find(s) for s in job.stop) if i >= 0]
-                if hits:
-                    job.emit(text[sent:min(hits)])
-                    return Finish("stop", len(tokens))
-                ready = len(text) - hold
-                while ready > sent and text[ready - 1] == "\ufffd":  # half of a multi-byte character
-                    ready -= 1
-                if ready > sent:
-                    job.emit(text[sent:ready])
-                    sent = ready
-        finally:
-            steps.close()
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        if len(text) > sent:
-            job.emit(text[sent:])
-        ended = bool(tokens) and tokens[-1] == tokenizer.eos_token_id
-        return Finish("stop" if ended or len(tokens) < job.max_tokens else "length", len(tokens))
+    def _end(self, seq: Sequence, finish: Finish | None = None) -> None:
+        """Takes seq out of the batch (its pages go back) and sends finish, if any, to its job."""
+        self.batcher.cancel(seq)
+        job, _ = self._jobs.pop(seq)
+        if finish is not None:
+            job.emit(finish)
