@@ -842,3 +842,29 @@ def test_engine_checks_the_architecture_before_the_load(tmp_path, monkeypatch):
     _write_gguf(qwen, {"general.architecture": "qwen2"})
     with pytest.raises(ValueError, match="its architecture is 'qwen2'; fusedattn's engine runs llama, gemma3"):
         engine.Engine.from_gguf(str(qwen))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--url", "http://x"], "--url needs --serve"),
+    (["--rates", "1"], "--rates needs --serve"),
+    (["--serve", "--seqlens", "128"], "--seqlens does not apply to --serve"),
+    (["--serve", "--methods", "sdpa"], "--methods does not apply to --serve"),
+    (["--serve", "--requests", "0"], "--requests must be at least 1, got 0"),
+    (["--serve", "--url", "http://127.0.0.1:9", "--device", "cpu"],
+     "--device configures the engine this command serves: it does not apply to --url"),
+    (["--serve", "--against", "vllm"], "--against vllm: vllm is not generate_batch or generate"),
+])
+def test_bench_serve_command_line_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fusedattn bench: error: {message}")
+
+
+def test_bench_serve_rates_must_be_positive_numbers(capsys):
+    for rates in ("0", "1,x", "-2"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["bench", "--serve", "--rates", rates])
+        assert exit_info.value.code == 2
+    assert "every rate must be a positive number" in capsys.readouterr().err

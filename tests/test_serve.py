@@ -1,7 +1,6 @@
 """fusedattn serve: the OpenAI-compatible server on SmolLM2 (CPU), driven by
 the openai client, against the engine's own greedy answers."""
 
-import asyncio
 import concurrent.futures
 import http.client
 import json
@@ -22,41 +21,13 @@ pytest.importorskip("gguf", reason="needs the models extra: pip install .[models
 pytest.importorskip("aiohttp", reason="needs the serve extra: pip install .[serve]")
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install .[serve]")
 
-from aiohttp import web  # noqa: E402
-
+from fusedattn import bench_serve, cli  # noqa: E402
 from fusedattn.engine import Engine, smollm2_path  # noqa: E402
 from fusedattn.serve import make_app, model_name  # noqa: E402
+from fusedattn.serve.running import Running  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Attention is all you", "Red, orange, yellow,"]
 KEY = "sk-test-key"
-
-
-class Running:
-    """An app served from a thread of its own on 127.0.0.1 at a free port."""
-
-    def __init__(self, app: web.Application):
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(app, handler_cancellation=True)
-        ready = threading.Event()
-
-        def serve():
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.runner.setup())
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            self.loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=serve, daemon=True)
-        self.thread.start()
-        assert ready.wait(30)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -358,3 +329,36 @@ def test_serve_command_line_errors(argv, message):
     done = subprocess.run([sys.executable, "-m", "fusedattn", "serve", *argv], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"fusedattn serve: error: {message}"]
+
+
+def test_bench_serve_loads_a_running_server_at_each_rate(server, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    assert cli.main(["bench", "--serve", "--url", server.url, "--rates", "5,50", "--requests", "6", "--no-progress",
+                     "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [row["rate"] for row in result["online"]] == [5, 50]
+    for row in result["online"]:
+        assert row["requests"] == 6 and row["failed"] == 0 and row["output_tokens"] >= 6
+        assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p99"] and 0 < row["itl_ms_p50"] <= row["itl_ms_p99"]
+        assert row["output_tokens_per_s"] == pytest.approx(row["output_tokens"] / row["seconds"])
+    table = capsys.readouterr().out
+    assert "| 50 |" in table and "SmolLM2-135M-Instruct.Q4_1" in table
+    assert idle(server)
+
+
+def test_bench_serve_offline_counts_each_requests_own_tokens(engine):
+    cfg = bench_serve.ServeConfig(requests=3, prompt_words=[8, 20], output_tokens=[3, 6], max_running=2)
+    # generate only: generate_batch's start-up takes half a minute on the CPU (it ran by hand).
+    rows = bench_serve.offline(engine, smollm2_path(), cfg, ["generate"], progress=False)
+    wanted = sum(n for _, n in bench_serve.requests(cfg))
+    assert [r["method"] for r in rows] == ["fusedattn", "generate"]
+    assert all(r["output_tokens"] == wanted and r["output_tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["fusedattn_x"] == 1.0
+
+
+def test_bench_serve_says_when_nothing_serves_at_the_url(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--serve", "--url", f"http://127.0.0.1:{_free_port()}"])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("fusedattn bench: error: --url http://127.0.0.1:") and "cannot list its models" in line

@@ -37,6 +37,16 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not rates or not all(0 < r < float("inf") for r in rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: every rate must be a positive number of requests per second")
+    return rates
+
+
 def _module_missing(name: str) -> bool:
     """Whether `import name` would fail for want of the module (without importing it)."""
     try:
@@ -148,7 +158,9 @@ def _check_plot(path: str) -> None:
 # Options that choose what a run measures; none applies to --from-json.
 _RUN_OPTIONS = ("device", "batch", "heads", "head_dim", "seqlens", "dtype", "causal", "repeats", "methods",
                 "warmup", "json", "decode", "backward", "kv_heads", "lengths", "capacity", "launch_gaps",
-                "num_splits", "ring", "layout", "mask", "varlen", "train", "eager")
+                "num_splits", "ring", "layout", "mask", "varlen", "train", "eager", "serve", "url", "rates",
+                "requests", "against", "max_running")
+_SERVE_ONLY = ("url", "rates", "requests", "against", "max_running")
 _DECODE_ONLY = ("lengths", "capacity", "launch_gaps", "num_splits")
 # What --ring times is fixed (the ring, compute alone, communication alone, one device; forward and
 # forward+backward): these choose other benchmarks' columns.
@@ -160,6 +172,8 @@ _NOT_VARLEN = ("causal", "methods", "plot", "wide", "kv_heads", "batch", "seqlen
 # --train times a model's steps: its shape is the model's, the attention causal, the backward included.
 _NOT_TRAIN = ("batch", "heads", "head_dim", "seqlens", "causal", "backward", "plot", "wide", "kv_heads", "ring",
               "decode", "mask", "varlen", "layout") + _DECODE_ONLY
+# --serve loads a model and sends it requests: no attention shape or column applies.
+_NOT_SERVE = _NOT_TRAIN + ("methods", "repeats", "warmup", "train", "eager")
 
 
 def _flag(name: str) -> str:
@@ -180,7 +194,20 @@ def _check_bench(args) -> None:
         return
     if args.eager and not args.train:
         raise UsageError("--eager needs --train")
-    if args.train:
+    if not args.serve:
+        given = [_flag(n) for n in _SERVE_ONLY if _given(args, n)]
+        if given:
+            raise UsageError(f"{given[0]} needs --serve")
+    if args.serve:
+        for name in _NOT_SERVE:
+            if _given(args, name):
+                raise UsageError(f"{_flag(name)} does not apply to --serve")
+        if args.url and (args.device or args.dtype or args.against or args.max_running):
+            flag = next(f for f, n in (("--device", "device"), ("--dtype", "dtype"), ("--against", "against"),
+                                       ("--max-running", "max_running")) if _given(args, n))
+            raise UsageError(f"{flag} configures the engine this command serves: it does not apply to --url")
+        _positive(args, ("requests", "max_running"))
+    elif args.train:
         for name in _NOT_TRAIN:
             if _given(args, name):
                 raise UsageError(f"{_flag(name)} does not apply to --train")
@@ -351,6 +378,68 @@ def _bench_varlen(args) -> int:
     return 0
 
 
+def _bench_serve(args) -> int:
+    from . import bench_serve
+
+    cfg = bench_serve.ServeConfig()
+    for field in ("rates", "requests", "max_running"):
+        if getattr(args, field) is not None:
+            setattr(cfg, field, getattr(args, field))
+    against = [m for m in (args.against or "").split(",") if m]
+    unknown = [m for m in against if m not in ("generate_batch", "generate")]
+    if unknown:
+        raise UsageError(f"--against {args.against}: {unknown[0]} is not generate_batch or generate")
+    missing = [m for m in ("aiohttp",) + (() if args.url else ("transformers", "gguf")) if _module_missing(m)]
+    if missing:
+        raise UsageError(f"--serve needs {' and '.join(missing)} (the serve and models extras): "
+                         f'pip install --no-build-isolation ".[models,serve]" in the fusedattn checkout')
+    progress = not args.no_progress
+    if args.url:
+        url = args.url.rstrip("/")
+        model, device = _served_model(url), f"the server at {url}"
+        online, offline = bench_serve.online(url, model, cfg, progress), []
+    else:
+        from .engine import Engine
+        from .engine_cache import default_cache_dir
+        from .serve import make_app, model_name
+        from .serve.running import Running
+
+        engine_device = _device(args.device, "forward_kvcache", default_cuda=False)
+        if args.dtype is not None and args.dtype not in _dtypes():
+            raise UsageError(f"--dtype {args.dtype}: --serve takes one of float32, float16, bfloat16")
+        dtype = _engine_dtype(args, engine_device)
+        args.gguf = None
+        path = _model_path(args)
+        _check_model(path, "the default model", engine_device, 0)
+        engine = Engine.from_gguf(path, device=engine_device, dtype=dtype, cache_dir=default_cache_dir())
+        model, device = model_name(path), f"{engine.device} ({str(engine.dtype).removeprefix('torch.')})"
+        running = Running(make_app(engine, model, max_running=cfg.max_running))
+        try:
+            online = bench_serve.online(running.url, model, cfg, progress)
+        finally:
+            running.stop()
+        offline = bench_serve.offline(engine, path, cfg, against, progress) if against else []
+    result = bench_serve.summary(model, device, cfg, online, offline)
+    print(bench_serve.format_table(result))
+    _write_json(result, args.json)
+    return 0
+
+
+def _served_model(url: str) -> str:
+    """The one model a server at url serves (GET /v1/models)."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+            models = [m["id"] for m in json.loads(r.read())["data"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--url {url}: cannot list its models at {url}/v1/models ({e})") from None
+    if len(models) != 1:
+        raise UsageError(f"--url {url}: serves {len(models)} models, expected one")
+    return models[0]
+
+
 def _bench_train(args) -> int:
     from . import bench_train
 
@@ -497,6 +586,8 @@ def _bench(args) -> int:
         return _bench_varlen(args)
     if args.train:
         return _bench_train(args)
+    if args.serve:
+        return _bench_serve(args)
     device = _device(args.device, "forward", default_cuda=False)
     _check_backward_kernel(args, device, "backward")
     cfg = bench.default_config(device)
@@ -809,6 +900,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "B=1 N=8192) or tiny (for tests); its attention is fusedattn's or an SDPA backend's, all "
                         "else the same: step time, tokens/s, peak memory and the loss curves from one seed. "
                         "Defaults on CUDA bfloat16 autocast, torch.compile, 10 warm-up and 200 timed steps")
+    b.add_argument("--serve", action="store_true",
+                   help="the engine as a server instead: streamed greedy completions (prompts of 16/64/256 random "
+                        "words, outputs of 16/64/128 tokens) arrive as a Poisson process at each --rates; output "
+                        "tokens/s, time to first token and between tokens (p50, p99), preemptions. Serves SmolLM2 "
+                        "itself on --device (default cpu) unless --url")
+    b.add_argument("--url", help="--serve: load a running fusedattn serve (or any OpenAI-compatible server of one "
+                                 "model) at this address instead, e.g. http://127.0.0.1:8000")
+    b.add_argument("--rates", type=_rates, help="--serve: requests per second, comma-separated (default 1,4,16)")
+    b.add_argument("--requests", type=int, help="--serve: requests at each rate (default 32)")
+    b.add_argument("--max-running", type=int, dest="max_running",
+                   help="--serve: the server's --max-running (default 32)")
+    b.add_argument("--against", metavar="METHODS",
+                   help="--serve: also the first rate's requests at once, offline, against transformers on the same "
+                        "model: generate_batch (its continuous batching), generate (static cache, padded batches "
+                        "of --max-running; compiled on CUDA), comma-separated")
     b.add_argument("--eager", action="store_true", help="--train: no torch.compile")
     b.add_argument("--layout", choices=["contiguous", "zigzag"], help="--ring: how N is spread over the ranks "
                                                                       "(default zigzag)")

@@ -1,0 +1,263 @@
+"""``fusedattn bench --serve``: the engine as a server, under load and against transformers.
+
+Online: streamed greedy completions arrive at the server as a Poisson process
+at each request rate, with prompts and output lengths drawn from a mix; per
+rate the output tokens/s, the time to the first token and between tokens
+(p50, p99; a piece of text held back, e.g. a multi-byte character, arrives as
+one chunk) and the server's preemptions. Without ``url`` the benchmark serves
+the engine itself (SmolLM2 by default) in this process.
+
+Offline (``against``): the same requests handed over at once, each run to its
+output length (end-of-text ignored): fusedattn's ``Batcher`` against
+transformers' continuous batching (``generate_batch``) and its ``generate``
+over batches of ``max_running`` prompts padded on the left with a static
+cache (compiled on CUDA), output tokens/s of each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import statistics
+import time
+
+import torch
+
+__all__ = ["ServeConfig", "format_table", "offline", "online"]
+
+_WORDS = ("the of and to in is was for on that with as by at from his her an were which this be or are had not "
+          "one all their there been has when who will more no if out so said what up its about into than them can "
+          "only other new some could time these two may then do first any my now such like our over man me even "
+          "most made after also did many before must through back years where much your way well down should "
+          "because each just those people how too little state good very make world still own see men work long "
+          "get here between both life being under never day same another know while last might us great old year "
+          "off come since against go came right used take three").split()
+
+
+@dataclasses.dataclass
+class ServeConfig:
+    rates: list[float] = dataclasses.field(default_factory=lambda: [1.0, 4.0, 16.0])  # requests per second
+    requests: int = 32  # per rate
+    prompt_words: list[int] = dataclasses.field(default_factory=lambda: [16, 64, 256])
+    output_tokens: list[int] = dataclasses.field(default_factory=lambda: [16, 64, 128])
+    max_running: int = 32
+    seed: int = 0
+
+
+def requests(cfg: ServeConfig, salt: int = 0) -> list[tuple[str, int]]:
+    """(prompt, max_tokens) pairs of the mix: prompts of random words."""
+    rng = random.Random(cfg.seed * 1000 + salt)
+    return [(" ".join(rng.choice(_WORDS) for _ in range(rng.choice(cfg.prompt_words))),
+             rng.choice(cfg.output_tokens)) for _ in range(cfg.requests)]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+@dataclasses.dataclass
+class _Timing:
+    sent: float
+    chunks: list[float] = dataclasses.field(default_factory=list)  # arrival of each piece of text
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+async def _stream(session, url: str, model: str, prompt: str, max_tokens: int, delay: float) -> _Timing:
+    await asyncio.sleep(delay)
+    timing = _Timing(time.perf_counter())
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            timing.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+            return timing
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                timing.error = chunk["error"]["message"]
+            elif chunk.get("usage"):
+                timing.completion_tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                timing.chunks.append(time.perf_counter())
+    return timing
+
+
+async def _load(url: str, model: str, load: list[tuple[str, int]], rate: float, seed: int, progress) -> list[_Timing]:
+    import aiohttp
+
+    rng = random.Random(seed)
+    delays, t = [], 0.0
+    for _ in load:
+        delays.append(t)
+        t += rng.expovariate(rate)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        async def one(prompt, max_tokens, delay):
+            timing = await _stream(session, url, model, prompt, max_tokens, delay)
+            progress.update(1)
+            return timing
+
+        return await asyncio.gather(*(one(p, m, d) for (p, m), d in zip(load, delays)))
+
+
+def _health(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+        return json.loads(r.read())["requests"]
+
+
+def online(url: str, model: str, cfg: ServeConfig, progress: bool = True) -> list[dict]:
+    """One row per rate: the load's throughput, latencies and the server's preemptions."""
+    from tqdm import tqdm
+
+    rows = []
+    with tqdm(total=cfg.requests * len(cfg.rates), desc="fusedattn bench --serve", unit="request",
+              disable=not progress) as bar:
+        for i, rate in enumerate(cfg.rates):
+            load = requests(cfg, salt=i)
+            before = _health(url)
+            timings = asyncio.run(_load(url, model, load, rate, cfg.seed * 1000 + i, bar))
+            after = _health(url)
+            done = [t for t in timings if t.error is None and t.chunks]
+            span = max((t.chunks[-1] for t in done), default=0.0) - min((t.sent for t in timings), default=0.0)
+            tokens = sum(t.completion_tokens for t in done)
+            gaps = [b - a for t in done for a, b in zip(t.chunks, t.chunks[1:])]
+            ttft = [t.chunks[0] - t.sent for t in done]
+            rows.append({
+                "rate": rate, "requests": len(load), "failed": len(timings) - len(done),
+                "errors": sorted({t.error for t in timings if t.error})[:3],
+                "output_tokens": tokens, "seconds": span, "output_tokens_per_s": tokens / span if span > 0 else 0.0,
+                "ttft_ms_p50": 1e3 * _percentile(ttft, 50), "ttft_ms_p99": 1e3 * _percentile(ttft, 99),
+                "itl_ms_p50": 1e3 * _percentile(gaps, 50), "itl_ms_p99": 1e3 * _percentile(gaps, 99),
+                "preemptions": after["preemptions"] - before["preemptions"]})
+    return rows
+
+
+def offline(engine, path: str, cfg: ServeConfig, against: list[str], progress: bool = True) -> list[dict]:
+    """The first rate's requests at once, each to its output length: output
+    tokens/s of fusedattn's Batcher and of each transformers method asked for
+    ("generate_batch", "generate") on the model of the GGUF file at path."""
+    from tqdm import tqdm
+
+    load = [(engine.tokenizer.encode(p), n) for p, n in requests(cfg)]
+    # generate last: on CUDA it compiles the model's forward.
+    methods = ["fusedattn"] + sorted(against, key=lambda m: m == "generate")
+    model = _transformers_model(engine, path) if against else None
+    rows = []
+    for method in tqdm(methods, desc="fusedattn bench --serve offline", disable=not progress, unit="method"):
+        run = {"fusedattn": _fusedattn_offline, "generate_batch": _transformers_batch,
+               "generate": _transformers_static}[method]
+        seconds, tokens = run(engine, model, load, cfg)
+        rows.append({"method": method, "requests": len(load), "output_tokens": tokens, "seconds": seconds,
+                     "output_tokens_per_s": tokens / seconds})
+    fusedattn_rate = rows[0]["output_tokens_per_s"]
+    for row in rows:
+        row["fusedattn_x"] = fusedattn_rate / row["output_tokens_per_s"]
+    return rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fusedattn_offline(engine, model, load, cfg: ServeConfig) -> tuple[float, int]:
+    from .batching import Batcher
+
+    batcher = Batcher(engine, max_running=cfg.max_running)
+    batcher.add(*load[0])  # a warm-up request
+    while batcher.busy():
+        batcher.step()
+    _sync(engine.device)
+    start = time.perf_counter()
+    seqs = [batcher.add(ids, n) for ids, n in load]  # no stop token: every request runs to its length
+    while batcher.busy():
+        batcher.step()
+    _sync(engine.device)
+    return time.perf_counter() - start, sum(len(s.tokens) for s in seqs)
+
+
+def _transformers_model(engine, path: str):
+    import os
+
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return model.to(device=engine.device, dtype=engine.dtype).eval()
+
+
+def _transformers_batch(engine, model, load, cfg: ServeConfig) -> tuple[float, int]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max(n for _, n in load), eos_token_id=None, do_sample=False)
+    # generate_batch takes one max_new_tokens: every request runs to the longest output, and the
+    # tokens counted are each request's own (the others are waste a server would not make).
+    model.generate_batch([load[0][0]], generation_config=config)  # warm-up
+    _sync(engine.device)
+    start = time.perf_counter()
+    out = model.generate_batch([ids for ids, _ in load], generation_config=config)
+    _sync(engine.device)
+    assert all(len(o.generated_tokens) >= max(n for _, n in load) for o in out.values())
+    return time.perf_counter() - start, sum(n for _, n in load)
+
+
+def _transformers_static(engine, model, load, cfg: ServeConfig) -> tuple[float, int]:
+    if engine.device.type == "cuda":
+        model.forward = torch.compile(model.forward, mode="reduce-overhead")
+    pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
+    batches = [load[i:i + cfg.max_running] for i in range(0, len(load), cfg.max_running)]
+
+    def run(batch):
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([[pad] * (width - len(i)) + i for i, _ in batch], device=engine.device)
+        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i, _ in batch], device=engine.device)
+        new = max(n for _, n in batch)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           cache_implementation="static", pad_token_id=pad)
+        return sum(n for _, n in batch)  # a padded batch runs to its longest output; each request counts its own
+
+    run(batches[0][:1])  # warm-up (and the compile on CUDA)
+    _sync(engine.device)
+    start = time.perf_counter()
+    tokens = sum(run(b) for b in batches)
+    _sync(engine.device)
+    return time.perf_counter() - start, tokens
+
+
+def format_table(result: dict) -> str:
+    lines = [f"fusedattn serve under load: {result['model']} on {result['device']}, {result['requests']} requests a "
+             f"rate, prompts of {result['prompt_words']} words, outputs of {result['output_tokens']} tokens",
+             "", "| rate (req/s) | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | preemptions | failed |",
+             "|---|---|---|---|---|---|"]
+    for r in result["online"]:
+        lines.append(f"| {r['rate']:g} | {r['output_tokens_per_s']:.1f} | {r['ttft_ms_p50']:.0f} / "
+                     f"{r['ttft_ms_p99']:.0f} | {r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} | {r['preemptions']} | "
+                     f"{r['failed']} |")
+    for r in result["online"]:
+        for error in r["errors"]:
+            lines.append(f"rate {r['rate']:g}: {error}")
+    if result.get("offline"):
+        lines += ["", "offline, the first rate's requests at once, each to its output length (fusedattn x: "
+                  "fusedattn's tokens/s over the method's):", "",
+                  "| method | output tok/s | fusedattn x |", "|---|---|---|"]
+        lines += [f"| {r['method']} | {r['output_tokens_per_s']:.1f} | {r['fusedattn_x']:.2f} |"
+                  for r in result["offline"]]
+    return "\n".join(lines)
+
+
+def summary(model: str, device: str, cfg: ServeConfig, online_rows, offline_rows) -> dict:
+    return {"kind": "serve", "model": model, "device": device, "requests": cfg.requests,
+            "prompt_words": cfg.prompt_words, "output_tokens": cfg.output_tokens, "max_running": cfg.max_running,
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "online": online_rows,
+            "offline": offline_rows, "mean_output_tokens": statistics.mean(cfg.output_tokens)}
