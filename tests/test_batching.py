@@ -161,3 +161,19 @@ def test_requests_that_cannot_run_are_refused(prompt, max_tokens, message):
 def test_sizes_below_one_are_refused(option):
     with pytest.raises(ValueError, match=f"{option} must be at least 1, got 0"):
         Batcher(tiny_engine(), **{option: 0})
+
+
+def test_without_paged_kernels_each_request_holds_a_slot_and_the_bits_stay(engine, run, monkeypatch):
+    # CUDA's kernels read no block_table yet: there every request holds one page of its
+    # longest length, its row of the call. The CPU runs that mode here when told to.
+    requests = list(zip(prompts(5, 300, 40, 1), [6, 5, 8, 7]))
+    paged = [run(Batcher(engine), [r])[0][0] for r in requests]
+    tile = batching._kernel_support(engine, 16)[1]
+    monkeypatch.setattr(batching, "_kernel_support", lambda engine, page_size: (False, tile))
+    batcher = Batcher(engine, max_running=2, kv_positions=400)
+    assert not batcher.paged and not batcher.prefix_caching and batcher.pool.page_size == 400
+    logits, tokens = run(batcher, requests, arrivals=[0, 0, 0, 1])  # two slots: the others wait their turn
+    assert all(torch.equal(a, b) for a, b in zip(logits, paged))
+    assert batcher.counts()["preemptions"] == 0 and batcher.pool.usage()["held"] == 0
+    with pytest.raises(ValueError, match="needs 401 positions of the KV cache, which holds 400 a request"):
+        batcher.add([1] * 392, 10)

@@ -101,8 +101,9 @@ class Batcher:
     def __init__(self, engine: Engine, max_running: int = 32, kv_positions: int = 16384, page_size: int = 16,
                  token_budget: int = 512, prefix_caching: bool = True):
         """max_running: requests in one step at most. kv_positions: the paged
-        cache's size in positions (all layers; without paged kernels the
-        cache is max_running x the model's context). page_size: positions a
+        cache's size in positions (of every layer); where the kernels read no
+        pages, the positions each request holds (up to the model's context),
+        max_running times over. page_size: positions a
         page holds. token_budget: tokens one step computes at most (at least
         max_running and one query tile). prefix_caching: share pages of equal prefixes."""
         for name, value in (("max_running", max_running), ("kv_positions", kv_positions),
@@ -119,9 +120,9 @@ class Batcher:
                                  engine.device, engine.dtype)
             self._table = torch.zeros(max_running, math.ceil(c.context / page_size), dtype=torch.int32)
             self._free_slots = collections.deque(range(max_running))
-        else:  # a page per request, of the whole context: the page is its slot
-            self.pool = PagePool(c.layers, c.kv_heads, c.head_dim, max_running, c.context, engine.device,
-                                 engine.dtype)
+        else:  # a page per request, of its longest length: the page is its slot
+            self.pool = PagePool(c.layers, c.kv_heads, c.head_dim, max_running, min(c.context, kv_positions),
+                                 engine.device, engine.dtype)
             self._table = None
         self.prefix_caching = prefix_caching and self.paged
         # Shared pages end where a query tile does, so that their keys are the
@@ -159,6 +160,9 @@ class Batcher:
         if self.paged and math.ceil(last / self.pool.page_size) > self.pool.pages:
             raise ValueError(f"fusedattn.batching: the request needs {math.ceil(last / self.pool.page_size)} pages "
                              f"of the KV cache, which has {self.pool.pages}")
+        if not self.paged and last > self.pool.page_size:
+            raise ValueError(f"fusedattn.batching: the request needs {last} positions of the KV cache, which holds "
+                             f"{self.pool.page_size} a request")
 
     def cancel(self, seq: Sequence) -> None:
         """Ends a request now (its pages go back); nothing where it has ended."""

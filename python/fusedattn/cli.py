@@ -970,7 +970,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoded together at most; more wait (default 32)")
     v.add_argument("--kv-cache-tokens", type=int, default=16384, dest="kv_cache_tokens",
                    help="positions of the paged KV cache, shared by the requests (default 16384; on CUDA, whose "
-                        "kernels read no pages yet, each running request holds the model's whole context instead)")
+                        "kernels read no pages yet, the positions each running request holds, up to the model's "
+                        "context)")
     return parser
 
 
