@@ -174,6 +174,36 @@ def test_without_paged_kernels_each_request_holds_a_slot_and_the_bits_stay(engin
     assert not batcher.paged and not batcher.prefix_caching and batcher.pool.page_size == 400
     logits, tokens = run(batcher, requests, arrivals=[0, 0, 0, 1])  # two slots: the others wait their turn
     assert all(torch.equal(a, b) for a, b in zip(logits, paged))
-    assert batcher.counts()["preemptions"] == 0 and batcher.pool.usage()["held"] == 0
+    assert batcher.pool.usage()["held"] == 0
     with pytest.raises(ValueError, match="needs 401 positions of the KV cache, which holds 400 a request"):
         batcher.add([1] * 392, 10)
+
+
+def test_decoding_requests_get_their_token_before_an_older_requests_prefill(engine):
+    batcher = Batcher(engine, max_running=4, token_budget=512)  # a prefill chunk could take all 512
+    decoding = batcher.add(prompts(4)[0], 20)
+    batcher.step()
+    older = batcher.add(prompts(1900)[0], 2)
+    batcher.step()
+    batcher._running.reverse()  # as if the long prompt had come first
+    for _ in range(3):
+        before = len(decoding.tokens)
+        batcher.step()
+        assert len(decoding.tokens) == before + 1
+    assert older.cached < len(older.prompt)  # it prefills beside the decoding token, in whole query tiles
+
+
+def test_a_failed_step_fails_its_requests_only_and_the_batcher_goes_on(engine, monkeypatch):
+    batcher = Batcher(engine)
+    failing = [batcher.add(p, 5) for p in prompts(6, 9)]
+    forward = engine.forward_packed
+    monkeypatch.setattr(engine, "forward_packed", lambda *a: (_ for _ in ()).throw(RuntimeError("no memory")))
+    events = batcher.step()
+    assert [(e.sequence, e.token, e.finish, e.error) for e in events] == [
+        (s, None, "error", "RuntimeError: no memory") for s in failing]
+    assert not batcher.busy() and batcher.pool.usage()["held"] == 0
+    monkeypatch.setattr(engine, "forward_packed", forward)
+    after = batcher.add(prompts(6)[0], 3)
+    while batcher.busy():
+        batcher.step()
+    assert len(after.tokens) == 3 and after.finish == "length"

@@ -362,3 +362,15 @@ def test_bench_serve_says_when_nothing_serves_at_the_url(capsys):
     assert exit_info.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("fusedattn bench: error: --url http://127.0.0.1:") and "cannot list its models" in line
+
+
+def test_a_failed_engine_step_fails_its_requests_and_the_server_serves_on(server, client, model, engine, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(engine, "forward_packed", broken)
+    failed = post(server.url + "/v1/completions", json_body={"model": model, "prompt": PROMPTS[0], "max_tokens": 3})
+    assert failed.status_code == 500 and "the device fell over" in failed.json()["error"]["message"]
+    monkeypatch.undo()
+    assert complete(client, model, PROMPTS[0], max_tokens=3).usage.completion_tokens == 3
+    assert idle(server)

@@ -60,7 +60,7 @@ class Sequence:
     names: list[bytes] = dataclasses.field(default_factory=list)  # of its first pages (prefix caching)
     named: int = 0  # of its pages, the first this many are named in the pool
     slot: int | None = None  # its row of the step's call; None while it waits
-    finish: str | None = None  # "stop", "length" or "cancelled" once it has left
+    finish: str | None = None  # "stop", "length", "cancelled" or "error" once it has left
 
     def length(self) -> int:
         """Tokens whose keys it needs before it samples again."""
@@ -73,11 +73,13 @@ class Sequence:
 
 @dataclasses.dataclass
 class Event:
-    """What one step did for one request: the token it sampled, and why it left (None: it goes on)."""
+    """What one step did for one request: the token it sampled, and why it
+    left (None: it goes on; "error": the step's call failed, and no token)."""
 
     sequence: Sequence
-    token: int
+    token: int | None
     finish: str | None
+    error: str | None = None
 
 
 def _kernel_support(engine: Engine, page_size: int) -> tuple[bool, int]:
@@ -180,11 +182,19 @@ class Batcher:
     # ----- one step
 
     def step(self) -> list[Event]:
-        """Runs one packed call of every request that has room; returns what each sampled."""
+        """Runs one packed call of every request that has room; returns what
+        each sampled. Where the model's call fails, the requests of the step
+        leave with finish "error" (their events carry the error, no token)."""
         batch = sorted(self._schedule(), key=lambda item: item[0].slot)  # the call's order
         if not batch:
             return []
-        logits = self._run(batch)
+        try:
+            logits = self._run(batch)
+        except Exception as e:  # noqa: BLE001  (these requests fail; the others go on)
+            error = f"{type(e).__name__}: {e}"
+            for seq, _ in batch:
+                self._leave(seq, "error")
+            return [Event(seq, None, "error", error) for seq, _ in batch]
         events, row = [], 0
         for seq, n in batch:
             if seq.cached == seq.exact:  # its whole query tiles are exact too (a decoding token fills none)
@@ -212,22 +222,28 @@ class Batcher:
         return max((seq.cached + budget) // self.query_tile * self.query_tile - seq.cached, 0)
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
-        batch, budget = [], self.token_budget
-        for seq in list(self._running):
+        """The step's (request, tokens): decoding requests first, then prefill
+        chunks in the order the requests came, then newly admitted ones."""
+        batch, budget, preempted = [], self.token_budget, set()
+        decoding = [seq for seq in self._running if seq.length() - seq.cached == 1]
+        prefilling = [seq for seq in self._running if seq.length() - seq.cached > 1]
+        for seq in decoding + prefilling:
             n = self._chunk(seq, budget) if seq.slot is not None else 0  # preempted in this loop: no slot
-            if n and self._grow(seq, seq.cached + n):
+            if n and self._grow(seq, seq.cached + n, batch, preempted):
                 batch.append((seq, n))
                 budget -= n
         while self._waiting and budget > 0 and len(self._running) < self.max_running:
             seq = self._waiting[0]
+            if seq in preempted:  # not back in the step that made room by preempting it
+                break
             self._share_prefix(seq)
-            n = self._chunk(seq, budget)
-            if n == 0 or self._pages_short(seq, seq.cached + n) > 0:
+            n = self._chunk(seq, min(budget, self._room(seq)))
+            if n == 0:
                 self._give_back(seq)  # the shared pages wait with it, idle
                 break
             self._waiting.popleft()
             self._admit(seq)
-            self._grow(seq, seq.cached + n)
+            self._grow(seq, seq.cached + n, batch, preempted)
             batch.append((seq, n))
             budget -= n
         return batch
@@ -261,18 +277,27 @@ class Batcher:
             seq.slot = seq.pages[0]
         self._running.append(seq)
 
+    def _room(self, seq: Sequence) -> int:
+        """Positions a waiting seq could hold now: its shared pages and the free ones (a free slot's)."""
+        if not self.paged:
+            return self.pool.page_size if self.pool.available() else 0
+        return (len(seq.pages) + self.pool.available()) * self.pool.page_size - seq.cached
+
     def _pages_short(self, seq: Sequence, positions: int) -> int:
         """Pages seq would need to hold ``positions``, beyond those the pool has free."""
         if not self.paged:
-            return 1 - self.pool.available() if seq.slot is None else 0
+            return 0  # its slot holds its longest length (check)
         return math.ceil(positions / self.pool.page_size) - len(seq.pages) - self.pool.available()
 
-    def _grow(self, seq: Sequence, positions: int) -> bool:
-        """Gives seq the pages of ``positions``, preempting the requests admitted
-        last while the pool is short; False where seq itself was preempted."""
+    def _grow(self, seq: Sequence, positions: int, batch: list, preempted: set) -> bool:
+        """Gives seq the pages of ``positions``, preempting the requests
+        admitted last that are not in the batch yet while the pool is short;
+        False where seq itself was preempted."""
+        in_batch = {s for s, _ in batch}
         while self._pages_short(seq, positions) > 0:
-            victim = self._running[-1]
+            victim = next(s for s in reversed(self._running) if s not in in_batch)  # seq at the latest
             self._preempt(victim)
+            preempted.add(victim)
             if victim is seq:
                 return False
         while self.paged and len(seq.pages) * self.pool.page_size < positions:

@@ -77,7 +77,8 @@ class Scheduler:
         self.engine = engine
         self.batcher = Batcher(engine, **batching)
         self._inbox: queue.Queue[Job | None] = queue.Queue()
-        self._jobs: dict[Sequence, tuple[Job, _Text]] = {}
+        self._jobs: dict[Sequence, tuple[Job, _Text]] = {}  # the worker thread's alone
+        self._counts = self.batcher.counts()  # the worker's last snapshot, for /health
         self._thread = threading.Thread(target=self._run, name="fusedattn-serve-engine", daemon=True)
         self._thread.start()
 
@@ -86,40 +87,56 @@ class Scheduler:
 
     def pool(self) -> dict:
         """What /health reports: requests running and waiting (the submitted
-        ones not yet admitted among them), preemptions, and the KV cache's pages."""
-        counts = self.batcher.counts()
+        ones not yet admitted among them), preemptions, and the KV cache's
+        pages, as of the engine's last step."""
+        counts = self._counts
         return {**counts, "waiting": counts["waiting"] + self._inbox.qsize()}
 
     def close(self) -> None:
-        """Cancels nothing by itself: the server cancels its jobs, then closes."""
+        """Ends the worker; jobs still running or queued get an error finish."""
         self._inbox.put(None)
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
         while self._admit():
-            for seq, (job, _) in list(self._jobs.items()):
-                if job.cancelled.is_set():  # its client went away
-                    self._end(seq)
             try:
-                events = self.batcher.step()
-            except Exception as e:  # noqa: BLE001  (the step's requests fail; the server goes on)
-                for seq, (job, text) in list(self._jobs.items()):
-                    self._end(seq, Finish("error", len(text.tokens), f"{type(e).__name__}: {e}"))
-                continue
-            for event in events:
-                job, text = self._jobs[event.sequence]
-                delta, stopped = text.push(event.token)
-                if delta:
-                    job.emit(delta)
-                if stopped:
-                    self._end(event.sequence, Finish("stop", len(text.tokens)))
-                elif event.finish is not None:
-                    rest = text.rest()
-                    if rest:
-                        job.emit(rest)
-                    self._end(event.sequence, Finish(event.finish, len(text.tokens)))
+                self._step()
+            except Exception as e:  # noqa: BLE001  (a fault of the worker's own: its requests fail, it goes on)
+                for seq in list(self._jobs):
+                    self._end(seq, Finish("error", len(seq.tokens), f"{type(e).__name__}: {e}"))
+            self._counts = self.batcher.counts()
         for seq in list(self._jobs):
-            self._end(seq)
+            self._end(seq, Finish("error", len(seq.tokens), "the server is shutting down"))
+        while not self._inbox.empty():
+            job = self._inbox.get()
+            if job is not None:
+                job.emit(Finish("error", 0, "the server is shutting down"))
+        self._counts = self.batcher.counts()
+
+    def _step(self) -> None:
+        for seq, (job, _) in list(self._jobs.items()):
+            if job.cancelled.is_set():  # its client went away
+                self._end(seq)
+        for event in self.batcher.step():
+            seq = event.sequence
+            job, text = self._jobs[seq]
+            if event.finish == "error":
+                self._end(seq, Finish("error", len(seq.tokens), event.error))
+                continue
+            try:
+                delta, stopped = text.push(event.token)
+            except Exception as e:  # noqa: BLE001  (this request fails; the others go on)
+                self._end(seq, Finish("error", len(seq.tokens), f"{type(e).__name__}: {e}"))
+                continue
+            if delta:
+                job.emit(delta)
+            if stopped:
+                self._end(seq, Finish("stop", len(seq.tokens)))
+            elif event.finish is not None:
+                rest = text.rest()
+                if rest:
+                    job.emit(rest)
+                self._end(seq, Finish(event.finish, len(seq.tokens)))
 
     def _admit(self) -> bool:
         """Adds the jobs that arrived (waiting for one while nothing runs);
@@ -137,8 +154,8 @@ class Scheduler:
                 continue
             try:
                 seq = self.batcher.add(job.ids, job.max_tokens, job.sampling, {self.engine.tokenizer.eos_token_id})
-            except ValueError as e:  # larger than the whole KV cache
-                job.emit(Finish("error", 0, str(e)))
+            except Exception as e:  # noqa: BLE001  (the app checked the sizes: anything else fails this job)
+                job.emit(Finish("error", 0, f"{type(e).__name__}: {e}"))
                 continue
             self._jobs[seq] = (job, _Text(self.engine.tokenizer, job.stop))
 
