@@ -3,9 +3,11 @@
 Online: streamed greedy completions arrive at the server as a Poisson process
 at each request rate, with prompts and output lengths drawn from a mix; per
 rate the output tokens/s, the time to the first token and between tokens
-(p50, p99; a piece of text held back, e.g. a multi-byte character, arrives as
-one chunk) and the server's preemptions. Without ``url`` the benchmark serves
-the engine itself (SmolLM2 by default) in this process.
+(p50, p99; measured per piece of streamed text, which is a token but where the
+server holds text back, e.g. half of a multi-byte character) and the server's
+preemptions (fusedattn's /health). Without ``url`` the benchmark serves the
+engine itself (SmolLM2 by default) in this process, where the client shares
+the interpreter with the server; ``fusedattn serve`` and ``url`` keep them apart.
 
 Offline (``against``): the same requests handed over at once, each run to its
 output length (end-of-text ignored): fusedattn's ``Batcher`` against
@@ -64,6 +66,7 @@ def _percentile(values: list[float], q: float) -> float:
 class _Timing:
     sent: float
     chunks: list[float] = dataclasses.field(default_factory=list)  # arrival of each piece of text
+    ended: float = 0.0
     completion_tokens: int = 0
     error: str | None = None
 
@@ -87,6 +90,7 @@ async def _stream(session, url: str, model: str, prompt: str, max_tokens: int, d
                 timing.completion_tokens = chunk["usage"]["completion_tokens"]
             elif chunk["choices"] and chunk["choices"][0]["text"]:
                 timing.chunks.append(time.perf_counter())
+    timing.ended = time.perf_counter()
     return timing
 
 
@@ -108,11 +112,16 @@ async def _load(url: str, model: str, load: list[tuple[str, int]], rate: float, 
         return await asyncio.gather(*(one(p, m, d) for (p, m), d in zip(load, delays)))
 
 
-def _health(url: str) -> dict:
+def _health(url: str) -> dict | None:
+    """fusedattn serve's pool (GET /health); None from a server without it."""
     import urllib.request
 
-    with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
-        return json.loads(r.read())["requests"]
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+            pool = json.loads(r.read())["requests"]
+        return pool if "preemptions" in pool else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def online(url: str, model: str, cfg: ServeConfig, progress: bool = True) -> list[dict]:
@@ -127,18 +136,19 @@ def online(url: str, model: str, cfg: ServeConfig, progress: bool = True) -> lis
             before = _health(url)
             timings = asyncio.run(_load(url, model, load, rate, cfg.seed * 1000 + i, bar))
             after = _health(url)
-            done = [t for t in timings if t.error is None and t.chunks]
-            span = max((t.chunks[-1] for t in done), default=0.0) - min((t.sent for t in timings), default=0.0)
+            done = [t for t in timings if t.error is None]
+            span = max((t.ended for t in done), default=0.0) - min((t.sent for t in timings), default=0.0)
             tokens = sum(t.completion_tokens for t in done)
             gaps = [b - a for t in done for a, b in zip(t.chunks, t.chunks[1:])]
-            ttft = [t.chunks[0] - t.sent for t in done]
+            ttft = [t.chunks[0] - t.sent for t in done if t.chunks]  # a reply of no text has no first token
             rows.append({
                 "rate": rate, "requests": len(load), "failed": len(timings) - len(done),
                 "errors": sorted({t.error for t in timings if t.error})[:3],
                 "output_tokens": tokens, "seconds": span, "output_tokens_per_s": tokens / span if span > 0 else 0.0,
                 "ttft_ms_p50": 1e3 * _percentile(ttft, 50), "ttft_ms_p99": 1e3 * _percentile(ttft, 99),
                 "itl_ms_p50": 1e3 * _percentile(gaps, 50), "itl_ms_p99": 1e3 * _percentile(gaps, 99),
-                "preemptions": after["preemptions"] - before["preemptions"]})
+                "preemptions": None if before is None or after is None else
+                after["preemptions"] - before["preemptions"]})
     return rows
 
 
@@ -173,17 +183,19 @@ def _sync(device: torch.device) -> None:
 def _fusedattn_offline(engine, model, load, cfg: ServeConfig) -> tuple[float, int]:
     from .batching import Batcher
 
-    batcher = Batcher(engine, max_running=cfg.max_running)
-    batcher.add(*load[0])  # a warm-up request
-    while batcher.busy():
-        batcher.step()
+    def run(batcher, requests):
+        seqs = [batcher.add(ids, n) for ids, n in requests]  # no stop token: each runs to its length
+        while batcher.busy():
+            batcher.step()
+        return sum(len(s.tokens) for s in seqs)
+
+    run(Batcher(engine, max_running=cfg.max_running), load[:1])  # warm-up
+    batcher = Batcher(engine, max_running=cfg.max_running)  # its prefix cache empty
     _sync(engine.device)
     start = time.perf_counter()
-    seqs = [batcher.add(ids, n) for ids, n in load]  # no stop token: every request runs to its length
-    while batcher.busy():
-        batcher.step()
+    tokens = run(batcher, load)
     _sync(engine.device)
-    return time.perf_counter() - start, sum(len(s.tokens) for s in seqs)
+    return time.perf_counter() - start, tokens
 
 
 def _transformers_model(engine, path: str):
@@ -197,37 +209,53 @@ def _transformers_model(engine, path: str):
 
 
 def _transformers_batch(engine, model, load, cfg: ServeConfig) -> tuple[float, int]:
+    """transformers' continuous batching: a manager started (and warmed up) before the clock, then
+    every request added with its own max_new_tokens and the results collected."""
     from transformers import GenerationConfig
 
+    if not hasattr(model, "continuous_batching_context_manager"):
+        raise RuntimeError("this transformers has no continuous batching (generate_batch); leave it out of --against")
     config = GenerationConfig(max_new_tokens=max(n for _, n in load), eos_token_id=None, do_sample=False)
-    # generate_batch takes one max_new_tokens: every request runs to the longest output, and the
-    # tokens counted are each request's own (the others are waste a server would not make).
-    model.generate_batch([load[0][0]], generation_config=config)  # warm-up
-    _sync(engine.device)
-    start = time.perf_counter()
-    out = model.generate_batch([ids for ids, _ in load], generation_config=config)
-    _sync(engine.device)
-    assert all(len(o.generated_tokens) >= max(n for _, n in load) for o in out.values())
-    return time.perf_counter() - start, sum(n for _, n in load)
+    with model.continuous_batching_context_manager(generation_config=config) as manager:
+        def run(requests) -> int:
+            ids = [manager.add_request(i, max_new_tokens=n) for i, n in requests]
+            made = {}
+            while len(made) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    made[result.request_id] = len(result.generated_tokens)
+                elif result is None and not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching stopped before its requests ended")
+            return sum(min(made[i], n) for i, (_, n) in zip(ids, requests))
+
+        run(load[:1])  # warm-up
+        _sync(engine.device)
+        start = time.perf_counter()
+        tokens = run(load)
+        _sync(engine.device)
+    return time.perf_counter() - start, tokens
 
 
 def _transformers_static(engine, model, load, cfg: ServeConfig) -> tuple[float, int]:
+    """transformers' generate over batches of max_running prompts padded on the left, a static
+    cache (compiled on CUDA), each batch to its longest output; the first batch once before the clock."""
     if engine.device.type == "cuda":
         model.forward = torch.compile(model.forward, mode="reduce-overhead")
     pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
     batches = [load[i:i + cfg.max_running] for i in range(0, len(load), cfg.max_running)]
 
-    def run(batch):
+    def run(batch) -> int:
         width = max(len(ids) for ids, _ in batch)
         ids = torch.tensor([[pad] * (width - len(i)) + i for i, _ in batch], device=engine.device)
         mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i, _ in batch], device=engine.device)
         new = max(n for _, n in batch)
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           cache_implementation="static", pad_token_id=pad)
-        return sum(n for _, n in batch)  # a padded batch runs to its longest output; each request counts its own
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 cache_implementation="static", pad_token_id=pad)
+        made = out.shape[1] - width  # every row of the batch
+        return sum(min(made, n) for _, n in batch)  # a request counts its own tokens, not the batch's padding
 
-    run(batches[0][:1])  # warm-up (and the compile on CUDA)
+    run(batches[0])  # warm-up at the timed shape (and the compile on CUDA)
     _sync(engine.device)
     start = time.perf_counter()
     tokens = sum(run(b) for b in batches)
@@ -241,8 +269,9 @@ def format_table(result: dict) -> str:
              "", "| rate (req/s) | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | preemptions | failed |",
              "|---|---|---|---|---|---|"]
     for r in result["online"]:
+        preemptions = "n/a" if r["preemptions"] is None else r["preemptions"]
         lines.append(f"| {r['rate']:g} | {r['output_tokens_per_s']:.1f} | {r['ttft_ms_p50']:.0f} / "
-                     f"{r['ttft_ms_p99']:.0f} | {r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} | {r['preemptions']} | "
+                     f"{r['ttft_ms_p99']:.0f} | {r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} | {preemptions} | "
                      f"{r['failed']} |")
     for r in result["online"]:
         for error in r["errors"]:
