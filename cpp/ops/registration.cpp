@@ -1,6 +1,7 @@
 // The operator schemas, defined once; each device adds its kernels with
-// TORCH_LIBRARY_IMPL in its own file. Fake functions and autograd are
-// registered from Python (python/fusedattn/ops.py).
+// TORCH_LIBRARY_IMPL in its own file. Fake functions are registered from
+// Python (python/fusedattn/ops.py), and so is forward_varlen's autograd;
+// forward's is C++ (autograd.cpp).
 #include <torch/library.h>
 
 TORCH_LIBRARY(fusedattn, m) {

@@ -112,35 +112,8 @@ def _naive_forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None):
     return q.new_empty((*q.shape[:3], v.shape[3]))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, is_causal, scale, family, window, softcap, sinks = inputs
-    out, lse = output
-    if attn_mask is not None and attn_mask.requires_grad:
-        raise RuntimeError(
-            "fusedattn: gradients with respect to attn_mask are not supported; "
-            "pass attn_mask.detach()"
-        )
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
-    ctx.is_causal = is_causal
-    ctx.scale = scale
-    ctx.family = family
-    ctx.window = window
-    ctx.softcap = softcap
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, attn_mask, sinks = ctx.saved_tensors
-    if grad_out is None:  # only lse was used downstream; lse is not differentiable
-        return (None,) * 10
-    grad_q, grad_k, grad_v, grad_sinks = torch.ops.fusedattn.backward(
-        grad_out.contiguous(), q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale, ctx.family, ctx.window,
-        ctx.softcap, sinks
-    )
-    return (grad_q, grad_k, grad_v) + (None,) * 6 + (grad_sinks if sinks is not None else None,)
-
-
-torch.library.register_autograd("fusedattn::forward", _backward, setup_context=_setup_context)
+# fusedattn::forward's autograd is C++ (cpp/ops/autograd.cpp): a Python one costs
+# a grad-enabled call about 35 us of host time.
 
 
 def _setup_varlen_context(ctx, inputs, output):
