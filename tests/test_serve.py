@@ -297,7 +297,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_serve_command_serves_and_stops_on_sigterm(tmp_path):
+def test_the_serve_command_serves_and_stops_on_sigterm_mid_stream(tmp_path, model):
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "fusedattn", "serve", "--port", str(port), "--cache-dir",
                                 str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -312,8 +312,19 @@ def test_the_serve_command_serves_and_stops_on_sigterm(tmp_path):
             assert process.poll() is None, process.communicate()[1]
             assert time.monotonic() < deadline
             time.sleep(0.5)
-        process.send_signal(signal.SIGTERM)
+        body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 4000, "temperature": 0, "stream": True}
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        connection.request("POST", "/v1/completions", body=json.dumps(body))
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        process.send_signal(signal.SIGTERM)  # with the request still streaming
         assert process.wait(30) == 0
+        try:
+            rest = response.read()  # the stream ends: closed by the server, not left hanging
+        except (http.client.IncompleteRead, ConnectionError) as e:
+            rest = getattr(e, "partial", b"")
+        assert b"[DONE]" not in rest  # it did not run its 4000 tokens to the end
+        connection.close()
         assert f"http://127.0.0.1:{port}/v1" in process.stdout.read()
     finally:
         if process.poll() is None:
