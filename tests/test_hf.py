@@ -226,10 +226,13 @@ def test_packed_documents_from_position_ids_alone(monkeypatch):
     lengths = [5, 9, 6]
     ids = torch.randint(0, 97, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    compared, equal = [], torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(a.shape) or equal(a, b))
     with torch.no_grad():
         torch.testing.assert_close(fused(ids, position_ids=position_ids, use_cache=False).logits,
                                    sdpa(ids, position_ids=position_ids, use_cache=False).logits, atol=1e-5, rtol=1e-5)
         assert calls == {"varlen": config.num_hidden_layers, "dense": 0}
+        assert compared.count((sum(lengths), sum(lengths))) == 1  # the mask is compared once a forward
         padded = torch.ones(1, sum(lengths), dtype=torch.long)
         padded[0, -2:] = 0
         torch.testing.assert_close(

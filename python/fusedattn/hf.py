@@ -23,11 +23,15 @@ transformers built for the row is not read. Without them, a row whose
 ``position_ids`` restart (transformers' rule: a position that is not the
 previous one plus 1 starts a document) and whose mask is exactly the
 block-diagonal (causal) mask they imply runs the same way, after one
-comparison of that mask (a host sync; transformers builds that mask without
-a cache, as in training); any other mask is read as it is.
+comparison of that mask (a host sync, once a forward: every layer gets the
+same mask, and the answer is kept while it and the position_ids are the same
+tensors, unchanged; transformers builds that mask without a cache, as in
+training); any other mask is read as it is.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -81,25 +85,42 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.transpose(1, 2).contiguous(), None
 
 
+# _documents_of_the_mask's last answer: (the mask, the position_ids (weak references), their versions,
+# causal and the device, cu_seqlens or None).
+_last_documents: tuple | None = None
+
+
 def _documents_of_the_mask(module, query, key, attention_mask, is_causal, position_ids):
     """cu_seqlens (int32) of the documents packed into one row, from where its position_ids restart,
     when the call's bool mask is exactly the block-diagonal mask they imply (causal for a causal
     module), so that attention_varlen computes the same; else None."""
+    global _last_documents
     n = query.shape[2]
     if (position_ids is None or attention_mask is None or attention_mask.dtype != torch.bool
             or query.shape[0] != 1 or key.shape[2] != n or n < 2 or tuple(position_ids.shape) != (1, n)
             or attention_mask.numel() != n * n):
         return None
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    # Inference tensors keep no version, and a traced call must not hold on to tensors.
+    keep = not (torch.compiler.is_compiling() or attention_mask.is_inference() or position_ids.is_inference())
+    if keep:
+        state = (attention_mask._version, position_ids._version, causal, query.device)
+        if _last_documents is not None:
+            mask, positions, last_state, cu = _last_documents
+            if mask() is attention_mask and positions() is position_ids and last_state == state:
+                return cu
     document = torch.cat([position_ids.new_zeros(1), (position_ids[0].diff() != 1).cumsum(0)])
-    if int(document[-1]) == 0:  # one document: the dense path
-        return None
-    expected = document[:, None] == document[None, :]
-    if (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
-        expected &= torch.ones(n, n, dtype=torch.bool, device=expected.device).tril()
-    if not torch.equal(attention_mask.reshape(n, n), expected.to(attention_mask.device)):
-        return None
-    lengths = torch.bincount(document)
-    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device=query.device, dtype=torch.int32)
+    cu = None
+    if int(document[-1]) > 0:  # else one document: the dense path
+        expected = document[:, None] == document[None, :]
+        if causal:
+            expected &= torch.ones(n, n, dtype=torch.bool, device=expected.device).tril()
+        if torch.equal(attention_mask.reshape(n, n), expected.to(attention_mask.device)):
+            lengths = torch.bincount(document)
+            cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device=query.device, dtype=torch.int32)
+    if keep:
+        _last_documents = (weakref.ref(attention_mask), weakref.ref(position_ids), state, cu)
+    return cu
 
 
 def _packed_forward(module, query, key, value, scaling, is_causal, softcap, sinks, kwargs):
