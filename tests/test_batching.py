@@ -207,3 +207,16 @@ def test_a_failed_step_fails_its_requests_only_and_the_batcher_goes_on(engine, m
     while batcher.busy():
         batcher.step()
     assert len(after.tokens) == 3 and after.finish == "length"
+
+
+def test_pages_are_read_only_where_written(engine, run):
+    # The pool's memory starts uninitialised (no resident memory for unused pages):
+    # NaN in every page before the requests must not reach their logits.
+    requests = list(zip(prompts(5, 300, 17), [6, 5, 8]))
+    clean = run(Batcher(engine), requests)[0]
+    poisoned = Batcher(engine)
+    for k, v in poisoned.pool.caches:
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
+    logits = run(poisoned, requests)[0]
+    assert all(torch.equal(a, b) for a, b in zip(logits, clean))

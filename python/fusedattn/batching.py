@@ -105,9 +105,9 @@ class Batcher:
         """max_running: requests in one step at most. kv_positions: the paged
         cache's size in positions (of every layer); where the kernels read no
         pages, the positions each request holds (up to the model's context),
-        max_running times over. page_size: positions a
-        page holds. token_budget: tokens one step computes at most (at least
-        max_running and one query tile). prefix_caching: share pages of equal prefixes."""
+        max_running times over. page_size: positions a page holds.
+        token_budget: tokens one step computes at most (at least max_running
+        and one query tile). prefix_caching: share pages of equal prefixes."""
         for name, value in (("max_running", max_running), ("kv_positions", kv_positions),
                             ("page_size", page_size), ("token_budget", token_budget)):
             if value < 1:
@@ -117,9 +117,9 @@ class Batcher:
         self.paged, self.query_tile = _kernel_support(engine, page_size)
         # Room for every running request's token and one query tile, so decoding never starves a prefill.
         self.token_budget = max(token_budget, max_running + self.query_tile)
-        if self.paged:
+        if self.paged:  # the paged kernels (the CPU's) read a sequence's written positions only
             self.pool = PagePool(c.layers, c.kv_heads, c.head_dim, math.ceil(kv_positions / page_size), page_size,
-                                 engine.device, engine.dtype)
+                                 engine.device, engine.dtype, zeroed=False)
             self._table = torch.zeros(max_running, math.ceil(c.context / page_size), dtype=torch.int32)
             self._free_slots = collections.deque(range(max_running))
         else:  # a page per request, of its longest length: the page is its slot
