@@ -108,3 +108,22 @@ def test_mask_requiring_grad_is_refused():
     mask = torch.zeros(q.shape[2], k.shape[2], requires_grad=True)
     with pytest.raises(RuntimeError, match="attn_mask"):
         fusedattn.attention(q, k, v, mask)
+    with torch.no_grad():  # nothing is recorded, so the mask's requires_grad does not matter
+        assert fusedattn.attention(q, k, v, mask).shape == q.shape
+
+
+def test_a_double_backward_raises_rather_than_giving_zero():
+    q, k, v, _ = make_inputs(Case(), requires_grad=True)
+    out = fusedattn.attention(q, k, v)
+    (grad_q,) = torch.autograd.grad(out.square().sum(), q)  # once: fine
+    assert grad_q.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="double backward, create_graph=True, is not supported"):
+        torch.autograd.grad(fusedattn.attention(q, k, v).square().sum(), k, create_graph=True)
+
+
+def test_a_backward_where_only_out_is_used_and_one_where_neither_is():
+    q, k, v, _ = make_inputs(Case(), requires_grad=True)
+    out, lse = torch.ops.fusedattn.forward(q, k, v)
+    (grad_q,) = torch.autograd.grad(out.sum() + lse.sum(), q)  # lse adds no gradient
+    (expected,) = torch.autograd.grad(fusedattn.attention(q, k, v).sum(), q)
+    torch.testing.assert_close(grad_q, expected, atol=0, rtol=0)

@@ -220,3 +220,22 @@ def test_pages_are_read_only_where_written(engine, run):
         v.fill_(float("nan"))
     logits = run(poisoned, requests)[0]
     assert all(torch.equal(a, b) for a, b in zip(logits, clean))
+
+
+def test_a_request_whose_sampling_fails_leaves_alone(engine, monkeypatch):
+    batcher = Batcher(engine)
+    doomed, fine = (batcher.add(p, 4, SamplingParams()) for p in prompts(6, 9))
+    sample = batching.sample
+
+    def failing(logits, sampling, generator):
+        if sampling is doomed.sampling:
+            raise RuntimeError("probability tensor contains nan")
+        return sample(logits, sampling, generator)
+
+    monkeypatch.setattr(batching, "sample", failing)
+    events = batcher.step()
+    assert [(e.sequence, e.finish) for e in events] == [(doomed, "error"), (fine, None)]
+    assert events[0].error == "RuntimeError: probability tensor contains nan" and doomed.finish == "error"
+    while batcher.busy():
+        batcher.step()
+    assert len(fine.tokens) == 4 and batcher.pool.usage()["held"] == 0

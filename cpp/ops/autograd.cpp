@@ -1,8 +1,10 @@
 // The autograd of fusedattn::forward, in C++: an attention call that needs
 // gradients then costs the host a few microseconds more than one that does not
 // (torch.library.register_autograd's Python wrapper cost about 35 us a call).
-// The backward runs fusedattn::backward with the saved out and lse.
+// The backward runs fusedattn::backward with the saved out and lse; it is not
+// differentiable itself, so a backward that would build a graph raises.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -31,6 +33,16 @@ std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+std::tuple<at::Tensor, at::Tensor> forward_below_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
+    bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family,
+    at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fusedattn::forward", "").typed<ForwardSignature>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(q, k, v, attn_mask, is_causal, scale, family, window, softcap, sinks);
+}
+
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -40,13 +52,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                const std::optional<at::Tensor>& sinks) {
     TORCH_CHECK(!(attn_mask && attn_mask->requires_grad()),
                 "fusedattn: gradients with respect to attn_mask are not supported; pass attn_mask.detach()");
-    static const auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("fusedattn::forward", "").typed<ForwardSignature>();
-    at::Tensor out, lse;
-    {
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(out, lse) = op.call(q, k, v, attn_mask, is_causal, scale, family, window, softcap, sinks);
-    }
+    auto [out, lse] = forward_below_autograd(q, k, v, attn_mask, is_causal, scale, family, window, softcap, sinks);
+    ctx->set_materialize_grads(false);  // grad_out stays undefined where only lse was used
     ctx->save_for_backward({q, k, v, out, lse, attn_mask.value_or(at::Tensor()), sinks.value_or(at::Tensor())});
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["scale"] = scale;
@@ -58,6 +65,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "fusedattn: the attention backward is not differentiable (a double backward, create_graph=True, "
+                "is not supported)");
     const at::Tensor& grad_out = grads[0];
     variable_list none(10);  // one gradient a forward argument
     if (!grad_out.defined()) return none;  // only lse was used downstream, and lse has no gradient
@@ -90,6 +100,11 @@ std::tuple<at::Tensor, at::Tensor> forward_autograd(const at::Tensor& q, const a
                                                     std::optional<c10::string_view> family,
                                                     at::OptionalIntArrayRef window, std::optional<double> softcap,
                                                     const std::optional<at::Tensor>& sinks) {
+  const bool graph = at::GradMode::is_enabled() &&
+                     (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                      (attn_mask && attn_mask->requires_grad()) || (sinks && sinks->requires_grad()));
+  if (!graph)  // no gradient to record: a mask that requires one is fine here
+    return forward_below_autograd(q, k, v, attn_mask, is_causal, scale, family, window, softcap, sinks);
   const variable_list result =
       AttentionFunction::apply(q, k, v, attn_mask, is_causal, scale, family, window, softcap, sinks);
   return {result[0], result[1]};

@@ -184,7 +184,8 @@ class Batcher:
     def step(self) -> list[Event]:
         """Runs one packed call of every request that has room; returns what
         each sampled. Where the model's call fails, the requests of the step
-        leave with finish "error" (their events carry the error, no token)."""
+        leave with finish "error" (their events carry the error, no token);
+        where a request's sampling fails, that request does."""
         batch = sorted(self._schedule(), key=lambda item: item[0].slot)  # the call's order
         if not batch:
             return []
@@ -203,8 +204,13 @@ class Batcher:
             self._name_pages(seq)
             if seq.cached < seq.length():  # more of its prompt to come
                 continue
-            token = int(sample(logits[row:row + 1], seq.sampling, seq.generator)[0])
             row += 1
+            try:
+                token = int(sample(logits[row - 1:row], seq.sampling, seq.generator)[0])
+            except Exception as e:  # noqa: BLE001  (e.g. NaN logits: this request fails, the others go on)
+                self._leave(seq, "error")
+                events.append(Event(seq, None, "error", f"{type(e).__name__}: {e}"))
+                continue
             seq.tokens.append(token)
             finish = ("stop" if token in seq.stop_tokens else
                       "length" if len(seq.tokens) == seq.max_tokens else None)

@@ -87,10 +87,15 @@ def qwen25_coder_path() -> str:
     if not (os.path.isfile(path) and os.path.getsize(path) == size):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), suffix=".part", delete=False) as joined:
-            for piece in pieces:
-                with open(piece, "rb") as f:
-                    while chunk := f.read(1 << 24):
-                        joined.write(chunk)
+            try:
+                for piece in pieces:
+                    with open(piece, "rb") as f:
+                        while chunk := f.read(1 << 24):
+                            joined.write(chunk)
+            except BaseException:
+                os.unlink(joined.name)
+                raise
+        os.chmod(joined.name, 0o644)
         os.replace(joined.name, path)  # a reader never sees half a file
     return path
 

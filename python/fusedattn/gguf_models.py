@@ -150,9 +150,11 @@ def read_model(path: str) -> tuple[ModelConfig, dict[str, Tensor]]:
     field = lambda name: reader.fields[f"{arch}.{name}"].contents()  # noqa: E731
     optional = lambda name: reader.fields[f"{arch}.{name}"].contents() if f"{arch}.{name}" in reader.fields else None  # noqa: E731
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"fusedattn.engine: {path} scales its rotary frequencies (rope_freqs), "
-                         "which this engine does not implement")
+    scaling = optional("rope.scaling.type")
+    if "rope_freqs.weight" in names or scaling not in (None, "none"):
+        raise ValueError(f"fusedattn.engine: {path} scales its rotary frequencies "
+                         f"({'rope_freqs' if scaling in (None, 'none') else scaling}), which this engine does not "
+                         "implement")
     hidden, heads = field("embedding_length"), field("attention.head_count")
     config = ModelConfig(
         arch=arch, layers=field("block_count"), hidden=hidden, ffn=field("feed_forward_length"), heads=heads,

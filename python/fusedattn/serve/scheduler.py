@@ -103,7 +103,10 @@ class Scheduler:
                 self._step()
             except Exception as e:  # noqa: BLE001  (a fault of the worker's own: its requests fail, it goes on)
                 for seq in list(self._jobs):
-                    self._end(seq, Finish("error", len(seq.tokens), f"{type(e).__name__}: {e}"))
+                    try:
+                        self._end(seq, Finish("error", len(seq.tokens), f"{type(e).__name__}: {e}"))
+                    except Exception:  # noqa: BLE001  (the worker must outlive any one request)
+                        self._jobs.pop(seq, None)
             self._counts = self.batcher.counts()
         for seq in list(self._jobs):
             self._end(seq, Finish("error", len(seq.tokens), "the server is shutting down"))
