@@ -163,8 +163,11 @@ class Scheduler:
             self._jobs[seq] = (job, _Text(self.engine.tokenizer, job.stop))
 
     def _end(self, seq: Sequence, finish: Finish | None = None) -> None:
-        """Takes seq out of the batch (its pages go back) and sends finish, if any, to its job."""
+        """Takes seq out of the batch (its pages go back) and sends finish, if
+        any, to its job, after /health's snapshot: a client that has its answer
+        sees its pages back in the pool."""
         self.batcher.cancel(seq)
         job, _ = self._jobs.pop(seq)
+        self._counts = self.batcher.counts()
         if finish is not None:
             job.emit(finish)
