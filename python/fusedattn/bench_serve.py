@@ -9,6 +9,10 @@ preemptions (fusedattn's /health). Without ``url`` the benchmark serves the
 engine itself (SmolLM2 by default) in this process, where the client shares
 the interpreter with the server; ``fusedattn serve`` and ``url`` keep them apart.
 
+The decode step (a served engine only): max_running requests decoding
+together against the step's roofline, the bytes it reads at a large copy's
+bandwidth.
+
 Offline (``against``): the same requests handed over at once, each run to its
 output length (end-of-text ignored): fusedattn's ``Batcher`` against
 transformers' continuous batching (``generate_batch``) and its ``generate``
@@ -27,7 +31,7 @@ import time
 
 import torch
 
-__all__ = ["ServeConfig", "format_table", "offline", "online"]
+__all__ = ["ServeConfig", "decode_step", "format_table", "offline", "online"]
 
 _WORDS = ("the of and to in is was for on that with as by at from his her an were which this be or are had not "
           "one all their there been has when who will more no if out so said what up its about into than them can "
@@ -175,6 +179,60 @@ def offline(engine, path: str, cfg: ServeConfig, against: list[str], progress: b
     return rows
 
 
+def decode_step(engine, cfg: ServeConfig, prompt_tokens: int = 64, steps: int = 8) -> dict:
+    """A step of max_running requests decoding together, after their prefill,
+    against its roofline: the bytes it must read (every weight once, every
+    request's keys and values of each layer, a sliding layer's window only) at
+    the bandwidth a large copy reaches on the device."""
+    from .batching import Batcher
+
+    c, rng = engine.config, random.Random(cfg.seed)
+    batcher = Batcher(engine, max_running=cfg.max_running)
+    seqs = [batcher.add([rng.randrange(c.vocab) for _ in range(prompt_tokens)], steps + 2)
+            for _ in range(cfg.max_running)]
+    while not all(s.tokens for s in seqs):  # the prefills (and a first decode for some)
+        batcher.step()
+    start_positions = [s.cached for s in seqs]
+    _sync(engine.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        batcher.step()
+    _sync(engine.device)
+    seconds = (time.perf_counter() - start) / steps
+    weights = {t.data_ptr(): t.numel() * t.element_size()
+               for t in [engine.embed, engine.output_norm, engine.lm_head]
+               + [t for layer in engine.layers for t in layer.values()]}
+    weight_bytes = sum(weights.values()) - engine.embed.numel() * engine.embed.element_size() * (
+        engine.lm_head.data_ptr() != engine.embed.data_ptr())  # an untied embedding is read a row at a time
+    position_bytes = 2 * c.kv_heads * c.head_dim * engine.embed.element_size()  # a key and a value
+    kv_bytes = 0
+    for i in range(c.layers):
+        window = c.window(i)
+        for p in start_positions:
+            mean_keys = p + (steps + 1) / 2  # over the timed steps
+            kv_bytes += position_bytes * (min(mean_keys, window[0] + 1) if window else mean_keys)
+    bandwidth = _copy_bandwidth(engine.device)
+    roofline = (weight_bytes + kv_bytes) / bandwidth
+    return {"requests": cfg.max_running, "prompt_tokens": prompt_tokens, "step_ms": 1e3 * seconds,
+            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bandwidth_GBps": bandwidth / 1e9,
+            "roofline_ms": 1e3 * roofline, "x_roofline": seconds / roofline}
+
+
+def _copy_bandwidth(device: torch.device) -> float:
+    """Bytes a second a large copy reads and writes on the device (the best of 5)."""
+    size = (1 << 30) if device.type == "cuda" else (1 << 28)
+    src = torch.ones(size // 4, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size / best
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -276,6 +334,12 @@ def format_table(result: dict) -> str:
     for r in result["online"]:
         for error in r["errors"]:
             lines.append(f"rate {r['rate']:g}: {error}")
+    step = result.get("decode_step")
+    if step:
+        lines += ["", f"decode step of {step['requests']} requests (after {step['prompt_tokens']}-token prompts): "
+                  f"{step['step_ms']:.2f} ms, its roofline {step['roofline_ms']:.2f} ms (weights "
+                  f"{step['weight_bytes'] / 1e6:.0f} MB + keys and values {step['kv_bytes'] / 1e6:.1f} MB at "
+                  f"{step['bandwidth_GBps']:.0f} GB/s, a large copy's rate): {step['x_roofline']:.2f}x"]
     if result.get("offline"):
         lines += ["", "offline, the first rate's requests at once, each to its output length (fusedattn x: "
                   "fusedattn's tokens/s over the method's):", "",
@@ -285,8 +349,8 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def summary(model: str, device: str, cfg: ServeConfig, online_rows, offline_rows) -> dict:
+def summary(model: str, device: str, cfg: ServeConfig, online_rows, offline_rows, step: dict | None) -> dict:
     return {"kind": "serve", "model": model, "device": device, "requests": cfg.requests,
             "prompt_words": cfg.prompt_words, "output_tokens": cfg.output_tokens, "max_running": cfg.max_running,
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "online": online_rows,
-            "offline": offline_rows, "mean_output_tokens": statistics.mean(cfg.output_tokens)}
+            "offline": offline_rows, "decode_step": step, "mean_output_tokens": statistics.mean(cfg.output_tokens)}

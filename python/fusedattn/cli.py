@@ -397,7 +397,7 @@ def _bench_serve(args) -> int:
     if args.url:
         url = args.url.rstrip("/")
         model, device = _served_model(url), f"the server at {url}"
-        online, offline = bench_serve.online(url, model, cfg, progress), []
+        online, offline, step = bench_serve.online(url, model, cfg, progress), [], None
     else:
         from .engine import Engine
         from .engine_cache import default_cache_dir
@@ -418,8 +418,9 @@ def _bench_serve(args) -> int:
             online = bench_serve.online(running.url, model, cfg, progress)
         finally:
             running.stop()
+        step = bench_serve.decode_step(engine, cfg)
         offline = bench_serve.offline(engine, path, cfg, against, progress) if against else []
-    result = bench_serve.summary(model, device, cfg, online, offline)
+    result = bench_serve.summary(model, device, cfg, online, offline, step)
     print(bench_serve.format_table(result))
     _write_json(result, args.json)
     return 0
@@ -912,7 +913,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine as a server instead: streamed greedy completions (prompts of 16/64/256 random "
                         "words, outputs of 16/64/128 tokens) arrive as a Poisson process at each --rates; output "
                         "tokens/s, time to first token and between tokens (p50, p99), preemptions. Serves SmolLM2 "
-                        "itself on --device (default cpu) unless --url")
+                        "itself on --device (default cpu) unless --url, and then also times a decode step of "
+                        "--max-running requests against its roofline (the bytes it reads at a large copy's rate)")
     b.add_argument("--url", help="--serve: load a running fusedattn serve (or any OpenAI-compatible server of one "
                                  "model) at this address instead, e.g. http://127.0.0.1:8000")
     b.add_argument("--rates", type=_rates, help="--serve: requests per second, comma-separated (default 1,4,16)")
