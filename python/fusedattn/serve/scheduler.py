@@ -149,6 +149,7 @@ class Scheduler:
             try:
                 job = self._inbox.get(block=block)
             except queue.Empty:
+                self._counts = self.batcher.counts()  # the admitted jobs count as waiting or running now
                 return True
             if job is None:
                 return False
