@@ -12,7 +12,7 @@ The KV cache is a ``kv_pages.PagePool``. Where the device's kernels read paged
 caches (the planner says so: the CPU today), a request takes pages as it grows,
 and requests whose tokens start the same share the pages of that prefix
 (prefix caching). Elsewhere (CUDA today) every running request owns one page of
-the model's whole context: its slot. When a running request needs a page and
+``kv_positions`` positions (the model's context at most): its slot. When a running request needs a page and
 none is free, the request admitted last is preempted: its pages go back and it
 waits at the head of the queue to be computed again from its tokens so far.
 A waiting request is admitted when a slot and the pages of its first chunk are
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 
 import torch
@@ -267,7 +268,7 @@ class Batcher:
                 rows.append(len(ids) - 1)
         device = self.engine.device
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
-        cu = as_tensor([0] + list(_cumulative(counts)))
+        cu = as_tensor(list(itertools.accumulate(counts, initial=0)))
         table = self._table.to(device) if self._table is not None else None
         return self.engine.forward_packed(as_tensor(ids).long(), as_tensor(positions).long(), cu, as_tensor(cached),
                                           self.pool.caches, table, torch.tensor(rows, dtype=torch.long, device=device))
@@ -364,10 +365,3 @@ class Batcher:
             self._waiting.remove(seq)
         self._give_back(seq)
         seq.finish = finish
-
-
-def _cumulative(counts: list[int]):
-    total = 0
-    for n in counts:
-        total += n
-        yield total

