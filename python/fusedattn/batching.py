@@ -1,7 +1,8 @@
 """Continuous batching: requests join and leave the engine between steps.
 
 ``Batcher(engine)`` holds the requests a server has admitted. Each ``step()``
-is one packed call of the model (``Engine.forward_packed``): every running
+is one packed call of the model (``Engine.forward_packed``; where requests hold
+slots and all of them decode, ``Engine.decoder``'s step, a CUDA graph): every running
 request adds its next tokens, one when it decodes, a chunk of its prompt when
 it prefills, within the step's token budget (decodes first, then prefills in
 the order they arrived), each at its own length in the KV cache. A request
@@ -127,6 +128,10 @@ class Batcher:
             self.pool = PagePool(c.layers, c.kv_heads, c.head_dim, max_running, min(c.context, kv_positions),
                                  engine.device, engine.dtype)
             self._table = None
+        # Where each request holds a slot, a step of decoding requests only is
+        # one decode() over every slot, at lengths read in place: a CUDA graph.
+        self._lengths = torch.zeros(max_running, dtype=torch.int32, device=engine.device)
+        self._decode = None if self.paged else engine.decoder(self._lengths, self.pool.caches)
         self.prefix_caching = prefix_caching and self.paged
         # Shared pages end where a query tile does, so that their keys are the
         # bits a request computing them itself would get.
@@ -197,20 +202,19 @@ class Batcher:
             for seq, _ in batch:
                 self._leave(seq, "error")
             return [Event(seq, None, "error", error) for seq, _ in batch]
-        events, row = [], 0
+        samplers = []  # the requests that sample: their logits rows, in order
         for seq, n in batch:
             if seq.cached == seq.exact:  # its whole query tiles are exact too (a decoding token fills none)
                 seq.exact = (seq.cached + n) // self.query_tile * self.query_tile
             seq.cached += n
             self._name_pages(seq)
-            if seq.cached < seq.length():  # more of its prompt to come
-                continue
-            row += 1
-            try:
-                token = int(sample(logits[row - 1:row], seq.sampling, seq.generator)[0])
-            except Exception as e:  # noqa: BLE001  (e.g. NaN logits: this request fails, the others go on)
+            if seq.cached == seq.length():  # else more of its prompt is to come
+                samplers.append(seq)
+        events = []
+        for seq, token in zip(samplers, self._sample(logits, samplers)):
+            if isinstance(token, Exception):  # e.g. NaN logits: this request fails, the others go on
                 self._leave(seq, "error")
-                events.append(Event(seq, None, "error", f"{type(e).__name__}: {e}"))
+                events.append(Event(seq, None, "error", f"{type(token).__name__}: {token}"))
                 continue
             seq.tokens.append(token)
             finish = ("stop" if token in seq.stop_tokens else
@@ -219,6 +223,24 @@ class Batcher:
                 self._leave(seq, finish)
             events.append(Event(seq, token, finish))
         return events
+
+    def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[int | Exception]:
+        """seqs[i]'s token from logits row i: the greedy ones from one argmax
+        (one copy to the host), the others each with its own generator; an
+        exception in place of a token where sampling fails."""
+        tokens: list[int | Exception] = [0] * len(seqs)
+        greedy = [i for i, seq in enumerate(seqs) if seq.generator is None]
+        if greedy:
+            rows = logits if len(greedy) == len(seqs) else logits[greedy]
+            for i, token in zip(greedy, rows.argmax(-1).tolist()):
+                tokens[i] = token
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                try:
+                    tokens[i] = int(sample(logits[i:i + 1], seq.sampling, seq.generator)[0])
+                except Exception as e:  # noqa: BLE001  (this request's failure, returned)
+                    tokens[i] = e
+        return tokens
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens seq computes within budget: the rest of what it needs, else
@@ -257,6 +279,9 @@ class Batcher:
 
     def _run(self, batch: list[tuple[Sequence, int]]) -> Tensor:
         """The model over the batch's tokens (in slot order); the logits of the requests that sample."""
+        if self._decode is not None and len(batch) == len(self._running) and all(
+                n == 1 and seq.length() == seq.cached + 1 for seq, n in batch):
+            return self._run_decode(batch)
         slots = self.max_running
         counts, cached = [0] * slots, [0] * slots
         ids, positions, rows = [], [], []
@@ -272,6 +297,18 @@ class Batcher:
         table = self._table.to(device) if self._table is not None else None
         return self.engine.forward_packed(as_tensor(ids).long(), as_tensor(positions).long(), cu, as_tensor(cached),
                                           self.pool.caches, table, torch.tensor(rows, dtype=torch.long, device=device))
+
+    def _run_decode(self, batch: list[tuple[Sequence, int]]) -> Tensor:
+        """A step where every running request decodes and holds a slot:
+        decode() over all slots, a CUDA graph's replay on CUDA. A free slot
+        decodes token 0 at its position 0, which nobody reads."""
+        tokens, lengths = [0] * self.max_running, [0] * self.max_running
+        for seq, _ in batch:
+            tokens[seq.slot], lengths[seq.slot] = seq.token_at(seq.cached), seq.cached
+        self._lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
+        logits = self._decode(torch.tensor(tokens, device=self.engine.device))
+        slots = [seq.slot for seq, _ in batch]
+        return logits if len(slots) == self.max_running else logits[slots]
 
     # ----- slots and pages
 

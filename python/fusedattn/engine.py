@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -312,29 +312,39 @@ class Engine:
             stats["prefill_tokens"], stats["prefill_s"] = sum(map(len, ids)), time.perf_counter() - start
         done = [False] * len(ids)
         start, decoded = time.perf_counter(), 0
-        step_fn = None
-        for step in range(max_new_tokens):
+        step = self.decoder(lengths, caches)
+        for i in range(max_new_tokens):
             tokens = sample(logits, sampling, generator)
-            out = [None if d else int(t) for d, t in zip(done, tokens)]
+            out = [None if d else t for d, t in zip(done, tokens.tolist())]
             done = [d or t in stop_tokens for d, t in zip(done, out)]
             yield out
-            if all(done) or step == max_new_tokens - 1:
+            if all(done) or i == max_new_tokens - 1:
                 break
-            if step_fn is not None:
-                logits = step_fn(tokens)
-            else:  # the first step runs eagerly, which also warms up what a capture needs
-                logits = self.decode(tokens, lengths, caches)
-                if self.cuda_graph:
-                    step_fn = self._capture_decode(tokens, lengths, caches)
+            logits = step(tokens)
             lengths += 1
             decoded += len(ids)
         if stats is not None:
             stats["decode_tokens"], stats["decode_s"] = decoded, time.perf_counter() - start
 
-    def _capture_decode(self, tokens: Tensor, lengths: Tensor, caches):
-        """Captures decode() for this batch; returns f(tokens) -> logits that
-        replays it. The graph reads `lengths` and the caches in place, so they
-        must stay the same tensors (lengths is advanced with +=)."""
+    def decoder(self, lengths: Tensor, caches) -> Callable[[Tensor], Tensor]:
+        """f(tokens [B]) -> logits [B, vocab]: decode() at ``lengths``, read in
+        place (keep the tensor; advance it in place). With cuda_graph the first
+        call runs eagerly, which warms up what a capture needs, and captures;
+        later calls replay, into the same logits tensor."""
+        replay = None
+
+        def step(tokens: Tensor) -> Tensor:
+            nonlocal replay
+            if replay is not None:
+                return replay(tokens)
+            logits = self.decode(tokens, lengths, caches)
+            if self.cuda_graph:
+                replay = self._capture_decode(tokens, lengths, caches)
+            return logits
+
+        return step
+
+    def _capture_decode(self, tokens: Tensor, lengths: Tensor, caches) -> Callable[[Tensor], Tensor]:
         static_tokens = tokens.clone()
         graph = torch.cuda.CUDAGraph()
         # On the engine's GPU, whichever is current: a capture stream of
@@ -343,13 +353,13 @@ class Engine:
             with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
                 static_logits = self.decode(static_tokens, lengths, caches)
 
-        def step(new_tokens: Tensor) -> Tensor:
+        def replay(new_tokens: Tensor) -> Tensor:
             static_tokens.copy_(new_tokens)
             with torch.cuda.device(self.device):
                 graph.replay()
             return static_logits
 
-        return step
+        return replay
 
 
 def sample(logits: Tensor, p: SamplingParams, generator: torch.Generator | None) -> Tensor:

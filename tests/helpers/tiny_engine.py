@@ -7,11 +7,13 @@ from fusedattn.engine import Engine
 from fusedattn.gguf_models import ModelConfig
 
 
-def tiny_engine(sliding_window: int = 0, context: int = 2048, seed: int = 0) -> Engine:
+def tiny_engine(sliding_window: int = 0, context: int = 2048, seed: int = 0, head_dim: int = 16,
+                device: str = "cpu") -> Engine:
     """2 layers (the first sliding where sliding_window > 0), 4 query and 2 KV
-    heads of 16, a 256-token vocabulary, float32 on the CPU."""
+    heads of head_dim, a 256-token vocabulary; float32 on the CPU, the engine's
+    default dtype elsewhere. The weights do not depend on the device."""
     config = ModelConfig(arch="gemma3" if sliding_window else "llama", layers=2, hidden=64, ffn=96, heads=4,
-                         kv_heads=2, head_dim=16, vocab=256, rope_base=10000.0, norm_eps=1e-6, context=context,
+                         kv_heads=2, head_dim=head_dim, vocab=256, rope_base=10000.0, norm_eps=1e-6, context=context,
                          sliding_window=sliding_window, global_every=2 if sliding_window else 0,
                          local_rope_base=10000.0 if sliding_window else 0.0)
     g = torch.Generator().manual_seed(seed)
@@ -28,4 +30,4 @@ def tiny_engine(sliding_window: int = 0, context: int = 2048, seed: int = 0) -> 
             f"{b}.qkv": rand((c.heads + 2 * c.kv_heads) * c.head_dim, c.hidden),
             f"{b}.out": rand(c.hidden, c.heads * c.head_dim), f"{b}.gate_up": rand(2 * c.ffn, c.hidden),
             f"{b}.down": rand(c.hidden, c.ffn)})
-    return Engine(config, weights)
+    return Engine(config, weights, device=device)
