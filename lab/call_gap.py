@@ -131,7 +131,7 @@ def decode_shapes() -> None:
         for name in names:
             if varlen and name != "fusedattn":
                 continue
-            report(f"{kv_heads} {n} {lengths}", name, lambda: table[name](q, k, v, seqlens))
+            report(f"{kv_heads} {n} {lengths}", name, lambda: table[name](q, k, v, seqlens, None))
 
 
 with torch.no_grad():

@@ -93,7 +93,8 @@ def test_bench_decode_capacity(tmp_path, monkeypatch):
     def recording(cfg):
         table = real_methods(cfg)
         fused = table["fusedattn"]
-        table["fusedattn"] = lambda q, k, v, lengths: (capacities.append(k.shape[2]), fused(q, k, v, lengths))[1]
+        table["fusedattn"] = lambda q, k, v, lengths, block_table: (capacities.append(k.shape[2]),
+                                                                    fused(q, k, v, lengths, block_table))[1]
         return table
 
     monkeypatch.setattr(bench_decode, "methods", recording)

@@ -219,6 +219,10 @@ def test_bench_decode_options_are_checked(capsys, no_run):
     assert error("--device", "cpu", "--capacity", "8192") == "--capacity needs --decode or --ring"
     assert error("--decode", "--device", "cpu", "--seqlens", "1024,4096", "--capacity", "2048") == (
         "--capacity must be at least every N (the largest is 4096), got 2048")
+    assert error("--device", "cpu", "--paged") == "--paged needs --decode or --ring"
+    assert error("--decode", "--device", "cpu", "--seqlens", "1000", "--paged", "16") == (
+        "--paged: the page size must divide every cache's positions (1000), got 16")
+    assert error("--decode", "--device", "cpu", "--paged", "0") == "--paged must be at least 1, got 0"
     assert error("--decode", "--plot", "x.png") == "--plot does not apply to --decode"
     assert error("--decode", "--causal", "yes") == "--causal does not apply to --decode"
     assert error("--decode", "--backward") == "--backward does not apply to --decode"

@@ -285,6 +285,11 @@ Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
 
 Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
   const AttentionShape& sh = p.attn.shape;
+  // A warp's keys of a tile lie in one page (decode_kernel's PageCursor).
+  if (p.block_table != nullptr && (p.page_size <= 0 || p.page_size % kDecodeKeysPerWarp != 0))
+    throw std::invalid_argument("fusedattn: on CUDA a paged KV cache's pages hold a multiple of " +
+                                std::to_string(kDecodeKeysPerWarp) + " positions (k_cache [pages, Hkv, page_size, d]),"
+                                " got page_size " + std::to_string(p.page_size));
   // A window's left side bounds the keys a sequence reads whatever its length.
   const int64_t keys_read = p.attn.window_left >= 0 ? std::min(sh.seqlen_k, p.attn.window_left + sh.seqlen_q)
                                                     : sh.seqlen_k;

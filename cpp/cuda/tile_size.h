@@ -58,10 +58,12 @@ inline constexpr int kSm90BackwardBlocksPerSm = 1;
 __host__ __device__ constexpr int sm90_backward_block_m(int head_dim) { return head_dim == 64 ? 128 : 64; }
 
 // decode: a block takes kDecodeBlockM (query head, query) rows of one kv head
-// and streams its keys in tiles of 16 keys per warp; the host counts a
-// cache's work in kDecodeBlockN (4 warps' tile).
+// and streams its keys in tiles of kDecodeKeysPerWarp keys per warp (so a
+// paged cache's pages hold a multiple of them); the host counts a cache's
+// work in kDecodeBlockN (4 warps' tile).
 inline constexpr int kDecodeBlockM = 16;
-inline constexpr int kDecodeBlockN = 64;
-__host__ __device__ constexpr int decode_block_n(int warps) { return 16 * warps; }
+inline constexpr int kDecodeKeysPerWarp = 16;
+inline constexpr int kDecodeBlockN = 4 * kDecodeKeysPerWarp;
+__host__ __device__ constexpr int decode_block_n(int warps) { return kDecodeKeysPerWarp * warps; }
 
 }  // namespace fusedattn::cuda

@@ -51,7 +51,7 @@ int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
   const char* op = "fusedattn.forward_kvcache";
   TORCH_CHECK(q.dim() == 4, op, ": q must be [B, Hq, Nq, d], got shape ", q.sizes());
   check_caches(op, q, k_cache, v_cache);
-  (void)CacheStore(op, q, k_cache, v_cache, q.size(0), block_table);  // the caches' batch, or the block table
+  check_cache_layout(op, q, k_cache, q.size(0), block_table);
   TORCH_CHECK(q.size(3) == k_cache.size(3) && k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
               op, ": q [B, Hq, Nq, d] and the caches [B, Hkv, max_len, d] need the same d and Hq a "
               "multiple of Hkv, got q ", q.sizes(), " and caches ", k_cache.sizes());

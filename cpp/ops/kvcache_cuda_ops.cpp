@@ -19,6 +19,7 @@
 #include "checks.h"
 #include "kvcache.h"
 #include "operators_cuda.h"
+#include "paged_cache.h"
 
 namespace fusedattn::ops {
 namespace {
@@ -64,12 +65,51 @@ at::Tensor arrival_counters(const at::Tensor& like, int64_t count, cudaStream_t 
 }
 
 // A CUDA block_table also brings a CPU call here (the dispatcher follows any CUDA argument).
-void check_block_table_refused(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& block_table) {
-  if (!block_table) return;
-  TORCH_CHECK(q.is_cuda(), op, ": block_table must be on q's device (", q.device(), "), got ",
+void check_block_table_device(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& block_table) {
+  TORCH_CHECK(!block_table || q.is_cuda(), op, ": block_table must be on q's device (", q.device(), "), got ",
               block_table->device());
-  TORCH_CHECK(false, op, ": block_table (a paged KV cache) runs on the CPU only so far; on CUDA pass the caches "
-              "as [B, Hkv, max_len, d] without it");
+}
+
+// The decode kernel's inputs. Paged caches are checked as one page per
+// sequence (a view), then the params take the whole table: the pages'
+// stride, and max_blocks x page_size positions a sequence.
+struct DecodeInputs {
+  PreparedInputs in;
+  at::Tensor table;  // contiguous block_table, or undefined
+};
+
+DecodeInputs prepare_decode(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            bool is_causal, std::optional<double> scale, at::OptionalIntArrayRef window,
+                            std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+                            const std::optional<at::Tensor>& block_table) {
+  auto per_sequence = [&](const at::Tensor& cache) {
+    return block_table ? cache.narrow(0, 0, 1).expand({q.size(0), -1, -1, -1}) : cache;
+  };
+  const at::Tensor k_seen = per_sequence(k_cache), v_seen = per_sequence(v_cache);
+  DecodeInputs d{prepare_forward(op, q, k_seen, v_seen, std::nullopt, is_causal, scale, decode_support(), window,
+                                 softcap, sinks),
+                 {}};
+  // The caches are written in place: they cannot be replaced by aligned copies.
+  TORCH_CHECK(d.in.k.is_same(k_seen) && d.in.v.is_same(v_seen), op,
+              ": on CUDA k_cache and v_cache need a contiguous last dimension and rows starting "
+              "on 16-byte boundaries (strides multiples of ", 16 / k_cache.element_size(),
+              " elements), got strides ", k_cache.strides(), " and ", v_cache.strides());
+  if (block_table) {
+    d.table = block_table->contiguous();
+    ForwardParams& a = d.in.params;
+    a.shape.seqlen_k = d.table.size(1) * k_cache.size(2);
+    a.k_strides.batch = k_cache.stride(0);
+    a.v_strides.batch = v_cache.stride(0);
+  }
+  return d;
+}
+
+void point_pages(KVCacheParams& p, const at::Tensor& table, const at::Tensor& k_cache) {
+  if (!table.defined()) return;
+  p.block_table = table.data_ptr<int32_t>();
+  p.max_blocks = table.size(1);
+  p.page_size = k_cache.size(2);
+  p.pages = k_cache.size(0);
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
@@ -79,19 +119,15 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     std::optional<int64_t> num_splits, std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
     at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& block_table) {
-  check_block_table_refused("fusedattn.forward_kvcache", q, block_table);
+  check_block_table_device("fusedattn.forward_kvcache", q, block_table);
   if (cu_seqlens_q)
     return forward_packed_kvcache_cuda(q, k_cache, v_cache, cache_seqlens, *cu_seqlens_q, k_new, v_new, is_causal,
-                                       scale, num_splits, merge_in_cluster, warps, window, softcap, sinks);
+                                       scale, num_splits, merge_in_cluster, warps, window, softcap, sinks,
+                                       block_table);
   const char* op = "fusedattn.forward_kvcache";
-  const int64_t n_new = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new);
-  PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale,
-                                      decode_support(), window, softcap, sinks);
-  // The caches are written in place: they cannot be replaced by aligned copies.
-  TORCH_CHECK(in.k.is_same(k_cache) && in.v.is_same(v_cache), op,
-              ": on CUDA k_cache and v_cache need a contiguous last dimension and rows starting "
-              "on 16-byte boundaries (strides multiples of ", 16 / k_cache.element_size(),
-              " elements), got strides ", k_cache.strides(), " and ", v_cache.strides());
+  const int64_t n_new = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table);
+  DecodeInputs decode = prepare_decode(op, q, k_cache, v_cache, is_causal, scale, window, softcap, sinks, block_table);
+  PreparedInputs& in = decode.in;
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   // cache_seqlens stays on the device: reading it here would cost a
@@ -101,6 +137,7 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
   KVCacheParams p;
   auto outputs = allocate_forward_outputs(in);
   p.attn = in.params;
+  point_pages(p, decode.table, k_cache);
   const at::Tensor lengths = cache_seqlens.contiguous();
   p.cache_seqlens = lengths.data_ptr<int32_t>();
   at::Tensor k_append, v_append;
@@ -137,17 +174,19 @@ std::string plan_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
                               const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seqlens_q,
                               const std::optional<at::Tensor>& seqused_k,
                               const std::optional<at::Tensor>& block_table) {
-  check_block_table_refused("fusedattn.plan_kvcache", q, block_table);
+  check_block_table_device("fusedattn.plan_kvcache", q, block_table);
   if (cu_seqlens_q)
     return plan_packed_kvcache_cuda(q, k_cache, v_cache, *cu_seqlens_q,
                                     seqused_k_of("fusedattn.plan_kvcache", seqused_k), is_causal, scale, num_splits,
-                                    merge_in_cluster, warps, window, softcap, sinks);
+                                    merge_in_cluster, warps, window, softcap, sinks, block_table);
   const char* op = "fusedattn.plan_kvcache";
-  const PreparedInputs in = prepare_forward(op, q, k_cache, v_cache, std::nullopt, is_causal, scale,
-                                            decode_support(), window, softcap, sinks);
+  if (block_table) check_cache_layout(op, q, k_cache, q.size(0), block_table);
+  const DecodeInputs decode =
+      prepare_decode(op, q, k_cache, v_cache, is_causal, scale, window, softcap, sinks, block_table);
   const c10::cuda::CUDAGuard guard(q.device());
   KVCacheParams p;
-  p.attn = in.params;
+  p.attn = decode.in.params;
+  point_pages(p, decode.table, k_cache);
   return plan_decode(op, p, num_splits, merge_in_cluster, warps).describe();
 }
 

@@ -58,18 +58,21 @@ BackwardParams backward_plan_params(const ForwardParams& fwd, const TensorStride
 void run_backward(const BackwardParams& p, const Plan& plan, cudaStream_t stream);
 
 // forward_kvcache and plan_kvcache with cu_seqlens_q: the varlen forward
-// over the caches' rows (varlen_cuda_ops.cpp).
+// over the caches' rows (varlen_cuda_ops.cpp); paged caches are gathered
+// into a cache per sequence first (their lengths are read on the host anyway).
 std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_cuda(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
     const at::Tensor& cu_seqlens_q, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
     bool is_causal, std::optional<double> scale, std::optional<int64_t> num_splits,
     std::optional<bool> merge_in_cluster, std::optional<int64_t> warps, at::OptionalIntArrayRef window,
-    std::optional<double> softcap, const std::optional<at::Tensor>& sinks);
+    std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& block_table);
 std::string plan_packed_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                      const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k, bool is_causal,
                                      std::optional<double> scale, std::optional<int64_t> num_splits,
                                      std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
                                      at::OptionalIntArrayRef window, std::optional<double> softcap,
-                                     const std::optional<at::Tensor>& sinks);
+                                     const std::optional<at::Tensor>& sinks,
+                                     const std::optional<at::Tensor>& block_table);
 
 }  // namespace fusedattn::ops

@@ -11,14 +11,12 @@
 
 namespace fusedattn::ops {
 
-CacheStore::CacheStore(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       int64_t batch, const std::optional<at::Tensor>& block_table)
-    : op_(op), k_cache_(k_cache), v_cache_(v_cache) {
+int64_t check_cache_layout(const char* op, const at::Tensor& q, const at::Tensor& k_cache, int64_t batch,
+                           const std::optional<at::Tensor>& block_table) {
   if (!block_table) {
     TORCH_CHECK(k_cache.size(0) == batch, op, ": the caches hold ", k_cache.size(0), " sequences but the call has ",
                 batch, " (or pass block_table: the caches are then [pages, Hkv, page_size, d])");
-    capacity_ = k_cache.size(2);
-    return;
+    return k_cache.size(2);
   }
   const at::Tensor& table = *block_table;
   TORCH_CHECK(table.dim() == 2 && table.size(0) == batch && table.scalar_type() == at::kInt, op,
@@ -29,9 +27,16 @@ CacheStore::CacheStore(const char* op, const at::Tensor& q, const at::Tensor& k_
   TORCH_CHECK(k_cache.size(0) > 0 && k_cache.size(2) > 0 && table.size(1) > 0, op,
               ": a paged cache needs pages of at least one position and a block_table of at least one column, got "
               "caches ", k_cache.sizes(), " and block_table ", table.sizes());
-  table_ = table.to(at::kCPU).contiguous();
+  return table.size(1) * k_cache.size(2);
+}
+
+CacheStore::CacheStore(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       int64_t batch, const std::optional<at::Tensor>& block_table)
+    : op_(op), k_cache_(k_cache), v_cache_(v_cache) {
+  capacity_ = check_cache_layout(op, q, k_cache, batch, block_table);
+  if (!block_table) return;
+  table_ = block_table->to(at::kCPU).contiguous();
   page_size_ = k_cache.size(2);
-  capacity_ = table.size(1) * page_size_;
 }
 
 void CacheStore::check_pages(const std::vector<int64_t>& cached, const std::vector<int64_t>& keys) const {
@@ -105,6 +110,28 @@ void CacheStore::append_packed(const at::Tensor& k_new, const at::Tensor& v_new,
   // [slots, rows, Hkv, d] views: (slot, row) pairs pick rows [Hkv, d] of k_new.
   k_cache_.transpose(1, 2).index_put_(at_rows, k_new);
   v_cache_.transpose(1, 2).index_put_(at_rows, v_new);
+}
+
+std::pair<at::Tensor, at::Tensor> CacheStore::gathered(const PackedCacheLengths& lengths) const {
+  if (!paged()) return {k_cache_, v_cache_};
+  const int64_t batch = lengths.batch();
+  int64_t longest = 1;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, pages_for(lengths.keys(b)));
+  // Columns past a sequence's own pages may hold anything: page 0 stands in (read past no length).
+  at::Tensor index = at::zeros({batch, longest}, at::kLong);
+  int64_t* at_index = index.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < pages_for(lengths.keys(b)); ++i) at_index[b * longest + i] = page(b, i);
+  const at::Tensor pages = index.flatten().to(k_cache_.device());
+  // [pages, Hkv, S, d] -> [Hkv, B * longest, S, d] (one copy) -> a [B, Hkv, longest * S, d] view.
+  auto gather = [&](const at::Tensor& cache) {
+    const int64_t heads = cache.size(1), d = cache.size(3);
+    return cache.transpose(0, 1)
+        .index_select(1, pages)
+        .view({heads, batch, longest * page_size_, d})
+        .transpose(0, 1);
+  };
+  return {gather(k_cache_), gather(v_cache_)};
 }
 
 }  // namespace fusedattn::ops

@@ -15,6 +15,12 @@ namespace fusedattn::ops {
 
 struct PackedCacheLengths;
 
+// Checks that the caches hold `batch` sequences, or block_table's shape,
+// dtype and device (int32 [batch, max_blocks] on q's device; its entries are
+// not read); returns the positions a sequence can hold.
+int64_t check_cache_layout(const char* op, const at::Tensor& q, const at::Tensor& k_cache, int64_t batch,
+                           const std::optional<at::Tensor>& block_table);
+
 class CacheStore {
  public:
   // Checks block_table (int32 [B, max_blocks] on q's device; read on the
@@ -40,6 +46,11 @@ class CacheStore {
   // v_new [total_q, Hkv, d_v] at position cached[b] + i of sequence b, all
   // in one indexed copy per cache (in place).
   void append_packed(const at::Tensor& k_new, const at::Tensor& v_new, const PackedCacheLengths& lengths) const;
+  // Every sequence's pages (those of its lengths.keys(b) positions), in
+  // order, as caches of its own: [B, Hkv, P x page_size, d] and [.., d_v]
+  // with rows contiguous per sequence, P the longest sequence's pages (new
+  // tensors, viewed); unpaged, the caches themselves.
+  std::pair<at::Tensor, at::Tensor> gathered(const PackedCacheLengths& lengths) const;
 
  private:
   const char* op_;

@@ -227,16 +227,21 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_cuda(
     const at::Tensor& cu_seqlens_q, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
     bool is_causal, std::optional<double> scale, std::optional<int64_t> num_splits,
     std::optional<bool> merge_in_cluster, std::optional<int64_t> warps, at::OptionalIntArrayRef window,
-    std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+    std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& block_table) {
   const char* op = "fusedattn.forward_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
   check_window(op, window);
   check_softcap_and_sinks(op, q, softcap, sinks, cuda_support());
   const PackedCacheLengths lengths =
-      check_packed_kvcache_inputs(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new);
+      check_packed_kvcache_inputs(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new, block_table);
   const c10::cuda::CUDAGuard guard(q.device());
+  // Paged caches: the kernels read each sequence's pages gathered into a cache
+  // of its own, and the new keys go to both.
+  const CacheStore store(op, q, k_cache, v_cache, lengths.batch(), block_table);
+  const auto [k_rows, v_rows] = store.gathered(lengths);
   // Every check and the plan before the append: an error leaves the caches as they were.
-  PreparedInputs in = prepare_packed_kvcache(op, q, k_cache, v_cache, is_causal, scale, window, softcap, sinks);
+  PreparedInputs in = prepare_packed_kvcache(op, q, k_rows, v_rows, is_causal, scale, window, softcap, sinks);
   const CacheSequences sequences(lengths);
   VarlenOperands operands(in.params.varlen, cu_seqlens_q, sequences.seqused_k(q), in.params.varlen.cache_rows);
   const PlanRequest request = family_request(op, std::nullopt, q);
@@ -246,8 +251,11 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_cuda(
   at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   set_forward_outputs(in.params, as_one_batch(out), lse.unsqueeze(0));
-  if (k_new)
-    CacheStore(op, q, k_cache, v_cache, lengths.batch(), std::nullopt).append_packed(*k_new, *v_new, lengths);
+  if (k_new) {
+    store.append_packed(*k_new, *v_new, lengths);
+    if (store.paged())
+      CacheStore(op, q, k_rows, v_rows, lengths.batch(), std::nullopt).append_packed(*k_new, *v_new, lengths);
+  }
   run_forward(in.params, plan, q, stream_of(q));
   return {out, lse};
 }
@@ -257,15 +265,17 @@ std::string plan_packed_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_ca
                                      std::optional<double> scale, std::optional<int64_t> num_splits,
                                      std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
                                      at::OptionalIntArrayRef window, std::optional<double> softcap,
-                                     const std::optional<at::Tensor>& sinks) {
+                                     const std::optional<at::Tensor>& sinks,
+                                     const std::optional<at::Tensor>& block_table) {
   const char* op = "fusedattn.plan_kvcache";
   check_no_decode_overrides(op, num_splits, merge_in_cluster, warps);
   check_window(op, window);
   check_softcap_and_sinks(op, q, softcap, sinks, cuda_support());
-  const PackedCacheLengths lengths =
-      check_packed_kvcache_inputs(op, q, k_cache, v_cache, seqused_k, cu_seqlens_q, std::nullopt, std::nullopt);
+  const PackedCacheLengths lengths = check_packed_kvcache_inputs(op, q, k_cache, v_cache, seqused_k, cu_seqlens_q,
+                                                                 std::nullopt, std::nullopt, block_table);
   const c10::cuda::CUDAGuard guard(q.device());
-  PreparedInputs in = prepare_packed_kvcache(op, q, k_cache, v_cache, is_causal, scale, window, softcap, sinks);
+  const auto [k_rows, v_rows] = CacheStore(op, q, k_cache, v_cache, lengths.batch(), block_table).gathered(lengths);
+  PreparedInputs in = prepare_packed_kvcache(op, q, k_rows, v_rows, is_causal, scale, window, softcap, sinks);
   const CacheSequences sequences(lengths);
   VarlenOperands operands(in.params.varlen, cu_seqlens_q, seqused_k, in.params.varlen.cache_rows);
   const PlanRequest request = family_request(op, std::nullopt, q);

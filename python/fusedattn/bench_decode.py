@@ -51,6 +51,9 @@ class DecodeConfig:
     # forward_kvcache chooses its split count from this, not from the lengths.
     capacity: int | None = None
     num_splits: int | None = None  # fusedattn's split count (1-64); None: the planner's
+    # Pages of this many positions: a fusedattn-paged column reads the same
+    # keys and values through a block_table (pages in shuffled order); None: no column.
+    page_size: int | None = None
 
 
 def cache_lengths(cfg: DecodeConfig, n: int, varlen: bool) -> torch.Tensor:
@@ -63,15 +66,34 @@ def cache_lengths(cfg: DecodeConfig, n: int, varlen: bool) -> torch.Tensor:
 
 def _sdpa(name: str):
     run = _sdpa_backend(name)
-    return lambda q, k, v, lengths: run(q, k, v, False)
+    return lambda q, k, v, lengths, block_table: run(q, k, v, False)
 
 
 def methods(cfg: DecodeConfig) -> dict:
-    """Name -> f(q, k_cache, v_cache, lengths); the SDPA ones read all of k and v."""
+    """Name -> f(q, k_cache, v_cache, lengths, block_table); the SDPA ones read
+    all of k and v; block_table is None but for fusedattn-paged, whose caches
+    are pages (to_pages)."""
     table = {f"sdpa-{name}": _sdpa(name) for name in ("flash", "efficient", "cudnn")}
-    table["fusedattn"] = lambda q, k, v, lengths: torch.ops.fusedattn.forward_kvcache(
-        q, k, v, lengths, None, None, True, None, cfg.num_splits)[0]
+    table["fusedattn"] = lambda q, k, v, lengths, block_table: torch.ops.fusedattn.forward_kvcache(
+        q, k, v, lengths, None, None, True, None, cfg.num_splits, block_table=block_table)[0]
+    if cfg.page_size is not None:
+        table["fusedattn-paged"] = table["fusedattn"]
     return table
+
+
+def to_pages(k: torch.Tensor, v: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The caches [B, Hkv, N, d] as pages [B * N / page_size, Hkv, page_size, d]
+    in a shuffled order (a served cache's pages are not in order), and the
+    block_table int32 [B, N / page_size] that reads them as they were."""
+    batch, heads, n, d = k.shape
+    per_sequence = n // page_size
+    order = torch.randperm(batch * per_sequence, generator=torch.Generator().manual_seed(0)).to(k.device)
+
+    def paged(cache):
+        pages = cache.view(batch, heads, per_sequence, page_size, d).transpose(1, 2).reshape(-1, heads, page_size, d)
+        return torch.empty_like(pages).index_copy_(0, order, pages)
+
+    return paged(k), paged(v), order.view(batch, per_sequence).int()
 
 
 def _sleep_cycles_per_second(device: torch.device) -> float:
@@ -139,15 +161,19 @@ def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict
             for _ in range(2))
     lengths = cache_lengths(cfg, n, varlen).to(cfg.device)
     useful = 2 * int(lengths.sum()) * cfg.kv_heads * cfg.head_dim * q.element_size()
+    operands = {name: (k, v, None) for name in table}
+    if "fusedattn-paged" in table:
+        operands["fusedattn-paged"] = to_pages(k, v, cfg.page_size)
     timed = {}
     try:
         for name, fn in table.items():
             if name in results:
                 continue
 
-            def calls(fn=fn):  # back to back, so the launch overheads of one call hide behind the last
+            def calls(fn=fn, name=name):  # back to back, so the launch overheads of one call hide behind the last
+                k_cache, v_cache, block_table = operands[name]
                 for _ in range(CALLS_PER_TIMING):
-                    fn(q, k, v, lengths)
+                    fn(q, k_cache, v_cache, lengths, block_table)
 
             try:
                 for _ in range(cfg.warmup):
@@ -172,15 +198,20 @@ def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict
             if isinstance(timed.get(name), QueuedTiming):
                 results[name]["short_sleeps"] = timed[name].short_sleeps
     finally:
-        del k, v
+        del k, v, operands
         torch.cuda.empty_cache()
     return {name: results[name] for name in table}
 
 
 def capacity_problem(cfg: DecodeConfig) -> str | None:
-    """Why cfg.capacity cannot hold the table's caches, or None where it can."""
+    """Why cfg.capacity (or cfg.page_size) cannot hold the table's caches, or None where it can."""
     if cfg.capacity is not None and cfg.capacity < max(cfg.seqlens):
         return f"--capacity must be at least every N (the largest is {max(cfg.seqlens)}), got {cfg.capacity}"
+    if cfg.page_size is not None:
+        caches = [cfg.capacity] if cfg.capacity is not None else cfg.seqlens
+        if any(n % cfg.page_size for n in caches):
+            return (f"--paged: the page size must divide every cache's positions "
+                    f"({', '.join(map(str, caches))}), got {cfg.page_size}")
     return None
 
 
@@ -193,7 +224,8 @@ def run(cfg: DecodeConfig, progress: bool = True) -> dict:
         raise ValueError(f"fusedattn bench --decode: {problem}")
     if cfg.device.type != "cuda":
         raise ValueError("fusedattn bench --decode: the decode benchmark needs a CUDA device")
-    table = select_methods(methods(cfg), cfg.methods)
+    paged = ["fusedattn-paged"] if cfg.page_size is not None else []
+    table = select_methods(methods(cfg), cfg.methods + paged if cfg.methods is not None else None)
     keys = [(dt, vl, n) for dt in cfg.dtypes for vl in cfg.varlen for n in cfg.seqlens]
     rows = [{"dtype": dt, "varlen": vl, "seqlen": n, "results": measure_row(cfg, dt, n, vl, table)}
             for dt, vl, n in tqdm(keys, desc="fusedattn bench --decode", disable=not progress, unit="row")]
@@ -205,7 +237,7 @@ def run(cfg: DecodeConfig, progress: bool = True) -> dict:
         "torch": torch.__version__,
         "config": {"batch": cfg.batch, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
                    "head_dim": cfg.head_dim, "repeats": cfg.repeats, "launch_gaps": cfg.launch_gaps,
-                   "capacity": cfg.capacity, "num_splits": cfg.num_splits},
+                   "capacity": cfg.capacity, "num_splits": cfg.num_splits, "page_size": cfg.page_size},
         "methods": list(table),
         "rows": rows,
     }

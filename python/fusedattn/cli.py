@@ -158,10 +158,10 @@ def _check_plot(path: str) -> None:
 # Options that choose what a run measures; none applies to --from-json.
 _RUN_OPTIONS = ("device", "batch", "heads", "head_dim", "seqlens", "dtype", "causal", "repeats", "methods",
                 "warmup", "json", "decode", "backward", "kv_heads", "lengths", "capacity", "launch_gaps",
-                "num_splits", "ring", "layout", "mask", "varlen", "train", "eager", "serve", "url", "rates",
+                "num_splits", "paged", "ring", "layout", "mask", "varlen", "train", "eager", "serve", "url", "rates",
                 "requests", "against", "max_running")
 _SERVE_ONLY = ("url", "rates", "requests", "against", "max_running")
-_DECODE_ONLY = ("lengths", "capacity", "launch_gaps", "num_splits")
+_DECODE_ONLY = ("lengths", "capacity", "launch_gaps", "num_splits", "paged")
 # What --ring times is fixed (the ring, compute alone, communication alone, one device; forward and
 # forward+backward): these choose other benchmarks' columns.
 _NOT_RING = ("decode", "mask", "varlen", "backward", "methods", "plot", "wide") + _DECODE_ONLY
@@ -233,7 +233,7 @@ def _check_bench(args) -> None:
                 raise UsageError(f"{_flag(name)} needs --decode or --ring")
     if args.layout is not None and not args.ring:
         raise UsageError("--layout needs --ring")
-    _positive(args, ("batch", "heads", "head_dim", "repeats", "kv_heads", "capacity", "num_splits"))
+    _positive(args, ("batch", "heads", "head_dim", "repeats", "kv_heads", "capacity", "num_splits", "paged"))
     if args.num_splits is not None and args.num_splits > 64:
         raise UsageError(f"--num-splits must be at most 64, got {args.num_splits}")
     _positive(args, ("warmup",), least=0)
@@ -301,6 +301,7 @@ def _bench_decode(args) -> int:
     cfg.launch_gaps = args.launch_gaps
     cfg.capacity = args.capacity
     cfg.num_splits = args.num_splits
+    cfg.page_size = args.paged
     problem = bench_decode.capacity_problem(cfg)
     if problem:
         raise UsageError(problem)
@@ -936,6 +937,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "count follows it, not the lengths; SDPA, which reads the whole cache, is skipped")
     b.add_argument("--num-splits", type=int, dest="num_splits",
                    help="--decode: fusedattn's split count, 1-64 (default: the planner's; fusedattn.plan_kvcache)")
+    b.add_argument("--paged", nargs="?", type=int, const=16, metavar="PAGE_SIZE",
+                   help="--decode: also time fusedattn reading the same caches as pages of PAGE_SIZE positions "
+                        "(default 16) through a block_table, the pages in shuffled order (column fusedattn-paged)")
     b.add_argument("--launch-gaps", action="store_true", dest="launch_gaps",
                    help="--decode: time the host's launches too (default: the GPU sleeps while the host "
                         "enqueues each timed interval's 10 calls, so only the GPU's time counts)")

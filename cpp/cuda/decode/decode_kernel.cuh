@@ -156,8 +156,11 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
   const int64_t unmasked_end = Banded ? band.key_end(0) : length;
 
   const T* q = static_cast<const T*>(a.q) + batch * a.q_strides.batch;
-  const T* k = static_cast<const T*>(a.k) + batch * a.k_strides.batch + head_kv * a.k_strides.head;
-  const T* v = static_cast<const T*>(a.v) + batch * a.v_strides.batch + head_kv * a.v_strides.head;
+  // A paged cache's sequence starts nowhere: each tile finds its page (PageCursor).
+  const bool paged = p.block_table != nullptr;
+  const int64_t kv_batch = paged ? 0 : batch;
+  const T* k = static_cast<const T*>(a.k) + kv_batch * a.k_strides.batch + head_kv * a.k_strides.head;
+  const T* v = static_cast<const T*>(a.v) + kv_batch * a.v_strides.batch + head_kv * a.v_strides.head;
 
   // Q: gather the block's (head, query) rows; rows past the group are zero.
   for (int c = threadIdx.x; c < kBlockM * Tr::kChunksPerRow; c += Tr::kThreads) {
@@ -182,18 +185,32 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
   const T* v_lane = v + lane_row * a.v_strides.row + chunk.col;
   const int64_t k_lane_step = kLaneRowStep * a.k_strides.row, v_lane_step = kLaneRowStep * a.v_strides.row;
   const int64_t k_tile_step = kBlockN * a.k_strides.row, v_tile_step = kBlockN * a.v_strides.row;
+  // Paged, the warp's 16 keys of a tile lie in one page (pages hold a
+  // multiple of 16 positions): its table entry is read one tile ahead.
+  PageCursor pages(p, batch, warp * 16, length, tile_begin < tile_end ? tile_begin * kBlockN : length);
   int load_stage = 0;  // the stage the next load fills
   auto load_tile = [&](int64_t tile) {
     if (tile < tile_end) {
       T* sK = sRing + 2 * load_stage * Tr::kTileElements + warp * 16 * HeadDim;
       T* sV = sK + Tr::kTileElements;
       const int64_t key0 = tile * kBlockN + warp * 16;
+      const T* k_rows = k;  // where row key_row of the warp's keys is key0
+      const T* v_rows = v;
+      int64_t key_row = key0;
+      if (paged) {
+        const PageCursor::Rows at = pages.next(tile + 1 < tile_end ? (tile + 1) * kBlockN : length);
+        k_rows += at.page * a.k_strides.batch;
+        v_rows += at.page * a.v_strides.batch;
+        key_row = at.row;
+        k_lane = k_rows + (key_row + chunk.row) * a.k_strides.row + chunk.col;
+        v_lane = v_rows + (key_row + chunk.row) * a.v_strides.row + chunk.col;
+      }
       if (length - key0 >= 16) {
         load_full_rows_async<16, Layout, Tr::kL2Prefetch>(sK, k_lane, k_lane_step, lane);
         load_full_rows_async<16, Layout, Tr::kL2Prefetch>(sV, v_lane, v_lane_step, lane);
       } else {
-        load_rows_async<16, Layout, Tr::kL2Prefetch>(sK, k, a.k_strides.row, key0, length - key0, lane);
-        load_rows_async<16, Layout, Tr::kL2Prefetch>(sV, v, a.v_strides.row, key0, length - key0, lane);
+        load_rows_async<16, Layout, Tr::kL2Prefetch>(sK, k_rows, a.k_strides.row, key_row, length - key0, lane);
+        load_rows_async<16, Layout, Tr::kL2Prefetch>(sV, v_rows, a.v_strides.row, key_row, length - key0, lane);
       }
       k_lane += k_tile_step;
       v_lane += v_tile_step;
@@ -287,7 +304,8 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
   // kernel's blocks would sit at their wait beside it, holding shared memory.
   allow_dependent_launch();
   cp_async_wait<0>();
-  __syncthreads();  // the ring is free
+  // The ring is free; a page outside the cache makes the sequence invalid.
+  const bool invalid = __syncthreads_or(pages.bad) || length < 0;
 
   // Merge the warps: each stores its rows rescaled to the block's running max
   // M (computed from every warp's m) and its l; then each thread sums 8
@@ -337,7 +355,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
     // The sink joins the sum once: here with one split, else in the merge.
     const float acc_scale =
         direct ? add_valueless_logit(sink_in_log2(a.sinks, row / sh.seqlen_q % sh.heads_q), m, l) : 1.0f;
-    const float inv = length < 0 ? NAN : l > 0.0f ? acc_scale / l : 0.0f;
+    const float inv = invalid ? NAN : l > 0.0f ? acc_scale / l : 0.0f;
     float o[8] = {};
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
@@ -347,7 +365,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j] *= inv;
-    const float lse = length < 0 ? NAN : lse_from_log2(m, l);
+    const float lse = invalid ? NAN : lse_from_log2(m, l);
     if (direct) {
       T* out = static_cast<T*>(a.out) + output_offset(a, row) + col;
       uint4 packed;

@@ -14,6 +14,46 @@ __device__ __forceinline__ int64_t kv_length(const KVCacheParams& p, int64_t b) 
   return cached >= 0 && cached + p.n_new <= p.attn.shape.seqlen_k ? cached + p.n_new : -1;
 }
 
+// One warp's keys of a paged cache (KVCacheParams::block_table), tile by
+// tile: next() answers where the warp's first key of the tile being loaded
+// lies, and reads the next tile's table entry ahead, so the load of a tile
+// never waits for its entry. Keys at or past the sequence's length read no
+// entry (page 0 stands in; their rows load as zeros). Only the key and the
+// entry read ahead live in registers; the rest is read from the kernel's
+// parameters.
+struct PageCursor {
+  struct Rows {
+    int64_t page, row;  // the cache's first index and the row there
+  };
+  const KVCacheParams& p;
+  int64_t batch, offset, length;  // the warp's keys are offset, offset + 1, ... of each tile
+  int64_t key = 0;                // the key whose entry was read ahead
+  int32_t entry = 0;
+  bool bad = false;  // an entry outside [0, pages) was met
+
+  __device__ PageCursor(const KVCacheParams& params, int64_t b, int64_t warp_offset, int64_t sequence_length,
+                        int64_t first_tile_key)
+      : p(params), batch(b), offset(warp_offset), length(sequence_length) {
+    read_ahead(first_tile_key);
+  }
+  // The warp's rows of the tile loaded now; then the entry of the tile that
+  // starts at next_tile_key (pass the length where none follows).
+  __device__ Rows next(int64_t next_tile_key) {
+    const int64_t page = entry, row = key % p.page_size;
+    read_ahead(next_tile_key);
+    const bool valid = page >= 0 && page < p.pages;
+    bad |= !valid;
+    return {valid ? page : 0, row};
+  }
+
+ private:
+  __device__ void read_ahead(int64_t tile_key) {
+    key = tile_key + offset;
+    entry = p.block_table != nullptr && key < length ? __ldg(p.block_table + batch * p.max_blocks + key / p.page_size)
+                                                     : 0;
+  }
+};
+
 // Where row `row` of [B, Hq, Nq] starts in p.attn.out.
 __device__ __forceinline__ int64_t output_offset(const ForwardParams& a, int64_t row) {
   const AttentionShape& sh = a.shape;

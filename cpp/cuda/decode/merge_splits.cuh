@@ -68,7 +68,9 @@ __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int64_t row
   const float m = fmaxf(warp_max(fmaxf(lse_s[0], lse_s[1])), sink);
   const float sum = (m == -INFINITY ? 0.0f : expf(sink - m)) +
                     warp_sum(m == -INFINITY ? 0.0f : expf(lse_s[0] - m) + expf(lse_s[1] - m));
-  const bool valid = kv_length(p, batch) >= 0;
+  // A split that met a page outside the cache wrote NaN (decode_kernel).
+  const bool valid =
+      kv_length(p, batch) >= 0 && !__any_sync(0xffffffff, isnan(lse_s[0]) || isnan(lse_s[1]));
   const float lse = !valid ? NAN : sum > 0.0f ? m + logf(sum) : -INFINITY;
   // Each split's weight e^(lse_s - lse), on the lane that read its LSE (a
   // row that saw no key has every lse_s at -inf: all weights 0).

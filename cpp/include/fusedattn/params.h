@@ -190,6 +190,17 @@ struct KVCacheParams {
 
   // Device memory, [B]: cached positions of each sequence before the append.
   const int32_t* cache_seqlens = nullptr;
+  // Paged caches (FlashAttention's block_table), or null: attn.k and attn.v
+  // are then [pages, Hkv, page_size, d] (k_strides.batch a page's stride),
+  // and position t of sequence b is row t % page_size of page
+  // block_table[b * max_blocks + t / page_size]; shape.seqlen_k is
+  // max_blocks * page_size. The kernels read an entry only for positions
+  // below the sequence's length; one outside [0, pages) gives the sequence
+  // NaN outputs and no append (the table lives on the device: nothing checks
+  // it on the host).
+  const int32_t* block_table = nullptr;
+  int64_t max_blocks = 0, page_size = 0, pages = 0;
+
   // [B, Hkv, n_new, d], written into the caches at cache_seqlens[b]; null when n_new = 0.
   int64_t n_new = 0;
   const void* k_new = nullptr;
