@@ -6,30 +6,9 @@ import pytest
 import torch
 
 import fusedattn
-from helpers.kvcache_cases import make_cache, packed_cache
+from helpers.kvcache_cases import make_cache, packed_cache, paged, unpaged
 
 op = torch.ops.fusedattn.forward_kvcache
-
-
-def paged(k_cache, v_cache, page_size, spare_pages=3, seed=0):
-    """The contiguous caches [B, Hkv, max_len, d] cut into pages [pages, Hkv, page_size, d] in a
-    shuffled order (plus spare pages of noise), and the block table that reassembles them."""
-    B, Hkv, max_len, d = k_cache.shape
-    blocks = max_len // page_size
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(B * blocks + spare_pages, generator=g)[:B * blocks]
-    pages = [torch.randn(B * blocks + spare_pages, Hkv, page_size, c.shape[3], generator=g).to(c.dtype)
-             for c in (k_cache, v_cache)]
-    for cache, paged_cache in zip((k_cache, v_cache), pages):
-        paged_cache[order] = cache.reshape(B, Hkv, blocks, page_size, -1).permute(0, 2, 1, 3, 4).reshape(
-            B * blocks, Hkv, page_size, -1)
-    return pages[0], pages[1], order.view(B, blocks).to(torch.int32)
-
-
-def unpaged(pages, table):
-    """The contiguous [B, Hkv, blocks * page_size, d] view of each sequence's pages."""
-    p = pages[table.long()]  # [B, blocks, Hkv, page_size, d]
-    return p.permute(0, 2, 1, 3, 4).reshape(table.shape[0], pages.shape[1], -1, pages.shape[3])
 
 
 @pytest.mark.parametrize("nq, n_new", [(1, 1), (5, 5), (3, 0)], ids=["decode", "chunk", "no-append"])

@@ -84,3 +84,24 @@ def check_packed_kvcache(n_q, cached, is_causal=True, window=None, softcap=None,
         assert torch.equal(lse_b == float("-inf"), hidden)
         torch.testing.assert_close(lse_b[~hidden].double(), oracle_lse[~hidden], atol=1e-4, rtol=1e-5)
     return out
+
+
+def paged(k_cache, v_cache, page_size, spare_pages=3, seed=0):
+    """The contiguous caches [B, Hkv, max_len, d] cut into pages [pages, Hkv, page_size, d] in a
+    shuffled order (plus spare pages of noise), and the block table that reassembles them."""
+    B, Hkv, max_len, d = k_cache.shape
+    blocks = max_len // page_size
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(B * blocks + spare_pages, generator=g)[:B * blocks]
+    pages = [torch.randn(B * blocks + spare_pages, Hkv, page_size, c.shape[3], generator=g).to(c)
+             for c in (k_cache, v_cache)]
+    for cache, paged_cache in zip((k_cache, v_cache), pages):
+        paged_cache[order.to(cache.device)] = cache.reshape(B, Hkv, blocks, page_size, -1).permute(0, 2, 1, 3, 4).reshape(
+            B * blocks, Hkv, page_size, -1)
+    return pages[0], pages[1], order.view(B, blocks).to(device=k_cache.device, dtype=torch.int32)
+
+
+def unpaged(pages, table):
+    """The contiguous [B, Hkv, blocks * page_size, d] view of each sequence's pages."""
+    p = pages[table.long()]  # [B, blocks, Hkv, page_size, d]
+    return p.permute(0, 2, 1, 3, 4).reshape(table.shape[0], pages.shape[1], -1, pages.shape[3])
