@@ -96,8 +96,8 @@ def paged(k_cache, v_cache, page_size, spare_pages=3, seed=0):
     pages = [torch.randn(B * blocks + spare_pages, Hkv, page_size, c.shape[3], generator=g).to(c)
              for c in (k_cache, v_cache)]
     for cache, paged_cache in zip((k_cache, v_cache), pages):
-        paged_cache[order.to(cache.device)] = cache.reshape(B, Hkv, blocks, page_size, -1).permute(0, 2, 1, 3, 4).reshape(
-            B * blocks, Hkv, page_size, -1)
+        pages_in_order = cache.reshape(B, Hkv, blocks, page_size, -1).permute(0, 2, 1, 3, 4)
+        paged_cache[order.to(cache.device)] = pages_in_order.reshape(B * blocks, Hkv, page_size, -1)
     return pages[0], pages[1], order.view(B, blocks).to(device=k_cache.device, dtype=torch.int32)
 
 
