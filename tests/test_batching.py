@@ -176,22 +176,16 @@ def test_sizes_below_one_are_refused(option):
         Batcher(tiny_engine(), **{option: 0})
 
 
-def test_without_paged_kernels_each_request_holds_a_slot_and_the_bits_stay(engine, run, monkeypatch):
-    # CUDA's kernels read no block_table yet: there every request holds one page of its
-    # longest length, its row of the call. The CPU runs that mode here when told to.
+def test_steps_where_every_request_decodes_run_the_decoder_and_the_bits_stay(engine, run):
+    # Such steps are Engine.decoder's (a CUDA graph per row count on CUDA), the others packed calls.
     requests = list(zip(prompts(5, 300, 40, 1), [6, 5, 8, 7]))
-    paged = [run(Batcher(engine), [r])[0][0] for r in requests]
-    tile = batching._kernel_support(engine, 16)[1]
-    monkeypatch.setattr(batching, "_kernel_support", lambda engine, page_size: (False, tile))
-    batcher = Batcher(engine, max_running=2, kv_positions=400)
-    assert not batcher.paged and not batcher.prefix_caching and batcher.pool.page_size == 400
-    decode_steps = count_calls(batcher, "_decode")
-    logits, tokens = run(batcher, requests, arrivals=[0, 0, 0, 1])  # two slots: the others wait their turn
-    assert all(torch.equal(a, b) for a, b in zip(logits, paged))
-    assert decode_steps[0] > 0  # steps where every request decoded ran decode() over the slots
+    alone = [run(Batcher(engine), [r])[0][0] for r in requests]
+    batcher = Batcher(engine, max_running=2)
+    decode_steps = count_calls(batcher, "_run_decode")
+    logits, tokens = run(batcher, requests, arrivals=[0, 0, 0, 1])  # two rows: the others wait their turn
+    assert all(torch.equal(a, b) for a, b in zip(logits, alone))
+    assert decode_steps[0] > 0 and 2 in batcher._decoders
     assert batcher.pool.usage()["held"] == 0
-    with pytest.raises(ValueError, match="needs 401 positions of the KV cache, which holds 400 a request"):
-        batcher.add([1] * 392, 10)
 
 
 def test_decoding_requests_get_their_token_before_an_older_requests_prefill(engine):
@@ -271,15 +265,14 @@ def teacher_forced_logits(engine, prompt, tokens):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("sliding", [0, 100], ids=["llama", "sliding"])
 def test_batched_requests_follow_a_float32_prefill_of_their_own_tokens(device, sliding, run):
-    # On CUDA the kernels read no block_table: each request holds a slot (float16).
+    # float16 on CUDA.
     engine = tiny_engine(sliding_window=sliding, head_dim=64, device=device)
     reference = tiny_engine(sliding_window=sliding, head_dim=64) if device == "cuda" else engine
-    batcher = Batcher(engine, max_running=4, kv_positions=1024, token_budget=256)
-    assert batcher.paged == (device == "cpu")
+    batcher = Batcher(engine, max_running=4, kv_positions=2048, token_budget=256)
     requests = list(zip(prompts(5, 300, 600, 1, 260, 40), [6, 5, 4, 7, 3, 8]))
-    decode_steps = count_calls(batcher, "_decode") if device == "cuda" else [1]
+    decode_steps = count_calls(batcher, "_run_decode")
     logits, tokens = run(batcher, requests, arrivals=[0, 0, 1, 2, 2, 5])
-    assert decode_steps[0] > 0  # on CUDA, the steps that only decode replayed the captured decode()
+    assert decode_steps[0] > 0  # on CUDA they replay a captured decode()
     for (prompt, _), rows, toks in zip(requests, logits, tokens):
         expected = teacher_forced_logits(reference, prompt, toks)
         assert torch.allclose(rows.float().cpu(), expected, atol=0.02 * float(expected.abs().max()) + 1e-5)

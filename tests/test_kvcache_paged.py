@@ -175,14 +175,3 @@ def test_plan_kvcache_takes_the_block_table():
     assert plan["family"] == "cpu" and plan["varlen"]
     with pytest.raises(RuntimeError, match="sequence 1 has 31 cached positions and 0 new ones, but the cache holds 24"):
         fusedattn.plan_kvcache(q, k_pages, v_pages, lens, k_new, v_new, cu_seqlens_q=cu, block_table=table[:, :3])
-
-
-@pytest.mark.skipif(not fusedattn.ops.has_kernel("forward_kvcache", "cuda") or not torch.cuda.is_available(),
-                    reason="needs CUDA")
-def test_cuda_refuses_block_table_by_name():
-    q, k_cache, v_cache, lens, k_new, v_new = (t.cuda() for t in make_cache(max_len=32, dtype=torch.float16))
-    k_pages, v_pages, table = (t.cuda() for t in paged(k_cache.cpu(), v_cache.cpu(), page_size=8))
-    with pytest.raises(RuntimeError, match="block_table .* runs on the CPU only so far"):
-        op(q, k_pages, v_pages, lens, k_new, v_new, block_table=table)
-    with pytest.raises(RuntimeError, match="plan_kvcache: block_table .* runs on the CPU only so far"):
-        fusedattn.plan_kvcache(q, k_pages, v_pages, lens, block_table=table)

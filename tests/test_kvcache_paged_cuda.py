@@ -63,6 +63,9 @@ def test_pages_of_a_multiple_of_16_positions_only():
         op(q, k_pages, v_pages, lens, k_new, v_new, block_table=table)
     with pytest.raises(RuntimeError, match=r"block_table must be int32 \[B, max_blocks\] = \[3, max_blocks\]"):
         op(q, k_pages, v_pages, lens, k_new, v_new, block_table=table[:2])
+    cpu = [t.cpu() for t in (q, k_pages, v_pages, lens, k_new, v_new)]
+    with pytest.raises(RuntimeError, match=r"block_table must be on q's device \(cpu\), got cuda:0"):
+        op(*cpu, block_table=table)
 
 
 def test_packed_queries_through_pages():

@@ -1,23 +1,24 @@
 """Continuous batching: requests join and leave the engine between steps.
 
 ``Batcher(engine)`` holds the requests a server has admitted. Each ``step()``
-is one packed call of the model (``Engine.forward_packed``; where requests hold
-slots and all of them decode, ``Engine.decoder``'s step, a CUDA graph): every running
-request adds its next tokens, one when it decodes, a chunk of its prompt when
-it prefills, within the step's token budget (decodes first, then prefills in
-the order they arrived), each at its own length in the KV cache. A request
-leaves when it samples a stop token or reaches its ``max_tokens``, or when it
-is cancelled, and its pages go back to the pool at once.
+is one call of the model: every running request adds its next tokens, one when
+it decodes, a chunk of its prompt when it prefills, within the step's token
+budget (decodes first, then prefills in the order they arrived), each at its
+own length in the KV cache. A step that mixes prefill chunks and decodes is one
+packed call (``Engine.forward_packed``); a step where every running request
+decodes is ``Engine.decoder``'s step over their rows (a CUDA graph per row
+count on CUDA). A request leaves when it samples a stop token or reaches its
+``max_tokens``, or when it is cancelled, and its pages go back to the pool at
+once.
 
-The KV cache is a ``kv_pages.PagePool``. Where the device's kernels read paged
-caches (the planner says so: the CPU today), a request takes pages as it grows,
-and requests whose tokens start the same share the pages of that prefix
-(prefix caching). Elsewhere (CUDA today) every running request owns one page of
-``kv_positions`` positions (the model's context at most): its slot. When a running request needs a page and
-none is free, the request admitted last is preempted: its pages go back and it
-waits at the head of the queue to be computed again from its tokens so far.
-A waiting request is admitted when a slot and the pages of its first chunk are
-free; nothing fails for want of pages but a request larger than the whole cache,
+The KV cache is a ``kv_pages.PagePool`` read through block tables (CPU and
+CUDA kernels both take them). A request takes pages as it grows, and requests
+whose tokens start the same share the pages of that prefix (prefix caching).
+When a running request needs a page and none is free, the request admitted
+last is preempted: its pages go back and it waits at the head of the queue to
+be computed again from its tokens so far.
+A waiting request is admitted when a row of the step and the pages of its
+first chunk are free; nothing fails for want of pages but a request larger than the whole cache,
 which ``add`` refuses.
 
 Batching does not change a request's tokens: prompts are cut into chunks at
@@ -84,19 +85,18 @@ class Event:
     error: str | None = None
 
 
-def _kernel_support(engine: Engine, page_size: int) -> tuple[bool, int]:
-    """Whether the engine's device reads paged caches, and the query tile of
-    packed calls against a cache, as the planner says for a call of one token."""
+def _query_tile(engine: Engine, page_size: int) -> int:
+    """The query tile of packed calls against a paged cache, as the planner
+    says for a call of one token; the plans refuse pages the kernels cannot
+    read (on CUDA, a page size that is no multiple of 16)."""
     c, device, dtype = engine.config, engine.device, engine.dtype
     q = torch.zeros(1, c.heads, c.head_dim, device=device, dtype=dtype)
     caches = [torch.zeros(1, c.kv_heads, page_size, c.head_dim, device=device, dtype=dtype) for _ in range(2)]
     lengths = torch.zeros(1, dtype=torch.int32, device=device)
-    cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-    try:
-        return True, plan_kvcache(q, *caches, lengths, cu_seqlens_q=cu, block_table=table)["block_m"]
-    except RuntimeError:  # this device's kernels take no block_table
-        return False, plan_kvcache(q, *caches, lengths, cu_seqlens_q=cu)["block_m"]
+    plan_kvcache(q[:, :, None], *caches, lengths, block_table=table)  # the decode step's
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    return plan_kvcache(q, *caches, lengths, cu_seqlens_q=cu, block_table=table)["block_m"]
 
 
 class Batcher:
@@ -105,37 +105,29 @@ class Batcher:
     def __init__(self, engine: Engine, max_running: int = 32, kv_positions: int = 16384, page_size: int = 16,
                  token_budget: int = 512, prefix_caching: bool = True):
         """max_running: requests in one step at most. kv_positions: the paged
-        cache's size in positions (of every layer); where the kernels read no
-        pages, the positions each request holds (up to the model's context),
-        max_running times over. page_size: positions a page holds.
-        token_budget: tokens one step computes at most (at least max_running
-        and one query tile). prefix_caching: share pages of equal prefixes."""
-        for name, value in (("max_running", max_running), ("kv_positions", kv_positions),
-                            ("page_size", page_size), ("token_budget", token_budget)):
+        cache's size in positions (of every layer). page_size: positions a
+        page holds (on CUDA a multiple of 16). token_budget: tokens one step
+        computes at most (at least max_running and one query tile).
+        prefix_caching: share pages of equal prefixes."""
+        for name, value in (("max_running", max_running), ("kv_positions", kv_positions), ("page_size", page_size),
+                            ("token_budget", token_budget)):
             if value < 1:
                 raise ValueError(f"fusedattn.batching: {name} must be at least 1, got {value}")
         self.engine = engine
         c = engine.config
-        self.paged, self.query_tile = _kernel_support(engine, page_size)
+        self.query_tile = _query_tile(engine, page_size)
         # Room for every running request's token and one query tile, so decoding never starves a prefill.
         self.token_budget = max(token_budget, max_running + self.query_tile)
-        if self.paged:  # the paged kernels (the CPU's) read a sequence's written positions only
-            self.pool = PagePool(c.layers, c.kv_heads, c.head_dim, math.ceil(kv_positions / page_size), page_size,
-                                 engine.device, engine.dtype, zeroed=False)
-            self._table = torch.zeros(max_running, math.ceil(c.context / page_size), dtype=torch.int32)
-            self._free_slots = collections.deque(range(max_running))
-        else:  # a page per request, of its longest length: the page is its slot
-            self.pool = PagePool(c.layers, c.kv_heads, c.head_dim, max_running, min(c.context, kv_positions),
-                                 engine.device, engine.dtype)
-            self._table = None
-        # Where each request holds a slot, a step of decoding requests only is
-        # one decode() over every slot, at lengths read in place: a CUDA graph.
-        self._lengths = torch.zeros(max_running, dtype=torch.int32, device=engine.device)
-        self._decode = None if self.paged else engine.decoder(self._lengths, self.pool.caches)
-        self.prefix_caching = prefix_caching and self.paged
+        # The kernels read a sequence's written positions only: unused pages need no zeros.
+        self.pool = PagePool(c.layers, c.kv_heads, c.head_dim, math.ceil(kv_positions / page_size), page_size,
+                             engine.device, engine.dtype, zeroed=False)
+        self._table = torch.zeros(max_running, math.ceil(c.context / page_size), dtype=torch.int32)
+        self._free_slots = collections.deque(range(max_running))
+        self._decoders: dict[int, tuple] = {}  # rows -> (lengths, block_table, step) of Engine.decoder
+        self.prefix_caching = prefix_caching
         # Shared pages end where a query tile does, so that their keys are the
         # bits a request computing them itself would get.
-        self._share_unit = math.lcm(page_size, self.query_tile) if self.paged else 0
+        self._share_unit = math.lcm(page_size, self.query_tile)
         self.max_running = max_running
         self._running: list[Sequence] = []  # in the order they were admitted
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -165,12 +157,9 @@ class Batcher:
         if last > context:
             raise ValueError(f"fusedattn.batching: the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) "
                              f"exceed the model's context of {context} tokens")
-        if self.paged and math.ceil(last / self.pool.page_size) > self.pool.pages:
+        if math.ceil(last / self.pool.page_size) > self.pool.pages:
             raise ValueError(f"fusedattn.batching: the request needs {math.ceil(last / self.pool.page_size)} pages "
                              f"of the KV cache, which has {self.pool.pages}")
-        if not self.paged and last > self.pool.page_size:
-            raise ValueError(f"fusedattn.batching: the request needs {last} positions of the KV cache, which holds "
-                             f"{self.pool.page_size} a request")
 
     def cancel(self, seq: Sequence) -> None:
         """Ends a request now (its pages go back); nothing where it has ended."""
@@ -279,9 +268,8 @@ class Batcher:
 
     def _run(self, batch: list[tuple[Sequence, int]]) -> Tensor:
         """The model over the batch's tokens (in slot order); the logits of the requests that sample."""
-        if self._decode is not None and len(batch) == len(self._running) and all(
-                n == 1 and seq.length() == seq.cached + 1 for seq, n in batch):
-            return self._run_decode(batch)
+        if len(batch) == len(self._running) and all(n == 1 and seq.length() == seq.cached + 1 for seq, n in batch):
+            return self._run_decode([seq for seq, _ in batch])
         slots = self.max_running
         counts, cached = [0] * slots, [0] * slots
         ids, positions, rows = [], [], []
@@ -294,43 +282,37 @@ class Batcher:
         device = self.engine.device
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
         cu = as_tensor(list(itertools.accumulate(counts, initial=0)))
-        table = self._table.to(device) if self._table is not None else None
         return self.engine.forward_packed(as_tensor(ids).long(), as_tensor(positions).long(), cu, as_tensor(cached),
-                                          self.pool.caches, table, torch.tensor(rows, dtype=torch.long, device=device))
+                                          self.pool.caches, self._table.to(device),
+                                          torch.tensor(rows, dtype=torch.long, device=device))
 
-    def _run_decode(self, batch: list[tuple[Sequence, int]]) -> Tensor:
-        """A step where every running request decodes and holds a slot:
-        decode() over all slots, a CUDA graph's replay on CUDA. A free slot
-        decodes token 0 at its position 0, which nobody reads."""
-        tokens, lengths = [0] * self.max_running, [0] * self.max_running
-        for seq, _ in batch:
-            tokens[seq.slot], lengths[seq.slot] = seq.token_at(seq.cached), seq.cached
-        self._lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
-        logits = self._decode(torch.tensor(tokens, device=self.engine.device))
-        slots = [seq.slot for seq, _ in batch]
-        return logits if len(slots) == self.max_running else logits[slots]
+    def _run_decode(self, seqs: list[Sequence]) -> Tensor:
+        """A step where every running request decodes: Engine.decoder's step
+        over their rows, one decoder (a CUDA graph on CUDA) per row count,
+        whose lengths and block table are refilled in place."""
+        if len(seqs) not in self._decoders:
+            device = self.engine.device
+            lengths = torch.zeros(len(seqs), dtype=torch.int32, device=device)
+            table = torch.zeros(len(seqs), self._table.shape[1], dtype=torch.int32, device=device)
+            self._decoders[len(seqs)] = lengths, table, self.engine.decoder(lengths, self.pool.caches, table)
+        lengths, table, step = self._decoders[len(seqs)]
+        lengths.copy_(torch.tensor([seq.cached for seq in seqs], dtype=torch.int32))
+        table.copy_(self._table[[seq.slot for seq in seqs]])
+        return step(torch.tensor([seq.token_at(seq.cached) for seq in seqs], device=self.engine.device))
 
     # ----- slots and pages
 
     def _admit(self, seq: Sequence) -> None:
-        if self.paged:
-            seq.slot = self._free_slots.popleft()
-            self._table[seq.slot, :len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
-        else:
-            seq.pages = [self.pool.take()]
-            seq.slot = seq.pages[0]
+        seq.slot = self._free_slots.popleft()
+        self._table[seq.slot, :len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
         self._running.append(seq)
 
     def _room(self, seq: Sequence) -> int:
-        """Positions a waiting seq could hold now: its shared pages and the free ones (a free slot's)."""
-        if not self.paged:
-            return self.pool.page_size if self.pool.available() else 0
+        """Positions a waiting seq could hold now: its shared pages and the free ones."""
         return (len(seq.pages) + self.pool.available()) * self.pool.page_size - seq.cached
 
     def _pages_short(self, seq: Sequence, positions: int) -> int:
         """Pages seq would need to hold ``positions``, beyond those the pool has free."""
-        if not self.paged:
-            return 0  # its slot holds its longest length (check)
         return math.ceil(positions / self.pool.page_size) - len(seq.pages) - self.pool.available()
 
     def _grow(self, seq: Sequence, positions: int, batch: list, preempted: set) -> bool:
@@ -344,7 +326,7 @@ class Batcher:
             preempted.add(victim)
             if victim is seq:
                 return False
-        while self.paged and len(seq.pages) * self.pool.page_size < positions:
+        while len(seq.pages) * self.pool.page_size < positions:
             seq.pages.append(self.pool.take())
             self._table[seq.slot, len(seq.pages) - 1] = seq.pages[-1]
         return True
@@ -385,8 +367,7 @@ class Batcher:
             self.pool.give_back(page)
         seq.pages, seq.cached, seq.exact, seq.named = [], 0, 0, 0
         if seq.slot is not None:
-            if self.paged:
-                self._free_slots.append(seq.slot)
+            self._free_slots.append(seq.slot)
             seq.slot = None
 
     def _preempt(self, seq: Sequence) -> None:

@@ -984,9 +984,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-running", type=int, default=32, dest="max_running",
                    help="requests decoded together at most; more wait (default 32)")
     v.add_argument("--kv-cache-tokens", type=int, default=16384, dest="kv_cache_tokens",
-                   help="positions of the paged KV cache, shared by the requests (default 16384; on CUDA, whose "
-                        "kernels read no pages yet, the positions each running request holds, up to the model's "
-                        "context)")
+                   help="positions of the paged KV cache, shared by the requests (default 16384)")
     return parser
 
 

@@ -254,13 +254,15 @@ class Engine:
         return self._logits(x[:, -1])
 
     @torch.no_grad()
-    def decode(self, tokens: Tensor, lengths: Tensor, caches) -> Tensor:
-        """One token per sequence, each at its own position; appends to the caches."""
+    def decode(self, tokens: Tensor, lengths: Tensor, caches, block_table: Tensor | None = None) -> Tensor:
+        """One token per sequence, each at its own position; appends to the
+        caches (a sequence's own rows, or pages through block_table)."""
         x = self._embed(tokens)[:, None]  # [B, 1, hidden]
         rotations = self._rotations(lengths.long()[:, None])
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, caches)):
             q, k, v = self._layer_qkv(layer, x, rotations[self.config.rope_base_of(i)])
-            attn = attention_with_kvcache(q, k_cache, v_cache, lengths, k, v, window=self.config.window(i))
+            attn = attention_with_kvcache(q, k_cache, v_cache, lengths, k, v, window=self.config.window(i),
+                                          block_table=block_table)
             x = self._layer_rest(layer, x, attn)
         return self._logits(x[:, 0])
 
@@ -326,32 +328,34 @@ class Engine:
         if stats is not None:
             stats["decode_tokens"], stats["decode_s"] = decoded, time.perf_counter() - start
 
-    def decoder(self, lengths: Tensor, caches) -> Callable[[Tensor], Tensor]:
-        """f(tokens [B]) -> logits [B, vocab]: decode() at ``lengths``, read in
-        place (keep the tensor; advance it in place). With cuda_graph the first
-        call runs eagerly, which warms up what a capture needs, and captures;
-        later calls replay, into the same logits tensor."""
+    def decoder(self, lengths: Tensor, caches, block_table: Tensor | None = None) -> Callable[[Tensor], Tensor]:
+        """f(tokens [B]) -> logits [B, vocab]: decode() at ``lengths`` (and
+        through ``block_table``), both read in place: keep the tensors, change
+        them in place. With cuda_graph the first call runs eagerly, which warms
+        up what a capture needs, and captures; later calls replay, into the
+        same logits tensor."""
         replay = None
 
         def step(tokens: Tensor) -> Tensor:
             nonlocal replay
             if replay is not None:
                 return replay(tokens)
-            logits = self.decode(tokens, lengths, caches)
+            logits = self.decode(tokens, lengths, caches, block_table)
             if self.cuda_graph:
-                replay = self._capture_decode(tokens, lengths, caches)
+                replay = self._capture_decode(tokens, lengths, caches, block_table)
             return logits
 
         return step
 
-    def _capture_decode(self, tokens: Tensor, lengths: Tensor, caches) -> Callable[[Tensor], Tensor]:
+    def _capture_decode(self, tokens: Tensor, lengths: Tensor, caches,
+                        block_table: Tensor | None) -> Callable[[Tensor], Tensor]:
         static_tokens = tokens.clone()
         graph = torch.cuda.CUDAGraph()
         # On the engine's GPU, whichever is current: a capture stream of
         # another GPU would record nothing of decode()'s work.
         with torch.cuda.device(self.device):
             with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
-                static_logits = self.decode(static_tokens, lengths, caches)
+                static_logits = self.decode(static_tokens, lengths, caches, block_table)
 
         def replay(new_tokens: Tensor) -> Tensor:
             static_tokens.copy_(new_tokens)

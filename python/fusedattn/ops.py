@@ -302,12 +302,14 @@ def attention_with_kvcache(
             ``[total_q, Hkv, d_v]`` (or None) its new keys, so ``L_b =
             cache_seqlens[b] + Nq_b`` (without them ``cache_seqlens[b]``). The lengths are read on the host (a sync: no CUDA graph);
             on CUDA the varlen forward serves it, with num_splits None.
-        block_table: int32 ``[B, max_blocks]``, or None: a paged cache (the CPU only so far).
+        block_table: int32 ``[B, max_blocks]``, or None: a paged cache (on CUDA pages of a multiple of 16).
             k_cache and v_cache are then ``[pages, Hkv, page_size, d]`` and ``[pages, Hkv,
             page_size, d_v]``, shared by the sequences: position p of sequence b is row
             ``p % page_size`` of page ``block_table[b, p // page_size]``, so a sequence holds
             ``max_blocks * page_size`` positions. Sequences may read the same pages (a shared
             prefix), but a page a sequence appends into is that sequence's alone in the call.
+            Without cu_seqlens_q, CUDA does not read the table on the host: an entry outside
+            ``[0, pages)`` gives its sequence NaN and no append (the CPU raises).
 
     Returns:
         ``[B, Hq, Nq, d_v]`` (with cu_seqlens_q ``[total_q, Hq, d_v]``). Not
