@@ -188,7 +188,8 @@ void point_operands(PreparedInputs& in) {
   p.v_strides = strides_of(in.v);
 }
 
-// p's window from the operator's argument (checked), is_causal folded in.
+}  // namespace
+
 void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef window) {
   check_window(op, window);
   if (!window) return;
@@ -200,8 +201,6 @@ void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef wind
   if ((*window)[1] == 0) p.is_causal = true;
   p.window_right = p.is_causal ? -1 : std::min((*window)[1], widest);
 }
-
-}  // namespace
 
 PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,

@@ -65,6 +65,11 @@ at::Tensor output_delta(const at::Tensor& grad_out, const at::Tensor& out);
 // bad window before they write anything.
 void check_window(const char* op, at::OptionalIntArrayRef window);
 
+// p's window from the operator's argument (checked) and p.shape (a side
+// capped at Nq + Nk), is_causal folded in: prepare_forward's, again for a
+// caller that changes the shape it saw.
+void apply_window(const char* op, ForwardParams& p, at::OptionalIntArrayRef window);
+
 // prepare_forward's check of `scale` alone (finite, within float32 once
 // multiplied by log2(e)), likewise.
 void check_scale(const char* op, std::optional<double> scale);

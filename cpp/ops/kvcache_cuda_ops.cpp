@@ -100,6 +100,7 @@ DecodeInputs prepare_decode(const char* op, const at::Tensor& q, const at::Tenso
     a.shape.seqlen_k = d.table.size(1) * k_cache.size(2);
     a.k_strides.batch = k_cache.stride(0);
     a.v_strides.batch = v_cache.stride(0);
+    apply_window(op, a, window);  // capped at the page prepare_forward saw, the positions a sequence holds now
   }
   return d;
 }
