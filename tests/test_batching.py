@@ -277,3 +277,27 @@ def test_batched_requests_follow_a_float32_prefill_of_their_own_tokens(device, s
         expected = teacher_forced_logits(reference, prompt, toks)
         assert torch.allclose(rows.float().cpu(), expected, atol=0.02 * float(expected.abs().max()) + 1e-5)
     assert batcher.pool.usage()["held"] == 0
+
+
+def test_with_cuda_graphs_decoding_steps_run_at_a_few_row_counts_captured_up_front(run, monkeypatch):
+    # CUDA's path, on the CPU: 3 decoding requests run as 4 rows, the 4th decoding a token 0 into a spare page.
+    engine = tiny_engine()
+    captured = []
+
+    def capture(tokens, lengths, caches, block_table):  # a capture that runs eagerly at every replay
+        captured.append(len(tokens))
+        return lambda new_tokens: engine.decode(new_tokens, lengths, caches, block_table)
+
+    monkeypatch.setattr(engine, "cuda_graph", True)
+    monkeypatch.setattr(engine, "_capture_decode", capture)
+    requests = list(zip(prompts(5, 300, 40), [6, 5, 8]))
+    alone = [run(Batcher(tiny_engine()), [r])[0][0] for r in requests]
+    batcher = Batcher(engine, max_running=12)
+    assert captured == [1, 2, 4, 8, 12] and sorted(batcher._decoders) == [1, 2, 4, 8, 12]
+    assert batcher.pool.usage() == {"total": batcher.pool.pages, "held": 0, "cached": 0, "free": batcher.pool.pages}
+    rows = []
+    decode_rows = batcher._decode_rows
+    monkeypatch.setattr(batcher, "_decode_rows", lambda seqs, n: (rows.append((len(seqs), n)), decode_rows(seqs, n))[1])
+    logits, tokens = run(batcher, requests)
+    assert all(torch.equal(a, b) for a, b in zip(logits, alone))
+    assert (3, 4) in rows and (1, 1) in rows and captured == [1, 2, 4, 8, 12]  # nothing captured while serving

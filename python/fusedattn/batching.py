@@ -99,6 +99,13 @@ def _query_tile(engine: Engine, page_size: int) -> int:
     return plan_kvcache(q, *caches, lengths, cu_seqlens_q=cu, block_table=table)["block_m"]
 
 
+def _row_counts(max_running: int) -> list[int]:
+    """The row counts of decoding steps with CUDA graphs: 1, 2, 4, 8, then
+    every multiple of 8, and max_running."""
+    counts = {n for n in (1, 2, 4) if n < max_running} | set(range(8, max_running, 8)) | {max_running}
+    return sorted(counts)
+
+
 class Batcher:
     """The running and waiting requests of one engine, stepped together."""
 
@@ -118,12 +125,22 @@ class Batcher:
         self.query_tile = _query_tile(engine, page_size)
         # Room for every running request's token and one query tile, so decoding never starves a prefill.
         self.token_budget = max(token_budget, max_running + self.query_tile)
+        # With CUDA graphs, decoding steps run at a few row counts (each one
+        # graph, captured here): the rows past the requests' decode a token 0
+        # into spare pages, a page each, which no request holds.
+        self._row_counts = _row_counts(max_running) if engine.cuda_graph else []
+        spare = max_running if self._row_counts else 0
         # The kernels read a sequence's written positions only: unused pages need no zeros.
         self.pool = PagePool(c.layers, c.kv_heads, c.head_dim, math.ceil(kv_positions / page_size), page_size,
-                             engine.device, engine.dtype, zeroed=False)
+                             engine.device, engine.dtype, zeroed=False, spare=spare)
         self._table = torch.zeros(max_running, math.ceil(c.context / page_size), dtype=torch.int32)
+        spare_pages = torch.arange(self.pool.pages, self.pool.caches[0][0].shape[0], dtype=torch.int32)
+        self._spare_rows = spare_pages[:, None].expand(-1, self._table.shape[1])
         self._free_slots = collections.deque(range(max_running))
         self._decoders: dict[int, tuple] = {}  # rows -> (lengths, block_table, step) of Engine.decoder
+        for rows in self._row_counts:
+            for _ in range(2):  # the first call runs eagerly, the second captures
+                self._decode_rows([], rows)
         self.prefix_caching = prefix_caching
         # Shared pages end where a query tile does, so that their keys are the
         # bits a request computing them itself would get.
@@ -288,17 +305,27 @@ class Batcher:
 
     def _run_decode(self, seqs: list[Sequence]) -> Tensor:
         """A step where every running request decodes: Engine.decoder's step
-        over their rows, one decoder (a CUDA graph on CUDA) per row count,
-        whose lengths and block table are refilled in place."""
-        if len(seqs) not in self._decoders:
+        over their rows (with CUDA graphs, the smallest captured row count
+        that holds them)."""
+        rows = next((n for n in self._row_counts if n >= len(seqs)), len(seqs))
+        return self._decode_rows(seqs, rows)[:len(seqs)]
+
+    def _decode_rows(self, seqs: list[Sequence], rows: int) -> Tensor:
+        """The decoder of ``rows`` rows (one per row count, made at first use),
+        its lengths and block table refilled in place: seqs' first, then rows
+        of a token 0 at position 0 of a spare page each."""
+        if rows not in self._decoders:
             device = self.engine.device
-            lengths = torch.zeros(len(seqs), dtype=torch.int32, device=device)
-            table = torch.zeros(len(seqs), self._table.shape[1], dtype=torch.int32, device=device)
-            self._decoders[len(seqs)] = lengths, table, self.engine.decoder(lengths, self.pool.caches, table)
-        lengths, table, step = self._decoders[len(seqs)]
-        lengths.copy_(torch.tensor([seq.cached for seq in seqs], dtype=torch.int32))
-        table.copy_(self._table[[seq.slot for seq in seqs]])
-        return step(torch.tensor([seq.token_at(seq.cached) for seq in seqs], device=self.engine.device))
+            lengths = torch.zeros(rows, dtype=torch.int32, device=device)
+            table = torch.zeros(rows, self._table.shape[1], dtype=torch.int32, device=device)
+            self._decoders[rows] = lengths, table, self.engine.decoder(lengths, self.pool.caches, table)
+        lengths, table, step = self._decoders[rows]
+        padding = rows - len(seqs)
+        spare = self._spare_rows[:padding]
+        lengths.copy_(torch.tensor([seq.cached for seq in seqs] + [0] * padding, dtype=torch.int32))
+        table.copy_(torch.cat([self._table[[seq.slot for seq in seqs]], spare]))
+        tokens = [seq.token_at(seq.cached) for seq in seqs] + [0] * padding
+        return step(torch.tensor(tokens, device=self.engine.device))
 
     # ----- slots and pages
 

@@ -195,8 +195,9 @@ def decode_step(engine, cfg: ServeConfig, prompt_tokens: int = 64, steps: int = 
 
     c, rng = engine.config, random.Random(cfg.seed)
     batcher = Batcher(engine, max_running=cfg.max_running)
-    warmup = 2  # steps of every request decoding before the clock: a CUDA graph is captured in the first
-    seqs = [batcher.add([rng.randrange(c.vocab) for _ in range(prompt_tokens)], steps + warmup + 2)
+    warmup = 2  # steps of every request decoding before the clock
+    # Room for the tokens a request decodes while the others prefill: all of them stay to the end.
+    seqs = [batcher.add([rng.randrange(c.vocab) for _ in range(prompt_tokens)], 4 * (steps + warmup))
             for _ in range(cfg.max_running)]
     while not all(s.tokens for s in seqs):  # the prefills (and a first decode for some)
         batcher.step()

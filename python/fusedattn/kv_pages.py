@@ -40,16 +40,17 @@ class PagePool:
     values (``caches``: a (k, v) pair per layer), their holders and their names."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, pages: int, page_size: int,
-                 device: torch.device, dtype: torch.dtype, zeroed: bool = True):
+                 device: torch.device, dtype: torch.dtype, zeroed: bool = True, spare: int = 0):
         """zeroed=False leaves the pages' memory as allocated, for kernels that
         read no position a sequence has not written: untouched pages then take
-        no resident memory."""
+        no resident memory. spare: pages past ``pages`` (indices pages ..)
+        that no holder takes, for writes nobody reads."""
         if pages < 1 or page_size < 1:
             raise ValueError(f"fusedattn.engine: a KV cache needs at least one page of at least one position, got "
                              f"{pages} pages of {page_size}")
         self.page_size = page_size
         allocate = torch.zeros if zeroed else torch.empty
-        self.caches = [tuple(allocate(pages, kv_heads, page_size, head_dim, device=device, dtype=dtype)
+        self.caches = [tuple(allocate(pages + spare, kv_heads, page_size, head_dim, device=device, dtype=dtype)
                              for _ in range(2)) for _ in range(layers)]
         self._holders = [0] * pages
         self._free = collections.deque(range(pages))  # unnamed and held by nobody
