@@ -153,7 +153,7 @@ def measure_row(cfg: DecodeConfig, dtype: str, n: int, varlen: bool, table: dict
     capacity = cfg.capacity or n  # run() checked that it holds n
     skipped = ("n/a (no per-sequence lengths)" if varlen
                else "n/a (no cache capacity: reads a cache of N)" if capacity > n else None)
-    results = {name: {"status": skipped} for name in table if skipped and name != "fusedattn"}
+    results = {name: {"status": skipped} for name in table if skipped and not name.startswith("fusedattn")}
     torch.manual_seed(0)
     dt = DTYPES[dtype]
     q = torch.randn(cfg.batch, cfg.heads, 1, cfg.head_dim, device=cfg.device, dtype=dt)
