@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "../common/instantiation_dispatch.h"
@@ -97,17 +98,20 @@ void backward_sm90(const BackwardParams& p, cudaStream_t stream) {
     using Tr = Sm90BackwardTraits<decltype(head_dim)::value>;
     Sm90BackwardArgs args{};
     args.p = p;
-    const bool encoded =
-        (rows == 0 ||
-         (encode_head_tensor_map(&args.q_map, p.fwd.dtype, p.fwd.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim,
-                                 p.fwd.q_strides, Tr::kBlockM) &&
-          encode_head_tensor_map(&args.do_map, p.fwd.dtype, p.grad_out, sh.batch, sh.heads_q, sh.seqlen_q,
-                                 sh.head_dim, p.grad_out_strides, Tr::kBlockM) &&
-          encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, Tr::kRowsBox) &&
-          encode_rows_tensor_map(&args.delta_map, p.delta, rows, Tr::kRowsBox) &&
-          encode_float_matrix_tensor_map(&args.dq_map, p.grad_q_accum, rows, sh.head_dim, Tr::kDqBoxRows))) &&
-        encode_key_value_maps(p.fwd, &args.k_map, &args.v_map, Tr::kBlockN);
-    if (!encoded) throw_planner_bug("the sm90 backward's tensor maps cannot describe its operands as planned");
+    // The first operand whose map fails, named in the error.
+    const char* failed =
+        rows > 0 && !encode_head_tensor_map(&args.q_map, p.fwd.dtype, p.fwd.q, sh.batch, sh.heads_q, sh.seqlen_q,
+                                            sh.head_dim, p.fwd.q_strides, Tr::kBlockM)          ? "q"
+        : rows > 0 && !encode_head_tensor_map(&args.do_map, p.fwd.dtype, p.grad_out, sh.batch, sh.heads_q,
+                                              sh.seqlen_q, sh.head_dim, p.grad_out_strides, Tr::kBlockM) ? "grad_out"
+        : rows > 0 && !encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, Tr::kRowsBox)   ? "lse"
+        : rows > 0 && !encode_rows_tensor_map(&args.delta_map, p.delta, rows, Tr::kRowsBox)   ? "delta"
+        : rows > 0 && !encode_float_matrix_tensor_map(&args.dq_map, p.grad_q_accum, rows, sh.head_dim,
+                                                      Tr::kDqBoxRows)                          ? "dq's accumulator"
+        : !encode_key_value_maps(p.fwd, &args.k_map, &args.v_map, Tr::kBlockN)                 ? "k or v"
+                                                                                               : nullptr;
+    if (failed != nullptr)
+      throw_planner_bug(std::string("the sm90 backward's tensor maps cannot describe ") + failed + " as planned");
     launch_backward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);
   });
 }
