@@ -28,31 +28,46 @@ def test_paged_equals_contiguous_bit_for_bit(nq, n_new, page_size, d, dtype, num
     plan = fusedattn.plan_kvcache(q, k_pages, v_pages, lens, k_new, v_new, num_splits=num_splits, block_table=table)
     assert plan["family"] == "decode"
     spare = sorted(set(range(k_pages.shape[0])) - set(table.flatten().tolist()))
+    # Entries past a sequence's pages are never read: -1 there, and NaN in the pages nobody holds.
+    sparse = table.clone()
+    for b, length in enumerate((lens + n_new).tolist()):
+        sparse[b, -(-length // page_size):] = -1
+    k_pages[spare] = v_pages[spare] = float("nan")
     spares_before = k_pages[spare].clone(), v_pages[spare].clone()
     expected = op(q, k_cache, v_cache, lens, k_new, v_new, True, None, num_splits)
-    got = op(q, k_pages, v_pages, lens, k_new, v_new, True, None, num_splits, block_table=table)
+    got = op(q, k_pages, v_pages, lens, k_new, v_new, True, None, num_splits, block_table=sparse)
     for e, g in zip(expected, got):
         assert torch.equal(g, e)
     assert torch.equal(unpaged(k_pages, table), k_cache) and torch.equal(unpaged(v_pages, table), v_cache)
-    assert torch.equal(k_pages[spare], spares_before[0]) and torch.equal(v_pages[spare], spares_before[1])
+    assert torch.equal(k_pages[spare].isnan(), spares_before[0].isnan())
+    assert torch.equal(v_pages[spare].isnan(), spares_before[1].isnan())
 
 
-@pytest.mark.parametrize("merge_in_cluster", [False, True])
-def test_a_page_outside_the_cache_gives_its_sequence_nan_and_no_append(merge_in_cluster):
+@pytest.mark.parametrize("num_splits, merge_in_cluster", [(1, None), (4, False), (4, True)],
+                         ids=["one-split", "global-merge", "cluster-merge"])
+@pytest.mark.parametrize("bad", ["read", "append"])
+def test_a_page_outside_the_cache_gives_its_sequence_nan(num_splits, merge_in_cluster, bad):
+    """Sequence 1 (200 positions, appending at 200) reads a bad entry at page 3, or appends through
+    one at page 12 (its last page, which it reads too): NaN for it alone; no write through the bad entry."""
     q, k_cache, v_cache, lens, k_new, v_new = on_cuda(*make_cache(B=3, Hq=4, Hkv=2, d=64, max_len=512,
                                                                   dtype=torch.float16))
     lens[:] = torch.tensor([300, 200, 100], dtype=torch.int32)
     k_pages, v_pages, table = paged(k_cache, v_cache, 16)
-    expected = op(q, k_cache.clone(), v_cache.clone(), lens, k_new, v_new, True, None, 4, merge_in_cluster)
+    expected = op(q, k_cache.clone(), v_cache.clone(), lens, k_new, v_new, True, None, num_splits, merge_in_cluster)
     before = k_pages.clone()
-    table[1, 3] = k_pages.shape[0]  # sequence 1 reads it (200 positions); the others are untouched
-    table[1, 12] = -1  # where sequence 1 appends
-    out, lse = op(q, k_pages, v_pages, lens, k_new, v_new, True, None, 4, merge_in_cluster, block_table=table)
+    appends = {b: int(table[b, int(lens[b]) // 16]) for b in range(3)}
+    if bad == "read":
+        table[1, 3] = k_pages.shape[0]
+    else:
+        table[1, 12] = -1
+        del appends[1]
+    out, lse = op(q, k_pages, v_pages, lens, k_new, v_new, True, None, num_splits, merge_in_cluster,
+                  block_table=table)
     assert out[1].isnan().all() and lse[1].isnan().all()
     for b in (0, 2):
         assert torch.equal(out[b], expected[0][b]) and torch.equal(lse[b], expected[1][b])
     changed = (k_pages != before).flatten(1).any(1).nonzero().flatten().tolist()
-    assert changed == sorted([int(table[0, 300 // 16]), int(table[2, 100 // 16])])  # the two appends alone
+    assert changed == sorted(appends.values())
 
 
 def test_pages_of_a_multiple_of_16_positions_only():
@@ -63,6 +78,11 @@ def test_pages_of_a_multiple_of_16_positions_only():
         op(q, k_pages, v_pages, lens, k_new, v_new, block_table=table)
     with pytest.raises(RuntimeError, match=r"block_table must be int32 \[B, max_blocks\] = \[3, max_blocks\]"):
         op(q, k_pages, v_pages, lens, k_new, v_new, block_table=table[:2])
+    k16, v16, table16 = paged(k_cache, v_cache, 16)
+    odd = torch.empty(k16.numel() + 4 * k16.shape[0], device="cuda", dtype=k16.dtype)  # pages 4 elements apart
+    k_odd = odd.view(k16.shape[0], -1)[:, :k16[0].numel()].unflatten(1, k16.shape[1:])
+    with pytest.raises(RuntimeError, match="pages of k_cache and v_cache must start on 16-byte boundaries"):
+        op(q, k_odd, v16, lens, k_new, v_new, block_table=table16)
     cpu = [t.cpu() for t in (q, k_pages, v_pages, lens, k_new, v_new)]
     with pytest.raises(RuntimeError, match=r"block_table must be on q's device \(cpu\), got cuda:0"):
         op(*cpu, block_table=table)

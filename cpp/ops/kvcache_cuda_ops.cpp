@@ -95,6 +95,10 @@ DecodeInputs prepare_decode(const char* op, const at::Tensor& q, const at::Tenso
               "on 16-byte boundaries (strides multiples of ", 16 / k_cache.element_size(),
               " elements), got strides ", k_cache.strides(), " and ", v_cache.strides());
   if (block_table) {
+    const int64_t aligned = 16 / k_cache.element_size();  // elements in 16 bytes: the copies' unit
+    TORCH_CHECK(k_cache.stride(0) % aligned == 0 && v_cache.stride(0) % aligned == 0, op,
+                ": on CUDA the pages of k_cache and v_cache must start on 16-byte boundaries (page strides "
+                "multiples of ", aligned, " elements), got strides ", k_cache.strides(), " and ", v_cache.strides());
     d.table = block_table->contiguous();
     ForwardParams& a = d.in.params;
     a.shape.seqlen_k = d.table.size(1) * k_cache.size(2);

@@ -133,14 +133,15 @@ class Batcher:
         # The kernels read a sequence's written positions only: unused pages need no zeros.
         self.pool = PagePool(c.layers, c.kv_heads, c.head_dim, math.ceil(kv_positions / page_size), page_size,
                              engine.device, engine.dtype, zeroed=False, spare=spare)
-        self._table = torch.zeros(max_running, math.ceil(c.context / page_size), dtype=torch.int32)
+        # A request holds at most the model's context and at most every page.
+        self._table = torch.zeros(max_running, min(math.ceil(c.context / page_size), self.pool.pages),
+                                  dtype=torch.int32)
         spare_pages = torch.arange(self.pool.pages, self.pool.caches[0][0].shape[0], dtype=torch.int32)
         self._spare_rows = spare_pages[:, None].expand(-1, self._table.shape[1])
         self._free_slots = collections.deque(range(max_running))
         self._decoders: dict[int, tuple] = {}  # rows -> (lengths, block_table, step) of Engine.decoder
         for rows in self._row_counts:
-            for _ in range(2):  # the first call runs eagerly, the second captures
-                self._decode_rows([], rows)
+            self._decode_rows([], rows)  # the decoder's first call runs eagerly, then captures
         self.prefix_caching = prefix_caching
         # Shared pages end where a query tile does, so that their keys are the
         # bits a request computing them itself would get.
@@ -237,8 +238,12 @@ class Batcher:
         tokens: list[int | Exception] = [0] * len(seqs)
         greedy = [i for i, seq in enumerate(seqs) if seq.generator is None]
         if greedy:
-            rows = logits if len(greedy) == len(seqs) else logits[greedy]
-            for i, token in zip(greedy, rows.argmax(-1).tolist()):
+            try:
+                rows = logits if len(greedy) == len(seqs) else logits[greedy]
+                chosen = rows.argmax(-1).tolist()
+            except Exception as e:  # noqa: BLE001  (e.g. a device error: these requests fail)
+                chosen = [e] * len(greedy)
+            for i, token in zip(greedy, chosen):
                 tokens[i] = token
         for i, seq in enumerate(seqs):
             if seq.generator is not None:

@@ -175,7 +175,8 @@ def offline(engine, path: str, cfg: ServeConfig, against: list[str], progress: b
         except Exception as e:  # noqa: BLE001  (a transformers method that fails is reported; ours is not caught)
             if method == "fusedattn":
                 raise
-            rows.append({"method": method, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"})
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            rows.append({"method": method, "error": f"{type(e).__name__}: {first_line}"})
             continue
         rows.append({"method": method, "requests": len(load), "output_tokens": tokens, "seconds": seconds,
                      "output_tokens_per_s": tokens / seconds})
@@ -194,10 +195,13 @@ def decode_step(engine, cfg: ServeConfig, prompt_tokens: int = 64, steps: int = 
     from .batching import Batcher
 
     c, rng = engine.config, random.Random(cfg.seed)
-    batcher = Batcher(engine, max_running=cfg.max_running)
     warmup = 2  # steps of every request decoding before the clock
-    # Room for the tokens a request decodes while the others prefill: all of them stay to the end.
-    seqs = [batcher.add([rng.randrange(c.vocab) for _ in range(prompt_tokens)], 4 * (steps + warmup))
+    # No request ends during the clock, and the pages hold what each decodes
+    # while the others prefill (128 steps of it): nobody is preempted.
+    positions = cfg.max_running * (prompt_tokens + 128 + warmup + steps)
+    batcher = Batcher(engine, max_running=cfg.max_running, kv_positions=positions)
+    longest = min(c.context, positions) - prompt_tokens  # more than any request decodes here
+    seqs = [batcher.add([rng.randrange(c.vocab) for _ in range(prompt_tokens)], longest)
             for _ in range(cfg.max_running)]
     while not all(s.tokens for s in seqs):  # the prefills (and a first decode for some)
         batcher.step()
@@ -210,6 +214,10 @@ def decode_step(engine, cfg: ServeConfig, prompt_tokens: int = 64, steps: int = 
         batcher.step()
     _sync(engine.device)
     seconds = (time.perf_counter() - start) / steps
+    if batcher.preemptions or any(s.finish is not None for s in seqs):
+        raise RuntimeError(f"fusedattn bench --serve: the decode step's {cfg.max_running} requests did not all "
+                           f"decode to the end of the clock ({batcher.preemptions} preempted); use a smaller "
+                           f"--max-running")
     weights = {t.data_ptr(): t.numel() * t.element_size()
                for t in [engine.embed, engine.output_norm, engine.lm_head]
                + [t for layer in engine.layers for t in layer.values()]}

@@ -309,7 +309,8 @@ def attention_with_kvcache(
             ``max_blocks * page_size`` positions. Sequences may read the same pages (a shared
             prefix), but a page a sequence appends into is that sequence's alone in the call.
             Without cu_seqlens_q, CUDA does not read the table on the host: an entry outside
-            ``[0, pages)`` gives its sequence NaN and no append (the CPU raises).
+            ``[0, pages)`` that the attention reads gives its sequence NaN, and no new key is
+            written through one (the CPU raises for any entry below the sequence's length).
 
     Returns:
         ``[B, Hq, Nq, d_v]`` (with cu_seqlens_q ``[total_q, Hq, d_v]``). Not

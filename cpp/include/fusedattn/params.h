@@ -195,9 +195,10 @@ struct KVCacheParams {
   // and position t of sequence b is row t % page_size of page
   // block_table[b * max_blocks + t / page_size]; shape.seqlen_k is
   // max_blocks * page_size. The kernels read an entry only for positions
-  // below the sequence's length; one outside [0, pages) gives the sequence
-  // NaN outputs and no append (the table lives on the device: nothing checks
-  // it on the host).
+  // they read (below the sequence's length; a window's first keys not even
+  // those); one outside [0, pages) that the attention reads gives the
+  // sequence NaN outputs, and the append skips positions whose own entry is
+  // outside (the table lives on the device: nothing checks it on the host).
   const int32_t* block_table = nullptr;
   int64_t max_blocks = 0, page_size = 0, pages = 0;
 
