@@ -242,18 +242,21 @@ def test_bench_ring_options_are_checked(capsys, no_run, monkeypatch):
     def error(*argv):
         return usage_error(capsys, ["bench", "--ring", *argv, "--no-progress"])
 
-    for env in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(env, raising=False)
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_torchelastic_launched", lambda: False)
     assert error() == ("--ring runs one process per device under torchrun, e.g. "
                        "torchrun --nproc-per-node 2 -m fusedattn bench --ring")
     for flag in ("--backward", "--decode", "--wide", "--launch-gaps"):
         assert error(flag) == f"{flag} does not apply to --ring"
     assert error("--plot", "x.png") == "--plot does not apply to --ring"
     assert usage_error(capsys, ["bench", "--layout", "zigzag"]) == "--layout needs --ring"
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29999")
+    # As under torchrun with 3 ranks, the process group faked.
+    monkeypatch.setattr(dist, "is_torchelastic_launched", lambda: True)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: None)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 3)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
     assert error("--device", "cpu", "--seqlens", "600,1000") == (
         "--seqlens: a zigzag layout over 3 ranks cuts N into 6 equal chunks; 1000 is not a multiple of 6")
     assert error("--device", "cpu", "--heads", "6", "--kv-heads", "4") == "--heads 6 must be a multiple of --kv-heads 4"

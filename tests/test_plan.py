@@ -1,6 +1,7 @@
 """fusedattn.plan / plan_kvcache (the planner's answer, without running the
 call) and fusedattn.backends.force (what tests and benchmarks may fix)."""
 
+import re
 import threading
 from pathlib import Path
 
@@ -103,6 +104,16 @@ def generated_table() -> dict[str, tuple[int, ...]]:
     table = {kernel: dims for kernel, (_, _, dims, _) in module.KERNELS.items()}
     table["sm90_forward_masked"] = module.SM90_FORWARD_MASKED
     return table
+
+
+def test_the_library_reads_no_environment_variable():
+    """Choices are arguments (and fusedattn.backends.force), never the environment."""
+    root = Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"getenv|os\.environ")
+    found = [f"{path.relative_to(root)}:{n}" for folder in ("cpp", "python/fusedattn")
+             for path in sorted((root / folder).rglob("*")) if path.suffix in (".py", ".h", ".cuh", ".cpp", ".cu")
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found
 
 
 @pytest.mark.skipif(not fusedattn.ops.has_kernel("forward", "cuda"), reason="this build has no CUDA kernels")

@@ -280,8 +280,8 @@ def _transformers_model(engine, path: str):
 
     import transformers
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                              local_files_only=True)
     return model.to(device=engine.device, dtype=engine.dtype).eval()
 
 

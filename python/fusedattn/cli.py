@@ -482,8 +482,10 @@ def _ring_device(args) -> torch.device:
                          "pass --device cuda")
     device = _device(args.device, "backward", default_cuda=False)
     if device.type == "cuda":
+        import torch.distributed as dist
+
         # One device visible: the launcher gave each process its own GPU.
-        local = 0 if torch.cuda.device_count() == 1 else int(os.environ.get("LOCAL_RANK", "0"))
+        local = 0 if torch.cuda.device_count() == 1 else dist.get_node_local_rank(fallback_rank=0)
         if local >= torch.cuda.device_count():
             raise UsageError(f"--ring: this process is LOCAL_RANK {local} but the machine has "
                              f"{torch.cuda.device_count()} CUDA devices (one process per GPU)")
@@ -496,7 +498,7 @@ def _bench_ring(args) -> int:
 
     from . import bench_ring
 
-    if not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ):
+    if not dist.is_torchelastic_launched():
         raise UsageError("--ring runs one process per device under torchrun, e.g. "
                          "torchrun --nproc-per-node 2 -m fusedattn bench --ring")
     device = _ring_device(args)
@@ -510,20 +512,20 @@ def _bench_ring(args) -> int:
     if args.causal is not None:
         cfg.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     _cuda_takes(device, cfg.dtypes, cfg.head_dim)
-    world = int(os.environ["WORLD_SIZE"])
-    step = bench_ring.multiple(world, cfg.layout)
-    bad = [n for n in cfg.seqlens if n % step]
-    if bad:
-        raise UsageError(f"--seqlens: a {cfg.layout} layout over {world} ranks cuts N into {step} equal chunks; "
-                         f"{bad[0]} is not a multiple of {step}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        step = bench_ring.multiple(world, cfg.layout)
+        bad = [n for n in cfg.seqlens if n % step]
+        if bad:  # every rank sees the same and stops alike
+            raise UsageError(f"--seqlens: a {cfg.layout} layout over {world} ranks cuts N into {step} equal "
+                             f"chunks; {bad[0]} is not a multiple of {step}")
         result = bench_ring.run(cfg, progress=not args.no_progress)
     finally:
         dist.destroy_process_group()
-    if int(os.environ["RANK"]) == 0:
+    if rank == 0:
         print(bench_ring.format_table(result))
         _write_json(result, args.json)
     return 0
@@ -952,7 +954,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the text as it is (default: wrap it in the model's chat template)")
     g.add_argument("--cache-dir", dest="cache_dir", metavar="DIR",
                    help="where converted models are kept, so the next start skips the conversion "
-                        "(default: $XDG_CACHE_HOME/fusedattn or ~/.cache/fusedattn)")
+                        "(default: fusedattn/ in torch's home: $TORCH_HOME, else ~/.cache/torch)")
     g.add_argument("--no-cache", action="store_true", dest="no_cache", help="convert the model every time")
     g.add_argument("--max-new-tokens", type=int, default=64, dest="max_new_tokens")
     g.add_argument("--batch", type=int, default=1, help="decode this many copies of the prompt together")

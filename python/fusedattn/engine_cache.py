@@ -31,9 +31,9 @@ _STALE_STAGING_S = 3600  # a staging folder this old was left by a run that died
 
 
 def default_cache_dir() -> str:
-    """$XDG_CACHE_HOME/fusedattn, or ~/.cache/fusedattn."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "fusedattn")
+    """fusedattn/ beside torch.hub's folder: in torch's home ($TORCH_HOME, else
+    $XDG_CACHE_HOME/torch, else ~/.cache/torch), as torch resolves it."""
+    return os.path.join(os.path.dirname(torch.hub.get_dir()), "fusedattn")
 
 
 def _entry(cache_dir: str, path: str, dtype: torch.dtype) -> str:
