@@ -12,9 +12,10 @@ from fusedattn.engine import SamplingParams, _linear
 from helpers.tiny_engine import tiny_engine
 
 
-@pytest.fixture(scope="module", params=[0, 100], ids=["llama", "sliding"])
+@pytest.fixture(scope="module", params=[(0, None), (100, None), (0, "q4_1")], ids=["llama", "sliding", "llama-q4_1"])
 def engine(request):
-    return tiny_engine(sliding_window=request.param)
+    sliding, blocks = request.param
+    return tiny_engine(sliding_window=sliding, blocks=blocks)
 
 
 @pytest.fixture
@@ -144,13 +145,15 @@ def test_stop_tokens_and_cancellation_end_requests_and_give_pages_back(engine):
     probe = batcher.add(prompts(8)[0], 3)
     while batcher.busy():
         batcher.step()
-    stopping = batcher.add(prompts(8)[0], 50, stop_tokens={probe.tokens[1]})
+    stop = probe.tokens[1]
+    until_stop = probe.tokens[: probe.tokens.index(stop) + 1]  # [t, stop], or [stop] where t is stop too
+    stopping = batcher.add(prompts(8)[0], 50, stop_tokens={stop})
     cancelled = batcher.add(prompts(40)[0], 50)
     events = []
     while stopping.finish is None:
         events += batcher.step()
-    assert stopping.finish == "stop" and stopping.tokens == probe.tokens[:2]
-    assert [e.finish for e in events if e.sequence is stopping] == [None, "stop"]
+    assert stopping.finish == "stop" and stopping.tokens == until_stop
+    assert [e.finish for e in events if e.sequence is stopping] == [None] * (len(until_stop) - 1) + ["stop"]
     batcher.cancel(cancelled)
     batcher.cancel(cancelled)  # a second cancel does nothing
     assert cancelled.finish == "cancelled" and not batcher.busy()

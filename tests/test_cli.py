@@ -844,7 +844,7 @@ def test_engine_checks_the_architecture_before_the_load(tmp_path, monkeypatch):
 
     if cli._module_missing("transformers"):
         pytest.skip("needs transformers")
-    monkeypatch.setattr(engine, "read_model", lambda path: pytest.fail("loaded before the check"))
+    monkeypatch.setattr(engine, "read_model", lambda *a, **k: pytest.fail("loaded before the check"))
     phi = tmp_path / "phi.gguf"
     _write_gguf(phi, {"general.architecture": "phi3"})
     with pytest.raises(ValueError, match="its architecture is 'phi3'; fusedattn's engine runs llama, gemma3, qwen2"):

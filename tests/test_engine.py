@@ -11,8 +11,9 @@ transformers = pytest.importorskip("transformers", reason="needs the models extr
 pytest.importorskip("gguf", reason="needs the models extra: pip install .[models]")
 
 from fusedattn import cli  # noqa: E402
-from helpers.hf_tokenizers import pad_on_the_left  # noqa: E402
 from fusedattn.engine import Engine, SamplingParams, smollm2_path  # noqa: E402
+from fusedattn.gguf_blocks import BlockWeight  # noqa: E402
+from helpers.hf_tokenizers import pad_on_the_left  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Attention is all you",
            "List three colours of the rainbow: red,"]
@@ -190,7 +191,24 @@ def test_a_cached_model_loads_without_converting_and_decodes_the_same(engine, tm
     Engine.from_gguf(path, cache_dir=str(tmp_path))  # converts and writes the entry
     (entry,) = (tmp_path / "models").iterdir()
     assert (entry / "weights.pt").is_file() and (entry / "tokenizer").is_dir()
-    monkeypatch.setattr(engine_module, "read_model", lambda path: pytest.fail("converted again"))
+    monkeypatch.setattr(engine_module, "read_model", lambda *a, **k: pytest.fail("converted again"))
     cached = Engine.from_gguf(path, cache_dir=str(tmp_path))
+    assert isinstance(cached.layers[0]["qkv"], BlockWeight) and cached.lm_head is cached.embed
     assert run(cached, PROMPTS, max_new_tokens=8) == run(engine, PROMPTS, max_new_tokens=8)
     assert cached.chat_prompt("Hi") == engine.chat_prompt("Hi")
+
+
+def test_on_the_cpu_the_engine_keeps_the_files_blocks_and_they_are_gguf_pys_values(engine):
+    import gguf
+
+    reader = gguf.GGUFReader(smollm2_path())
+    tensors = {t.name: t for t in reader.tensors}
+    assert isinstance(engine.embed, BlockWeight) and engine.lm_head is engine.embed
+    pairs = [(engine.embed, ["token_embd"]), (engine.layers[0]["gate_up"], ["blk.0.ffn_gate", "blk.0.ffn_up"]),
+             (engine.layers[1]["qkv"], ["blk.1.attn_q", "blk.1.attn_k", "blk.1.attn_v"])]
+    for weight, names in pairs:
+        assert isinstance(weight, BlockWeight), names
+        expected = torch.cat([torch.from_numpy(gguf.quants.dequantize(tensors[f"{n}.weight"].data,
+                                                                      tensors[f"{n}.weight"].tensor_type).copy())
+                              for n in names])
+        assert torch.equal(weight.dequantize(), expected), names

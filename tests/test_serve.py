@@ -390,10 +390,11 @@ def test_a_failed_engine_step_fails_its_requests_and_the_server_serves_on(server
 def test_bench_serve_decode_step_counts_the_bytes_a_step_reads(engine):
     c = engine.config
     step = bench_serve.decode_step(engine, bench_serve.ServeConfig(max_running=4), prompt_tokens=16, steps=3)
-    # SmolLM2 ties its embedding to the output layer: every weight is read once a step.
-    weights = {t.data_ptr(): t.numel() * t.element_size()
-               for t in [engine.embed, engine.output_norm] + [t for layer in engine.layers for t in layer.values()]}
-    assert step["weight_bytes"] == sum(weights.values())
+    # SmolLM2 ties its embedding to the output layer, and on the CPU the
+    # engine keeps the file's blocks: a step reads every tensor of the file once.
+    import gguf
+
+    assert step["weight_bytes"] == sum(int(t.n_bytes) for t in gguf.GGUFReader(smollm2_path()).tensors)
     # 4 requests at 16 cached positions, 2 steps of warm-up; the 3 timed steps read 19, 20 and 21 keys of every layer.
     assert step["kv_bytes"] == 4 * c.layers * 20 * 2 * c.kv_heads * c.head_dim * 4
     assert step["step_ms"] > 0 and step["bandwidth_GBps"] > 0

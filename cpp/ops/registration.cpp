@@ -1,7 +1,7 @@
 // The operator schemas, defined once; each device adds its kernels with
 // TORCH_LIBRARY_IMPL in its own file. Fake functions are registered from
-// Python (python/fusedattn/ops.py), and so is forward_varlen's autograd;
-// forward's is C++ (autograd.cpp).
+// Python (python/fusedattn/ops.py; the block operators' in gguf_blocks.py),
+// and so is forward_varlen's autograd; forward's is C++ (autograd.cpp).
 #include <torch/library.h>
 
 TORCH_LIBRARY(fusedattn, m) {
@@ -76,6 +76,12 @@ TORCH_LIBRARY(fusedattn, m) {
       "Tensor? block_table=None) -> str");
   // The head dims a CUDA kernel is instantiated for (cpp/generate_kernels.py's table).
   m.def("instantiated_head_dims(str kernel) -> int[]");
+  // Weights as a GGUF file stores them (cpp/cpu/gguf_blocks.h): blocks uint8
+  // [n, k / 32 * block bytes] in format q4_0, q4_1 or q8_0. The engine's
+  // linear layers on the CPU: x [..., k] float32 times W^T, and W's rows in
+  // float32. CPU only.
+  m.def("block_linear(Tensor x, Tensor blocks, str format) -> Tensor");
+  m.def("block_dequantize(Tensor blocks, str format) -> Tensor");
   // Seed 2's naive path (materialises S), the baseline of the GPU benchmark. CUDA only.
   m.def(
       "naive_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, "

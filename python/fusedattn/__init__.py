@@ -22,7 +22,7 @@ def _load_library() -> None:
 
 _load_library()
 
-from . import backends, distributed, nn, ops, reference  # noqa: E402  (ops registers fake functions and autograd)
+from . import backends, distributed, gguf_blocks, nn, ops, reference  # noqa: E402  (ops and gguf_blocks register fake functions)
 from .blockmask import BlockMask, block_mask  # noqa: E402
 from .ops import attention, attention_varlen, attention_with_kvcache, plan, plan_kvcache, plan_varlen  # noqa: E402
 

@@ -16,6 +16,7 @@ for the tokenizer, ``transformers`` (the ``models`` extra).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Callable, Iterator
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .gguf_blocks import BlockWeight
 from .gguf_models import ModelConfig, describe, read_model
 from .ops import attention, attention_with_kvcache, has_kernel
 
@@ -100,15 +102,30 @@ def qwen25_coder_path() -> str:
     return path
 
 
-def _linear(x: Tensor, weight: Tensor) -> Tensor:
-    """F.linear over rows padded to a multiple of 8: CPU BLAS then computes a
-    row as it would among any other rows (tests/test_batching.py checks it),
-    so a request's logits do not depend on the requests batched with it."""
+def _linear(x: Tensor, weight: Tensor | BlockWeight) -> Tensor:
+    """x times weight's transpose over rows padded to a multiple of 8: CPU BLAS
+    then computes a row as it would among any other rows (tests/test_batching.py
+    checks it), so a request's logits do not depend on the requests batched with it."""
+    product = weight.linear if isinstance(weight, BlockWeight) else functools.partial(F.linear, weight=weight)
     rows = x.shape[:-1].numel()
     if rows % 8 == 0:
-        return F.linear(x, weight)
+        return product(x)
     padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % 8))
-    return F.linear(padded, weight)[:rows].view(*x.shape[:-1], weight.shape[0])
+    return product(padded)[:rows].view(*x.shape[:-1], weight.shape[0])
+
+
+def _place(weight: Tensor | BlockWeight, device: torch.device, dtype: torch.dtype) -> Tensor | BlockWeight:
+    """The weight as the engine computes with it: blocks stay blocks on the CPU in float32."""
+    if isinstance(weight, BlockWeight):
+        if keeps_blocks(device, dtype):
+            return weight
+        weight = weight.dequantize()
+    return weight.to(device=device, dtype=dtype)
+
+
+def keeps_blocks(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an engine on device in dtype computes with a GGUF file's blocks as they are."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -131,7 +148,7 @@ class Engine:
         if not has_kernel("forward_kvcache", self.device.type):
             raise RuntimeError(f"fusedattn.engine: this build has no forward_kvcache kernel for "
                                f"{self.device.type}; use device='cpu' or a CUDA build")
-        w = {name: t.to(device=self.device, dtype=self.dtype) for name, t in weights.items()}
+        w = {name: _place(t, self.device, self.dtype) for name, t in weights.items()}
         self.embed, self.output_norm = w["embed"], w["output_norm"]
         self.lm_head = w.get("lm_head", self.embed)  # tied embeddings when absent
         self.layers = [{name.removeprefix(f"blk.{i}."): t for name, t in w.items() if name.startswith(f"blk.{i}.")}
@@ -168,7 +185,7 @@ class Engine:
         else:
             from transformers import AutoTokenizer
 
-            config, weights = read_model(path)
+            config, weights = read_model(path, keep_blocks=keeps_blocks(device, dtype))
             tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
             if cache_dir:
                 engine_cache.save(cache_dir, path, dtype, config, weights, tokenizer)
@@ -230,7 +247,7 @@ class Engine:
         return x + (_rms_norm(mlp, layer["post_ffn_norm"], eps) if "post_ffn_norm" in layer else mlp)
 
     def _embed(self, ids: Tensor) -> Tensor:
-        x = self.embed[ids]
+        x = self.embed.rows(ids) if isinstance(self.embed, BlockWeight) else self.embed[ids]
         return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
 
     def _logits(self, x: Tensor) -> Tensor:

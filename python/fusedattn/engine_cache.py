@@ -2,9 +2,9 @@
 
 Reading a GGUF file means dequantising every tensor and letting transformers
 rebuild the tokenizer from the same file: seconds each. The cache keeps, per
-(file, dtype), the dequantised weights in the engine's layout and dtype (loaded
-with mmap; about 4 bytes per parameter in float32), the model config and the
-tokenizer as transformers saves it. The key is the file's real path, size and
+(file, dtype), the weights in the engine's layout (loaded with mmap): blocks as
+the file stores them where the engine keeps them (gguf_blocks), the others
+converted to dtype; the model config and the tokenizer as transformers saves it. The key is the file's real path, size and
 modification time: a changed file is a new entry. An entry is written to a
 staging folder and renamed into place, so a reader never sees half of one; an
 entry that cannot be read is removed and converted again, and a cache that
@@ -24,9 +24,11 @@ import warnings
 
 import torch
 
+from .gguf_blocks import BlockWeight
+
 __all__ = ["default_cache_dir", "load", "save"]
 
-FORMAT = 2  # bump when what an entry holds changes
+FORMAT = 3  # bump when what an entry holds changes
 _STALE_STAGING_S = 3600  # a staging folder this old was left by a run that died
 
 
@@ -56,6 +58,8 @@ def load(cache_dir: str, path: str, dtype: torch.dtype, config_type):
         with open(os.path.join(entry, "config.json")) as f:
             config = config_type(**json.load(f))
         weights = torch.load(os.path.join(entry, "weights.pt"), mmap=True, weights_only=True)
+        with open(os.path.join(entry, "block_formats.json")) as f:
+            weights.update({name: BlockWeight(weights[name], fmt) for name, fmt in json.load(f).items()})
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(entry, "tokenizer"))
     except Exception as e:  # noqa: BLE001  (any fault of the entry: convert again)
         warnings.warn(f"fusedattn.engine_cache: removing the unreadable entry {entry} ({e})", stacklevel=2)
@@ -82,7 +86,11 @@ def save(cache_dir: str, path: str, dtype: torch.dtype, config, weights: dict, t
         staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(entry))
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(config), f)
-        torch.save({name: t.to(dtype) for name, t in weights.items()}, os.path.join(staging, "weights.pt"))
+        blocks = {name: w for name, w in weights.items() if isinstance(w, BlockWeight)}
+        with open(os.path.join(staging, "block_formats.json"), "w") as f:
+            json.dump({name: w.format for name, w in blocks.items()}, f)
+        torch.save({name: w.blocks if name in blocks else w.to(dtype) for name, w in weights.items()},
+                   os.path.join(staging, "weights.pt"))
         tokenizer.save_pretrained(os.path.join(staging, "tokenizer"))
         try:
             os.replace(staging, entry)

@@ -19,6 +19,8 @@ import math
 import torch
 from torch import Tensor
 
+from .gguf_blocks import FORMATS, BlockWeight
+
 __all__ = ["ARCHITECTURES", "ModelConfig", "describe", "fuse_weights", "gguf_metadata", "read_model"]
 
 ARCHITECTURES = ("llama", "gemma3", "qwen2")
@@ -139,9 +141,12 @@ def describe(path: str) -> dict:
     return {"arch": arch, "head_dim": head_dim, "context": meta.get(f"{arch}.context_length")}
 
 
-def read_model(path: str) -> tuple[ModelConfig, dict[str, Tensor]]:
-    """The config and the weights (float32, fuse_weights' layout) of a GGUF file."""
+def read_model(path: str, keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, Tensor | BlockWeight]]:
+    """The config and the weights (float32, fuse_weights' layout) of a GGUF file;
+    with keep_blocks, the matrices of a format gguf_blocks.FORMATS lists stay
+    as the file's blocks (BlockWeight)."""
     import gguf
+    import numpy as np
 
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
@@ -168,13 +173,27 @@ def read_model(path: str) -> tuple[ModelConfig, dict[str, Tensor]]:
         config = dataclasses.replace(config, rope_halves=True, sliding_window=optional("attention.sliding_window") or 0,
                                      global_every=6, local_rope_base=10000.0, gelu=True,
                                      embed_scale=math.sqrt(hidden))
-    weights = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-               for t in reader.tensors}
+
+    def weight(t) -> Tensor | BlockWeight:
+        if keep_blocks and t.tensor_type.name in FORMATS and len(t.data.shape) == 2:
+            return BlockWeight(torch.from_numpy(np.array(t.data)), FORMATS[t.tensor_type.name][0])
+        return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+
+    weights = {t.name: weight(t) for t in reader.tensors}
     config.vocab = weights["token_embd.weight"].shape[0]
     return config, fuse_weights(weights)
 
 
-def fuse_weights(gguf_weights: dict[str, Tensor]) -> dict[str, Tensor]:
+def _stack(parts: list[Tensor | BlockWeight]) -> Tensor | BlockWeight:
+    """The parts' rows in one matrix: blocks where they all share a format, else float32."""
+    if all(isinstance(p, BlockWeight) for p in parts):
+        stacked = BlockWeight.cat(parts)
+        if stacked is not None:
+            return stacked
+    return torch.cat([p.dequantize() if isinstance(p, BlockWeight) else p for p in parts])
+
+
+def fuse_weights(gguf_weights: dict[str, Tensor | BlockWeight]) -> dict[str, Tensor | BlockWeight]:
     """The engine's weights from a GGUF file's tensors: per layer, the
     projections that read the same input fused into one matrix each (Q|K|V
     and gate|up: fewer, larger GEMMs per token), and Q|K|V's biases where the
@@ -192,9 +211,9 @@ def fuse_weights(gguf_weights: dict[str, Tensor]) -> dict[str, Tensor]:
         fused.update({f"{b}.{ours}": w[f"{b}.{theirs}.weight"] for ours, theirs in norms.items()
                       if f"{b}.{theirs}.weight" in w})
         fused.update({
-            f"{b}.qkv": torch.cat([w[f"{b}.attn_{x}.weight"] for x in "qkv"]),
+            f"{b}.qkv": _stack([w[f"{b}.attn_{x}.weight"] for x in "qkv"]),
             f"{b}.out": w[f"{b}.attn_output.weight"], f"{b}.down": w[f"{b}.ffn_down.weight"],
-            f"{b}.gate_up": torch.cat([w[f"{b}.ffn_gate.weight"], w[f"{b}.ffn_up.weight"]])})
+            f"{b}.gate_up": _stack([w[f"{b}.ffn_gate.weight"], w[f"{b}.ffn_up.weight"]])})
         if f"{b}.attn_q.bias" in w:
             fused[f"{b}.qkv_bias"] = torch.cat([w[f"{b}.attn_{x}.bias"] for x in "qkv"])
         i += 1

@@ -5,13 +5,15 @@ import torch
 
 from fusedattn.engine import Engine
 from fusedattn.gguf_models import ModelConfig
+from helpers.gguf_blocks import quantize
 
 
 def tiny_engine(sliding_window: int = 0, context: int = 2048, seed: int = 0, head_dim: int = 16,
-                device: str = "cpu") -> Engine:
+                device: str = "cpu", blocks: str | None = None) -> Engine:
     """2 layers (the first sliding where sliding_window > 0), 4 query and 2 KV
     heads of head_dim, a 256-token vocabulary; float32 on the CPU, the engine's
-    default dtype elsewhere. The weights do not depend on the device."""
+    default dtype elsewhere. The weights do not depend on the device. blocks:
+    the matrices (the embedding too) quantised to that GGUF format."""
     config = ModelConfig(arch="gemma3" if sliding_window else "llama", layers=2, hidden=64, ffn=96, heads=4,
                          kv_heads=2, head_dim=head_dim, vocab=256, rope_base=10000.0, norm_eps=1e-6, context=context,
                          sliding_window=sliding_window, global_every=2 if sliding_window else 0,
@@ -30,4 +32,6 @@ def tiny_engine(sliding_window: int = 0, context: int = 2048, seed: int = 0, hea
             f"{b}.qkv": rand((c.heads + 2 * c.kv_heads) * c.head_dim, c.hidden),
             f"{b}.out": rand(c.hidden, c.heads * c.head_dim), f"{b}.gate_up": rand(2 * c.ffn, c.hidden),
             f"{b}.down": rand(c.hidden, c.ffn)})
+    if blocks:
+        weights = {name: quantize(w, blocks) if w.dim() == 2 else w for name, w in weights.items()}
     return Engine(config, weights, device=device)

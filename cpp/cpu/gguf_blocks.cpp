@@ -1,0 +1,106 @@
+#include "gguf_blocks.h"
+
+#include <ATen/Parallel.h>
+
+#include <bit>
+#include <cstring>
+#include <vector>
+
+#include "blas.h"
+
+// Compiled for AVX-512, AVX2 and baseline x86-64, picked at load (row_math.cpp).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FUSEDATTN_MULTIVERSION __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
+#else
+#define FUSEDATTN_MULTIVERSION
+#endif
+
+namespace fusedattn::cpu {
+namespace {
+
+// Rows of W dequantised per GEMM: W tile [kTileRows x k] times x^T.
+constexpr int64_t kTileRows = 64;
+
+float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu;
+  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
+  if (exponent != 0) return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  // Subnormal: mantissa * 2^-24, exact in float32.
+  const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+  return sign ? -magnitude : magnitude;
+}
+
+FUSEDATTN_MULTIVERSION
+void dequantize_row(const uint8_t* row, BlockFormat format, int64_t k, float* out) {
+  const int64_t bytes = block_bytes(format);
+  for (int64_t b = 0; b < k / kBlockValues; ++b, row += bytes, out += kBlockValues) {
+    const float d = half_to_float(row);
+    switch (format) {
+      case BlockFormat::q4_0: {  // d * (q - 8), q the low nibbles then the high ones
+        const uint8_t* q = row + 2;
+        for (int i = 0; i < 16; ++i) {
+          out[i] = d * static_cast<float>((q[i] & 0x0f) - 8);
+          out[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
+        }
+        break;
+      }
+      case BlockFormat::q4_1: {  // d * q + min
+        const float min = half_to_float(row + 2);
+        const uint8_t* q = row + 4;
+        for (int i = 0; i < 16; ++i) {
+          out[i] = d * static_cast<float>(q[i] & 0x0f) + min;
+          out[i + 16] = d * static_cast<float>(q[i] >> 4) + min;
+        }
+        break;
+      }
+      case BlockFormat::q8_0: {  // d * q, q signed bytes
+        const auto* q = reinterpret_cast<const int8_t*>(row + 2);
+        for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(q[i]);
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int64_t block_bytes(BlockFormat format) {
+  switch (format) {
+    case BlockFormat::q4_0: return 2 + 16;
+    case BlockFormat::q4_1: return 2 + 2 + 16;
+    case BlockFormat::q8_0: return 2 + 32;
+  }
+  return 0;
+}
+
+void dequantize_rows(const uint8_t* blocks, int64_t rows, int64_t row_bytes, BlockFormat format, int64_t k,
+                     float* out) {
+  at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) dequantize_row(blocks + r * row_bytes, format, k, out + r * k);
+  });
+}
+
+void block_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, int64_t row_bytes,
+                  BlockFormat format, float* out) {
+  // out^T = W x^T: each tile of W's rows is dequantised once for all m rows of
+  // x, and a row of x is one column of the GEMM's B, which the GEMM computes
+  // alike whatever the other columns are.
+  std::vector<float> xt(k * m);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < k; ++j) xt[j * m + i] = x[i * k + j];
+  const int64_t tiles = (n + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(kTileRows * k), product(kTileRows * m);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t row0 = t * kTileRows, rows = std::min(kTileRows, n - row0);
+      for (int64_t r = 0; r < rows; ++r) dequantize_row(blocks + (row0 + r) * row_bytes, format, k, &w[r * k]);
+      matmul(rows, m, k, {w.data(), k}, {xt.data(), m}, product.data(), m, /*accumulate=*/false);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t r = 0; r < rows; ++r) out[i * n + row0 + r] = product[r * m + i];
+    }
+  });
+}
+
+}  // namespace fusedattn::cpu

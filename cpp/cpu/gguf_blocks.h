@@ -1,0 +1,29 @@
+// Weights kept as a GGUF file stores them: rows of blocks of 32 values, each
+// block a float16 scale (and for q4_1 a float16 minimum) and its 32 quantised
+// values. The engine multiplies by them without ever holding them in float32:
+// a quarter to an eighth of the memory, and of the bytes a decoding step reads.
+#pragma once
+
+#include <cstdint>
+
+namespace fusedattn::cpu {
+
+enum class BlockFormat { q4_0, q4_1, q8_0 };
+
+constexpr int64_t kBlockValues = 32;
+
+// Bytes of one block of 32 values.
+int64_t block_bytes(BlockFormat format);
+
+// out[r, :] = the float32 values of row r: rows of `row_bytes` bytes each, k
+// values. Exactly gguf-py's dequantisation (every product is exact in float32).
+void dequantize_rows(const uint8_t* blocks, int64_t rows, int64_t row_bytes, BlockFormat format, int64_t k,
+                     float* out);
+
+// out[m x n] = x[m x k] W^T, W [n x k] as blocks (rows of `row_bytes` bytes).
+// A row of out is computed the same way whatever m is, so a row's result does
+// not depend on the rows beside it.
+void block_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, int64_t row_bytes,
+                  BlockFormat format, float* out);
+
+}  // namespace fusedattn::cpu

@@ -1,0 +1,67 @@
+"""Weights kept as a GGUF file stores them (blocks of 32 quantised values and
+their scales), for the engine on the CPU: SmolLM2's 98 MB file stays 98 MB in
+memory instead of 540 MB of float32, and a decoding step reads that much less.
+The products run in float32 on the values gguf-py's dequantisation gives
+(``torch.ops.fusedattn.block_linear``, ``block_dequantize``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+__all__ = ["FORMATS", "BlockWeight"]
+
+# GGUF tensor type name -> (the operators' format, bytes per block of 32 values)
+FORMATS = {"Q4_0": ("q4_0", 18), "Q4_1": ("q4_1", 20), "Q8_0": ("q8_0", 34)}
+_BLOCK_BYTES = {fmt: size for fmt, size in FORMATS.values()}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWeight:
+    """A weight [out_features, in_features] as rows of blocks: uint8 [out_features, row bytes]."""
+
+    blocks: Tensor
+    format: str  # q4_0, q4_1 or q8_0
+
+    def __post_init__(self):
+        if self.format not in _BLOCK_BYTES:
+            raise ValueError(f"BlockWeight: format must be one of {sorted(_BLOCK_BYTES)}, got {self.format!r}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.blocks.shape[0], self.blocks.shape[1] // _BLOCK_BYTES[self.format] * 32])
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self) -> Tensor:
+        return torch.ops.fusedattn.block_dequantize(self.blocks, self.format)
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Rows ids of the weight in float32 (an embedding lookup): [*ids.shape, in_features]."""
+        picked = torch.ops.fusedattn.block_dequantize(self.blocks[ids.reshape(-1)], self.format)
+        return picked.view(*ids.shape, -1)
+
+    def linear(self, x: Tensor) -> Tensor:
+        """x [..., in_features] float32 times the weight's transpose."""
+        return torch.ops.fusedattn.block_linear(x, self.blocks, self.format)
+
+    @staticmethod
+    def cat(parts: list[BlockWeight]) -> BlockWeight | None:
+        """The parts' rows stacked, or None where their formats differ."""
+        if len({p.format for p in parts}) != 1:
+            return None
+        return BlockWeight(torch.cat([p.blocks for p in parts]), parts[0].format)
+
+
+@torch.library.register_fake("fusedattn::block_linear")
+def _block_linear_fake(x, blocks, format):
+    return x.new_empty(*x.shape[:-1], blocks.shape[0])
+
+
+@torch.library.register_fake("fusedattn::block_dequantize")
+def _block_dequantize_fake(blocks, format):
+    return blocks.new_empty(blocks.shape[0], blocks.shape[1] // _BLOCK_BYTES[format] * 32, dtype=torch.float32)

@@ -1,0 +1,104 @@
+"""The CPU operators over GGUF blocks (fusedattn.gguf_blocks): exact
+dequantisation, products within float32's error bound, rows that do not depend
+on the rows beside them, and clear errors."""
+
+import pytest
+import torch
+
+from fusedattn.gguf_blocks import BlockWeight
+from helpers.gguf_blocks import BLOCK_BYTES, FORMATS, dequantize_reference, quantize, random_blocks
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_is_exact(fmt):
+    g = torch.Generator().manual_seed(0)
+    blocks = random_blocks(70, 96, fmt, g)
+    got = BlockWeight(blocks, fmt).dequantize()
+    assert got.dtype == torch.float32 and got.shape == (70, 96)
+    assert torch.equal(got.double(), dequantize_reference(blocks, fmt))
+
+
+def test_dequantize_keeps_float16_subnormals_infinities_and_nan():
+    scales = torch.tensor([2.0**-24, -(2.0**-20), 65504.0, float("inf"), float("nan")]).half()
+    blocks = torch.zeros(5, 34, dtype=torch.uint8)
+    blocks[:, :2] = scales.view(torch.uint8).reshape(5, 2)
+    blocks[:, 2:] = 3  # every value q = 3
+    got = BlockWeight(blocks, "q8_0").dequantize()[:, 0]
+    assert torch.equal(got[:4], scales[:4].float() * 3) and got[4].isnan()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, 8, 67])
+def test_linear_is_within_float32s_error_bound(fmt, rows):
+    g = torch.Generator().manual_seed(rows)
+    blocks = random_blocks(130, 160, fmt, g)  # 130 outputs: two full tiles of 64 and a partial one
+    x = torch.randn(3, rows, 160, generator=g)
+    got = BlockWeight(blocks, fmt).linear(x)
+    w = dequantize_reference(blocks, fmt)
+    exact = x.double() @ w.T
+    # |fl(x . w) - x . w| <= k u |x| . |w| for any order of summation (u = 2^-24).
+    bound = 160 * 2.0**-24 * (x.double().abs() @ w.abs().T)
+    assert got.shape == (3, rows, 130) and got.dtype == torch.float32
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(fmt):
+    g = torch.Generator().manual_seed(1)
+    weight = BlockWeight(random_blocks(200, 64, fmt, g), fmt)
+    x = torch.randn(70, 64, generator=g)
+    alone = torch.cat([weight.linear(x[i : i + 1]) for i in range(70)])
+    for rows in (2, 7, 8, 9, 33, 70):
+        assert torch.equal(weight.linear(x[:rows]), alone[:rows]), rows
+
+
+def test_rows_are_an_embedding_lookup():
+    g = torch.Generator().manual_seed(2)
+    weight = BlockWeight(random_blocks(50, 64, "q8_0", g), "q8_0")
+    ids = torch.tensor([[3, 49, 3], [0, 7, 11]])
+    assert torch.equal(weight.rows(ids), weight.dequantize()[ids])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantised_weights_are_near_the_original(fmt):
+    """The tests' quantiser (it builds the engine's block models) rounds to the nearest level."""
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
+    weight = quantize(w, fmt)
+    error = (weight.dequantize() - w).abs().reshape(40, 2, 32).amax(-1)
+    d = weight.blocks.reshape(40, 2, -1)[..., :2].contiguous().view(torch.float16)[..., 0].float().abs()
+    # Half a level (q4_0's levels -8..7 stop a level short on one side), and float16's rounding.
+    assert (error <= (1.01 if fmt == "q4_0" else 0.51) * d + 1e-3).all()
+
+
+def test_stacked_rows_keep_their_blocks_and_mixed_formats_do_not_stack():
+    g = torch.Generator().manual_seed(4)
+    a, b = (BlockWeight(random_blocks(n, 64, "q4_1", g), "q4_1") for n in (3, 5))
+    stacked = BlockWeight.cat([a, b])
+    assert torch.equal(stacked.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    assert BlockWeight.cat([a, BlockWeight(random_blocks(2, 64, "q8_0", g), "q8_0")]) is None
+
+
+def test_bad_arguments_are_refused():
+    g = torch.Generator().manual_seed(5)
+    blocks = random_blocks(4, 64, "q4_1", g)
+    with pytest.raises(ValueError, match="format must be one of"):
+        BlockWeight(blocks, "q5_k")
+    with pytest.raises(RuntimeError, match="format must be one of q4_0, q4_1, q8_0, got 'q2'"):
+        torch.ops.fusedattn.block_dequantize(blocks, "q2")
+    with pytest.raises(RuntimeError, match="a row of blocks must be a positive multiple of 20 bytes, got 39"):
+        torch.ops.fusedattn.block_dequantize(blocks[:, :39], "q4_1")
+    with pytest.raises(RuntimeError, match=r"blocks must be a 2-D uint8 CPU tensor"):
+        torch.ops.fusedattn.block_linear(torch.randn(2, 64), blocks.float(), "q4_1")
+    with pytest.raises(RuntimeError, match=r"x must be a float32 CPU tensor \[\.\.\., 64\]"):
+        torch.ops.fusedattn.block_linear(torch.randn(2, 65), blocks, "q4_1")
+    with pytest.raises(RuntimeError, match=r"x must be a float32 CPU tensor"):
+        torch.ops.fusedattn.block_linear(torch.randn(2, 64, dtype=torch.float64), blocks, "q4_1")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_operators_pass_opcheck(fmt):
+    g = torch.Generator().manual_seed(6)
+    blocks = random_blocks(66, 64, fmt, g)
+    torch.library.opcheck(torch.ops.fusedattn.block_linear.default, (torch.randn(2, 3, 64, generator=g), blocks, fmt))
+    torch.library.opcheck(torch.ops.fusedattn.block_dequantize.default, (blocks, fmt))
+    assert BLOCK_BYTES[fmt] * 2 == blocks.shape[1]
