@@ -46,9 +46,10 @@ def test_linear_is_within_float32s_error_bound(fmt, rows):
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(fmt):
     g = torch.Generator().manual_seed(1)
     weight = BlockWeight(random_blocks(200, 64, fmt, g), fmt)
-    x = torch.randn(70, 64, generator=g)
-    alone = torch.cat([weight.linear(x[i : i + 1]) for i in range(70)])
-    for rows in (2, 7, 8, 9, 33, 70):
+    x = torch.randn(600, 64, generator=g)
+    alone = torch.cat([weight.linear(x[i : i + 1]) for i in range(600)])
+    # Across the kernel's few-rows path (up to 32 rows) and its slices of 256.
+    for rows in (2, 7, 8, 9, 32, 33, 70, 256, 300, 600):
         assert torch.equal(weight.linear(x[:rows]), alone[:rows]), rows
 
 

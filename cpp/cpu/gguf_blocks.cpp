@@ -18,8 +18,15 @@
 namespace fusedattn::cpu {
 namespace {
 
-// Rows of W dequantised per GEMM: W tile [kTileRows x k] times x^T.
+// W is dequantised kTileRows rows at a time. Beyond kFewRows rows of x the
+// tile is transposed ([k x kTileRows], the GEMM's B) and one work item is it
+// times a slice of at most kSliceRows rows of x, written straight into out.
+// Either way every output is one GEMM's sum over k in the same order, so a
+// row's bits do not depend on m (tests/test_gguf_blocks.py checks across
+// kFewRows).
 constexpr int64_t kTileRows = 64;
+constexpr int64_t kFewRows = 32;
+constexpr int64_t kSliceRows = 256;
 
 float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -64,6 +71,22 @@ void dequantize_row(const uint8_t* row, BlockFormat format, int64_t k, float* ou
   }
 }
 
+// Rows dequantised together before their transposition: kGroupRows rows of
+// k floats stay in L1 while each column of them becomes a contiguous run.
+constexpr int64_t kGroupRows = 16;
+
+// wt[j * rows + r] = W[r, j] for the tile's rows; group: kGroupRows * k floats.
+FUSEDATTN_MULTIVERSION
+void dequantize_transposed(const uint8_t* blocks, int64_t rows, int64_t row_bytes, BlockFormat format, int64_t k,
+                           float* group, float* wt) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
+    const int64_t count = std::min(kGroupRows, rows - r0);
+    for (int64_t r = 0; r < count; ++r) dequantize_row(blocks + (r0 + r) * row_bytes, format, k, group + r * k);
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t r = 0; r < count; ++r) wt[j * rows + r0 + r] = group[r * k + j];
+  }
+}
+
 }  // namespace
 
 int64_t block_bytes(BlockFormat format) {
@@ -84,21 +107,37 @@ void dequantize_rows(const uint8_t* blocks, int64_t rows, int64_t row_bytes, Blo
 
 void block_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, int64_t row_bytes,
                   BlockFormat format, float* out) {
-  // out^T = W x^T: each tile of W's rows is dequantised once for all m rows of
-  // x, and a row of x is one column of the GEMM's B, which the GEMM computes
-  // alike whatever the other columns are.
-  std::vector<float> xt(k * m);
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < k; ++j) xt[j * m + i] = x[i * k + j];
   const int64_t tiles = (n + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(kTileRows * k), product(kTileRows * m);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t row0 = t * kTileRows, rows = std::min(kTileRows, n - row0);
-      for (int64_t r = 0; r < rows; ++r) dequantize_row(blocks + (row0 + r) * row_bytes, format, k, &w[r * k]);
-      matmul(rows, m, k, {w.data(), k}, {xt.data(), m}, product.data(), m, /*accumulate=*/false);
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t r = 0; r < rows; ++r) out[i * n + row0 + r] = product[r * m + i];
+  if (m <= kFewRows) {
+    // Few rows (decoding): out^T = W x^T, W's rows dequantised as they lie,
+    // not transposed, which at these sizes costs more than the GEMM.
+    std::vector<float> xt(k * m);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < k; ++j) xt[j * m + i] = x[i * k + j];
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> w(kTileRows * k), product(kTileRows * m);
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t row0 = tile * kTileRows, rows = std::min(kTileRows, n - row0);
+        for (int64_t r = 0; r < rows; ++r) dequantize_row(blocks + (row0 + r) * row_bytes, format, k, &w[r * k]);
+        matmul(rows, m, k, {w.data(), k}, {xt.data(), m}, product.data(), m, /*accumulate=*/false);
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t r = 0; r < rows; ++r) out[i * n + row0 + r] = product[r * m + i];
+      }
+    });
+    return;
+  }
+  // out[slice, tile] = x[slice] W[tile]^T, straight into out.
+  const int64_t slices = (m + kSliceRows - 1) / kSliceRows;
+  at::parallel_for(0, tiles * slices, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> group(kGroupRows * k), wt(k * kTileRows);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tile = item / slices, slice = item % slices;
+      const int64_t row0 = tile * kTileRows, rows = std::min(kTileRows, n - row0);
+      const int64_t i0 = slice * kSliceRows, slice_rows = std::min(kSliceRows, m - i0);
+      if (item == begin || slice == 0)  // a new tile of W (items of one tile are consecutive)
+        dequantize_transposed(blocks + row0 * row_bytes, rows, row_bytes, format, k, group.data(), wt.data());
+      matmul(slice_rows, rows, k, {x + i0 * k, k}, {wt.data(), rows}, out + i0 * n + row0, n,
+             /*accumulate=*/false);
     }
   });
 }
