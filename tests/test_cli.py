@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fusedattn
-from fusedattn import bench, bench_decode, bench_mask, bench_ring, bench_train, bench_varlen, cli
+from fusedattn import bench, bench_decode, bench_mask, bench_ring, bench_shapes, bench_train, bench_varlen, cli
 
 from helpers.bench_results import GPU_METHODS, decode_result, gpu_result
 
@@ -39,6 +39,7 @@ def no_run(monkeypatch):
     monkeypatch.setattr(bench_decode, "run", ran)
     monkeypatch.setattr(bench_mask, "run", ran)
     monkeypatch.setattr(bench_varlen, "run", ran)
+    monkeypatch.setattr(bench_shapes, "run", ran)
     monkeypatch.setattr(bench_train, "run", ran)
     from fusedattn import engine
     monkeypatch.setattr(engine.Engine, "from_gguf", ran)
@@ -461,6 +462,76 @@ def test_bench_varlen_on_the_cpu(tmp_path, capsys):
     assert bench_varlen.format_table(result) in capsys.readouterr().out
     assert usage_error(capsys, ["bench", "--from-json", str(out), "--plot", str(tmp_path / "p.png")]).endswith(
         "holds --varlen results, which have no plot (--plot draws the forward and backward bench)")
+
+
+def test_bench_shapes_options_are_checked(capsys, no_run):
+    def error(*argv):
+        return usage_error(capsys, ["bench", "--device", "cpu", "--no-progress", *argv])
+
+    assert error("--shapes", "encoder", "--heads", "4") == "--heads does not apply to --shapes"
+    assert error("--shapes", "vit-b16", "--seqlens", "128") == "--seqlens does not apply to --shapes"
+    assert error("--shapes", "encoder", "--causal", "yes") == "--causal does not apply to --shapes"
+    assert error("--shapes", "vit-b16,nope") == (
+        "--shapes: unknown shape 'nope'; give the set encoder or shapes among " + ", ".join(bench_shapes.SHAPES))
+    assert error("--shapes", "encoder", "--dtype", "float32,bfloat16") == (
+        "--dtype float32,bfloat16: --shapes takes one dtype a run")
+    assert error("--decode", "--shapes", "encoder") == "--shapes does not apply to --decode"
+    assert error("--varlen", "short32k", "--shapes", "encoder") == "--shapes does not apply to --varlen"
+    assert bench_shapes.parse_shapes(["vit-b16", "encoder"]) == ["vit-b16"] + [
+        s for s in bench_shapes.SHAPES if s != "vit-b16"]
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_bench_shapes_on_the_cpu(tmp_path, capsys, backward):
+    """Two shapes at batch 2: a row each with its sizes and padding, microseconds for fusedattn and SDPA,
+    the ratio of the two; --from-json prints the same table and has no plot."""
+    out = tmp_path / "shapes.json"
+    argv = ["bench", "--shapes", "bert-128,unet-1024-d160", "--batch", "2", "--device", "cpu", "--repeats", "1",
+            "--warmup", "0", "--no-progress", "--json", str(out)] + (["--backward"] if backward else [])
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["config"] == {"shapes": ["bert-128", "unet-1024-d160"], "dtype": "float32", "repeats": 1,
+                                "backward": backward}
+    bert, unet = result["rows"]
+    assert (bert["batch"], bert["heads"], bert["seqlen"], bert["head_dim"], bert["key_padding"]) == (2, 12, 128, 64,
+                                                                                                      True)
+    assert (unet["batch"], unet["heads"], unet["seqlen"], unet["head_dim"], unet["key_padding"]) == (2, 8, 1024, 160,
+                                                                                                      False)
+    for row in result["rows"]:
+        assert set(row["results"]) == {"fusedattn", "sdpa"} and row["backward"] == backward
+        assert all(r["status"] == "ok" and r["us"] > 0 for r in row["results"].values())
+        assert row["fusedattn_over_best_sdpa"] == pytest.approx(row["results"]["sdpa"]["us"]
+                                                                / row["results"]["fusedattn"]["us"])
+    assert ("forward + backward" if backward else "forward, float32") in table and "| x best sdpa |" in table
+    assert max(map(len, table.splitlines())) <= bench.TABLE_WIDTH
+    assert cli.main(["bench", "--from-json", str(out)]) == 0
+    assert bench_shapes.format_table(result) in capsys.readouterr().out
+    assert usage_error(capsys, ["bench", "--from-json", str(out), "--plot", str(tmp_path / "p.png")]).endswith(
+        "holds --shapes results, which have no plot (--plot draws the forward and backward bench)")
+
+
+def test_bench_shapes_ratio_is_to_the_fastest_sdpa_backend_that_ran(monkeypatch):
+    """Columns that cannot run are n/a and out of the ratio; the ratio is the fastest SDPA column's time
+    over fusedattn's."""
+    seconds = {"fusedattn": 4e-6, "sdpa": 9e-6, "sdpa-flash": None, "sdpa-efficient": 6e-6, "sdpa-cudnn": 5e-6}
+
+    def columns(cfg, shape, batch):
+        def build(name):
+            def make():
+                if seconds[name] is None:
+                    raise RuntimeError("No available kernel. Aborting execution.")
+                return lambda: name
+            return make
+        return {name: build(name) for name in seconds}
+
+    monkeypatch.setattr(bench_shapes, "methods", columns)
+    monkeypatch.setattr(bench, "_time_once", lambda call, device: seconds[call()])
+    cfg = bench_shapes.default_config(torch.device("cpu"), ["vit-b16"])
+    row = bench_shapes.measure_row(cfg, "vit-b16")
+    assert row["results"]["sdpa-flash"]["status"].startswith("n/a (No available kernel")
+    assert row["results"]["sdpa-cudnn"]["us"] == pytest.approx(5.0)
+    assert row["fusedattn_over_best_sdpa"] == pytest.approx(5 / 4)
 
 
 def test_bench_varlen_serving_step_on_the_cpu(tmp_path, capsys):

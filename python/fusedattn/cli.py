@@ -158,20 +158,22 @@ def _check_plot(path: str) -> None:
 # Options that choose what a run measures; none applies to --from-json.
 _RUN_OPTIONS = ("device", "batch", "heads", "head_dim", "seqlens", "dtype", "causal", "repeats", "methods",
                 "warmup", "json", "decode", "backward", "kv_heads", "lengths", "capacity", "launch_gaps",
-                "num_splits", "paged", "ring", "layout", "mask", "varlen", "train", "eager", "serve", "url", "rates",
-                "requests", "against", "max_running")
+                "num_splits", "paged", "ring", "layout", "mask", "varlen", "shapes", "train", "eager", "serve", "url",
+                "rates", "requests", "against", "max_running")
 _SERVE_ONLY = ("url", "rates", "requests", "against", "max_running")
 _DECODE_ONLY = ("lengths", "capacity", "launch_gaps", "num_splits", "paged")
 # What --ring times is fixed (the ring, compute alone, communication alone, one device; forward and
 # forward+backward): these choose other benchmarks' columns.
-_NOT_RING = ("decode", "mask", "varlen", "backward", "methods", "plot", "wide") + _DECODE_ONLY
+_NOT_RING = ("decode", "mask", "varlen", "shapes", "backward", "methods", "plot", "wide") + _DECODE_ONLY
 # --mask times its own columns (bench_mask.methods) and prints its own table.
-_NOT_MASK = ("causal", "methods", "plot", "wide", "kv_heads", "varlen") + _DECODE_ONLY
+_NOT_MASK = ("causal", "methods", "plot", "wide", "kv_heads", "varlen", "shapes") + _DECODE_ONLY
 # --varlen times its own mixes (bench_varlen.methods), causal, with the lengths the mix gives.
-_NOT_VARLEN = ("causal", "methods", "plot", "wide", "kv_heads", "batch", "seqlens") + _DECODE_ONLY
+_NOT_VARLEN = ("causal", "methods", "plot", "wide", "kv_heads", "batch", "seqlens", "shapes") + _DECODE_ONLY
+# --shapes times its named shapes (bench_shapes.SHAPES): only --batch overrides their sizes.
+_NOT_SHAPES = ("causal", "methods", "plot", "wide", "kv_heads", "heads", "head_dim", "seqlens") + _DECODE_ONLY
 # --train times a model's steps: its shape is the model's, the attention causal, the backward included.
 _NOT_TRAIN = ("batch", "heads", "head_dim", "seqlens", "causal", "backward", "plot", "wide", "kv_heads", "ring",
-              "decode", "mask", "varlen", "layout") + _DECODE_ONLY
+              "decode", "mask", "varlen", "shapes", "layout") + _DECODE_ONLY
 # --serve loads a model and sends it requests: no attention shape or column applies.
 _NOT_SERVE = _NOT_TRAIN + ("methods", "repeats", "warmup", "train", "eager")
 
@@ -216,7 +218,7 @@ def _check_bench(args) -> None:
             if _given(args, name):
                 raise UsageError(f"{_flag(name)} does not apply to --ring")
     elif args.decode:
-        for name in ("causal", "plot", "backward", "mask", "varlen"):
+        for name in ("causal", "plot", "backward", "mask", "varlen", "shapes"):
             if _given(args, name):
                 raise UsageError(f"{_flag(name)} does not apply to --decode")
     elif args.mask:
@@ -227,6 +229,10 @@ def _check_bench(args) -> None:
         for name in _NOT_VARLEN:
             if _given(args, name):
                 raise UsageError(f"{_flag(name)} does not apply to --varlen")
+    elif args.shapes:
+        for name in _NOT_SHAPES:
+            if _given(args, name):
+                raise UsageError(f"{_flag(name)} does not apply to --shapes")
     else:
         for name in _DECODE_ONLY + ("kv_heads",):
             if _given(args, name):
@@ -375,6 +381,27 @@ def _bench_varlen(args) -> int:
     with _on(device):
         result = bench_varlen.run(cfg, progress=not args.no_progress)
     print(bench_varlen.format_table(result))
+    _write_json(result, args.json)
+    return 0
+
+
+def _bench_shapes(args) -> int:
+    from . import bench_shapes
+
+    try:
+        shapes = bench_shapes.parse_shapes(args.shapes)
+    except ValueError as e:
+        raise UsageError(f"--shapes: {e}") from None
+    device = _device(args.device, "forward", default_cuda=False)
+    _check_backward_kernel(args, device, "backward")
+    cfg = bench_shapes.default_config(device, shapes)
+    _apply_options(cfg, args, ("batch", "repeats", "warmup"))
+    if len(cfg.dtypes) != 1:
+        raise UsageError(f"--dtype {args.dtype}: --shapes takes one dtype a run")
+    cfg.backward = args.backward
+    with _on(device):
+        result = bench_shapes.run(cfg, progress=not args.no_progress)
+    print(bench_shapes.format_table(result))
     _write_json(result, args.json)
     return 0
 
@@ -533,7 +560,7 @@ def _bench_ring(args) -> int:
 
 def _table(result: dict, wide: bool) -> str:
     """The table of a saved result, by the benchmark that wrote it."""
-    from . import bench, bench_decode, bench_mask, bench_ring, bench_train, bench_varlen
+    from . import bench, bench_decode, bench_mask, bench_ring, bench_shapes, bench_train, bench_varlen
 
     if result["config"].get("ring"):
         return bench_ring.format_table(result)
@@ -541,13 +568,15 @@ def _table(result: dict, wide: bool) -> str:
         return bench_mask.format_table(result)
     if bench_varlen.is_varlen(result):
         return bench_varlen.format_table(result)
+    if bench_shapes.is_shapes(result):
+        return bench_shapes.format_table(result)
     if bench_train.is_train(result):
         return bench_train.format_table(result)
     return (bench_decode if bench.is_decode(result) else bench).format_table(result, wide=wide)
 
 
 def _from_json(args) -> int:
-    from . import bench, bench_mask, bench_train, bench_varlen
+    from . import bench, bench_mask, bench_shapes, bench_train, bench_varlen
 
     results = []
     for path in args.from_json:
@@ -559,7 +588,7 @@ def _from_json(args) -> int:
         for path, r in zip(args.from_json, results):
             kind = ("--ring" if r["config"].get("ring") else "--decode" if bench.is_decode(r)
                     else "--mask" if bench_mask.is_mask(r) else "--varlen" if bench_varlen.is_varlen(r)
-                    else "--train" if bench_train.is_train(r) else None)
+                    else "--shapes" if bench_shapes.is_shapes(r) else "--train" if bench_train.is_train(r) else None)
             if kind:
                 raise UsageError(f"--plot: {path} holds {kind} results, which have no plot "
                                  f"(--plot draws the forward and backward bench)")
@@ -588,6 +617,8 @@ def _bench(args) -> int:
         return _bench_mask(args)
     if args.varlen:
         return _bench_varlen(args)
+    if args.shapes:
+        return _bench_shapes(args)
     if args.train:
         return _bench_train(args)
     if args.serve:
@@ -905,6 +936,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "to the longest with a key-padding mask, FlexAttention with a document mask (CUDA), SDPA "
                         "on jagged nested tensors, the dense causal kernel at the mix's root-mean-square length; "
                         "TFLOP/s over the visible entries; --backward too. Defaults on CUDA H=16 d=128 bfloat16")
+    b.add_argument("--shapes", action="append", metavar="SET",
+                   help="the shapes of short-sequence models instead: SET is encoder (bert-128 and bert-512: B=32 "
+                        "H=12 d=64 with key padding; vit-b16: B=128 N=197 H=12 d=64; vit-l14: B=64 N=257 H=16 "
+                        "d=64; unet-4096-d40, unet-4096-d80: B=2 H=8; unet-1024-d160) or shape names, "
+                        "comma-separated; microseconds per call of fusedattn and every SDPA backend, and the fastest "
+                        "backend's time over fusedattn's; --backward, --batch (every shape's), --dtype (default "
+                        "bfloat16 on CUDA) too")
     b.add_argument("--train", choices=["gpt2", "llama", "tiny"], metavar="MODEL",
                    help="training steps instead: MODEL is gpt2 (GPT-2 small's shape, 12 layers of 12 heads of 64, "
                         "B=8 N=4096), llama (4 Llama-3-8B-shaped blocks: 32 query and 8 key-value heads of 128, "
