@@ -214,3 +214,23 @@ def test_unbatched_3d_attn_mask_and_bfloat16():
     out, _ = ours(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=bias, need_weights=False)
     ref, _ = theirs(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=bias, need_weights=False)
     torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+
+
+def test_the_vit_example_times_both_attentions_and_their_logits_agree():
+    """examples/vit.py, tiny and eager: a row per attention, the ratios, and logits within float32's rounding
+    (the example exits 1 otherwise)."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    example = pathlib.Path(__file__).parent.parent / "examples" / "vit.py"
+    run = subprocess.run([sys.executable, str(example), "--device", "cpu", "--depth", "2", "--dim", "64", "--heads",
+                          "2", "--image", "32", "--patch", "8", "--batch", "3", "--repeats", "2", "--warmup", "1",
+                          "--no-compile"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "ViT: 2 layers, 2 heads of 32, 17 tokens, batch 3, cpu (float32)" in run.stdout
+    assert re.search(r"eager +sdpa +[\d.]+ +[\d.]+", run.stdout) and re.search(r"eager +fusedattn +[\d.]+", run.stdout)
+    assert re.search(r"eager: fusedattn's time / SDPA's: forward [\d.]+, train step [\d.]+", run.stdout)
+    difference = float(re.search(r"max \|logits fusedattn - sdpa\| = (\S+)", run.stdout).group(1))
+    assert difference < 1e-4
