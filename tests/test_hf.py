@@ -298,3 +298,25 @@ def test_gemma3_270m_logits_and_greedy_tokens_match_sdpa(fused_calls):
     assert error < 1e-4
     assert torch.equal(tokens, ref_tokens)
     assert len(fused_calls) >= model.config.num_hidden_layers * 12  # the prefill and every decoding step
+
+
+def test_packed_documents_with_a_sliding_window_run_through_attention_varlen(monkeypatch):
+    """A Mistral whose sliding window (4) is shorter than its packed documents: transformers folds the window
+    into the block-causal mask, which fusedattn.hf recognises and runs through attention_varlen with the window;
+    the logits equal SDPA's."""
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                                        max_position_embeddings=128, sliding_window=4)
+    sdpa, fused = twin_models(transformers.MistralForCausalLM, config)
+    windows = []
+    real_varlen, real_dense = fusedattn.hf.attention_varlen, fusedattn.hf.attention
+    monkeypatch.setattr(fusedattn.hf, "attention_varlen",
+                        lambda *a, **kw: windows.append(kw["window"]) or real_varlen(*a, **kw))
+    monkeypatch.setattr(fusedattn.hf, "attention", lambda *a, **kw: pytest.fail("the dense path"))
+    lengths = [7, 11, 6]
+    ids = torch.randint(0, 97, (1, sum(lengths)), generator=torch.Generator().manual_seed(4))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids, position_ids=position_ids, use_cache=False).logits,
+                                   sdpa(ids, position_ids=position_ids, use_cache=False).logits, atol=1e-5, rtol=1e-5)
+    assert windows == [(3, 0)] * config.num_hidden_layers

@@ -65,7 +65,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                       scaling=scaling, is_causal=is_causal, **kwargs)
 
     if kwargs.get("cu_seq_lens_q") is None or kwargs.get("cu_seq_lens_k") is None:
-        cu = _documents_of_the_mask(module, query, key, attention_mask, is_causal, kwargs.get("position_ids"))
+        cu = _documents_of_the_mask(module, query, key, attention_mask, is_causal, kwargs.get("position_ids"),
+                                    kwargs.get("sliding_window"))
         if cu is not None:
             kwargs = {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
@@ -86,14 +87,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 # _documents_of_the_mask's last answer: (the mask, the position_ids (weak references), their versions,
-# causal and the device, cu_seqlens or None).
+# causal, the window and the device, cu_seqlens or None).
 _last_documents: tuple | None = None
 
 
-def _documents_of_the_mask(module, query, key, attention_mask, is_causal, position_ids):
+def _documents_of_the_mask(module, query, key, attention_mask, is_causal, position_ids, sliding_window=None):
     """cu_seqlens (int32) of the documents packed into one row, from where its position_ids restart,
     when the call's bool mask is exactly the block-diagonal mask they imply (causal for a causal
-    module), so that attention_varlen computes the same; else None."""
+    module, within sliding_window of the query for a sliding layer), so that attention_varlen with
+    _packed_forward's window computes the same; else None."""
     global _last_documents
     n = query.shape[2]
     if (position_ids is None or attention_mask is None or attention_mask.dtype != torch.bool
@@ -104,7 +106,7 @@ def _documents_of_the_mask(module, query, key, attention_mask, is_causal, positi
     # Inference tensors keep no version, and a traced call must not hold on to tensors.
     keep = not (torch.compiler.is_compiling() or attention_mask.is_inference() or position_ids.is_inference())
     if keep:
-        state = (attention_mask._version, position_ids._version, causal, query.device)
+        state = (attention_mask._version, position_ids._version, causal, sliding_window, query.device)
         if _last_documents is not None:
             mask, positions, last_state, cu = _last_documents
             if mask() is attention_mask and positions() is position_ids and last_state == state:
@@ -115,6 +117,9 @@ def _documents_of_the_mask(module, query, key, attention_mask, is_causal, positi
         expected = document[:, None] == document[None, :]
         if causal:
             expected &= torch.ones(n, n, dtype=torch.bool, device=expected.device).tril()
+        if sliding_window is not None:  # as _packed_forward's window: keys less than sliding_window away
+            steps = torch.arange(n, device=expected.device)
+            expected &= (steps[:, None] - steps[None, :]).abs() < sliding_window
         if torch.equal(attention_mask.reshape(n, n), expected.to(attention_mask.device)):
             lengths = torch.bincount(document)
             cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device=query.device, dtype=torch.int32)
