@@ -2,18 +2,13 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <vector>
 
 #include "blas.h"
-
-// Compiled for AVX-512, AVX2 and baseline x86-64, picked at load (row_math.cpp).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FUSEDATTN_MULTIVERSION __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
-#else
-#define FUSEDATTN_MULTIVERSION
-#endif
+#include "multiversion.h"
 
 namespace fusedattn::cpu {
 namespace {

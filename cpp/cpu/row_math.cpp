@@ -5,14 +5,7 @@
 #include <cmath>
 #include <limits>
 
-// Each function is compiled for AVX-512, AVX2 and baseline x86-64 and the best
-// one is picked when the library loads (GCC/Clang function multi-versioning),
-// so the build stays portable while the hot loops use the widest vectors.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FUSEDATTN_MULTIVERSION __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
-#else
-#define FUSEDATTN_MULTIVERSION
-#endif
+#include "multiversion.h"
 
 namespace fusedattn::cpu {
 namespace {
