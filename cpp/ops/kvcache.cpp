@@ -106,9 +106,14 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
 
   at::Tensor out = at::empty({batch, q.size(1), q.size(2), v_cache.size(3)}, q.options());
   at::Tensor lse = at::empty({batch, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  std::vector<int64_t> keys(batch);
   for (int64_t b = 0; b < batch; ++b) {
-    if (k_new) store.append(b, len[b], (*k_new)[b], (*v_new)[b]);
-    const auto [k_b, v_b] = store.keys_of(b, len[b] + n_new);
+    if (k_new) store.append(b, len[b], (*k_new)[b], (*v_new)[b]);  // every append before any read
+    keys[b] = len[b] + n_new;
+  }
+  const auto keys_and_values = store.keys_of(keys);
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto& [k_b, v_b] = keys_and_values[b];
     forward(q.narrow(0, b, 1), k_b, v_b, out.narrow(0, b, 1), lse.narrow(0, b, 1));
   }
   return {out, lse};
@@ -173,10 +178,13 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
   at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   if (k_new) store.append_packed(*k_new, *v_new, lengths);  // before any sequence's attention
+  std::vector<int64_t> keys(lengths.batch());
+  for (int64_t b = 0; b < lengths.batch(); ++b) keys[b] = lengths.len_q(b) == 0 ? 0 : lengths.keys(b);
+  const auto keys_and_values = store.keys_of(keys);  // a sequence without queries reads nothing
   for (int64_t b = 0; b < lengths.batch(); ++b) {
     const int64_t start = lengths.start_q(b), n = lengths.len_q(b);
     if (n == 0) continue;
-    const auto [k_b, v_b] = store.keys_of(b, lengths.keys(b));
+    const auto& [k_b, v_b] = keys_and_values[b];
     const at::Tensor lse_b = at::empty({1, q.size(1), n}, lse.options());
     forward(sequence_view(q, start, n), k_b, v_b, sequence_view(out, start, n), lse_b);
     lse.narrow(1, start, n).copy_(lse_b[0]);

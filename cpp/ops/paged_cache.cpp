@@ -67,16 +67,34 @@ void CacheStore::check_pages(const std::vector<int64_t>& cached, const std::vect
     }
 }
 
-std::pair<at::Tensor, at::Tensor> CacheStore::keys_of(int64_t b, int64_t keys) const {
-  if (!paged()) return {k_cache_.narrow(0, b, 1).narrow(2, 0, keys), v_cache_.narrow(0, b, 1).narrow(2, 0, keys)};
-  const int64_t n = pages_for(keys);
-  const at::Tensor pages = table_[b].narrow(0, 0, n).to(at::kLong).to(k_cache_.device());
-  // [n, Hkv, page_size, d] -> [1, Hkv, n * page_size, d], then the first `keys` rows.
-  auto gather = [&](const at::Tensor& cache) {
-    return cache.index_select(0, pages).transpose(0, 1).reshape({1, cache.size(1), n * page_size_, cache.size(3)})
-        .narrow(2, 0, keys);
+std::vector<std::pair<at::Tensor, at::Tensor>> CacheStore::keys_of(const std::vector<int64_t>& keys) const {
+  const int64_t batch = static_cast<int64_t>(keys.size());
+  std::vector<std::pair<at::Tensor, at::Tensor>> views;
+  views.reserve(batch);
+  if (!paged()) {
+    for (int64_t b = 0; b < batch; ++b)
+      views.emplace_back(k_cache_.narrow(0, b, 1).narrow(2, 0, keys[b]), v_cache_.narrow(0, b, 1).narrow(2, 0, keys[b]));
+    return views;
+  }
+  // Every sequence's pages in order, one sequence after another: one gather per cache.
+  std::vector<int64_t> first(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) first[b + 1] = first[b] + pages_for(keys[b]);
+  at::Tensor index = at::empty({std::max<int64_t>(first[batch], 1)}, at::kLong).zero_();
+  int64_t* at_index = index.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < first[b + 1] - first[b]; ++i) at_index[first[b] + i] = page(b, i);
+  const at::Tensor pages = index.to(k_cache_.device());
+  // [pages, Hkv, S, d] -> [gathered pages, Hkv, S, d] (whole pages: a fast
+  // copy) -> [Hkv, gathered pages, S, d]: a sequence's pages are adjacent, so
+  // its rows view as [1, Hkv, its pages x S, d].
+  const at::Tensor k_all = k_cache_.index_select(0, pages).transpose(0, 1).contiguous();
+  const at::Tensor v_all = v_cache_.index_select(0, pages).transpose(0, 1).contiguous();
+  auto rows_of = [&](const at::Tensor& all, int64_t b) {
+    const int64_t n = first[b + 1] - first[b];
+    return all.narrow(1, first[b], n).reshape({1, all.size(0), n * page_size_, all.size(3)}).narrow(2, 0, keys[b]);
   };
-  return {gather(k_cache_), gather(v_cache_)};
+  for (int64_t b = 0; b < batch; ++b) views.emplace_back(rows_of(k_all, b), rows_of(v_all, b));
+  return views;
 }
 
 void CacheStore::append(int64_t b, int64_t position, const at::Tensor& k_rows, const at::Tensor& v_rows) const {
