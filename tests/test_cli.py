@@ -245,7 +245,8 @@ def test_bench_ring_options_are_checked(capsys, no_run, monkeypatch):
 
     import torch.distributed as dist
 
-    monkeypatch.setattr(dist, "is_torchelastic_launched", lambda: False)
+    for env in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # not launched: the rendezvous fails
+        monkeypatch.delenv(env, raising=False)
     assert error() == ("--ring runs one process per device under torchrun, e.g. "
                        "torchrun --nproc-per-node 2 -m fusedattn bench --ring")
     for flag in ("--backward", "--decode", "--wide", "--launch-gaps"):
@@ -253,7 +254,6 @@ def test_bench_ring_options_are_checked(capsys, no_run, monkeypatch):
     assert error("--plot", "x.png") == "--plot does not apply to --ring"
     assert usage_error(capsys, ["bench", "--layout", "zigzag"]) == "--layout needs --ring"
     # As under torchrun with 3 ranks, the process group faked.
-    monkeypatch.setattr(dist, "is_torchelastic_launched", lambda: True)
     monkeypatch.setattr(dist, "init_process_group", lambda backend: None)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
     monkeypatch.setattr(dist, "get_world_size", lambda: 3)

@@ -43,14 +43,22 @@ def test_linear_is_within_float32s_error_bound(fmt, rows):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_rows_product_does_not_depend_on_the_rows_beside_it(fmt):
+@pytest.mark.parametrize("k", [64, 1536])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(fmt, k):
+    """Among rows padded to a multiple of 8 (the engine's _linear pads so; oneDNN's
+    GEMM needs no padding, other BLAS do), across the kernel's slices of 256 rows."""
     g = torch.Generator().manual_seed(1)
-    weight = BlockWeight(random_blocks(200, 64, fmt, g), fmt)
-    x = torch.randn(600, 64, generator=g)
-    alone = torch.cat([weight.linear(x[i : i + 1]) for i in range(600)])
-    # Across the kernel's few-rows path (up to 32 rows) and its slices of 256.
-    for rows in (2, 7, 8, 9, 32, 33, 70, 256, 300, 600):
-        assert torch.equal(weight.linear(x[:rows]), alone[:rows]), rows
+    weight = BlockWeight(random_blocks(200, k, fmt, g), fmt)
+    x = torch.randn(600, k, generator=g)
+    padded = torch.zeros(8, k)
+    alone = []
+    for i in range(0, 600, 7):
+        padded[0] = x[i]
+        alone.append(weight.linear(padded)[0])
+    for rows in (8, 16, 32, 40, 256, 264, 600):
+        product = weight.linear(x[:rows])
+        for j, i in enumerate(range(0, rows, 7)):
+            assert torch.equal(product[i], alone[j]), (rows, i)
 
 
 def test_rows_are_an_embedding_lookup():
@@ -84,6 +92,10 @@ def test_bad_arguments_are_refused():
     blocks = random_blocks(4, 64, "q4_1", g)
     with pytest.raises(ValueError, match="format must be one of"):
         BlockWeight(blocks, "q5_k")
+    with pytest.raises(ValueError, match=r"blocks must be a 2-D uint8 tensor \[rows, row bytes\], got torch.float32"):
+        BlockWeight(blocks.float(), "q4_1")
+    with pytest.raises(ValueError, match="a row of blocks must be a positive multiple of 20 bytes, got 30"):
+        BlockWeight(blocks[:, :30], "q4_1")
     with pytest.raises(RuntimeError, match="format must be one of q4_0, q4_1, q8_0, got 'q2'"):
         torch.ops.fusedattn.block_dequantize(blocks, "q2")
     with pytest.raises(RuntimeError, match="a row of blocks must be a positive multiple of 20 bytes, got 39"):

@@ -29,6 +29,26 @@ def test_paged_equals_contiguous_bit_for_bit(nq, n_new, page_size, dtype):
     assert torch.equal(k_pages[spare], spares_before[0]) and torch.equal(v_pages[spare], spares_before[1])
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["decode", "packed"])
+def test_sequences_past_one_gathers_positions_are_gathered_in_groups(packed):
+    """The CPU gathers the pages of neighbouring sequences together up to 16384 positions: sequences of
+    9000, 9000, 0 and 100 cached positions make two gathers (the empty one in the second) and answer
+    as the contiguous caches do."""
+    cached = [9000, 9000, 0, 100]
+    if packed:
+        q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache([1, 2, 0, 1], cached, Hq=2, Hkv=1, d=16,
+                                                                   max_len=9008)
+        extra = {"cu_seqlens_q": cu}
+    else:
+        q, k_cache, v_cache, _, k_new, v_new = make_cache(B=4, Hq=2, Hkv=1, d=16, max_len=9008, nq=1, n_new=1)
+        lens, extra = torch.tensor(cached, dtype=torch.int32), {}
+    k_pages, v_pages, table = paged(k_cache, v_cache, page_size=16)
+    expected = op(q, k_cache, v_cache, lens, k_new, v_new, True, None, **extra)
+    got = op(q, k_pages, v_pages, lens, k_new, v_new, True, None, block_table=table, **extra)
+    for e, g in zip(expected, got):
+        assert torch.equal(g, e)
+
+
 def test_a_non_contiguous_block_table():
     q, k_cache, v_cache, lens, k_new, v_new = make_cache(max_len=32, nq=2, n_new=2)
     k_pages, v_pages, table = paged(k_cache, v_cache, page_size=4)

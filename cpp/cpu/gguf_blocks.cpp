@@ -16,9 +16,9 @@ namespace {
 // W is dequantised kTileRows rows at a time. Beyond kFewRows rows of x the
 // tile is transposed ([k x kTileRows], the GEMM's B) and one work item is it
 // times a slice of at most kSliceRows rows of x, written straight into out.
-// Either way every output is one GEMM's sum over k in the same order, so a
-// row's bits do not depend on m (tests/test_gguf_blocks.py checks across
-// kFewRows).
+// Either way every output is one GEMM's sum over k in the same order, so
+// among rows padded to a multiple of 8 a row's bits do not depend on m
+// (tests/test_gguf_blocks.py checks across kFewRows and the slices).
 constexpr int64_t kTileRows = 64;
 constexpr int64_t kFewRows = 32;
 constexpr int64_t kSliceRows = 256;

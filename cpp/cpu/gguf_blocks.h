@@ -21,8 +21,10 @@ void dequantize_rows(const uint8_t* blocks, int64_t rows, int64_t row_bytes, Blo
                      float* out);
 
 // out[m x n] = x[m x k] W^T, W [n x k] as blocks (rows of `row_bytes` bytes).
-// A row of out is computed the same way whatever m is, so a row's result does
-// not depend on the rows beside it.
+// Every output is one GEMM sum over k, so with m a multiple of 8 (the engine
+// pads to it: BLAS libraries may compute a lone row differently) a row's
+// result does not depend on the rows beside it; on oneDNN's GEMM not even
+// without the padding.
 void block_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, int64_t row_bytes,
                   BlockFormat format, float* out);
 

@@ -111,11 +111,9 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
     if (k_new) store.append(b, len[b], (*k_new)[b], (*v_new)[b]);  // every append before any read
     keys[b] = len[b] + n_new;
   }
-  const auto keys_and_values = store.keys_of(keys);
-  for (int64_t b = 0; b < batch; ++b) {
-    const auto& [k_b, v_b] = keys_and_values[b];
+  store.visit_keys(keys, [&](int64_t b, const at::Tensor& k_b, const at::Tensor& v_b) {
     forward(q.narrow(0, b, 1), k_b, v_b, out.narrow(0, b, 1), lse.narrow(0, b, 1));
-  }
+  });
   return {out, lse};
 }
 
@@ -180,15 +178,14 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
   if (k_new) store.append_packed(*k_new, *v_new, lengths);  // before any sequence's attention
   std::vector<int64_t> keys(lengths.batch());
   for (int64_t b = 0; b < lengths.batch(); ++b) keys[b] = lengths.len_q(b) == 0 ? 0 : lengths.keys(b);
-  const auto keys_and_values = store.keys_of(keys);  // a sequence without queries reads nothing
-  for (int64_t b = 0; b < lengths.batch(); ++b) {
+  // A sequence without queries reads nothing.
+  store.visit_keys(keys, [&](int64_t b, const at::Tensor& k_b, const at::Tensor& v_b) {
     const int64_t start = lengths.start_q(b), n = lengths.len_q(b);
-    if (n == 0) continue;
-    const auto& [k_b, v_b] = keys_and_values[b];
+    if (n == 0) return;
     const at::Tensor lse_b = at::empty({1, q.size(1), n}, lse.options());
     forward(sequence_view(q, start, n), k_b, v_b, sequence_view(out, start, n), lse_b);
     lse.narrow(1, start, n).copy_(lse_b[0]);
-  }
+  });
   return {out, lse};
 }
 

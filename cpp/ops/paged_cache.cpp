@@ -67,34 +67,46 @@ void CacheStore::check_pages(const std::vector<int64_t>& cached, const std::vect
     }
 }
 
-std::vector<std::pair<at::Tensor, at::Tensor>> CacheStore::keys_of(const std::vector<int64_t>& keys) const {
+namespace {
+
+// Positions of the pages one gather copies at most (a sequence longer than
+// that is gathered alone): the copies stay a few MB while a decoding step's
+// sequences still share one.
+constexpr int64_t kGatherPositions = 1 << 14;
+
+}  // namespace
+
+void CacheStore::visit_keys(const std::vector<int64_t>& keys, const KeysVisitor& visit) const {
   const int64_t batch = static_cast<int64_t>(keys.size());
-  std::vector<std::pair<at::Tensor, at::Tensor>> views;
-  views.reserve(batch);
   if (!paged()) {
     for (int64_t b = 0; b < batch; ++b)
-      views.emplace_back(k_cache_.narrow(0, b, 1).narrow(2, 0, keys[b]), v_cache_.narrow(0, b, 1).narrow(2, 0, keys[b]));
-    return views;
+      visit(b, k_cache_.narrow(0, b, 1).narrow(2, 0, keys[b]), v_cache_.narrow(0, b, 1).narrow(2, 0, keys[b]));
+    return;
   }
-  // Every sequence's pages in order, one sequence after another: one gather per cache.
-  std::vector<int64_t> first(batch + 1, 0);
-  for (int64_t b = 0; b < batch; ++b) first[b + 1] = first[b] + pages_for(keys[b]);
-  at::Tensor index = at::empty({std::max<int64_t>(first[batch], 1)}, at::kLong).zero_();
-  int64_t* at_index = index.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t i = 0; i < first[b + 1] - first[b]; ++i) at_index[first[b] + i] = page(b, i);
-  const at::Tensor pages = index.to(k_cache_.device());
-  // [pages, Hkv, S, d] -> [gathered pages, Hkv, S, d] (whole pages: a fast
-  // copy) -> [Hkv, gathered pages, S, d]: a sequence's pages are adjacent, so
-  // its rows view as [1, Hkv, its pages x S, d].
-  const at::Tensor k_all = k_cache_.index_select(0, pages).transpose(0, 1).contiguous();
-  const at::Tensor v_all = v_cache_.index_select(0, pages).transpose(0, 1).contiguous();
-  auto rows_of = [&](const at::Tensor& all, int64_t b) {
-    const int64_t n = first[b + 1] - first[b];
-    return all.narrow(1, first[b], n).reshape({1, all.size(0), n * page_size_, all.size(3)}).narrow(2, 0, keys[b]);
-  };
-  for (int64_t b = 0; b < batch; ++b) views.emplace_back(rows_of(k_all, b), rows_of(v_all, b));
-  return views;
+  for (int64_t begin = 0, end = 0; begin < batch; begin = end) {
+    // Sequences begin .. end, their pages one after another from first[b - begin].
+    std::vector<int64_t> first{0};
+    for (end = begin; end < batch; ++end) {
+      const int64_t pages = pages_for(keys[end]);
+      if (end > begin && (first.back() + pages) * page_size_ > kGatherPositions) break;
+      first.push_back(first.back() + pages);
+    }
+    at::Tensor index = at::zeros({std::max<int64_t>(first.back(), 1)}, at::kLong);  // page 0 when none
+    int64_t* at_index = index.data_ptr<int64_t>();
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t i = 0; i < first[b - begin + 1] - first[b - begin]; ++i) at_index[first[b - begin] + i] = page(b, i);
+    const at::Tensor pages = index.to(k_cache_.device());
+    // [pages, Hkv, S, d] -> [gathered pages, Hkv, S, d] (whole pages: a fast
+    // copy) -> [Hkv, gathered pages, S, d]: a sequence's pages are adjacent,
+    // so its rows view as [1, Hkv, its pages x S, d].
+    const at::Tensor k_all = k_cache_.index_select(0, pages).transpose(0, 1).contiguous();
+    const at::Tensor v_all = v_cache_.index_select(0, pages).transpose(0, 1).contiguous();
+    auto rows_of = [&](const at::Tensor& all, int64_t b) {
+      const int64_t from = first[b - begin], n = first[b - begin + 1] - from;
+      return all.narrow(1, from, n).reshape({1, all.size(0), n * page_size_, all.size(3)}).narrow(2, 0, keys[b]);
+    };
+    for (int64_t b = begin; b < end; ++b) visit(b, rows_of(k_all, b), rows_of(v_all, b));
+  }
 }
 
 void CacheStore::append(int64_t b, int64_t position, const at::Tensor& k_rows, const at::Tensor& v_rows) const {

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -36,10 +37,12 @@ class CacheStore {
   // keys[b]) is read or written by no other sequence of the call (nothing to
   // check unpaged).
   void check_pages(const std::vector<int64_t>& cached, const std::vector<int64_t>& keys) const;
-  // Every sequence b's first keys[b] positions, [1, Hkv, keys[b], d] and
-  // [1, Hkv, keys[b], d_v]: views of its cache, or views of all sequences'
-  // pages gathered in one copy per cache, each sequence's rows contiguous.
-  std::vector<std::pair<at::Tensor, at::Tensor>> keys_of(const std::vector<int64_t>& keys) const;
+  // Calls visit(b, k_b, v_b) for every sequence b in order, with its first
+  // keys[b] positions, [1, Hkv, keys[b], d] and [1, Hkv, keys[b], d_v]:
+  // views of its cache, or of its pages gathered with those of the sequences
+  // beside it, one copy per cache for up to kGatherPositions positions.
+  using KeysVisitor = std::function<void(int64_t b, const at::Tensor& k, const at::Tensor& v)>;
+  void visit_keys(const std::vector<int64_t>& keys, const KeysVisitor& visit) const;
   // Writes k_rows [Hkv, n, d] and v_rows [Hkv, n, d_v] at positions
   // position .. position + n of sequence b (in place).
   void append(int64_t b, int64_t position, const at::Tensor& k_rows, const at::Tensor& v_rows) const;

@@ -525,9 +525,6 @@ def _bench_ring(args) -> int:
 
     from . import bench_ring
 
-    if not dist.is_torchelastic_launched():
-        raise UsageError("--ring runs one process per device under torchrun, e.g. "
-                         "torchrun --nproc-per-node 2 -m fusedattn bench --ring")
     device = _ring_device(args)
     cfg = bench_ring.default_config(device)
     _apply_options(cfg, args, ("batch", "heads", "kv_heads", "head_dim", "seqlens", "repeats", "warmup",
@@ -541,7 +538,11 @@ def _bench_ring(args) -> int:
     _cuda_takes(device, cfg.dtypes, cfg.head_dim)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:  # env:// rendezvous: torchrun, or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    except ValueError:
+        raise UsageError("--ring runs one process per device under torchrun, e.g. "
+                         "torchrun --nproc-per-node 2 -m fusedattn bench --ring") from None
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
         step = bench_ring.multiple(world, cfg.layout)
@@ -992,7 +993,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the text as it is (default: wrap it in the model's chat template)")
     g.add_argument("--cache-dir", dest="cache_dir", metavar="DIR",
                    help="where converted models are kept, so the next start skips the conversion "
-                        "(default: fusedattn/ in torch's home: $TORCH_HOME, else ~/.cache/torch)")
+                        "(default: fusedattn/ beside torch.hub's folder: $TORCH_HOME, else $XDG_CACHE_HOME/torch, else "
+                        "~/.cache/torch)")
     g.add_argument("--no-cache", action="store_true", dest="no_cache", help="convert the model every time")
     g.add_argument("--max-new-tokens", type=int, default=64, dest="max_new_tokens")
     g.add_argument("--batch", type=int, default=1, help="decode this many copies of the prompt together")

@@ -117,15 +117,10 @@ def _linear(x: Tensor, weight: Tensor | BlockWeight) -> Tensor:
 def _place(weight: Tensor | BlockWeight, device: torch.device, dtype: torch.dtype) -> Tensor | BlockWeight:
     """The weight as the engine computes with it: blocks stay blocks on the CPU in float32."""
     if isinstance(weight, BlockWeight):
-        if keeps_blocks(device, dtype):
+        if device.type == "cpu" and dtype == torch.float32:
             return weight
         weight = weight.dequantize()
     return weight.to(device=device, dtype=dtype)
-
-
-def keeps_blocks(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether an engine on device in dtype computes with a GGUF file's blocks as they are."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -185,7 +180,7 @@ class Engine:
         else:
             from transformers import AutoTokenizer
 
-            config, weights = read_model(path, keep_blocks=keeps_blocks(device, dtype))
+            config, weights = read_model(path, keep_blocks=True)  # the cache keeps blocks; _place converts
             tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
             if cache_dir:
                 engine_cache.save(cache_dir, path, dtype, config, weights, tokenizer)

@@ -28,6 +28,7 @@ class BlockWeight:
     def __post_init__(self):
         if self.format not in _BLOCK_BYTES:
             raise ValueError(f"BlockWeight: format must be one of {sorted(_BLOCK_BYTES)}, got {self.format!r}")
+        _check_blocks("BlockWeight", self.blocks, self.format)
 
     @property
     def shape(self) -> torch.Size:
@@ -57,11 +58,27 @@ class BlockWeight:
         return BlockWeight(torch.cat([p.blocks for p in parts]), parts[0].format)
 
 
+def _check_blocks(op: str, blocks: Tensor, format: str) -> int:
+    """The values per row of blocks; raises ValueError as the operators' checks do."""
+    if format not in _BLOCK_BYTES:
+        raise ValueError(f"{op}: format must be one of q4_0, q4_1, q8_0, got {format!r}")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ValueError(f"{op}: blocks must be a 2-D uint8 tensor [rows, row bytes], got {blocks.dtype} "
+                         f"{list(blocks.shape)}")
+    if blocks.shape[1] == 0 or blocks.shape[1] % _BLOCK_BYTES[format]:
+        raise ValueError(f"{op}: a row of blocks must be a positive multiple of {_BLOCK_BYTES[format]} bytes, "
+                         f"got {blocks.shape[1]}")
+    return blocks.shape[1] // _BLOCK_BYTES[format] * 32
+
+
 @torch.library.register_fake("fusedattn::block_linear")
 def _block_linear_fake(x, blocks, format):
+    k = _check_blocks("block_linear", blocks, format)
+    if x.shape[-1] != k:
+        raise ValueError(f"block_linear: x must be [..., {k}] (the blocks' row length), got {list(x.shape)}")
     return x.new_empty(*x.shape[:-1], blocks.shape[0])
 
 
 @torch.library.register_fake("fusedattn::block_dequantize")
 def _block_dequantize_fake(blocks, format):
-    return blocks.new_empty(blocks.shape[0], blocks.shape[1] // _BLOCK_BYTES[format] * 32, dtype=torch.float32)
+    return blocks.new_empty(blocks.shape[0], _check_blocks("block_dequantize", blocks, format), dtype=torch.float32)

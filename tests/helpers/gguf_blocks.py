@@ -1,7 +1,9 @@
-"""GGUF block weights for tests: random blocks, a quantiser, and a float64
-dequantiser written from the format's definition (ggml's block_q4_0, block_q4_1
-and block_q8_0: float16 scale d, for q4_1 a float16 minimum m, then the values;
-4-bit values are the low nibbles of 16 bytes followed by their high nibbles)."""
+"""GGUF block weights for tests: random blocks, a quantiser, and a dequantiser
+written from the format's definition (ggml's block_q4_0, block_q4_1 and
+block_q8_0: float16 scale d, for q4_1 a float16 minimum m, then the values;
+4-bit values are the low nibbles of 16 bytes followed by their high nibbles).
+Its products d * q are exact in float32; q4_1's d * q + m is rounded once to
+float32, as gguf-py and ggml compute it."""
 
 import torch
 
@@ -25,7 +27,10 @@ def dequantize_reference(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
         return (d * q).reshape(n, -1)
     packed = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
     q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).double()
-    values = d * q + _halves(b[..., 2:4])[..., None] if fmt == "q4_1" else d * (q - 8)
+    if fmt == "q4_1":  # the sum rounds to float32
+        values = ((d * q).float() + _halves(b[..., 2:4])[..., None].float()).double()
+    else:
+        values = d * (q - 8)
     return values.reshape(n, -1)
 
 
