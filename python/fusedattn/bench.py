@@ -269,6 +269,36 @@ def interleaved_medians(timed: dict[str, Callable[[], float]], repeats: int,
     return {name: failed.get(name) or statistics.median(times[name]) for name in names}
 
 
+def measure_columns(builds: dict[str, Callable[[], Callable[[], object]]], device: torch.device, warmup: int,
+                    repeats: int, unavailable: tuple[type[Exception], ...] = (RuntimeError, NotImplementedError)
+                    ) -> dict[str, dict]:
+    """Per column: {"status": "ok", "peak_bytes", "seconds"} (the median of interleaved calls), or why it
+    did not run. build() makes a column's inputs and returns its timed call; raising one of
+    `unavailable` makes the column n/a, running out of memory OOM."""
+    results, timed = {}, {}
+    try:
+        for column, build in builds.items():
+            try:
+                call = build()
+                memory = peak_bytes(call, device)
+                for _ in range(warmup):
+                    call()
+            except torch.OutOfMemoryError:
+                results[column] = {"status": "OOM"}
+                continue
+            except unavailable as e:
+                results[column] = not_available(e)
+                continue
+            results[column] = {"status": "ok", "peak_bytes": memory}
+            timed[column] = lambda call=call: _time_once(call, device)
+        for column, seconds in interleaved_medians(timed, repeats).items():
+            results[column] = seconds if isinstance(seconds, dict) else {**results[column], "seconds": seconds}
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
 def measure_row(cfg: Config, dtype: str, causal: bool, n: int, table: dict[str, Callable]) -> dict[str, dict]:
     """One row of the table: per method its median time, TFLOP/s and peak
     memory, or why it did not run. The methods take the same inputs and their

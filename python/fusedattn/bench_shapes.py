@@ -23,7 +23,6 @@ import fusedattn
 
 from . import bench
 from .bench_mask import keypad_lengths
-from .memory import peak_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,28 +115,10 @@ def measure_row(cfg: ShapesConfig, name: str) -> dict:
     shape = SHAPES[name]
     batch = cfg.batch or shape.batch
     torch.manual_seed(0)
-    results, timed = {}, {}
-    try:
-        for column, build in methods(cfg, shape, batch).items():
-            try:
-                call = build()
-                memory = peak_bytes(call, cfg.device)
-                for _ in range(cfg.warmup):
-                    call()
-            except torch.OutOfMemoryError:
-                results[column] = {"status": "OOM"}
-                continue
-            except (RuntimeError, NotImplementedError) as e:
-                results[column] = bench.not_available(e)
-                continue
-            results[column] = {"status": "ok", "peak_bytes": memory}
-            timed[column] = lambda call=call: bench._time_once(call, cfg.device)
-        medians = bench.interleaved_medians(timed, cfg.repeats)
-    finally:
-        if cfg.device.type == "cuda":
-            torch.cuda.empty_cache()
-    for column, seconds in medians.items():
-        results[column] = seconds if isinstance(seconds, dict) else {**results[column], "us": seconds * 1e6}
+    results = bench.measure_columns(methods(cfg, shape, batch), cfg.device, cfg.warmup, cfg.repeats)
+    for result in results.values():
+        if result["status"] == "ok":
+            result["us"] = result["seconds"] * 1e6
     sdpa = [r["us"] for c, r in results.items() if c.startswith("sdpa") and r["status"] == "ok"]
     fused = results["fusedattn"]
     ratio = min(sdpa) / fused["us"] if sdpa and fused["status"] == "ok" else None

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 import fusedattn
 
 from . import bench
-from .memory import peak_bytes
 
 # Named mixes of 32K tokens: one long document and shorter ones, and only short ones.
 MIXES = {
@@ -164,35 +163,15 @@ def measure_row(cfg: VarlenConfig, name: str, lengths: list[int]) -> dict:
     lengths = list(lengths)
     random.Random(SHUFFLE_SEED).shuffle(lengths)
     torch.manual_seed(0)
-    results, timed = {}, {}
-    try:
-        for column, build in methods(cfg, lengths).items():
-            try:
-                call = build()
-                memory = peak_bytes(call, cfg.device)
-                for _ in range(cfg.warmup):
-                    call()
-            except torch.OutOfMemoryError:
-                results[column] = {"status": "OOM"}
-                continue
-            except (RuntimeError, NotImplementedError, TypeError, ImportError) as e:
-                results[column] = bench.not_available(e)
-                continue
-            results[column] = {"status": "ok", "peak_bytes": memory}
-            timed[column] = lambda call=call: bench._time_once(call, cfg.device)
-        medians = bench.interleaved_medians(timed, cfg.repeats)
-    finally:
-        if cfg.device.type == "cuda":
-            torch.cuda.empty_cache()
+    results = bench.measure_columns(methods(cfg, lengths), cfg.device, cfg.warmup, cfg.repeats,
+                                    unavailable=(RuntimeError, NotImplementedError, TypeError, ImportError))
     per_pair = 4.0 * cfg.heads * cfg.head_dim * (1 + bench.BACKWARD_FLOP_RATIO if cfg.backward else 1)
     n = rms_length(lengths)
     pairs = {column: causal_pairs(lengths) for column in results}
     pairs["fusedattn-dense-rms"] = max(1, sum(lengths) // n) * causal_pairs([n])
-    for column, seconds in medians.items():
-        if isinstance(seconds, dict):
-            results[column] = seconds
-        else:
-            results[column].update(seconds=seconds, tflops=per_pair * pairs[column] / seconds / 1e12)
+    for column, result in results.items():
+        if result["status"] == "ok":
+            result["tflops"] = per_pair * pairs[column] / result["seconds"] / 1e12
     rate = lambda c: results[c]["tflops"] if results[c]["status"] == "ok" else None  # noqa: E731
     ratios = {f"fusedattn-varlen/{anchor}": rate("fusedattn-varlen") / rate(anchor)
               for anchor in ("fusedattn-padded", "flex-docs", "sdpa-jagged", "fusedattn-dense-rms")
