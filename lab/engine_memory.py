@@ -29,9 +29,7 @@ out = {"imports_mb": rss_mb()}
 if stage != "imports":
     engine = Engine.from_gguf(path or None, dtype=dtype, cache_dir=default_cache_dir())
     out["loaded_mb"] = rss_mb()
-    weights = {id(w): w.nbytes for w in [engine.embed, engine.output_norm, engine.lm_head]
-               + [w for layer in engine.layers for w in layer.values()]}
-    out["weights_mb"] = sum(weights.values()) / 2**20
+    out["weights_mb"] = engine.weight_bytes / 2**20
 if stage == "requests":
     from fusedattn.batching import Batcher
     batcher = Batcher(engine, max_running=requests)

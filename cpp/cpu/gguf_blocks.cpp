@@ -7,8 +7,8 @@
 #include <cstring>
 #include <vector>
 
-#include "blas.h"
 #include "multiversion.h"
+#include "tile.h"
 
 namespace fusedattn::cpu {
 namespace {
@@ -70,13 +70,20 @@ void dequantize_row(const uint8_t* row, BlockFormat format, int64_t k, float* ou
 // k floats stay in L1 while each column of them becomes a contiguous run.
 constexpr int64_t kGroupRows = 16;
 
+// out[r, :] = the values of row r of blocks, for r < rows, on the calling thread.
+void dequantize_serial(const uint8_t* blocks, int64_t rows, int64_t row_bytes, BlockFormat format, int64_t k,
+                       float* out) {
+  for (int64_t r = 0; r < rows; ++r) dequantize_row(blocks + r * row_bytes, format, k, out + r * k);
+}
+
 // wt[j * rows + r] = W[r, j] for the tile's rows; group: kGroupRows * k floats.
 FUSEDATTN_MULTIVERSION
 void dequantize_transposed(const uint8_t* blocks, int64_t rows, int64_t row_bytes, BlockFormat format, int64_t k,
                            float* group, float* wt) {
   for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
     const int64_t count = std::min(kGroupRows, rows - r0);
-    for (int64_t r = 0; r < count; ++r) dequantize_row(blocks + (r0 + r) * row_bytes, format, k, group + r * k);
+    dequantize_serial(blocks + r0 * row_bytes, count, row_bytes, format, k, group);
+    // Column by column (not tile.h's transpose, row by row): each write is a run of `count`.
     for (int64_t j = 0; j < k; ++j)
       for (int64_t r = 0; r < count; ++r) wt[j * rows + r0 + r] = group[r * k + j];
   }
@@ -96,7 +103,7 @@ int64_t block_bytes(BlockFormat format) {
 void dequantize_rows(const uint8_t* blocks, int64_t rows, int64_t row_bytes, BlockFormat format, int64_t k,
                      float* out) {
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dequantize_row(blocks + r * row_bytes, format, k, out + r * k);
+    dequantize_serial(blocks + begin * row_bytes, end - begin, row_bytes, format, k, out + begin * k);
   });
 }
 
@@ -107,15 +114,14 @@ void block_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, i
     // Few rows (decoding): out^T = W x^T, W's rows dequantised as they lie,
     // not transposed, which at these sizes costs more than the GEMM.
     std::vector<float> xt(k * m);
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < k; ++j) xt[j * m + i] = x[i * k + j];
+    const Matrix x_t = transpose(x, m, k, k, xt, m);
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> w(kTileRows * k), product(kTileRows * m);
       for (int64_t tile = begin; tile < end; ++tile) {
         const int64_t row0 = tile * kTileRows, rows = std::min(kTileRows, n - row0);
-        for (int64_t r = 0; r < rows; ++r) dequantize_row(blocks + (row0 + r) * row_bytes, format, k, &w[r * k]);
-        matmul(rows, m, k, {w.data(), k}, {xt.data(), m}, product.data(), m, /*accumulate=*/false);
-        for (int64_t i = 0; i < m; ++i)
+        dequantize_serial(blocks + row0 * row_bytes, rows, row_bytes, format, k, w.data());
+        matmul(rows, m, k, {w.data(), k}, x_t, product.data(), m, /*accumulate=*/false);
+        for (int64_t i = 0; i < m; ++i)  // row by row of out: each write a run of `rows`
           for (int64_t r = 0; r < rows; ++r) out[i * n + row0 + r] = product[r * m + i];
       }
     });

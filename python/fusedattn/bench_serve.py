@@ -218,10 +218,7 @@ def decode_step(engine, cfg: ServeConfig, prompt_tokens: int = 64, steps: int = 
         raise RuntimeError(f"fusedattn bench --serve: the decode step's {cfg.max_running} requests did not all "
                            f"decode to the end of the clock ({batcher.preemptions} preempted); use a smaller "
                            f"--max-running")
-    # Tensors or GGUF blocks (both have nbytes); a tied head is the embedding itself.
-    weights = {id(t): t.nbytes for t in [engine.embed, engine.output_norm, engine.lm_head]
-               + [t for layer in engine.layers for t in layer.values()]}
-    weight_bytes = sum(weights.values()) - engine.embed.nbytes * (
+    weight_bytes = engine.weight_bytes - engine.embed.nbytes * (
         engine.lm_head is not engine.embed)  # an untied embedding is read a row at a time
     position_bytes = 2 * c.kv_heads * c.head_dim * engine.dtype.itemsize  # a key and a value
     kv_bytes = 0

@@ -332,11 +332,16 @@ def _check_backward_kernel(args, device: torch.device, op: str) -> None:
         raise UsageError("--backward: this build of fusedattn has no CUDA backward kernel")
 
 
-def _apply_one_dtype_options(cfg, args, flag: str, device: torch.device, options: tuple[str, ...]) -> None:
-    """The options into cfg, for a benchmark that times one dtype a run; checks that CUDA takes them."""
+def _apply_one_dtype(cfg, args, flag: str, options: tuple[str, ...]) -> None:
+    """The options into cfg, for a benchmark that times one dtype a run."""
     _apply_options(cfg, args, options)
     if len(cfg.dtypes) != 1:
         raise UsageError(f"--dtype {args.dtype}: {flag} takes one dtype a run")
+
+
+def _apply_one_dtype_options(cfg, args, flag: str, device: torch.device, options: tuple[str, ...]) -> None:
+    """The options into cfg, for a benchmark that times one dtype a run; checks that CUDA takes them."""
+    _apply_one_dtype(cfg, args, flag, options)
     _cuda_takes(device, cfg.dtypes, cfg.head_dim, None if args.backward else "sm80_forward")
 
 
@@ -395,9 +400,7 @@ def _bench_shapes(args) -> int:
     device = _device(args.device, "forward", default_cuda=False)
     _check_backward_kernel(args, device, "backward")
     cfg = bench_shapes.default_config(device, shapes)
-    _apply_options(cfg, args, ("batch", "repeats", "warmup"))
-    if len(cfg.dtypes) != 1:
-        raise UsageError(f"--dtype {args.dtype}: --shapes takes one dtype a run")
+    _apply_one_dtype(cfg, args, "--shapes", ("batch", "repeats", "warmup"))
     cfg.backward = args.backward
     with _on(device):
         result = bench_shapes.run(cfg, progress=not args.no_progress)
@@ -476,9 +479,7 @@ def _bench_train(args) -> int:
     if device.type == "cuda" and not has_kernel("backward", "cuda"):
         raise UsageError("--train: this build of fusedattn has no CUDA backward kernel")
     cfg = bench_train.default_config(device, args.train)
-    _apply_options(cfg, args, ("repeats", "warmup"))
-    if len(cfg.dtypes) != 1:
-        raise UsageError(f"--dtype {args.dtype}: --train takes one dtype a run")
+    _apply_one_dtype(cfg, args, "--train", ("repeats", "warmup"))
     if cfg.dtypes == ["float16"]:
         raise UsageError("--dtype float16: --train takes bfloat16 or float32 (float16 training needs a gradient "
                          "scaler, which the benchmark has not)")

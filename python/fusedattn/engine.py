@@ -148,6 +148,8 @@ class Engine:
         self.lm_head = w.get("lm_head", self.embed)  # tied embeddings when absent
         self.layers = [{name.removeprefix(f"blk.{i}."): t for name, t in w.items() if name.startswith(f"blk.{i}.")}
                        for i in range(config.layers)]
+        # Bytes of the weights as held (tensors or GGUF blocks); a tied head is the embedding itself.
+        self.weight_bytes = sum(t.nbytes for t in {id(t): t for t in w.values()}.values())
         # Rotary embeddings as complex products: pair j of a head turns by
         # position * base^(-2j/d), one table per base the layers use.
         d = config.head_dim
