@@ -345,6 +345,15 @@ def _apply_one_dtype_options(cfg, args, flag: str, device: torch.device, options
     _cuda_takes(device, cfg.dtypes, cfg.head_dim, None if args.backward else "sm80_forward")
 
 
+def _run_bench(module, cfg, device: torch.device, args) -> int:
+    """Runs a benchmark module (run, format_table) on device, prints its table and writes --json."""
+    with _on(device):
+        result = module.run(cfg, progress=not args.no_progress)
+    print(module.format_table(result))
+    _write_json(result, args.json)
+    return 0
+
+
 def _bench_mask(args) -> int:
     from . import bench_mask
 
@@ -361,11 +370,7 @@ def _bench_mask(args) -> int:
     if problem:
         raise UsageError(problem)
     cfg.backward = args.backward
-    with _on(device):
-        result = bench_mask.run(cfg, progress=not args.no_progress)
-    print(bench_mask.format_table(result))
-    _write_json(result, args.json)
-    return 0
+    return _run_bench(bench_mask, cfg, device, args)
 
 
 def _bench_varlen(args) -> int:
@@ -383,11 +388,7 @@ def _bench_varlen(args) -> int:
     if args.backward and steps:
         raise UsageError(f"--backward: the serving step {steps[0]} is inference (attention_with_kvcache)")
     cfg.backward = args.backward
-    with _on(device):
-        result = bench_varlen.run(cfg, progress=not args.no_progress)
-    print(bench_varlen.format_table(result))
-    _write_json(result, args.json)
-    return 0
+    return _run_bench(bench_varlen, cfg, device, args)
 
 
 def _bench_shapes(args) -> int:
@@ -402,11 +403,7 @@ def _bench_shapes(args) -> int:
     cfg = bench_shapes.default_config(device, shapes)
     _apply_one_dtype(cfg, args, "--shapes", ("batch", "repeats", "warmup"))
     cfg.backward = args.backward
-    with _on(device):
-        result = bench_shapes.run(cfg, progress=not args.no_progress)
-    print(bench_shapes.format_table(result))
-    _write_json(result, args.json)
-    return 0
+    return _run_bench(bench_shapes, cfg, device, args)
 
 
 def _bench_serve(args) -> int:
@@ -496,11 +493,7 @@ def _bench_train(args) -> int:
                              f"{', '.join(bench_train.method_names(device))}")
         cfg.methods = ["fusedattn"] + [m for m in dict.fromkeys(names) if m != "fusedattn"]
     cfg.compile = cfg.compile and not args.eager
-    with _on(device):
-        result = bench_train.run(cfg, progress=not args.no_progress)
-    print(bench_train.format_table(result))
-    _write_json(result, args.json)
-    return 0
+    return _run_bench(bench_train, cfg, device, args)
 
 
 def _ring_device(args) -> torch.device:
