@@ -1,0 +1,153 @@
+// The sm90 backward's mainloop: what the producer loads and the GEMMs the
+// consumers issue on it.
+//   load (producer, one thread): K and V of the block's keys once, then per
+//     step of the walk (common/backward_passes.cuh's KeyBlockWalk) Q, dO, lse
+//     and delta into the ring stage the step's consumers have released;
+//     under attn_mask it hands each step (head, first query, reads the mask)
+//     to the consumers with its data.
+//   mma (each consumer warpgroup, 64 keys):
+//     S^T  = K Q^T,  dP^T = V dO^T    wgmma m64n{kBlockM}k16, operands in shared memory
+//     dV  += P^T dO,  dK += dS^T Q    wgmma m64n{d}k16, P^T and dS^T from registers,
+//                                     Q and dO read transposed
+//     dQ   = dS K                     wgmma m64n64k16 on the dS tile both consumers
+//                                     wrote, for this consumer's quarter of dQ
+//   Each is issued, not committed or waited for: the kernel
+//   (backward_kernel.cuh) decides what overlaps what.
+#pragma once
+
+#include <cstdint>
+
+#include "../hopper/bulk_copy.cuh"
+#include "../hopper/tma.cuh"
+#include "../hopper/wgmma.cuh"
+#include "backward_pipeline.cuh"
+#include "backward_traits.h"
+
+namespace fusedattn::cuda {
+
+// A step's first row in the flat [B x Hq x Nq] lse and delta (m0 counts from
+// the sequence's first query).
+template <typename Walk>
+__device__ __forceinline__ int flat_row(const AttentionShape& sh, const Walk& walk, int64_t head, int64_t m0) {
+  return static_cast<int>((walk.batch * sh.heads_q + head) * sh.seqlen_q + walk.seq.q0 + m0);
+}
+
+template <typename Tr, typename Walk, bool Listed>
+struct Sm90BackwardLoad {
+  const Sm90BackwardArgs& args;
+  const Sm90BackwardSmem<Tr>& smem;
+  const Walk& walk;
+
+  __device__ __forceinline__ void prefetch_maps() const {
+    for (const CUtensorMap* map :
+         {&args.q_map, &args.k_map, &args.v_map, &args.do_map, &args.lse_map, &args.delta_map, &args.dq_map})
+      prefetch_tensor_map(map);
+  }
+
+  // The block's K and V, once.
+  __device__ __forceinline__ void keys_and_values() const {
+    const int key0 = static_cast<int>(walk.seq.k0 + walk.key0), batch = static_cast<int>(walk.batch);
+    mbarrier_arrive_expect_bytes(smem.kv_full, 2 * Tr::kKVTileBytes);
+    for (int slab = 0; slab < Tr::kSlabs; ++slab) {
+      tma_load_box(smem.k + slab * Tr::kBlockN * 128, &args.k_map, 64 * slab, key0, static_cast<int>(walk.head_kv),
+                   batch, smem.kv_full);
+      tma_load_box(smem.v + slab * Tr::kBlockN * 128, &args.v_map, 64 * slab, key0, static_cast<int>(walk.head_kv),
+                   batch, smem.kv_full);
+    }
+  }
+
+  // Step s's Q, dO, lse and delta into its ring stage, once that stage is free.
+  __device__ __forceinline__ void step(int s) const {
+    const int stage = Sm90BackwardSmem<Tr>::stage(s), batch = static_cast<int>(walk.batch);
+    const int q0 = static_cast<int>(walk.seq.q0);
+    mbarrier_wait(&smem.step_empty[stage], Sm90BackwardSmem<Tr>::phase(s) ^ 1);  // the first round finds it free
+    const auto at = walk.at(s);
+    const int head = static_cast<int>(at.head), m0 = static_cast<int>(at.m0);  // of the sequence
+    if constexpr (Listed) {
+      smem.step_info[3 * stage] = head;
+      smem.step_info[3 * stage + 1] = m0;
+      smem.step_info[3 * stage + 2] = at.reads_mask;
+    }
+    // The arrival releases step_info's writes to the consumers, whose wait acquires them.
+    mbarrier_arrive_expect_bytes(&smem.step_full[stage], 2 * Tr::kQTileBytes + 2 * Tr::kRowsBox * 4);
+    for (int slab = 0; slab < Tr::kSlabs; ++slab) {
+      tma_load_box(smem.q + stage * Tr::kQTileBytes + slab * Tr::kBlockM * 128, &args.q_map, 64 * slab, q0 + m0,
+                   head, batch, &smem.step_full[stage]);
+      tma_load_box(smem.d_o + stage * Tr::kQTileBytes + slab * Tr::kBlockM * 128, &args.do_map, 64 * slab, q0 + m0,
+                   head, batch, &smem.step_full[stage]);
+    }
+    // lse and delta are flat: from the 16-byte boundary at or below the
+    // step's first row (traits' kRowsBox), then (past the queries) the next
+    // head's rows or zeros, which the consumers mask.
+    const int row = flat_row(args.p.fwd.shape, walk, head, m0) & ~3;
+    tma_load_row(smem.lse + stage * Tr::kRowsSlot, &args.lse_map, row, &smem.step_full[stage]);
+    tma_load_row(smem.delta + stage * Tr::kRowsSlot, &args.delta_map, row, &smem.step_full[stage]);
+  }
+};
+
+template <int HeadDim, typename T, typename Tr>
+struct Sm90BackwardMma {
+  static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  static constexpr int kMTiles = kBlockM / 8, kDTiles = HeadDim / 8;
+  const Sm90BackwardSmem<Tr>& smem;
+  int consumer;  // its 64 keys are rows 64 consumer.. of every K and V slab
+
+  // S^T = K Q^T and dP^T = V dO^T: rows = this warpgroup's keys, columns = the step's queries.
+  __device__ __forceinline__ void scores(float (&st_flat)[kMTiles * 4], float (&dpt_flat)[kMTiles * 4],
+                                         const unsigned char* q_tile, const unsigned char* do_tile) const {
+    const unsigned char* k_mine = smem.k + consumer * 64 * 128;
+    const unsigned char* v_mine = smem.v + consumer * 64 * 128;
+    fence_registers(st_flat);
+    fence_registers(dpt_flat);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HeadDim / 16; ++kk)
+      wgmma_ss<T, kBlockM>(st_flat, k_major_descriptor(k_mine, kBlockN, kk), k_major_descriptor(q_tile, kBlockM, kk),
+                           kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < HeadDim / 16; ++kk)
+      wgmma_ss<T, kBlockM>(dpt_flat, k_major_descriptor(v_mine, kBlockN, kk), k_major_descriptor(do_tile, kBlockM, kk),
+                           kk > 0);
+  }
+
+  // dV += P^T dO (dO is a B operand stored [query][d], read transposed).
+  __device__ __forceinline__ void value_gradient(float (&dv_flat)[kDTiles * 4], uint32_t (&p_a)[kBlockM / 16][4],
+                                                 const unsigned char* do_tile) const {
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq) fence_registers(p_a[kq]);
+    fence_registers(dv_flat);
+    wgmma_fence();
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq)
+      wgmma_rs<T, HeadDim>(dv_flat, p_a[kq], mn_major_descriptor(do_tile, kBlockM, kq), true);
+  }
+
+  // dK += dS^T Q (scaled at the end; Q read transposed as dO is).
+  __device__ __forceinline__ void key_gradient(float (&dk_flat)[kDTiles * 4], uint32_t (&ds_a)[kBlockM / 16][4],
+                                               const unsigned char* q_tile) const {
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq) fence_registers(ds_a[kq]);
+    fence_registers(dk_flat);
+    wgmma_fence();
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq)
+      wgmma_rs<T, HeadDim>(dk_flat, ds_a[kq], mn_major_descriptor(q_tile, kBlockM, kq), true);
+  }
+
+  // dQ = dS K over all kBlockN keys for one quarter: 64 queries from query0
+  // by 64 columns of d from column0 (traits' kDqQueryOffset, kDqColumnOffset).
+  // The dS rows start query0 rows into each key slab, K's columns at slab column0 / 64.
+  __device__ __forceinline__ void query_gradient(float (&dq_flat)[32], const unsigned char* ds_tile, int query0,
+                                                 int column0) const {
+    const unsigned char* ds_a_tile = ds_tile + query0 * 128;
+    const unsigned char* k_b_tile = smem.k + column0 / 64 * kBlockN * 128;
+    fence_registers(dq_flat);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      wgmma_ss<T, 64, true>(dq_flat, k_major_descriptor(ds_a_tile, kBlockM, kk),
+                            mn_major_descriptor(k_b_tile, kBlockN, kk), kk > 0);
+  }
+};
+
+}  // namespace fusedattn::cuda

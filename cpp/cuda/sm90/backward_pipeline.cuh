@@ -1,0 +1,60 @@
+// The sm90 backward's shared memory (backward_traits.h's plan) and the
+// mbarrier pipeline between its producer and consumers: K and V once ("kv
+// full"), then a two-stage ring of each step's Q, dO, lse and delta ("step
+// full": the bytes landed; "step empty": every consumer warp is done reading).
+#pragma once
+
+#include <cstdint>
+
+#include "../hopper/bulk_copy.cuh"
+#include "backward_traits.h"
+
+namespace fusedattn::cuda {
+
+template <typename Tr>
+struct Sm90BackwardSmem {
+  unsigned char *k, *v;     // [kBlockN keys][d], 64-column slabs of kBlockN rows
+  unsigned char *q, *d_o;   // ring stage s at s * kQTileBytes, [kBlockM queries][d]
+  unsigned char* ds;        // buffer b at b * kDsBytes: [kBlockM queries][kBlockN keys]
+  unsigned char* dq;        // consumer c's dQ quarter at c * kDqTileBytes
+  unsigned char* mask;      // consumer warp w's mask stage at w * kMaskStageBytes
+  float *lse, *delta;       // ring stage s at s * kRowsSlot; lse in natural log
+  uint64_t *kv_full, *step_full, *step_empty;
+  // A listed walk's steps (head, first query, reads attn_mask) per stage: the
+  // producer reads the mask's list and hands each step over with its data.
+  int32_t* step_info;
+
+  __device__ __forceinline__ explicit Sm90BackwardSmem(unsigned char* raw) {
+    const uintptr_t aligned = (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023);  // the swizzle's period
+    unsigned char* base = reinterpret_cast<unsigned char*>(aligned);
+    k = base;
+    v = k + Tr::kKVTileBytes;
+    q = v + Tr::kKVTileBytes;
+    d_o = q + Tr::kStages * Tr::kQTileBytes;
+    ds = d_o + Tr::kStages * Tr::kQTileBytes;
+    dq = base + Tr::kDqOffset;
+    mask = base + Tr::kMaskStageOffset;
+    lse = reinterpret_cast<float*>(base + Tr::kFloatsOffset);
+    delta = lse + Tr::kStages * Tr::kRowsSlot;
+    kv_full = reinterpret_cast<uint64_t*>(delta + Tr::kStages * Tr::kRowsSlot);
+    step_full = kv_full + 1;
+    step_empty = step_full + Tr::kStages;
+    step_info = reinterpret_cast<int32_t*>(step_empty + Tr::kStages);
+  }
+
+  // By one thread, before the block's first __syncthreads.
+  __device__ __forceinline__ void init_barriers() const {
+    mbarrier_init(kv_full, 1);
+    for (int i = 0; i < Tr::kStages; ++i) {
+      mbarrier_init(&step_full[i], 1);
+      mbarrier_init(&step_empty[i], 4 * Tr::kConsumers);  // every consumer warp
+    }
+    mbarrier_init_fence();
+  }
+
+  // Step s's ring stage and the parity of its round.
+  static __device__ __forceinline__ int stage(int s) { return s % Tr::kStages; }
+  static __device__ __forceinline__ uint32_t phase(int s) { return static_cast<uint32_t>((s / Tr::kStages) & 1); }
+};
+
+}  // namespace fusedattn::cuda

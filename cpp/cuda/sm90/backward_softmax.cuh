@@ -1,0 +1,142 @@
+// The sm90 backward's softmax step, per consumer thread: from a step's S^T
+// and dP^T (this warpgroup's 64 keys by the step's queries) to
+//   P^T  = 2^(S^T scale log2 e - lse log2 e),  dS^T = P^T (dP^T - delta)
+// with every hidden entry 0 in both: past the keys or the queries, outside
+// the band, or hidden by attn_mask (read on the steps the mask's lists mark,
+// each warp copying its entries to shared memory first).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../common/band.cuh"
+#include "../common/device_math.cuh"
+#include "../common/mask.cuh"
+#include "../common/online_softmax.cuh"
+#include "backward_traits.h"
+
+namespace fusedattn::cuda {
+
+template <typename Tr, typename T, bool Banded, MaskKind Mask>
+struct Sm90BackwardSoftmax {
+  static constexpr int kBlockM = Tr::kBlockM, kMTiles = kBlockM / 8;
+  static constexpr bool kListed = Mask != MaskKind::None;
+  using MaskEntry = MaskStorage<Mask, T>;
+  // Rounds of staging a step's mask entries (16 keys by kBlockM queries) take.
+  static constexpr int kMaskRounds =
+      (16 * kBlockM * int(sizeof(MaskEntry)) + Tr::kMaskStageBytes - 1) / Tr::kMaskStageBytes;
+  static_assert(kMTiles % kMaskRounds == 0);
+  static constexpr int kRoundTiles = kMTiles / kMaskRounds, kRoundRows = 8 * kRoundTiles;
+  static_assert(16 * kRoundRows * int(sizeof(MaskEntry)) <= Tr::kMaskStageBytes, "a round fits the stage");
+  static_assert(4 * kMTiles <= 64, "a bit per element");
+
+  const ForwardParams& f;
+  unsigned batch;  // the walk's batch item
+  MaskEntry* mask_stage;  // this warp's
+  // This warpgroup's 64 keys from my_key0; this warp's 16 from warp_row of
+  // those (accumulator rows g, g + 8 of them).
+  int64_t my_key0;
+  int warp_row;
+  // The sequence's lengths (the call's, dense); banded: query i sees key j iff band.sees(i, j).
+  int64_t seqlen_q, seqlen_k;
+  Band band;
+  float scale_log2;
+  int lane, g, t;
+
+  // Element (nt, e) (key row g + 8 (e / 2), query column nt * 8 + 2t + e % 2):
+  // past the keys or queries, or outside the band. Bitwise, not
+  // short-circuit: each || can become a branch.
+  __device__ __forceinline__ bool outside(int64_t m0, int nt, int e) const {
+    const int64_t key = my_key0 + warp_row + g + (e >> 1) * 8, query = m0 + nt * 8 + 2 * t + (e & 1);
+    bool out = (key >= seqlen_k) | (query >= seqlen_q);
+    if constexpr (Banded) out |= !band.sees(query, key);
+    return out;
+  }
+
+  // P^T in place of st and dS^T in place of dpt, for the step at query m0 of
+  // head `head`; lse and delta are the step's rows (natural log).
+  __device__ __forceinline__ void operator()(float (&st)[kMTiles][4], float (&dpt)[kMTiles][4], int64_t head,
+                                             int64_t m0, bool reads_mask, const float* lse,
+                                             const float* delta) const {
+    const bool needs_masking = reads_mask || my_key0 + 64 > seqlen_k || m0 + kBlockM > seqlen_q ||
+                               (Banded && band.cuts(m0, kBlockM, my_key0, 64));
+    // A hidden entry is 0 in P^T and dS^T outright: past the keys or the
+    // queries (where lse and delta are the next head's, and a NaN there must
+    // not reach dK), outside the band, or hidden by attn_mask (whose row's lse
+    // may be -inf). On the steps that need it, a first pass marks those (bit
+    // 4 nt + e) and, under attn_mask, turns S^T into base-2 scores with the
+    // mask added; the exponentials stay one straight run the compiler
+    // interleaves. A test per element in their loop became a branch per
+    // element, which serialised them (docs/cuda-notes.md, rung 4).
+    uint64_t hidden = 0;
+    float score_scale = scale_log2;  // S^T to base-2 scores
+    if constexpr (kListed) {
+      if (needs_masking) {
+        const int64_t mask_base = batch * f.mask.batch_stride + head * f.mask.head_stride;
+#pragma unroll
+        for (int round = 0; round < kMaskRounds; ++round) {
+          if (reads_mask) stage_mask_round(mask_base, m0 + round * kRoundRows);
+#pragma unroll
+          for (int j = 0; j < kRoundTiles; ++j) {
+            const int nt = round * kRoundTiles + j;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int key_row = g + (e >> 1) * 8, query_col = nt * 8 + 2 * t + (e & 1);
+              bool is_outside = outside(m0, nt, e);
+              float added = 0.0f;
+              if (reads_mask && !is_outside)
+                added = mask_entry<Mask, T>(mask_stage, (query_col - round * kRoundRows) * 16 + key_row);
+              is_outside |= added == -INFINITY;
+              st[nt][e] = st[nt][e] * scale_log2 + added;
+              hidden |= uint64_t(is_outside) << (4 * nt + e);
+            }
+          }
+        }
+        score_scale = 1.0f;
+      }
+    } else if (needs_masking) {
+#pragma unroll
+      for (int nt = 0; nt < kMTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) hidden |= uint64_t(outside(m0, nt, e)) << (4 * nt + e);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kMTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = nt * 8 + 2 * t + (e & 1);
+        const bool is_hidden = (hidden >> (4 * nt + e)) & 1u;
+        const float prob = is_hidden ? 0.0f : exp2f(st[nt][e] * score_scale - lse_in_log2(lse[c]));
+        st[nt][e] = prob;
+        dpt[nt][e] = is_hidden ? 0.0f : prob * (dpt[nt][e] - delta[c]);
+      }
+    }
+  }
+
+  // The mask entries of this warp's 16 keys by a round's kRoundRows queries
+  // from query0 to the warp's stage: entry (query r, key j) at r * 16 + j,
+  // 16 lanes per query row, loaded kBatch at a time before any is stored.
+  __device__ __forceinline__ void stage_mask_round(int64_t mask_base, int64_t query0) const {
+    constexpr int kPerLane = kRoundRows * 16 / 32, kBatch = 8;
+    static_assert(kPerLane % kBatch == 0);
+    __syncwarp();  // the last round's reads are done
+#pragma unroll
+    for (int b0 = 0; b0 < kPerLane; b0 += kBatch) {
+      MaskEntry staged[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = (b0 + u) * 32 + lane;
+        const int64_t query = query0 + i / 16, key = my_key0 + warp_row + i % 16;
+        staged[u] = query < seqlen_q && key < seqlen_k
+                        ? static_cast<const MaskEntry*>(f.mask.ptr)[mask_base + query * f.mask.row_stride +
+                                                                    key * f.mask.col_stride]
+                        : MaskEntry{};
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) mask_stage[(b0 + u) * 32 + lane] = staged[u];
+    }
+    __syncwarp();
+  }
+};
+
+}  // namespace fusedattn::cuda
