@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "../common/device_math.cuh"
 #include "../hopper/bulk_copy.cuh"
 #include "backward_traits.h"
 
@@ -25,8 +26,10 @@ struct Sm90BackwardSmem {
   int32_t* step_info;
 
   __device__ __forceinline__ explicit Sm90BackwardSmem(unsigned char* raw) {
-    const uintptr_t aligned = (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023);  // the swizzle's period
-    unsigned char* base = reinterpret_cast<unsigned char*>(aligned);
+    // Aligned to the swizzle's period by an offset from raw, not through an
+    // integer, so that the compiler still sees shared memory (lds, not
+    // generic loads, for lse, delta and the mask stages).
+    unsigned char* base = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
     k = base;
     v = k + Tr::kKVTileBytes;
     q = v + Tr::kKVTileBytes;
