@@ -81,7 +81,7 @@ rows = collections.OrderedDict()
 for line in open(sys.argv[1]):
     tag, *fields = line.split()
     kv = dict(f.split("=", 1) for f in fields)
-    key = " ".join(f"{k}={kv[k]}" for k in ("d", "N", "B", "H", "causal"))
+    key = " ".join(f"{k}={kv[k]}" for k in ("d", "N", "B", "H", "causal", "mask") if k in kv)
     rows.setdefault(key, {})[tag] = float(kv["kernel_us"])
 names = list(dict.fromkeys(t for r in rows.values() for t in r))
 print("| shape | " + " | ".join(f"{n} us" for n in names) + " | " + " | ".join(f"x {n}" for n in names[1:]) + " |")

@@ -2,7 +2,7 @@
 per shape, to compare kernel builds where `fusedattn bench --backward` (which
 times the forward too) would dilute the difference.
 
-    python lab/backward_grid.py [--tag NAME] [--dtype bfloat16] [--kernel sm90_backward_kernel]
+    python lab/backward_grid.py [--tag NAME] [--dtype bfloat16] [--kernel sm90_backward_kernel] [--masks none,keypad]
 
 For each shape: 3 warm-up calls of torch.ops.fusedattn.backward, then three
 profiles of 10 calls; prints the median per-call time of the kernels whose name
@@ -24,10 +24,21 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--tag", default="", help="a name printed first on every line (the build's)")
 parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
 parser.add_argument("--kernel", default="sm90_backward_kernel", help="the key-block kernel's name, or part of it")
+parser.add_argument("--masks", default="none",
+                    help="comma-separated: none, keypad (a bool [B, 1, 1, N] mask keeping N, N/2, N/4, 3N/4 keys "
+                         "of the batch items in turn: the attn_mask kernels)")
 args = parser.parse_args()
 if not torch.cuda.is_available():
     parser.error("needs a CUDA device")
 dtype = getattr(torch, args.dtype)
+masks = args.masks.split(",")
+if unknown := set(masks) - {"none", "keypad"}:
+    parser.error(f"--masks: unknown {sorted(unknown)}; expected none and/or keypad")
+
+
+def key_padding(B: int, N: int) -> torch.Tensor:
+    keep = torch.tensor([N, N // 2, N // 4, 3 * N // 4], device="cuda").repeat(B)[:B]
+    return (torch.arange(N, device="cuda") < keep[:, None]).view(B, 1, 1, N)
 
 
 def gpu_us(call, name_part: str) -> tuple[float, float]:
@@ -46,16 +57,19 @@ def gpu_us(call, name_part: str) -> tuple[float, float]:
 
 for B, H, N, d in SHAPES:
     for causal in (False, True):
-        q, k, v, grad = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(4))
-        out, lse = torch.ops.fusedattn.forward(q, k, v, None, causal)
+        for mask_name in masks:
+            q, k, v, grad = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(4))
+            mask = key_padding(B, N) if mask_name == "keypad" else None
+            out, lse = torch.ops.fusedattn.forward(q, k, v, mask, causal)
 
-        def call():
-            torch.ops.fusedattn.backward(grad, q, k, v, out, lse, None, causal)
+            def call():
+                torch.ops.fusedattn.backward(grad, q, k, v, out, lse, mask, causal)
 
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize()
-        kernel_us, total_us = gpu_us(call, args.kernel)
-        flops = 2.5 * 4 * B * H * N * N * d * (0.5 if causal else 1.0)
-        print(f"{args.tag} d={d} N={N} B={B} H={H} causal={int(causal)} kernel_us={kernel_us:.1f} "
-              f"total_us={total_us:.1f} TFLOP/s={flops / total_us / 1e6:.1f}", flush=True)
+            for _ in range(3):
+                call()
+            torch.cuda.synchronize()
+            kernel_us, total_us = gpu_us(call, args.kernel)
+            flops = 2.5 * 4 * B * H * N * N * d * (0.5 if causal else 1.0)  # of the unmasked call
+            print(f"{args.tag} d={d} N={N} B={B} H={H} causal={int(causal)} mask={mask_name} "
+                  f"kernel_us={kernel_us:.1f} total_us={total_us:.1f} TFLOP/s={flops / total_us / 1e6:.1f}",
+                  flush=True)
