@@ -2,12 +2,12 @@
 // kernel's; common/backward_passes.cuh runs the kernels around it) with
 // every product on Hopper's warpgroup MMA and the loads on the tensor memory
 // accelerator, in roles. A block owns 128 keys and is three warpgroups:
-//   producer (warpgroup 0, one thread): the mainloop's load
-//     (backward_mainloop.cuh) of K and V once, then per step (kBlockM
+//   producer (warpgroup 0): it gives its registers to the consumers
+//     (setmaxnreg), and one thread runs the mainloop's load
+//     (backward_mainloop.cuh): K and V once, then per step (kBlockM
 //     queries of one query head: 64 at d=128, 128 at d=64) Q, dO, lse and
 //     delta into a two-stage ring guarded by mbarriers
-//     (backward_pipeline.cuh); it gives its registers to the consumers
-//     (setmaxnreg).
+//     (backward_pipeline.cuh).
 //   consumers (warpgroups 1, 2): 64 keys each, and per step the mainloop's
 //     mma: S^T and dP^T; the softmax step (backward_softmax.cuh: P^T, dS^T,
 //     the band's, the ends' and attn_mask's hidden entries); dV += P^T dO
@@ -32,7 +32,9 @@
 #include "../common/launch_check.h"
 #include "../common/mask.cuh"
 #include "../common/mask_tiles.h"
+#include "../common/online_softmax.cuh"
 #include "../hopper/bulk_copy.cuh"
+#include "../hopper/ring_phases.cuh"
 #include "../hopper/warpgroup.cuh"
 #include "../hopper/wgmma.cuh"
 #include "backward_epilogue.cuh"
@@ -50,6 +52,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma, stmatrix and setmaxnreg exist only in sm_90a code
   using Tr = Sm90BackwardTraits<HeadDim>;
   using Smem = Sm90BackwardSmem<Tr>;
+  const RingPhases<Tr::kStages> ring;  // the walk is one run of the step ring
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   constexpr int kMTiles = kBlockM / 8;  // n-tiles of S^T (queries)
   constexpr int kDTiles = HeadDim / 8;
@@ -111,8 +114,8 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   if (walk.steps > 0) mbarrier_wait(smem.kv_full, 0);
 
   for (int s = 0; s < walk.steps; ++s) {
-    const int stage = Smem::stage(s);
-    mbarrier_wait(&smem.step_full[stage], Smem::phase(s));
+    const int stage = ring.stage(s);
+    mbarrier_wait(&smem.step_full[stage], ring.phase(s));
     const typename Walk::Step step = [&]() -> typename Walk::Step {
       if constexpr (kListed)
         return {smem.step_info[3 * stage], smem.step_info[3 * stage + 1], smem.step_info[3 * stage + 2] != 0};

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "../hopper/bulk_copy.cuh"
+#include "../hopper/ring_phases.cuh"
 #include "../hopper/tma.cuh"
 #include "../hopper/wgmma.cuh"
 #include "backward_pipeline.cuh"
@@ -58,9 +59,10 @@ struct Sm90BackwardLoad {
 
   // Step s's Q, dO, lse and delta into its ring stage, once that stage is free.
   __device__ __forceinline__ void step(int s) const {
-    const int stage = Sm90BackwardSmem<Tr>::stage(s), batch = static_cast<int>(walk.batch);
+    const RingPhases<Tr::kStages> ring;
+    const int stage = ring.stage(s), batch = static_cast<int>(walk.batch);
     const int q0 = static_cast<int>(walk.seq.q0);
-    mbarrier_wait(&smem.step_empty[stage], Sm90BackwardSmem<Tr>::phase(s) ^ 1);  // the first round finds it free
+    mbarrier_wait(&smem.step_empty[stage], ring.phase(s) ^ 1);  // the first round finds it free
     const auto at = walk.at(s);
     const int head = static_cast<int>(at.head), m0 = static_cast<int>(at.m0);  // of the sequence
     if constexpr (Listed) {

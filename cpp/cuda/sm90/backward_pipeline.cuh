@@ -1,7 +1,8 @@
 // The sm90 backward's shared memory (backward_traits.h's plan) and the
 // mbarrier pipeline between its producer and consumers: K and V once ("kv
 // full"), then a two-stage ring of each step's Q, dO, lse and delta ("step
-// full": the bytes landed; "step empty": every consumer warp is done reading).
+// full": the bytes landed; "step empty": every consumer warp is done reading):
+// the walk is one run of the ring (RingPhases from 0), step s at stage s % kStages.
 #pragma once
 
 #include <cstdint>
@@ -54,10 +55,6 @@ struct Sm90BackwardSmem {
     }
     mbarrier_init_fence();
   }
-
-  // Step s's ring stage and the parity of its round.
-  static __device__ __forceinline__ int stage(int s) { return s % Tr::kStages; }
-  static __device__ __forceinline__ uint32_t phase(int s) { return static_cast<uint32_t>((s / Tr::kStages) & 1); }
 };
 
 }  // namespace fusedattn::cuda

@@ -2,11 +2,19 @@
 // producer and consumers: Q, a two-stage ring of K tiles and one of V tiles
 // (forward_traits.h's plan), "full" barriers (the bytes landed) and "empty"
 // ones (every consumer warp is done reading).
+// Every item starts its tiles at stage 0 of both rings, so that stages (and
+// the wgmma descriptors made from them) follow from j alone, which the
+// compiler keeps in uniform registers (continuing the rings across items
+// moves that work to the vector pipe, with many more R2UR moves, and runs
+// slower); RingPhases carries each stage's phase parity from item to item.
+// Q is released with the item's last K tile, so the next item's first tiles
+// cannot be needed earlier than the stage they wait for.
 #pragma once
 
 #include <cstdint>
 
 #include "../hopper/bulk_copy.cuh"
+#include "../hopper/ring_phases.cuh"
 #include "forward_traits.h"
 
 namespace fusedattn::cuda {
@@ -45,30 +53,6 @@ struct Sm90ForwardSmem {
       mbarrier_init(&v_empty[s], 4 * Tr::kConsumers);
     }
     mbarrier_init_fence();
-  }
-};
-
-// Every item starts its tiles at stage 0 of both rings, so that stages (and
-// the wgmma descriptors made from them) follow from j alone, which the
-// compiler keeps in uniform registers (continuing the rings across items
-// moves that work to the vector pipe, with many more R2UR moves, and runs
-// slower). A stage's phase parity then depends on the items before: bit s of
-// `bits` is that of stage s at the item's start. Q is released with the
-// item's last K tile, so the next item's first tiles cannot be needed
-// earlier than the stage they wait for.
-template <int Stages>
-struct RingPhases {
-  uint32_t bits = 0;
-
-  static __device__ __forceinline__ int stage(int j) { return j % Stages; }
-  __device__ __forceinline__ uint32_t phase(int j) const {
-    return ((bits >> (j % Stages)) ^ static_cast<uint32_t>(j / Stages)) & 1u;
-  }
-  // After an item of n_tiles tiles: stage s was used an odd number of times or not.
-  __device__ __forceinline__ void end_item(int n_tiles) {
-#pragma unroll
-    for (int s = 0; s < Stages; ++s)
-      if (((n_tiles + Stages - 1 - s) / Stages) & 1) bits ^= 1u << s;
   }
 };
 
