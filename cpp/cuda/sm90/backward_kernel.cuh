@@ -172,9 +172,9 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       }
       if (lane == 0) mbarrier_arrive(&smem.step_empty[stage]);
     };
-    mma.value_gradient(dv_flat, p_a, do_tile);
+    mma.key_gradient_product(dv_flat, p_a, do_tile);  // dV
     if constexpr (!kDkBehindDq) {
-      mma.key_gradient(dk_flat, ds_a, q_tile);
+      mma.key_gradient_product(dk_flat, ds_a, q_tile);  // dK
       wgmma_commit();
       wgmma_wait<0>();
       release_stage();
@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     mma.query_gradient(dq_flat, ds_tile, query0, column0);
     wgmma_commit();
     if constexpr (kDkBehindDq) {
-      mma.key_gradient(dk_flat, ds_a, q_tile);
+      mma.key_gradient_product(dk_flat, ds_a, q_tile);  // dK
       wgmma_commit();
       wgmma_wait<1>();  // dV and dQ
     } else {

@@ -112,28 +112,19 @@ struct Sm90BackwardMma {
                            kk > 0);
   }
 
-  // dV += P^T dO (dO is a B operand stored [query][d], read transposed).
-  __device__ __forceinline__ void value_gradient(float (&dv_flat)[kDTiles * 4], uint32_t (&p_a)[kBlockM / 16][4],
-                                                 const unsigned char* do_tile) const {
+  // acc += A B over the step's queries, A (P^T or dS^T) from registers, B (dO
+  // or Q, stored [query][d]) read transposed: dV += P^T dO and dK += dS^T Q
+  // (dK scaled at the end).
+  __device__ __forceinline__ void key_gradient_product(float (&acc_flat)[kDTiles * 4],
+                                                       uint32_t (&a)[kBlockM / 16][4],
+                                                       const unsigned char* b_tile) const {
 #pragma unroll
-    for (int kq = 0; kq < kBlockM / 16; ++kq) fence_registers(p_a[kq]);
-    fence_registers(dv_flat);
+    for (int kq = 0; kq < kBlockM / 16; ++kq) fence_registers(a[kq]);
+    fence_registers(acc_flat);
     wgmma_fence();
 #pragma unroll
     for (int kq = 0; kq < kBlockM / 16; ++kq)
-      wgmma_rs<T, HeadDim>(dv_flat, p_a[kq], mn_major_descriptor(do_tile, kBlockM, kq), true);
-  }
-
-  // dK += dS^T Q (scaled at the end; Q read transposed as dO is).
-  __device__ __forceinline__ void key_gradient(float (&dk_flat)[kDTiles * 4], uint32_t (&ds_a)[kBlockM / 16][4],
-                                               const unsigned char* q_tile) const {
-#pragma unroll
-    for (int kq = 0; kq < kBlockM / 16; ++kq) fence_registers(ds_a[kq]);
-    fence_registers(dk_flat);
-    wgmma_fence();
-#pragma unroll
-    for (int kq = 0; kq < kBlockM / 16; ++kq)
-      wgmma_rs<T, HeadDim>(dk_flat, ds_a[kq], mn_major_descriptor(q_tile, kBlockM, kq), true);
+      wgmma_rs<T, HeadDim>(acc_flat, a[kq], mn_major_descriptor(b_tile, kBlockM, kq), true);
   }
 
   // dQ = dS K over all kBlockN keys for one quarter: 64 queries from query0
