@@ -17,6 +17,7 @@ import argparse
 import torch
 
 import fusedattn  # noqa: F401  (registers the operators)
+from fusedattn.bench_mask import keypad_lengths
 
 SHAPES = [(4, 16, 8192, 128), (4, 32, 2048, 128), (4, 16, 8192, 64), (4, 32, 2048, 64)]  # B, H, N, d
 
@@ -25,8 +26,8 @@ parser.add_argument("--tag", default="", help="a name printed first on every lin
 parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
 parser.add_argument("--kernel", default="sm90_backward_kernel", help="the key-block kernel's name, or part of it")
 parser.add_argument("--masks", default="none",
-                    help="comma-separated: none, keypad (a bool [B, 1, 1, N] mask keeping N, N/2, N/4, 3N/4 keys "
-                         "of the batch items in turn: the attn_mask kernels)")
+                    help="comma-separated: none, keypad (bench --mask keypad's key lengths as a bool [B, 1, 1, N] "
+                         "mask: the attn_mask kernels)")
 args = parser.parse_args()
 if not torch.cuda.is_available():
     parser.error("needs a CUDA device")
@@ -37,7 +38,7 @@ if unknown := set(masks) - {"none", "keypad"}:
 
 
 def key_padding(B: int, N: int) -> torch.Tensor:
-    keep = torch.tensor([N, N // 2, N // 4, 3 * N // 4], device="cuda").repeat(B)[:B]
+    keep = keypad_lengths(B, N, "cuda")
     return (torch.arange(N, device="cuda") < keep[:, None]).view(B, 1, 1, N)
 
 

@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     const Sm90BackwardLoad<Tr, Walk, kListed> load{args, smem, walk};
     load.prefetch_maps();
     load.keys_and_values();
-    for (int s = 0; s < walk.steps; ++s) load.step(s);
+    for (int s = 0; s < walk.steps; ++s) load.step(s, ring);
     return;
   }
 

@@ -58,8 +58,7 @@ struct Sm90BackwardLoad {
   }
 
   // Step s's Q, dO, lse and delta into its ring stage, once that stage is free.
-  __device__ __forceinline__ void step(int s) const {
-    const RingPhases<Tr::kStages> ring;
+  __device__ __forceinline__ void step(int s, const RingPhases<Tr::kStages>& ring) const {
     const int stage = ring.stage(s), batch = static_cast<int>(walk.batch);
     const int q0 = static_cast<int>(walk.seq.q0);
     mbarrier_wait(&smem.step_empty[stage], ring.phase(s) ^ 1);  // the first round finds it free
