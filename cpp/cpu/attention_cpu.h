@@ -38,6 +38,15 @@ inline Plan plan(bool backward) {
   return p;
 }
 
+// The gemm family on the CPU (cpp/ops/gemm_attention.h), where forced (the
+// tiled kernels serve every call): blocks of 2^21 float32 scores, 8 MB, stay
+// near the caches.
+inline Plan plan_gemm(const ForwardParams& p, bool backward) {
+  const AttentionShape& sh = p.shape;
+  return fusedattn::plan_gemm(sh.batch * sh.heads_q, sh.seqlen_q, sh.seqlen_k, sh.head_dim, int64_t(1) << 21,
+                              backward);
+}
+
 // Writes p.out and p.lse.
 void forward(const ForwardParams& p);
 

@@ -37,6 +37,9 @@ std::string dims_text(List list) {
 template <typename Refusal>
 Family choose_family(PlanRequest::FamilyChoice choice, Refusal refusal) {
   using Choice = PlanRequest::FamilyChoice;
+  if (choice == Choice::Gemm)
+    throw std::invalid_argument("fusedattn: family gemm was forced, but it serves fusedattn.forward and "
+                                "fusedattn.backward only");
   if (choice == Choice::Sm80) return Family::Sm80;
   const bool available = sm90_available();
   if (choice == Choice::Sm90) {
@@ -226,7 +229,36 @@ void check_kernel_head_dims(const AttentionShape& sh, bool backward) {
                            std::to_string(sh.head_dim) + " and d_v = " + std::to_string(sh.head_dim_v));
 }
 
+// Why no fused kernel takes a dense call (empty when one does).
+std::string unfused_reason(const ForwardParams& p, bool backward) {
+  const AttentionShape& sh = p.shape;
+  if (p.dtype == DType::Float32) return "the CUDA kernels take float16 and bfloat16, got float32";
+  const int64_t largest = served_head_dims(backward).back();
+  if (std::max(sh.head_dim, sh.head_dim_v) > largest)
+    return std::string("the CUDA ") + (backward ? "backward" : "forward") + " kernels take head dims up to " +
+           std::to_string(largest) + ", got d = " + std::to_string(sh.head_dim) + " and d_v = " +
+           std::to_string(sh.head_dim_v);
+  if (backward && p.softcap > 0.0f) return "the CUDA backward kernels do not soft-cap scores";
+  return {};
+}
+
+// A block's float32 scores on the GPU: 2^26 of them (256 MB) keep the
+// products large and the blocks few (tens of launches each).
+constexpr int64_t kGemmScoreElements = int64_t(1) << 26;
+
 }  // namespace
+
+std::optional<Plan> plan_gemm(const ForwardParams& p, const PlanRequest& request, bool backward) {
+  using Choice = PlanRequest::FamilyChoice;
+  const std::string why = request.family == Choice::Gemm ? std::string() : unfused_reason(p, backward);
+  if (request.family != Choice::Gemm && why.empty()) return std::nullopt;
+  if (request.family == Choice::Sm80 || request.family == Choice::Sm90)
+    throw std::invalid_argument(std::string("fusedattn: family ") + (request.family == Choice::Sm80 ? "sm80" : "sm90") +
+                                " was forced, but " + why);
+  const AttentionShape& sh = p.shape;
+  return fusedattn::plan_gemm(sh.batch * sh.heads_q, sh.seqlen_q, sh.seqlen_k, sh.head_dim, kGemmScoreElements,
+                              backward);
+}
 
 Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
   const AttentionShape& sh = p.shape;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,13 @@
 #include "fusedattn/plan.h"
 
 namespace fusedattn::cuda {
+
+// fusedattn.forward and fusedattn.backward, first: the gemm family's plan
+// (cpp/ops/gemm_attention.h) where it is forced or no fused kernel takes the
+// call (float32; head dims past the kernels'; soft-capping in the
+// backward), else nullopt and plan_forward / plan_backward decide. Throws
+// std::invalid_argument where a forced sm80 or sm90 cannot take the call.
+std::optional<Plan> plan_gemm(const ForwardParams& p, const PlanRequest& request, bool backward);
 
 // fusedattn.forward: sm90 where this build and device have it and it takes
 // the call, else sm80. Throws std::invalid_argument where a forced family

@@ -7,6 +7,7 @@
 
 #include "../cpu/attention_cpu.h"
 #include "checks.h"
+#include "gemm_attention.h"
 #include "kvcache.h"
 #include "paged_cache.h"
 #include "varlen.h"
@@ -44,9 +45,10 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q, const at::Te
                                                at::OptionalIntArrayRef window, std::optional<double> softcap,
                                                const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.forward";
-  parse_family(op, family, q);
+  const bool gemm = parse_family(op, family, q) == PlanRequest::FamilyChoice::Gemm;
   PreparedInputs in =
       prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support(), window, softcap, sinks);
+  if (gemm) return gemm_forward(in, cpu::plan_gemm(in.params, /*backward=*/false));
   auto outputs = allocate_forward_outputs(in);
   cpu::forward(in.params);
   return outputs;
@@ -58,9 +60,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family,
     at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.backward";
-  parse_family(op, family, q);
+  const bool gemm = parse_family(op, family, q) == PlanRequest::FamilyChoice::Gemm;
   PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, cpu_support(),
                                         window, softcap, sinks);
+  if (gemm) {
+    const at::Tensor delta = gemm_backward(b, cpu::plan_gemm(b.params.fwd, /*backward=*/true));
+    return {b.grad_q, b.grad_k, b.grad_v, sinks ? sinks_gradient(*sinks, lse, delta) : at::empty({0}, lse.options())};
+  }
   cpu::backward(b.params);
   return {b.grad_q, b.grad_k, b.grad_v, sinks_gradient_or_empty(sinks, lse, grad_out, out)};
 }
@@ -100,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const
                                                       at::OptionalIntArrayRef window, std::optional<double> softcap,
                                                       const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.forward_varlen";
-  parse_family(op, family, q);
+  refuse_gemm(op, parse_family(op, family, q));
   check_window(op, window);  // also when no sequence has queries
   check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
   const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
@@ -128,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
     int64_t max_seqlen_k, bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family,
     at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.backward_varlen";
-  parse_family(op, family, q);
+  refuse_gemm(op, parse_family(op, family, q));
   check_window(op, window);
   check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
   const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
@@ -156,10 +162,11 @@ std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window,
                      std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.plan";
-  parse_family(op, family, q);
+  const bool gemm = parse_family(op, family, q) == PlanRequest::FamilyChoice::Gemm;
   // The call's checks.
-  prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support(), window, softcap, sinks);
-  return cpu::plan(backward).describe();
+  const PreparedInputs in =
+      prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support(), window, softcap, sinks);
+  return (gemm ? cpu::plan_gemm(in.params, backward) : cpu::plan(backward)).describe();
 }
 
 // The CPU runs a packed batch as one forward (backward) per sequence.
@@ -169,7 +176,7 @@ std::string plan_varlen_cpu(const at::Tensor& q, const at::Tensor& k, const at::
                             std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window,
                             std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.plan_varlen";
-  parse_family(op, family, q);
+  refuse_gemm(op, parse_family(op, family, q));
   check_window(op, window);
   check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
   check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);

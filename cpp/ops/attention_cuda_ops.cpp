@@ -15,6 +15,7 @@
 #include "../cuda/naive/softmax_rows.h"
 #include "../cuda/plan.h"
 #include "checks.h"
+#include "gemm_attention.h"
 #include "operators_cuda.h"
 
 namespace fusedattn::ops {
@@ -28,12 +29,15 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.forward";
   PreparedInputs in =
-      prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(), window, softcap, sinks);
+      prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_dense_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
+  const PlanRequest request = family_request(op, family, q);
+  if (const auto gemm = with_torch_errors([&] { return cuda::plan_gemm(in.params, request, /*backward=*/false); }))
+    return gemm_forward(in, *gemm);
   const int64_t head_dim_v = in.params.shape.head_dim_v;
   pad_to_kernel_head_dim(in, in.params.shape, /*backward=*/false);
   auto [out, lse] = allocate_forward_outputs(in);
-  const Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, family_request(op, family, q)); });
+  const Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, request); });
   run_forward(in.params, plan, q, stream_of(q));
   return {unpadded(out, head_dim_v), lse};
 }
@@ -45,13 +49,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.backward";
   PreparedBackward b = prepare_backward(op, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale,
-                                        cuda_support(/*backward=*/true), window, softcap, sinks);
+                                        cuda_dense_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
+  const PlanRequest request = family_request(op, family, q);
+  if (const auto gemm = with_torch_errors([&] { return cuda::plan_gemm(b.params.fwd, request, /*backward=*/true); })) {
+    const at::Tensor delta = gemm_backward(b, *gemm);
+    return {b.grad_q, b.grad_k, b.grad_v, sinks ? sinks_gradient(*sinks, lse, delta) : at::empty({0}, lse.options())};
+  }
   pad_to_kernel_head_dim(b, b.params.fwd.shape, /*backward=*/true);
   // torch.use_deterministic_algorithms(True): grad_q from its own pass, in a
   // fixed order, instead of float32 atomics.
   b.params.deterministic = at::globalContext().deterministicAlgorithms();
-  const Plan plan = with_torch_errors([&] { return cuda::plan_backward(b.params, family_request(op, family, q)); });
+  const Plan plan = with_torch_errors([&] { return cuda::plan_backward(b.params, request); });
   const BackwardWorkspaces workspaces(b.params, plan, b.fwd.q, b.fwd.k, lse);
   run_backward(b.params, plan, stream_of(q));
   // The sinks' gradient from the delta the kernels computed.
@@ -67,10 +76,12 @@ std::string plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.plan";
   PreparedInputs in =
-      prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_support(backward), window, softcap, sinks);
+      prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_dense_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
-  pad_to_kernel_head_dim(in, in.params.shape, backward);
   const PlanRequest request = family_request(op, family, q);
+  if (const auto gemm = with_torch_errors([&] { return cuda::plan_gemm(in.params, request, backward); }))
+    return gemm->describe();
+  pad_to_kernel_head_dim(in, in.params.shape, backward);
   if (!backward) return with_torch_errors([&] { return cuda::plan_forward(in.params, request); }).describe();
   const int64_t d = in.params.shape.head_dim;
   const BackwardParams b = backward_plan_params(in.params, {q.size(1) * q.size(2) * d, q.size(2) * d, d});

@@ -368,14 +368,21 @@ PlanRequest::FamilyChoice parse_family(const char* op, const std::optional<c10::
   using Choice = PlanRequest::FamilyChoice;
   const std::string name = family ? std::string(*family) : "auto";
   if (name == "auto") return Choice::Auto;
+  if (name == "gemm") return Choice::Gemm;
   if (q.is_cuda()) {
     if (name == "sm80") return Choice::Sm80;
     if (name == "sm90") return Choice::Sm90;
-    TORCH_CHECK(false, op, ": family must be None, 'auto', 'sm80' or 'sm90' for CUDA tensors, got '", name, "'");
+    TORCH_CHECK(false, op, ": family must be None, 'auto', 'sm80', 'sm90' or 'gemm' for CUDA tensors, got '", name,
+                "'");
   }
-  TORCH_CHECK(name == "cpu", op, ": family must be None, 'auto' or 'cpu' for ", q.device().type(),
+  TORCH_CHECK(name == "cpu", op, ": family must be None, 'auto', 'cpu' or 'gemm' for ", q.device().type(),
               " tensors, got '", name, "'");
   return Choice::Auto;
+}
+
+void refuse_gemm(const char* op, PlanRequest::FamilyChoice choice) {
+  TORCH_CHECK(choice != PlanRequest::FamilyChoice::Gemm, op,
+              ": family 'gemm' serves fusedattn.forward and fusedattn.backward only");
 }
 
 PlanRequest decode_request(const char* op, std::optional<int64_t> num_splits,

@@ -38,6 +38,13 @@ const DeviceSupport& cuda_support(bool backward) {
   return backward ? backward_support : forward;
 }
 
+const DeviceSupport& cuda_dense_support() {
+  static const DeviceSupport support{"CUDA",          {at::kFloat, at::kHalf, at::kBFloat16}, /*head_dims=*/{},
+                                     /*aligned_rows=*/true, /*own_value_head_dim=*/true, /*softcap=*/true,
+                                     /*sinks=*/true};
+  return support;
+}
+
 PlanRequest family_request(const char* op, const std::optional<c10::string_view>& family, const at::Tensor& q) {
   PlanRequest r;
   r.family = parse_family(op, family, q);

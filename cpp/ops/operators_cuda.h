@@ -22,6 +22,9 @@ namespace fusedattn::ops {
 // Any head dims d, d_v up to the largest the forward (or backward) serves:
 // the kernels run them padded to kernel_head_dim. Soft-capping: the forward only.
 const DeviceSupport& cuda_support(bool backward = false);
+// fusedattn.forward and fusedattn.backward (and their plan): every dtype,
+// head dim and option, the gemm family taking what the kernels do not.
+const DeviceSupport& cuda_dense_support();
 
 // Pads `prepared` (PreparedInputs or PreparedBackward, of shape sh) to the
 // head dim the forward's (or backward's) kernels run it at.

@@ -24,15 +24,17 @@ import torch
 
 __all__ = ["FAMILIES", "Forced", "force", "forced"]
 
-# Families a caller may force on CUDA tensors ("cpu" is the only one on the CPU).
-FAMILIES = ("sm80", "sm90")
+# Families a caller may force on CUDA tensors ("cpu" names the CPU's tiled
+# kernels). "gemm", on either device: attention from float32 matrix products,
+# a block of query rows at a time (the dense forward and backward only).
+FAMILIES = ("sm80", "sm90", "gemm")
 
 
 @dataclasses.dataclass(frozen=True)
 class Forced:
     """What is forced; None leaves a choice to the planner."""
 
-    family: str | None = None  # "sm80" or "sm90" (CUDA), "cpu" (CPU): forward and backward
+    family: str | None = None  # "sm80" or "sm90" (CUDA), "cpu" (CPU), "gemm" (both): forward and backward
     decode_warps: int | None = None  # 4 or 8: the decode kernel's warps per block (4 at head dim 128 only)
     decode_merge_in_cluster: bool | None = None  # True: the decode splits must merge in a cluster; False: never
 

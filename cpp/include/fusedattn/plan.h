@@ -10,7 +10,7 @@
 
 namespace fusedattn {
 
-enum class Family : int { Cpu, Sm80, Sm90, Decode };
+enum class Family : int { Cpu, Sm80, Sm90, Decode, Gemm };
 
 inline const char* family_name(Family f) {
   switch (f) {
@@ -18,6 +18,7 @@ inline const char* family_name(Family f) {
     case Family::Sm80: return "sm80";
     case Family::Sm90: return "sm90";
     case Family::Decode: return "decode";
+    case Family::Gemm: return "gemm";
   }
   return "unknown";
 }
@@ -26,7 +27,7 @@ inline const char* family_name(Family f) {
 // Users choose num_splits (as FlashAttention 3 does); tests and benchmarks
 // force the rest (fusedattn.backends.force).
 struct PlanRequest {
-  enum class FamilyChoice : int { Auto, Sm80, Sm90 };
+  enum class FamilyChoice : int { Auto, Sm80, Sm90, Gemm };
   FamilyChoice family = FamilyChoice::Auto;  // forward and backward
   int num_splits = 0;                        // decode: 0 = the planner's count
   int merge_in_cluster = -1;                 // decode: -1 the planner's answer, 0 never, 1 required
@@ -35,7 +36,7 @@ struct PlanRequest {
 
 struct Plan {
   Family family = Family::Cpu;
-  int block_m = 0;  // queries per tile (decode: rows of (query head, query) per block)
+  int block_m = 0;  // queries per tile (decode: rows of (query head, query) per block; gemm: per block of rows)
   int block_n = 0;  // keys per tile
   int warps = 0;    // per thread block (CPU: 0)
   int head_dim = 0;  // CUDA: the kernel's head dim; q, k, v (d_v) below it are padded with zeros to it
@@ -66,6 +67,24 @@ struct Plan {
     return s;
   }
 };
+
+// The gemm family's plan (cpp/ops/gemm_attention.h): as many query rows per
+// block as keep a block's float32 scores, batch x heads_q x rows x seqlen_k,
+// within score_elements (one row at least; every row when they fit).
+inline Plan plan_gemm(int64_t batch_heads_q, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim,
+                      int64_t score_elements, bool backward) {
+  const int64_t per_row = batch_heads_q * seqlen_k;
+  int64_t rows = per_row > 0 ? score_elements / per_row : seqlen_q;
+  rows = rows < 1 ? 1 : rows > seqlen_q ? seqlen_q : rows;
+  Plan p;
+  p.family = Family::Gemm;
+  p.backward = backward;
+  p.deterministic = backward;  // no atomics: every sum runs in a fixed order
+  p.block_m = static_cast<int>(rows < (int64_t(1) << 30) ? rows : int64_t(1) << 30);
+  p.block_n = static_cast<int>(seqlen_k < (int64_t(1) << 30) ? seqlen_k : int64_t(1) << 30);
+  p.head_dim = static_cast<int>(head_dim);
+  return p;
+}
 
 // A launcher handed a plan it cannot run: the planner decided wrongly.
 [[noreturn]] inline void throw_planner_bug(const std::string& what) {
