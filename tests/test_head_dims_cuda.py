@@ -3,7 +3,7 @@ largest served one (the forward's 256, the backward's 128), and a value head
 dim of its own (d_v != d). The operators pad q, k and v with zeros to the next
 served head dim (the plan's head_dim) and cut the outputs back; forward and
 backward on each family against the float64 reference, with masks, windows,
-sinks and GQA, their fake functions, torch.compile, the refusals above the
+sinks and GQA, their fake functions, torch.compile, the gemm family above the
 largest, and decoding at d=256. Odd head dims on every backend are also in
 test_forward.py's and test_backward.py's test_head_dims."""
 
@@ -12,7 +12,7 @@ import torch
 
 import fusedattn
 from fusedattn.ops import cuda_head_dims
-from helpers.attention_cases import Case, make_inputs
+from helpers.attention_cases import Case, check_backward, check_forward, make_inputs
 from helpers.cuda import check_cuda, check_cuda_backward
 from helpers.kvcache_cases import check_against_reference
 
@@ -93,23 +93,25 @@ def test_fake_functions_and_compile_at_a_padded_head_dim():
     assert [t.grad.shape for t in leaves] == [t.shape for t in (q, k, v)]
 
 
-def test_head_dims_above_the_largest_are_refused():
-    """Above 256 the forward refuses; above 128 the backward does (at the
-    backward: the forward has run), and supports() says so beforehand."""
+def test_head_dims_above_the_largest_run_on_the_gemm_family():
+    """Above 256 the forward, above 128 the backward runs on the gemm family
+    (float32 matrix products); supports(fused=True) says where the kernels stop."""
     top, top_backward = cuda_head_dims("sm80_forward")[-1], cuda_head_dims("sm80_backward")[-1]
     for d, d_v in [(top + 1, top), (top, top + 32)]:
-        q, k, v, _ = make_inputs(Case(head_dim=d, head_dim_v=d_v, dtype=torch.float16), "cuda")
-        with pytest.raises(RuntimeError, match=rf"on CUDA the head dims d and d_v must be at most {top}, got q"):
-            fusedattn.attention(q, k, v)
-        assert not fusedattn.ops.supports(q.device, q.dtype, d, d_v, backward=False)
-    q, k, v, _ = make_inputs(Case(head_dim=top_backward + 8, dtype=torch.float16), "cuda", requires_grad=True)
-    out = fusedattn.attention(q, k, v)
-    with pytest.raises(RuntimeError, match=rf"fusedattn.backward: on CUDA the head dims d and d_v must be at most "
-                                           rf"{top_backward}"):
-        out.sum().backward()
-    assert fusedattn.ops.supports(q.device, q.dtype, top, backward=False)
-    assert not fusedattn.ops.supports(q.device, q.dtype, top_backward + 8)
-    assert fusedattn.ops.supports(q.device, q.dtype, 80, 48)
+        case = Case(head_dim=d, head_dim_v=d_v, dtype=torch.float16, seqlen_q=70, seqlen_k=90)
+        q, k, v, _ = make_inputs(case, "cuda")
+        assert fusedattn.plan(q, k, v)["family"] == "gemm"
+        check_forward(case, "cuda")
+        assert not fusedattn.ops.supports(q.device, q.dtype, d, d_v, backward=False, fused=True)
+        assert fusedattn.ops.supports(q.device, q.dtype, d, d_v, backward=False)
+    case = Case(head_dim=top_backward + 8, dtype=torch.float16, seqlen_q=70, seqlen_k=90, is_causal=True)
+    q, k, v, _ = make_inputs(case, "cuda")
+    assert fusedattn.plan(q, k, v)["family"] in ("sm80", "sm90")
+    assert fusedattn.plan(q, k, v, backward=True)["family"] == "gemm"
+    check_backward(case, "cuda")
+    assert fusedattn.ops.supports(q.device, q.dtype, top, backward=False, fused=True)
+    assert not fusedattn.ops.supports(q.device, q.dtype, top_backward + 8, fused=True)
+    assert fusedattn.ops.supports(q.device, q.dtype, 80, 48, fused=True)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 5])

@@ -39,7 +39,7 @@ def test_plan_checks_arguments_as_the_call_does():
 def test_cpu_refuses_a_cuda_family():
     q, k, v = qkv()
     with fusedattn.backends.force("sm80"):
-        with pytest.raises(RuntimeError, match="family must be None, 'auto' or 'cpu' for cpu tensors, got 'sm80'"):
+        with pytest.raises(RuntimeError, match="family must be None, 'auto', 'cpu' or 'gemm' for cpu tensors, got 'sm80'"):
             fusedattn.attention(q, k, v)
         with pytest.raises(RuntimeError, match="got 'sm80'"):
             fusedattn.plan(q, k, v)
@@ -122,9 +122,12 @@ def test_the_library_reports_the_generated_table():
     for kernel, dims in generated_table().items():
         assert cuda_head_dims(kernel) == dims, kernel
     served = set(cuda_head_dims("sm80_forward")) & set(cuda_head_dims("sm80_backward"))
-    for d in range(1, 300):  # below the largest served dim, the kernels run it padded
-        assert fusedattn.ops.supports(torch.device("cuda"), torch.float16, d) == (d <= max(served))
-    assert not fusedattn.ops.supports(torch.device("cuda"), torch.float32, 64)
+    cuda = torch.device("cuda")
+    for d in range(1, 300):  # below the largest served dim, the kernels run it padded; above, the gemm family
+        assert fusedattn.ops.supports(cuda, torch.float16, d, fused=True) == (d <= max(served))
+        assert fusedattn.ops.supports(cuda, torch.float16, d)
+    assert not fusedattn.ops.supports(cuda, torch.float32, 64, fused=True)
+    assert fusedattn.ops.supports(cuda, torch.float32, 64)
     with pytest.raises(RuntimeError, match="no kernel named 'sm70_forward'"):
         torch.ops.fusedattn.instantiated_head_dims("sm70_forward")
 

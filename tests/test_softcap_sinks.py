@@ -2,8 +2,8 @@
 before masks) and attention sinks (one value-less logit per query head in
 every row's softmax), forward and backward, dense, varlen and KV cache,
 against the float64 reference; on CUDA, sinks in every kernel family and
-both split merges of the decode kernels, soft-capping in the CUDA forwards (their
-backward refuses it by name)."""
+both split merges of the decode kernels, soft-capping in the CUDA forwards (the
+soft-capped backward runs on the gemm family)."""
 
 import dataclasses
 
@@ -51,7 +51,7 @@ def test_dtypes_groups_and_windows(backend, dtype, heads, window):
         case = Case(heads_q=heads[0], heads_kv=heads[1], seqlen_q=97, seqlen_k=260, head_dim=64, dtype=dtype,
                     window=window, softcap=2.0, sinks=sinks)
         backend.check_forward(case)
-        if backend.device == "cuda":  # its backward does not soft-cap yet
+        if backend.device == "cuda":  # the fused backwards do not soft-cap (the gemm family does)
             case = dataclasses.replace(case, softcap=None)
         backend.check_backward(case)
 
@@ -195,12 +195,19 @@ def test_bad_input_says_what_was_expected(bad):
 
 
 @pytest.mark.gpu
-def test_cuda_backward_says_it_does_not_soft_cap_yet():
-    q = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.float16, requires_grad=True)
-    out = fusedattn.attention(q, q, q, softcap=30.0)  # the forward soft-caps
-    with pytest.raises(RuntimeError, match=r"fusedattn.backward: on CUDA fusedattn does not soft-cap scores here yet; "
-                                           r"softcap runs on the CPU \(and CUDA's forward\)"):
-        out.sum().backward()
+def test_cuda_backward_soft_caps_on_the_gemm_family():
+    """The fused forward soft-caps; the backward's plan is the gemm family's,
+    and a forced fused family says why it cannot."""
+    q = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.float16)
+    assert fusedattn.plan(q, q, q, softcap=30.0)["family"] in ("sm80", "sm90")
+    assert fusedattn.plan(q, q, q, softcap=30.0, backward=True)["family"] == "gemm"
+    check_backward(Case(seqlen_q=140, seqlen_k=300, head_dim=64, dtype=torch.float16, mask="additive",
+                        is_causal=True, softcap=30.0, sinks=True), device="cuda")
+    q.requires_grad_(True)
+    out = fusedattn.attention(q, q, q, softcap=30.0)
+    with pytest.raises(RuntimeError, match="family sm80 was forced, but the CUDA backward kernels do not soft-cap"):
+        torch.ops.fusedattn.backward(torch.ones_like(out), q, q, q, out, torch.zeros(1, 4, 64, device="cuda"),
+                                     None, False, None, "sm80", None, 30.0)
     with pytest.raises(RuntimeError, match="sinks must be on cuda"):
         fusedattn.attention(q, q, q, sinks=torch.zeros(4))
 
@@ -277,7 +284,9 @@ def test_cuda_decode_sinks(head_dim, splits, merge):
 def test_supports_says_where_each_option_runs():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert fusedattn.ops.supports(cpu, torch.bfloat16, 64, softcap=True, sinks=True)
-    assert not fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True)  # the backward does not soft-cap
+    # The fused backwards do not soft-cap; the gemm family does, where there are CUDA kernels at all.
+    assert not fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True, fused=True)
+    assert fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True) == fusedattn.ops.has_kernel("forward", "cuda")
     assert fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True, backward=False) == \
         fusedattn.ops.supports(cuda, torch.float16, 64)
     assert fusedattn.ops.supports(cuda, torch.float16, 64, sinks=True) == fusedattn.ops.supports(cuda, torch.float16, 64)

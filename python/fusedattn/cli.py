@@ -484,7 +484,6 @@ def _bench_train(args) -> int:
         raise UsageError(f"--warmup {cfg.warmup}: --train needs at least 1 (AdamW makes its state in the first step, "
                          f"which the peak-memory step must not count)")
     shape = bench_train.MODELS[args.train]
-    _cuda_takes(device, cfg.dtypes, shape.d_model // shape.heads)
     if args.methods:
         names = [m for m in args.methods.split(",") if m]
         unknown = [m for m in names if m not in bench_train.method_names(device)]
@@ -622,7 +621,6 @@ def _bench(args) -> int:
     _check_backward_kernel(args, device, "backward")
     cfg = bench.default_config(device)
     _apply_options(cfg, args, ("batch", "heads", "head_dim", "seqlens", "repeats", "warmup"))
-    _cuda_takes(device, cfg.dtypes, cfg.head_dim, None if args.backward else "sm80_forward")
     if args.causal is not None:
         cfg.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     cfg.backward = args.backward

@@ -49,10 +49,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     grads = needs_gradients(query, key, value, sinks)
+    # SDPA serves what no fused kernel takes, unless it would drop soft-capping
+    # or sinks: then fusedattn's gemm family (CUDA) serves it.
+    kept_only_here = softcap is not None or sinks is not None
     if (dropout > 0.0 or kwargs.get("position_bias") is not None or query.shape[0] != key.shape[0]
             or not supports(query.device, query.dtype, query.shape[-1], value.shape[-1],
                             softcap=softcap is not None, sinks=sinks is not None,
-                            backward=grads)):
+                            backward=grads, fused=not kept_only_here)):
         dropped = [name for name, x in (("attention sinks (s_aux)", sinks), ("soft-capping", softcap)) if x is not None]
         if dropped:
             raise NotImplementedError(

@@ -74,7 +74,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if any(m.dtype != torch.bool and not m.is_floating_point() or m.requires_grad for m in masks):
             return False
         return supports(query.device, query.dtype, self.head_dim,
-                        backward=needs_gradients(query, key, value, *self.parameters()))
+                        backward=needs_gradients(query, key, value, *self.parameters()), fused=True)
 
     def forward(
         self,

@@ -20,9 +20,10 @@ from .distributed.routing import routed_attention
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "cuda_head_dims", "has_kernel", "plan",
            "needs_gradients", "plan_kvcache", "plan_varlen", "supports"]
 
-# What the CUDA kernels take; the CPU kernels take float32, float16 and
-# bfloat16 at any head dim.
+# What the fused CUDA kernels take (the gemm family takes float32 too); the
+# CPU kernels take float32, float16 and bfloat16 at any head dim.
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def has_kernel(op: str, device_type: str) -> bool:
@@ -52,18 +53,22 @@ def needs_gradients(*tensors: Tensor | None) -> bool:
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None, *,
-             softcap: bool = False, sinks: bool = False, backward: bool = True) -> bool:
-    """Whether fusedattn's kernels serve attention on this device, dtype and
-    head dim (and v's head dim, None: the same), with soft-capping and
-    attention sinks where asked: the forward, and with ``backward`` the
-    backward too."""
+             softcap: bool = False, sinks: bool = False, backward: bool = True, fused: bool = False) -> bool:
+    """Whether fusedattn serves attention on this device, dtype and head dim
+    (and v's head dim, None: the same), with soft-capping and attention sinks
+    where asked: the forward, and with ``backward`` the backward too. On CUDA
+    the gemm family (float32 matrix products, a block of query rows at a
+    time) serves what the fused kernels do not; with ``fused`` only a fused
+    kernel counts."""
+    if dtype not in DTYPES or device.type not in ("cpu", "cuda"):
+        return False
     if device.type == "cpu":
-        return dtype in (torch.float32, torch.float16, torch.bfloat16)
-    if device.type == "cuda":
-        served = cuda_head_dims("sm80_backward" if backward else "sm80_forward")
-        return (dtype in CUDA_DTYPES and bool(served) and max(head_dim, value_head_dim or head_dim) <= served[-1]
-                and not (softcap and backward))  # the CUDA forward soft-caps, its backward not yet
-    return False
+        return True
+    served = cuda_head_dims("sm80_backward" if backward else "sm80_forward")  # () without CUDA kernels
+    if not fused:
+        return bool(served)
+    return (dtype in CUDA_DTYPES and bool(served) and max(head_dim, value_head_dim or head_dim) <= served[-1]
+            and not (softcap and backward))  # the fused backward does not soft-cap
 
 
 def _grad_sinks_fake(q, sinks):
@@ -173,8 +178,7 @@ def attention(
             ``attn_mask`` combine.
         softcap: ``None`` or a number > 0: the scaled scores become
             ``softcap * tanh(scores / softcap)`` before ``attn_mask`` is added
-            (Gemma 2's soft-capping). On CUDA the forward only: the backward
-            raises.
+            (Gemma 2's soft-capping).
         sinks: ``None`` or float32 ``[Hq]``: one logit per query head that joins
             every row's softmax normaliser and carries no value (gpt-oss's
             attention sinks); differentiable. A row that sees no key then

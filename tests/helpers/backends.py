@@ -43,11 +43,12 @@ class Backend:
         if self.device == "cuda":
             from .cuda import kernel_head_dim
 
+            # Past these the gemm family serves the call (tests/test_gemm_family.py).
             if kernel_head_dim(case, backward) is None:  # below the largest, the kernels run it padded
-                pytest.skip(f"cuda's {'backward' if backward else 'forward'} takes head dims up to its largest, "
-                            f"not d={case.head_dim}, d_v={case.head_dim_v or case.head_dim}")
-            if backward and case.softcap is not None:  # refused by name: tests/test_softcap_sinks.py
-                pytest.skip("cuda's backward has no soft-capping yet")
+                pytest.skip(f"cuda's {'backward' if backward else 'forward'} kernels take head dims up to their "
+                            f"largest, not d={case.head_dim}, d_v={case.head_dim_v or case.head_dim}")
+            if backward and case.softcap is not None:
+                pytest.skip("cuda's backward kernels do not soft-cap")
 
     def check_forward(self, case: Case):
         """The forward of the case on this backend against the reference, its plan asserted."""
