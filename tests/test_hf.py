@@ -211,6 +211,26 @@ def test_sinks_or_softcap_that_fusedattn_cannot_serve_raise():
         fusedattn.hf.attention_forward(module, q, q, q, None, dropout=0.1, softcap=50.0)
 
 
+def test_soft_capped_calls_no_fused_kernel_takes(monkeypatch):
+    """Where only the gemm family serves (no fused kernel): a soft-capped dense
+    call stays on fusedattn (SDPA would drop the cap), a packed one raises (the
+    packed kernels are fused ones), and one without a cap goes to SDPA."""
+    monkeypatch.setattr(fusedattn.hf, "supports", lambda *args, fused=False, **kwargs: not fused)
+    called = []
+    monkeypatch.setattr("transformers.integrations.sdpa_attention.sdpa_attention_forward",
+                        lambda *args, **kwargs: called.append("sdpa") or (None, None))
+    q = torch.randn(1, 4, 6, 16)
+    out, _ = fusedattn.hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=5.0)
+    torch.testing.assert_close(out, fusedattn.reference.attention(q, q, q, softcap=5.0, is_causal=True).transpose(1, 2))
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="soft-capping.*packed sequences \\(cu_seq_lens\\) take the fused"):
+        fusedattn.hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=5.0, cu_seq_lens_q=cu,
+                                       cu_seq_lens_k=cu)
+    assert not called
+    fusedattn.hf.attention_forward(torch.nn.Module(), q, q, q, None)
+    assert called == ["sdpa"]
+
+
 def test_packed_documents_run_unpadded_through_attention_varlen(monkeypatch):
     """FlashAttention's packing kwargs (DataCollatorWithFlattening(return_flash_attn_kwargs=True)):
     three documents in one row give each document's logits as alone, through attention_varlen

@@ -147,7 +147,7 @@ void check_softcap_and_sinks(const char* op, const at::Tensor& q, std::optional<
                 ": softcap must be None or a finite number > 0 (from ", kMinSoftcap, " to ", kMaxSoftcap, "), got ",
                 *softcap);
     TORCH_CHECK(support.softcap, op, ": on ", support.device_name,
-                " fusedattn does not soft-cap scores here yet; softcap runs on the CPU (and CUDA's forward)");
+                " this call does not soft-cap scores yet; dense attention (fusedattn.attention) does, on every device");
   }
   if (sinks) {
     const at::Tensor& s = *sinks;

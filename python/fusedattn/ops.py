@@ -156,13 +156,15 @@ def attention(
     softcap: float | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
-    """Exact scaled dot-product attention, fused (the N x N scores never reach memory).
+    """Exact scaled dot-product attention, fused (the N x N scores never reach memory;
+    on CUDA, what no fused kernel takes runs on the gemm family, whose memory grows
+    with a block of query rows: see :func:`plan`).
 
     Args:
         q: ``[B, Hq, Nq, d]`` queries.
         k, v: ``[B, Hkv, Nk, d]`` keys and ``[B, Hkv, Nk, d_v]`` values;
             ``Hq % Hkv == 0`` (query head ``h`` reads key/value head
-            ``h // (Hq // Hkv)``). ``d_v`` may differ from ``d`` (on CUDA both
+            ``h // (Hq // Hkv)``). ``d_v`` may differ from ``d`` (on CUDA's fused kernels both
             run zero-padded to the next head dim its kernels are built for).
         attn_mask: broadcastable to ``[B, Hq, Nq, Nk]``; bool (True = may attend)
             or floating point (added to the scaled scores); or a
@@ -351,7 +353,7 @@ def plan(
 ) -> dict:
     """The plan :func:`attention` would run for these arguments (with
     ``backward=True``, its backward's), without running it: a dict with
-    ``"family"`` ("cpu", "sm80", "sm90"), ``"block_m"`` and ``"block_n"``
+    ``"family"`` ("cpu", "sm80", "sm90", "gemm"), ``"block_m"`` and ``"block_n"``
     (queries and keys per tile), ``"warps"``, ``"mask_tiles"`` (CUDA: whether
     attn_mask is first sorted into the tiles it hides, leaves whole or cuts),
     ``"persistent"`` (sm90), ``"head_splits"`` and ``"deterministic"``
