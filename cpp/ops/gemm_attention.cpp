@@ -36,37 +36,52 @@ struct Operands {
   }
 };
 
-// The scores of one block of rows as the softmax sees them, float32 [B, Hq,
-// rows, Nk]: scaled, soft-capped, attn_mask applied, the band's hidden keys
-// -inf; and with a soft-cap, tanh of the capped scores (the backward's slope).
+// A block of query rows and the keys the band (causal, the window) lets any
+// of them see, [key0, key0 + keys): the block's products skip the others.
+struct Block {
+  int64_t row0, rows, key0, keys;
+
+  static Block of(const ForwardParams& p, const Operands& ops, int64_t row0, int64_t rows) {
+    // Query i sees key j when i + offset - left <= j <= i + offset + right, -1 leaving a side open.
+    const int64_t offset = ops.seqlen_k - ops.seqlen_q, right = p.band_right(), left = p.window_left;
+    const int64_t first = left >= 0 ? std::max<int64_t>(0, row0 + offset - left) : 0;
+    const int64_t end = right >= 0 ? std::min(ops.seqlen_k, row0 + rows + offset + right) : ops.seqlen_k;
+    return {row0, rows, first, std::max<int64_t>(0, end - first)};
+  }
+  at::Tensor key_rows(const at::Tensor& t) const { return t.narrow(2, key0, keys); }
+};
+
+// The scores of a block as the softmax sees them, float32 [B, Hq, rows,
+// keys]: scaled, soft-capped, attn_mask applied, the band's hidden keys -inf;
+// and with a soft-cap, tanh of the capped scores (the backward's slope).
 struct BlockScores {
   at::Tensor s, tanh;
 };
 
-BlockScores block_scores(const PreparedInputs& in, const Operands& ops, const at::Tensor& q_rows, int64_t row0,
-                         int64_t rows) {
+BlockScores block_scores(const PreparedInputs& in, const Operands& ops, const at::Tensor& q_rows, const Block& blk) {
   const ForwardParams& p = in.params;
+  const int64_t rows = blk.rows;
   BlockScores b;
-  b.s = ops.per_head(at::matmul(q_rows, ops.k.transpose(-2, -1)), rows).mul_(p.scale);
+  b.s = ops.per_head(at::matmul(q_rows, blk.key_rows(ops.k).transpose(-2, -1)), rows).mul_(p.scale);
   if (p.softcap > 0.0f) {
     b.tanh = b.s.div(p.softcap).tanh_();
     b.s = b.tanh.mul(p.softcap);
   }
   if (in.mask.defined()) {
-    const at::Tensor m = in.mask.narrow(2, row0, rows);
+    const at::Tensor m = in.mask.narrow(2, blk.row0, rows).narrow(3, blk.key0, blk.keys);
     if (m.scalar_type() == at::kBool)
       b.s.masked_fill_(m.logical_not(), -kInf);
     else
       b.s.add_(m);
   }
-  // The band (causal and the window, ForwardParams): query i sees key j when
-  // i + offset - left <= j <= i + offset + right, -1 leaving a side open.
+  // The band's hidden keys within the block's (Block::of's rule).
   const int64_t right = p.band_right(), left = p.window_left;
   if (right >= 0 || left >= 0) {
     const auto long_options = at::TensorOptions().dtype(at::kLong).device(b.s.device());
-    const at::Tensor i = at::arange(row0, row0 + rows, long_options).unsqueeze(1) + (ops.seqlen_k - ops.seqlen_q);
-    const at::Tensor j = at::arange(ops.seqlen_k, long_options).unsqueeze(0);
-    at::Tensor hidden = at::zeros({rows, ops.seqlen_k}, long_options.dtype(at::kBool));
+    const at::Tensor i =
+        at::arange(blk.row0, blk.row0 + rows, long_options).unsqueeze(1) + (ops.seqlen_k - ops.seqlen_q);
+    const at::Tensor j = at::arange(blk.key0, blk.key0 + blk.keys, long_options).unsqueeze(0);
+    at::Tensor hidden = at::zeros({rows, blk.keys}, long_options.dtype(at::kBool));
     if (right >= 0) hidden.logical_or_(j > i + right);
     if (left >= 0) hidden.logical_or_(j < i - left);
     b.s.masked_fill_(hidden, -kInf);
@@ -85,17 +100,18 @@ std::tuple<at::Tensor, at::Tensor> gemm_forward(const PreparedInputs& in, const 
   const at::Tensor sink = in.sinks.defined() ? in.sinks.view({1, ops.heads_q, 1}) : at::Tensor();
   for (int64_t row0 = 0; row0 < ops.seqlen_q; row0 += plan.block_m) {
     const int64_t rows = std::min<int64_t>(plan.block_m, ops.seqlen_q - row0);
-    const at::Tensor s = block_scores(in, ops, ops.grouped_rows(in.q, row0, rows), row0, rows).s;
-    at::Tensor m = ops.seqlen_k > 0 ? s.amax(-1) : at::full({ops.batch, ops.heads_q, rows}, -kInf, s.options());
+    const Block blk = Block::of(in.params, ops, row0, rows);
+    const at::Tensor s = block_scores(in, ops, ops.grouped_rows(in.q, row0, rows), blk).s;
+    at::Tensor m = blk.keys > 0 ? s.amax(-1) : at::full({ops.batch, ops.heads_q, rows}, -kInf, s.options());
     if (sink.defined()) m = at::maximum(m, sink);
     // A row with nothing visible (m = -inf) subtracts 0: its exponentials are all 0.
     m.masked_fill_(m.isneginf(), 0.0);
     const at::Tensor e = (s - m.unsqueeze(-1)).exp_();
     at::Tensor l = e.sum(-1);
     if (sink.defined()) l.add_((sink - m).exp_());
-    const at::Tensor pv = ops.per_head(at::matmul(e.view({ops.batch, ops.heads_kv, ops.group * rows, ops.seqlen_k}),
-                                                  ops.v),
-                                       rows);
+    const at::Tensor pv =
+        ops.per_head(at::matmul(e.view({ops.batch, ops.heads_kv, ops.group * rows, blk.keys}), blk.key_rows(ops.v)),
+                     rows);
     // Rows with l = 0 see nothing: out 0, lse -inf.
     const at::Tensor seen = l > 0;
     out.narrow(2, row0, rows).copy_(at::where(seen.unsqueeze(-1), pv / l.unsqueeze(-1), 0.0));
@@ -116,18 +132,19 @@ at::Tensor gemm_backward(PreparedBackward& b, const Plan& plan) {
     const int64_t rows = std::min<int64_t>(plan.block_m, ops.seqlen_q - row0);
     const at::Tensor q_rows = ops.grouped_rows(in.q, row0, rows);
     const at::Tensor do_rows = ops.grouped_rows(b.grad_out, row0, rows);
-    const BlockScores scores = block_scores(in, ops, q_rows, row0, rows);
+    const Block blk = Block::of(in.params, ops, row0, rows);
+    const BlockScores scores = block_scores(in, ops, q_rows, blk);
     const at::Tensor p = (scores.s - lse.narrow(2, row0, rows).unsqueeze(-1)).exp_();
-    const std::vector<int64_t> grouped{ops.batch, ops.heads_kv, ops.group * rows, ops.seqlen_k};
-    grad_v.add_(at::matmul(p.view(grouped).transpose(-2, -1), do_rows));
+    const std::vector<int64_t> grouped{ops.batch, ops.heads_kv, ops.group * rows, blk.keys};
+    blk.key_rows(grad_v).add_(at::matmul(p.view(grouped).transpose(-2, -1), do_rows));
     // dS = P (dP - delta), times the soft-cap's slope 1 - tanh^2.
-    at::Tensor ds = ops.per_head(at::matmul(do_rows, ops.v.transpose(-2, -1)), rows)
+    at::Tensor ds = ops.per_head(at::matmul(do_rows, blk.key_rows(ops.v).transpose(-2, -1)), rows)
                         .sub_(delta.narrow(2, row0, rows).unsqueeze(-1))
                         .mul_(p);
     if (scores.tanh.defined()) ds.mul_(1.0 - scores.tanh.square());
     ds = ds.view(grouped);
-    b.grad_q.narrow(2, row0, rows).copy_(ops.per_head(at::matmul(ds, ops.k).mul_(scale), rows));
-    grad_k.add_(at::matmul(ds.transpose(-2, -1), q_rows));
+    b.grad_q.narrow(2, row0, rows).copy_(ops.per_head(at::matmul(ds, blk.key_rows(ops.k)).mul_(scale), rows));
+    blk.key_rows(grad_k).add_(at::matmul(ds.transpose(-2, -1), q_rows));
   }
   b.grad_k.copy_(grad_k.mul_(scale));
   b.grad_v.copy_(grad_v);
