@@ -2,7 +2,7 @@
 rows at a time (cpp/ops/gemm_attention.h). Forced, on the CPU and on CUDA,
 against the float64 reference: every mask kind, windows, soft-capping, sinks,
 grouped heads, a value head dim of its own, awkward and empty lengths, more
-than one block of rows, forward and backward. On CUDA the planner gives it
+than one block of rows, packed sequences, forward and backward. On CUDA the planner gives it
 what no fused kernel takes (float32, head dims past the kernels', the
 soft-capped backward): those plans, their accuracy against SDPA's float32,
 and the errors of a fused family forced on them."""
@@ -17,6 +17,7 @@ import torch
 import fusedattn
 from helpers.attention_cases import MASK_KINDS, Case, check_backward, check_forward, make_inputs, make_sinks, max_err
 from helpers.cuda import forward
+from helpers.varlen_cases import check_varlen, check_varlen_backward, packed
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -101,11 +102,17 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.fusedattn.forward.default, (q, k, v, mask, True, None, "gemm"))
 
 
-def test_packed_calls_refuse_it(device):
-    q = torch.randn(10, 2, 16, device=device, dtype=torch.float16)
-    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)
-    with pytest.raises(RuntimeError, match="gemm'? serves fusedattn.forward and fusedattn.backward only"):
-        torch.ops.fusedattn.forward_varlen(q, q, q, cu, cu, 6, 6, False, None, "gemm")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", [{}, {"is_causal": True, "softcap": 3.0}, {"window": (40, 5)}], ids=str)
+def test_packed_sequences(device, dtype, options):
+    """attention_varlen a sequence at a time (lengths 0 and 1 included), forward and backward."""
+    lengths_q, lengths_k = [70, 0, 1, 130, 33], [90, 12, 1, 130, 0]
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, dtype=dtype, device=device)
+    plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, backward=True, **options)
+    assert plan["family"] == "gemm" and plan["varlen"] and plan["block_n"] == max(lengths_k), plan
+    check_varlen(lengths_q, lengths_k, dtype=dtype, sinks=sinks.to(device), device=device, **options)
+    check_varlen_backward(lengths_q, lengths_k, dtype=dtype, sinks=sinks, device=device, **options)
 
 
 def test_an_unknown_family_names_it():

@@ -212,9 +212,9 @@ def test_sinks_or_softcap_that_fusedattn_cannot_serve_raise():
 
 
 def test_soft_capped_calls_no_fused_kernel_takes(monkeypatch):
-    """Where only the gemm family serves (no fused kernel): a soft-capped dense
-    call stays on fusedattn (SDPA would drop the cap), a packed one raises (the
-    packed kernels are fused ones), and one without a cap goes to SDPA."""
+    """Where only the gemm family serves (no fused kernel): soft-capped calls,
+    dense and packed, stay on fusedattn (SDPA would drop the cap); one without
+    a cap goes to SDPA."""
     monkeypatch.setattr(fusedattn.hf, "supports", lambda *args, fused=False, **kwargs: not fused)
     called = []
     monkeypatch.setattr("transformers.integrations.sdpa_attention.sdpa_attention_forward",
@@ -223,9 +223,11 @@ def test_soft_capped_calls_no_fused_kernel_takes(monkeypatch):
     out, _ = fusedattn.hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=5.0)
     torch.testing.assert_close(out, fusedattn.reference.attention(q, q, q, softcap=5.0, is_causal=True).transpose(1, 2))
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="soft-capping.*packed sequences \\(cu_seq_lens\\) take the fused"):
-        fusedattn.hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=5.0, cu_seq_lens_q=cu,
-                                       cu_seq_lens_k=cu)
+    out, _ = fusedattn.hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=5.0, cu_seq_lens_q=cu,
+                                            cu_seq_lens_k=cu)
+    for a, b in ((0, 2), (2, 6)):  # each document on its own
+        torch.testing.assert_close(out[:, a:b], fusedattn.reference.attention(
+            q[:, :, a:b], q[:, :, a:b], q[:, :, a:b], softcap=5.0, is_causal=True).transpose(1, 2))
     assert not called
     fusedattn.hf.attention_forward(torch.nn.Module(), q, q, q, None)
     assert called == ["sdpa"]

@@ -41,9 +41,10 @@ inline Plan plan(bool backward) {
 // The gemm family on the CPU (cpp/ops/gemm_attention.h), where forced (the
 // tiled kernels serve every call): blocks of 2^21 float32 scores, 8 MB, stay
 // near the caches.
+inline constexpr int64_t kGemmScoreElements = int64_t(1) << 21;
 inline Plan plan_gemm(const ForwardParams& p, bool backward) {
   const AttentionShape& sh = p.shape;
-  return fusedattn::plan_gemm(sh.batch * sh.heads_q, sh.seqlen_q, sh.seqlen_k, sh.head_dim, int64_t(1) << 21,
+  return fusedattn::plan_gemm(sh.batch * sh.heads_q, sh.seqlen_q, sh.seqlen_k, sh.head_dim, kGemmScoreElements,
                               backward);
 }
 

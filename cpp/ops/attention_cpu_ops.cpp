@@ -96,8 +96,9 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
   return forward_kvcache_by_sequence(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, forward);
 }
 
-// Packed sequences, one dense problem per sequence, written into the packed
-// outputs through [1, H, n, d] views; lse is [Hq, total_q].
+// Packed sequences, one dense problem per sequence (on the tiled kernels, or
+// the gemm family where forced), written into the packed outputs through
+// [1, H, n, d] views; lse is [Hq, total_q].
 std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
@@ -106,54 +107,48 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const
                                                       at::OptionalIntArrayRef window, std::optional<double> softcap,
                                                       const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.forward_varlen";
-  refuse_gemm(op, parse_family(op, family, q));
+  const bool gemm = parse_family(op, family, q) == PlanRequest::FamilyChoice::Gemm;
   check_window(op, window);  // also when no sequence has queries
   check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
   const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
-  for (int64_t b = 0; b < seq.batch; ++b) {
-    const int64_t sq = seq.start_q(b), nq = seq.len_q(b), sk = seq.start_k(b), nk = seq.len_k(b);
-    if (nq == 0) continue;
-    PreparedInputs in = prepare_forward(op, sequence_view(q, sq, nq), sequence_view(k, sk, nk),
-                                        sequence_view(v, sk, nk), std::nullopt, is_causal, scale, cpu_support(),
-                                        window, softcap, sinks);
-    const at::Tensor lse_b = at::empty({1, q.size(1), nq}, lse.options());
-    set_forward_outputs(in.params, sequence_view(out, sq, nq), lse_b);
+  return forward_by_sequence(q, k, v, seq, [&](const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
+                                               const at::Tensor& out_b, const at::Tensor& lse_b) {
+    PreparedInputs in =
+        prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cpu_support(), window, softcap, sinks);
+    if (gemm) {
+      const auto [out, lse] = gemm_forward(in, cpu::plan_gemm(in.params, /*backward=*/false));
+      out_b.copy_(out);
+      lse_b.copy_(lse);
+      return;
+    }
+    set_forward_outputs(in.params, out_b, lse_b);
     cpu::forward(in.params);
-    lse.narrow(1, sq, nq).copy_(lse_b[0]);
-  }
-  return {out, lse};
+  });
 }
 
-// Sequences with no queries or no keys keep zero gradients (their outputs
-// are constant in the other side).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, bool is_causal, std::optional<double> scale, std::optional<c10::string_view> family,
     at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.backward_varlen";
-  refuse_gemm(op, parse_family(op, family, q));
+  const bool gemm = parse_family(op, family, q) == PlanRequest::FamilyChoice::Gemm;
   check_window(op, window);
   check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
   const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   check_varlen_outputs(op, q, v, grad_out, out, lse);
-  at::Tensor grad_q = at::zeros(q.sizes(), q.options());
-  at::Tensor grad_k = at::zeros(k.sizes(), k.options());
-  at::Tensor grad_v = at::zeros(v.sizes(), v.options());
-  for (int64_t b = 0; b < seq.batch; ++b) {
-    const int64_t sq = seq.start_q(b), nq = seq.len_q(b), sk = seq.start_k(b), nk = seq.len_k(b);
-    if (nq == 0 || nk == 0) continue;
-    PreparedBackward pb =
-        prepare_backward(op, sequence_view(grad_out, sq, nq), sequence_view(q, sq, nq), sequence_view(k, sk, nk),
-                         sequence_view(v, sk, nk), sequence_view(out, sq, nq), lse.narrow(1, sq, nq).unsqueeze(0),
-                         std::nullopt, is_causal, scale, cpu_support(), window, softcap, sinks);
-    cpu::backward(pb.params);
-    sequence_view(grad_q, sq, nq).copy_(pb.grad_q);
-    sequence_view(grad_k, sk, nk).copy_(pb.grad_k);
-    sequence_view(grad_v, sk, nk).copy_(pb.grad_v);
-  }
+  const auto [grad_q, grad_k, grad_v] = backward_by_sequence(
+      grad_out, q, k, v, out, lse, seq,
+      [&](const at::Tensor& grad_out_b, const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
+          const at::Tensor& out_b, const at::Tensor& lse_b) {
+        PreparedBackward pb = prepare_backward(op, grad_out_b, q_b, k_b, v_b, out_b, lse_b, std::nullopt, is_causal,
+                                               scale, cpu_support(), window, softcap, sinks);
+        if (gemm)
+          gemm_backward(pb, cpu::plan_gemm(pb.params.fwd, /*backward=*/true));
+        else
+          cpu::backward(pb.params);
+        return std::make_tuple(pb.grad_q, pb.grad_k, pb.grad_v);
+      });
   return {grad_q, grad_k, grad_v, sinks_gradient_or_empty(sinks, lse.t(), grad_out, out)};
 }
 
@@ -176,11 +171,13 @@ std::string plan_varlen_cpu(const at::Tensor& q, const at::Tensor& k, const at::
                             std::optional<c10::string_view> family, bool backward, at::OptionalIntArrayRef window,
                             std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.plan_varlen";
-  refuse_gemm(op, parse_family(op, family, q));
+  const bool gemm = parse_family(op, family, q) == PlanRequest::FamilyChoice::Gemm;
   check_window(op, window);
   check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
   check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  Plan plan = cpu::plan(backward);
+  // The gemm family's blocks as for the longest sequence.
+  Plan plan = gemm ? fusedattn::plan_gemm(q.size(1), max_seqlen_q, max_seqlen_k, q.size(2), cpu::kGemmScoreElements, backward)
+                   : cpu::plan(backward);
   plan.varlen = true;
   return plan.describe();
 }

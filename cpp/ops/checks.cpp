@@ -380,11 +380,6 @@ PlanRequest::FamilyChoice parse_family(const char* op, const std::optional<c10::
   return Choice::Auto;
 }
 
-void refuse_gemm(const char* op, PlanRequest::FamilyChoice choice) {
-  TORCH_CHECK(choice != PlanRequest::FamilyChoice::Gemm, op,
-              ": family 'gemm' serves fusedattn.forward and fusedattn.backward only");
-}
-
 PlanRequest decode_request(const char* op, std::optional<int64_t> num_splits,
                            std::optional<bool> merge_in_cluster, std::optional<int64_t> warps) {
   PlanRequest r;

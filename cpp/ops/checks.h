@@ -148,8 +148,6 @@ auto with_torch_errors(F&& f) -> decltype(f()) {
 // Anything else is an error naming what q's device takes.
 PlanRequest::FamilyChoice parse_family(const char* op, const std::optional<c10::string_view>& family,
                                        const at::Tensor& q);
-// An error for the operators the gemm family does not serve (all but the dense forward and backward).
-void refuse_gemm(const char* op, PlanRequest::FamilyChoice choice);
 
 // The decode operators' overrides: num_splits None or in [1,
 // kMaxDecodeSplits], merge_in_cluster None/False/True, warps None, 4 or 8.

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "varlen.h"
 
 namespace fusedattn::ops {
 
@@ -26,13 +27,9 @@ int64_t check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
                              const std::optional<at::Tensor>& v_new,
                              const std::optional<at::Tensor>& block_table = std::nullopt);
 
-// Runs `forward(q_b, k_b, v_b, out_b, lse_b)` for every sequence b, where k_b
-// and v_b are the first cache_seqlens[b] + Nnew cached positions (after the
-// append; through block_table's pages if given), and returns (out, lse).
-using SequenceForward = std::function<void(const at::Tensor& q, const at::Tensor& k,
-                                           const at::Tensor& v, const at::Tensor& out,
-                                           const at::Tensor& lse)>;
-
+// Runs `forward(q_b, k_b, v_b, out_b, lse_b)` (varlen.h) for every sequence b,
+// where k_b and v_b are the first cache_seqlens[b] + Nnew cached positions
+// (after the append; through block_table's pages if given), and returns (out, lse).
 std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_seqlens,

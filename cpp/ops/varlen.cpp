@@ -69,4 +69,38 @@ at::Tensor sequence_view(const at::Tensor& packed, int64_t start, int64_t n) {
   return packed.narrow(0, start, n).transpose(0, 1).unsqueeze(0);
 }
 
+std::tuple<at::Tensor, at::Tensor> forward_by_sequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const VarlenLengths& seq, const SequenceForward& forward) {
+  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  for (int64_t b = 0; b < seq.batch; ++b) {
+    const int64_t sq = seq.start_q(b), nq = seq.len_q(b), sk = seq.start_k(b), nk = seq.len_k(b);
+    if (nq == 0) continue;
+    const at::Tensor lse_b = at::empty({1, q.size(1), nq}, lse.options());  // contiguous, unlike lse's columns
+    forward(sequence_view(q, sq, nq), sequence_view(k, sk, nk), sequence_view(v, sk, nk), sequence_view(out, sq, nq),
+            lse_b);
+    lse.narrow(1, sq, nq).copy_(lse_b[0]);
+  }
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_by_sequence(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const VarlenLengths& seq, const SequenceBackward& backward) {
+  at::Tensor grad_q = at::zeros(q.sizes(), q.options());
+  at::Tensor grad_k = at::zeros(k.sizes(), k.options());
+  at::Tensor grad_v = at::zeros(v.sizes(), v.options());
+  for (int64_t b = 0; b < seq.batch; ++b) {
+    const int64_t sq = seq.start_q(b), nq = seq.len_q(b), sk = seq.start_k(b), nk = seq.len_k(b);
+    if (nq == 0 || nk == 0) continue;
+    const auto [gq, gk, gv] =
+        backward(sequence_view(grad_out, sq, nq), sequence_view(q, sq, nq), sequence_view(k, sk, nk),
+                 sequence_view(v, sk, nk), sequence_view(out, sq, nq), lse.narrow(1, sq, nq).unsqueeze(0));
+    sequence_view(grad_q, sq, nq).copy_(gq);
+    sequence_view(grad_k, sk, nk).copy_(gk);
+    sequence_view(grad_v, sk, nk).copy_(gv);
+  }
+  return {grad_q, grad_k, grad_v};
+}
+
 }  // namespace fusedattn::ops

@@ -6,6 +6,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
+#include <tuple>
 
 namespace fusedattn::ops {
 
@@ -40,5 +42,25 @@ void check_varlen_outputs(const char* op, const at::Tensor& q, const at::Tensor&
 // Rows [start, start + n) of a packed [total, H, d] tensor as [1, H, n, d]
 // (a view: strides H x d, d, 1 and the last dimension contiguous).
 at::Tensor sequence_view(const at::Tensor& packed, int64_t start, int64_t n);
+
+// One sequence's dense forward: q, k, v [1, H, n, d] views; writes out (a
+// [1, Hq, n, d_v] view) and lse (contiguous float32 [1, Hq, n]).
+using SequenceForward = std::function<void(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& out, const at::Tensor& lse)>;
+// One sequence's dense backward from [1, H, n, x] views and lse [1, Hq, n]:
+// (grad_q, grad_k, grad_v).
+using SequenceBackward = std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse)>;
+
+// A packed call as one dense call per sequence with queries (the CPU's, and
+// CUDA's gemm family): (out [total_q, Hq, d_v], lse [Hq, total_q]).
+std::tuple<at::Tensor, at::Tensor> forward_by_sequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const VarlenLengths& seq, const SequenceForward& forward);
+// The same for the backward: (grad_q, grad_k, grad_v), zero for a sequence
+// with no queries or no keys (its outputs are constant in the other side).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_by_sequence(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const VarlenLengths& seq, const SequenceBackward& backward);
 
 }  // namespace fusedattn::ops

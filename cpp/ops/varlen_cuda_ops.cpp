@@ -17,6 +17,7 @@
 
 #include "../cuda/plan.h"
 #include "checks.h"
+#include "gemm_attention.h"
 #include "kvcache.h"
 #include "operators_cuda.h"
 #include "paged_cache.h"
@@ -77,10 +78,22 @@ cuda::HostSequences host_sequences(const VarlenLengths& lengths) {
 VarlenLengths check_varlen_call(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                 int64_t max_seqlen_k, at::OptionalIntArrayRef window, std::optional<double> softcap,
-                                const std::optional<at::Tensor>& sinks, bool backward) {
+                                const std::optional<at::Tensor>& sinks) {
   check_window(op, window);
-  check_softcap_and_sinks(op, q, softcap, sinks, cuda_support(backward));
+  check_softcap_and_sinks(op, q, softcap, sinks, cuda_dense_support());
   return check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+}
+
+// A packed call's plan from the gemm family (cuda::plan_gemm: forced, or no
+// fused kernel takes it), as for its longest sequence; nullopt otherwise.
+std::optional<Plan> varlen_gemm_plan(const ForwardParams& packed, const PlanRequest& request, int64_t max_seqlen_q,
+                                     int64_t max_seqlen_k, bool backward) {
+  ForwardParams longest = packed;
+  longest.shape.seqlen_q = max_seqlen_q;
+  longest.shape.seqlen_k = max_seqlen_k;
+  std::optional<Plan> plan = with_torch_errors([&] { return cuda::plan_gemm(longest, request, backward); });
+  if (plan) plan->varlen = true;
+  return plan;
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_varlen_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -92,16 +105,27 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cuda(const at::Tensor& q, cons
                                                        const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.forward_varlen";
   const VarlenLengths lengths = check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                  window, softcap, sinks, /*backward=*/false);
+                                                  window, softcap, sinks);
   PreparedInputs in = prepare_forward(op, as_one_batch(q), as_one_batch(k), as_one_batch(v), std::nullopt, is_causal,
-                                      scale, cuda_support(), window, softcap, sinks);
+                                      scale, cuda_dense_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
+  const PlanRequest request = family_request(op, family, q);
+  if (varlen_gemm_plan(in.params, request, max_seqlen_q, max_seqlen_k, /*backward=*/false))
+    return forward_by_sequence(q, k, v, lengths, [&](const at::Tensor& q_b, const at::Tensor& k_b,
+                                                     const at::Tensor& v_b, const at::Tensor& out_b,
+                                                     const at::Tensor& lse_b) {
+      const PreparedInputs s = prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cuda_dense_support(),
+                                               window, softcap, sinks);
+      const auto [out, lse] = gemm_forward(s, *with_torch_errors([&] { return cuda::plan_gemm(s.params, request, false); }));
+      out_b.copy_(out);
+      lse_b.copy_(lse);
+    });
   pad_to_kernel_head_dim(in, in.params.shape, /*backward=*/false);
   at::Tensor out = at::empty({q.size(0), q.size(1), in.params.shape.head_dim_v}, q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   set_forward_outputs(in.params, as_one_batch(out), lse.unsqueeze(0));
   VarlenOperands operands(in.params.varlen, cu_seqlens_q, cu_seqlens_k);
-  Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, family_request(op, family, q)); });
+  Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, request); });
   operands.upload(in.params.varlen,
                   with_torch_errors([&] { return cuda::schedule_varlen(in.params, host_sequences(lengths), plan); }), q);
   run_forward(in.params, plan, q, stream_of(q));
@@ -115,17 +139,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cuda(
     at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.backward_varlen";
   const VarlenLengths lengths = check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                  window, softcap, sinks, /*backward=*/true);
+                                                  window, softcap, sinks);
   check_varlen_outputs(op, q, v, grad_out, out, lse);
   PreparedBackward b = prepare_backward(op, as_one_batch(grad_out), as_one_batch(q), as_one_batch(k), as_one_batch(v),
                                         as_one_batch(out), lse.unsqueeze(0), std::nullopt, is_causal, scale,
-                                        cuda_support(/*backward=*/true), window, softcap, sinks);
+                                        cuda_dense_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
+  const PlanRequest request = family_request(op, family, q);
+  if (varlen_gemm_plan(b.params.fwd, request, max_seqlen_q, max_seqlen_k, /*backward=*/true)) {
+    const auto [grad_q, grad_k, grad_v] = backward_by_sequence(
+        grad_out, q, k, v, out, lse, lengths,
+        [&](const at::Tensor& grad_out_b, const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
+            const at::Tensor& out_b, const at::Tensor& lse_b) {
+          PreparedBackward s = prepare_backward(op, grad_out_b, q_b, k_b, v_b, out_b, lse_b, std::nullopt, is_causal,
+                                                scale, cuda_dense_support(), window, softcap, sinks);
+          gemm_backward(s, *with_torch_errors([&] { return cuda::plan_gemm(s.params.fwd, request, true); }));
+          return std::make_tuple(s.grad_q, s.grad_k, s.grad_v);
+        });
+    return {grad_q, grad_k, grad_v,
+            sinks ? sinks_gradient(*sinks, lse.t(), output_delta(grad_out, out)) : at::empty({0}, lse.options())};
+  }
   pad_to_kernel_head_dim(b, b.params.fwd.shape, /*backward=*/true);
   allocate_gradients_like_operands(b);  // packed, as the inputs are (unless padded)
   b.params.deterministic = at::globalContext().deterministicAlgorithms();
   VarlenOperands operands(b.params.fwd.varlen, cu_seqlens_q, cu_seqlens_k);
-  Plan plan = with_torch_errors([&] { return cuda::plan_backward(b.params, family_request(op, family, q)); });
+  Plan plan = with_torch_errors([&] { return cuda::plan_backward(b.params, request); });
   operands.upload(b.params.fwd.varlen,
                   with_torch_errors([&] { return cuda::schedule_varlen(b.params.fwd, host_sequences(lengths), plan); }),
                   q);
@@ -143,13 +181,15 @@ std::string plan_varlen_cuda(const at::Tensor& q, const at::Tensor& k, const at:
                              std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "fusedattn.plan_varlen";
   const VarlenLengths lengths = check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                  window, softcap, sinks, backward);
+                                                  window, softcap, sinks);
   PreparedInputs in = prepare_forward(op, as_one_batch(q), as_one_batch(k), as_one_batch(v), std::nullopt, is_causal,
-                                      scale, cuda_support(backward), window, softcap, sinks);
+                                      scale, cuda_dense_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
+  const PlanRequest request = family_request(op, family, q);
+  if (const auto gemm = varlen_gemm_plan(in.params, request, max_seqlen_q, max_seqlen_k, backward))
+    return gemm->describe();
   pad_to_kernel_head_dim(in, in.params.shape, backward);
   VarlenOperands operands(in.params.varlen, cu_seqlens_q, cu_seqlens_k);
-  const PlanRequest request = family_request(op, family, q);
   const int64_t d = in.params.shape.head_dim;  // grad_out [total_q, Hq, d], as [1, Hq, total_q, d]
   const BackwardParams b = backward_plan_params(in.params, {q.size(0) * q.size(1) * d, d, q.size(1) * d});
   return with_torch_errors([&] {

@@ -55,31 +55,24 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     served = functools.partial(supports, query.device, query.dtype, query.shape[-1], value.shape[-1],
                                softcap=softcap is not None, sinks=sinks is not None, backward=grads)
     # What no fused kernel takes goes to SDPA, unless SDPA would drop the
-    # soft-cap or the sinks: the gemm family (dense calls only) serves those.
-    fused = served(fused=True)
-    packed = kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None
-
-    def cannot_serve(why: str) -> NotImplementedError:
-        return NotImplementedError(
-            f"fusedattn.hf: this call has {' and '.join(dropped)}, which transformers' SDPA would drop, "
-            f"and fusedattn cannot serve it ({why}, {query.dtype} on {query.device.type}, head dim "
-            f"{query.shape[-1]}, gradients {'needed' if grads else 'not needed'}); use attn_implementation='eager'")
-
+    # soft-cap or the sinks: the gemm family serves those.
     if (dropout > 0.0 or kwargs.get("position_bias") is not None or query.shape[0] != key.shape[0]
-            or not (fused or (dropped and served()))):
+            or not (served(fused=True) or (dropped and served()))):
         if dropped:
-            raise cannot_serve(f"dropout {dropout}, query batch {query.shape[0]} against {key.shape[0]}")
+            raise NotImplementedError(
+                f"fusedattn.hf: this call has {' and '.join(dropped)}, which transformers' SDPA would drop, "
+                f"and fusedattn cannot serve it (dropout {dropout}, query batch {query.shape[0]} against "
+                f"{key.shape[0]}, {query.dtype} on {query.device.type}, head dim {query.shape[-1]}, gradients "
+                f"{'needed' if grads else 'not needed'}); use attn_implementation='eager'")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    if packed and not fused:
-        raise cannot_serve("packed sequences (cu_seq_lens) take the fused kernels only")
 
-    if not packed and fused:  # the mask's documents, unpadded (the packed kernels are fused ones)
+    if kwargs.get("cu_seq_lens_q") is None or kwargs.get("cu_seq_lens_k") is None:
         cu = _documents_of_the_mask(module, query, key, attention_mask, is_causal, kwargs.get("position_ids"),
                                     kwargs.get("sliding_window"))
         if cu is not None:
-            kwargs, packed = {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}, True
-    if packed:
+            kwargs = {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
         return _packed_forward(module, query, key, value, scaling, is_causal, softcap, sinks, kwargs), None
 
     # transformers' causal rule, as for SDPA: only for several queries and no

@@ -384,9 +384,10 @@ def plan_varlen(
 ) -> dict:
     """The plan :func:`attention_varlen` would run for these arguments (with
     ``backward=True``, its backward's): :func:`plan`'s keys and ``"varlen":
-    True``; on CUDA also ``"schedule"`` ("longest-first") and
-    ``"work_items"``, the (sequence, tile) items of its work list (query
-    tiles; the backward's: key tiles)."""
+    True``; on CUDA's fused kernels also ``"schedule"`` ("longest-first")
+    and ``"work_items"``, the (sequence, tile) items of its work list (query
+    tiles; the backward's: key tiles). The CPU and the gemm family run a
+    sequence at a time."""
     if max_seqlen_q is None:
         max_seqlen_q = _longest(cu_seqlens_q)
     if max_seqlen_k is None:

@@ -33,7 +33,8 @@ def check_varlen(lengths_q, lengths_k, is_causal=False, dtype=torch.float32, sca
     (computed on the CPU, whatever `device` the call ran on)."""
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, dtype=dtype, **kwargs)
     out, lse = torch.ops.fusedattn.forward_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), is_causal,
-                                                  scale, window=window, softcap=softcap, sinks=sinks)
+                                                  scale, fusedattn.backends.forced().family, window=window,
+                                                  softcap=softcap, sinks=sinks)
     assert out.shape == (*q.shape[:2], v.shape[2]) and lse.shape == (q.shape[1], q.shape[0])
     assert lse.dtype == torch.float32 and out.device == q.device
     q, k, v, cu_q, cu_k, out, lse = (t.cpu() for t in (q, k, v, cu_q, cu_k, out, lse))
@@ -51,7 +52,7 @@ def check_varlen(lengths_q, lengths_k, is_causal=False, dtype=torch.float32, sca
 
 
 def check_varlen_backward(lengths_q, lengths_k, is_causal=False, dtype=torch.float32, scale=None, window=None,
-                          sinks=None, **kwargs):
+                          sinks=None, softcap=None, **kwargs):
     """Gradients of q, k, v (and the sinks) through attention_varlen against autograd of the
     reference, sequence by sequence, in float64 (the oracle) and in the input dtype, with the
     tolerance rule of helpers.attention_cases.check_backward."""
@@ -61,14 +62,14 @@ def check_varlen_backward(lengths_q, lengths_k, is_causal=False, dtype=torch.flo
         sinks = sinks.to(device).requires_grad_()
     inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
     out = fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=is_causal, scale=scale, window=window,
-                                     sinks=sinks)
+                                     softcap=softcap, sinks=sinks)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=dtype)
     grads = [g.cpu() for g in torch.autograd.grad(out, inputs, grad_out)]
     cu_q, cu_k, grad_out = cu_q.cpu(), cu_k.cpu(), grad_out.cpu()
 
     def packed_reference(ts, dout):
         outs = [reference.attention(sequence(ts[0], cu_q, b), sequence(ts[1], cu_k, b), sequence(ts[2], cu_k, b),
-                                    None, is_causal, scale, window, None, ts[3] if len(ts) > 3 else None)[0]
+                                    None, is_causal, scale, window, softcap, ts[3] if len(ts) > 3 else None)[0]
                 .transpose(0, 1) for b in range(len(lengths_q))]
         return torch.autograd.grad(torch.cat(outs), ts, dout, allow_unused=True, materialize_grads=True)
 
@@ -83,7 +84,7 @@ def check_varlen_backward(lengths_q, lengths_k, is_causal=False, dtype=torch.flo
             continue
         sinks64 = inputs64[3].detach() if sinks is not None else None
         errors = stored_output_error(*seq, sequence(grad_out.double(), cu_q, b),
-                                     (None, is_causal, scale, window, None, sinks64), dtype)
+                                     (None, is_causal, scale, window, softcap, sinks64), dtype)
         extras = [max(e, x) for e, x in zip(extras, errors)]
     for name, a, o, lp, like, extra in zip(("dq", "dk", "dv", "dsinks"), grads, oracle, low, inputs, extras):
         assert a.shape == like.shape and a.dtype == like.dtype, name

@@ -63,7 +63,9 @@ struct Plan {
       s += " num_splits=" + std::to_string(num_splits) + " merge_in_cluster=" + flag(merge_in_cluster);
     if (backward) s += " head_splits=" + std::to_string(head_splits) + " deterministic=" + flag(deterministic);
     if (varlen) s += " varlen=true";
-    if (varlen && family != Family::Cpu) s += " schedule=longest-first work_items=" + std::to_string(work_items);
+    // Packed calls of the CPU and the gemm family run a sequence at a time, the kernels' from a work list.
+    if (varlen && family != Family::Cpu && family != Family::Gemm)
+      s += " schedule=longest-first work_items=" + std::to_string(work_items);
     return s;
   }
 };
