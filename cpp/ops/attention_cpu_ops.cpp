@@ -30,14 +30,6 @@ void check_no_decode_overrides(const char* op, std::optional<int64_t> num_splits
               "pass None for CPU tensors");
 }
 
-// The backward's grad_sinks: sinks_gradient, from a delta of our own (the
-// CPU kernel keeps its delta to itself), or empty without sinks.
-at::Tensor sinks_gradient_or_empty(const std::optional<at::Tensor>& sinks, const at::Tensor& lse,
-                                   const at::Tensor& grad_out, const at::Tensor& out) {
-  if (!sinks) return at::empty({0}, lse.options());
-  return sinks_gradient(*sinks, lse, output_delta(grad_out, out));
-}
-
 std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const std::optional<at::Tensor>& attn_mask, bool is_causal,
                                                std::optional<double> scale,
@@ -65,10 +57,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
                                         window, softcap, sinks);
   if (gemm) {
     const at::Tensor delta = gemm_backward(b, cpu::plan_gemm(b.params.fwd, /*backward=*/true));
-    return {b.grad_q, b.grad_k, b.grad_v, sinks ? sinks_gradient(*sinks, lse, delta) : at::empty({0}, lse.options())};
+    return {b.grad_q, b.grad_k, b.grad_v, sinks_gradient(sinks, lse, delta)};
   }
   cpu::backward(b.params);
-  return {b.grad_q, b.grad_k, b.grad_v, sinks_gradient_or_empty(sinks, lse, grad_out, out)};
+  return {b.grad_q, b.grad_k, b.grad_v, sinks_gradient_from_output(sinks, lse, grad_out, out)};
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
@@ -149,7 +141,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
           cpu::backward(pb.params);
         return std::make_tuple(pb.grad_q, pb.grad_k, pb.grad_v);
       });
-  return {grad_q, grad_k, grad_v, sinks_gradient_or_empty(sinks, lse.t(), grad_out, out)};
+  return {grad_q, grad_k, grad_v, sinks_gradient_from_output(sinks, lse.t(), grad_out, out)};
 }
 
 std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -54,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   const PlanRequest request = family_request(op, family, q);
   if (const auto gemm = with_torch_errors([&] { return cuda::plan_gemm(b.params.fwd, request, /*backward=*/true); })) {
     const at::Tensor delta = gemm_backward(b, *gemm);
-    return {b.grad_q, b.grad_k, b.grad_v, sinks ? sinks_gradient(*sinks, lse, delta) : at::empty({0}, lse.options())};
+    return {b.grad_q, b.grad_k, b.grad_v, sinks_gradient(sinks, lse, delta)};
   }
   pad_to_kernel_head_dim(b, b.params.fwd.shape, /*backward=*/true);
   // torch.use_deterministic_algorithms(True): grad_q from its own pass, in a
@@ -64,8 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   const BackwardWorkspaces workspaces(b.params, plan, b.fwd.q, b.fwd.k, lse);
   run_backward(b.params, plan, stream_of(q));
   // The sinks' gradient from the delta the kernels computed.
-  at::Tensor grad_sinks = sinks ? sinks_gradient(*sinks, b.lse, workspaces.delta)
-                                : at::empty({0}, lse.options());
+  const at::Tensor grad_sinks = sinks_gradient(sinks, b.lse, workspaces.delta);
   return {unpadded(b.grad_q, q.size(3)), unpadded(b.grad_k, k.size(3)), unpadded(b.grad_v, v.size(3)), grad_sinks};
 }
 

@@ -160,7 +160,9 @@ void check_softcap_and_sinks(const char* op, const at::Tensor& q, std::optional<
   }
 }
 
-at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse, const at::Tensor& delta) {
+at::Tensor sinks_gradient(const std::optional<at::Tensor>& given, const at::Tensor& lse, const at::Tensor& delta) {
+  if (!given) return at::empty({0}, lse.options());
+  const at::Tensor& sinks = *given;
   TORCH_INTERNAL_ASSERT(lse.sizes() == delta.sizes() && lse.dim() >= 2 && lse.size(1) == sinks.size(0));
   std::vector<int64_t> shape(lse.dim(), 1);
   shape[1] = sinks.size(0);
@@ -169,6 +171,11 @@ at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse, const 
   std::vector<int64_t> others{0};
   for (int64_t i = 2; i < lse.dim(); ++i) others.push_back(i);
   return -(sink_mass * delta).sum(others);
+}
+
+at::Tensor sinks_gradient_from_output(const std::optional<at::Tensor>& sinks, const at::Tensor& lse,
+                                      const at::Tensor& grad_out, const at::Tensor& out) {
+  return sinks ? sinks_gradient(sinks, lse, output_delta(grad_out, out)) : at::empty({0}, lse.options());
 }
 
 at::Tensor output_delta(const at::Tensor& grad_out, const at::Tensor& out) {

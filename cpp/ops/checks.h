@@ -54,11 +54,14 @@ void check_softcap_and_sinks(const char* op, const at::Tensor& q, std::optional<
 // exp(sink_h - lse) * delta, where delta = rowsum(grad_out * out) and lse
 // includes the sink (rows of lse = -inf, which see nothing, add 0). lse and
 // delta have the same shape with the head as dimension 1 ([B, Hq, Nq], or
-// varlen's [total_q, Hq]).
-at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse, const at::Tensor& delta);
+// varlen's [total_q, Hq]). Without sinks, an empty float32 tensor.
+at::Tensor sinks_gradient(const std::optional<at::Tensor>& sinks, const at::Tensor& lse, const at::Tensor& delta);
+// The same from grad_out and out, where the kernels keep their delta to
+// themselves (computed only with sinks).
+at::Tensor sinks_gradient_from_output(const std::optional<at::Tensor>& sinks, const at::Tensor& lse,
+                                      const at::Tensor& grad_out, const at::Tensor& out);
 
-// delta = rowsum(grad_out * out) in float32, for sinks_gradient where the
-// kernels keep theirs to themselves.
+// delta = rowsum(grad_out * out) in float32.
 at::Tensor output_delta(const at::Tensor& grad_out, const at::Tensor& out);
 
 // prepare_forward's check of `window` alone, for calls that must refuse a

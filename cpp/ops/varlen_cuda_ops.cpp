@@ -156,8 +156,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cuda(
           gemm_backward(s, *with_torch_errors([&] { return cuda::plan_gemm(s.params.fwd, request, true); }));
           return std::make_tuple(s.grad_q, s.grad_k, s.grad_v);
         });
-    return {grad_q, grad_k, grad_v,
-            sinks ? sinks_gradient(*sinks, lse.t(), output_delta(grad_out, out)) : at::empty({0}, lse.options())};
+    return {grad_q, grad_k, grad_v, sinks_gradient_from_output(sinks, lse.t(), grad_out, out)};
   }
   pad_to_kernel_head_dim(b, b.params.fwd.shape, /*backward=*/true);
   allocate_gradients_like_operands(b);  // packed, as the inputs are (unless padded)
@@ -169,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cuda(
                   q);
   const BackwardWorkspaces workspaces(b.params, plan, b.fwd.q, b.fwd.k, b.lse);
   run_backward(b.params, plan, stream_of(q));
-  at::Tensor grad_sinks = sinks ? sinks_gradient(*sinks, b.lse, workspaces.delta) : at::empty({0}, lse.options());
+  const at::Tensor grad_sinks = sinks_gradient(sinks, b.lse, workspaces.delta);
   return {as_packed(b.grad_q, q.size(2)), as_packed(b.grad_k, k.size(2)), as_packed(b.grad_v, v.size(2)),
           grad_sinks};
 }
