@@ -4,8 +4,9 @@ against the float64 reference: every mask kind, windows, soft-capping, sinks,
 grouped heads, a value head dim of its own, awkward and empty lengths, more
 than one block of rows, packed sequences, forward and backward. On CUDA the planner gives it
 what no fused kernel takes (float32, head dims past the kernels', the
-soft-capped backward): those plans, their accuracy against SDPA's float32,
-and the errors of a fused family forced on them."""
+soft-capped backward; for the KV cache, what the decode kernel is not built
+for): those plans, their accuracy against SDPA's float32, and the errors of
+a fused family forced on them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 import fusedattn
 from helpers.attention_cases import MASK_KINDS, Case, check_backward, check_forward, make_inputs, make_sinks, max_err
 from helpers.cuda import forward
+from helpers.kvcache_cases import check_against_reference, make_cache
 from helpers.varlen_cases import check_varlen, check_varlen_backward, packed
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -162,3 +164,19 @@ def test_cuda_float32_is_as_accurate_as_sdpa(is_causal):
     sdpa = errors(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal))
     for name, a, b in zip(("out", "dq", "dk", "dv"), ours, sdpa):
         assert a <= 2 * b + 1e-6, f"{name}: error {a:.3g} against SDPA's {b:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d,d_v", [(torch.float32, 64, 64), (torch.float16, 80, 80), (torch.bfloat16, 64, 48)],
+                         ids=str)
+def test_cuda_kvcache_calls_the_decode_kernel_does_not_take(dtype, d, d_v):
+    """float32, a head dim the decode kernel is not built for, v's head dim of
+    its own: the gemm family a sequence at a time, appending in place as the
+    kernel does; the decode kernel's overrides are refused."""
+    q, k_cache, v_cache, lens, k_new, v_new = (t.cuda() for t in make_cache(B=3, d=d, d_v=d_v, nq=2, n_new=2,
+                                                                              dtype=dtype))
+    assert fusedattn.plan_kvcache(q, k_cache, v_cache)["family"] == "gemm"
+    out, lse = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lens, k_new, v_new, True)
+    check_against_reference(q, k_cache, v_cache, lens, k_new, v_new, True, out, lse)
+    with pytest.raises(RuntimeError, match="this call runs on the gemm family"):
+        torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lens, None, None, True, num_splits=2)

@@ -132,9 +132,9 @@ def test_decode_at_head_dim_256(splits):
 
 
 def test_decode_takes_served_head_dims_only():
-    """The decode kernel appends into the caches in place, so it cannot pad a copy of them."""
+    """The decode kernel appends into the caches in place, so it cannot pad a
+    copy of them: other head dims run on the gemm family (tests/test_gemm_family.py)."""
     q = torch.randn(1, 4, 1, 80, device="cuda", dtype=torch.float16)
     cache = torch.zeros(1, 4, 64, 80, device="cuda", dtype=torch.float16)
-    lengths = torch.tensor([10], dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match=r"on CUDA the head dim must be one of \[32, 64, 128, 256\]; got 80"):
-        torch.ops.fusedattn.forward_kvcache(q, cache, cache.clone(), lengths)
+    assert fusedattn.plan_kvcache(q, cache, cache.clone())["family"] == "gemm"
+    assert fusedattn.plan_kvcache(q[..., :64], cache[..., :64], cache[..., :64].clone())["family"] == "decode"

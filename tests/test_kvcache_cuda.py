@@ -464,9 +464,8 @@ def test_cuda_kvcache_layout_errors():
         op(q, at_odd_offset(k_cache), v_cache, lens, k_new, v_new)
     with pytest.raises(RuntimeError, match="cache_seqlens must be on q's device"):
         op(q, k_cache, v_cache, lens.cpu(), k_new, v_new)
-    with pytest.raises(RuntimeError, match=r"the head dim must be one of \[32, 64, 128, 256\]; got 48"):
-        c = torch.zeros(2, 2, 50, 48, device="cuda", dtype=torch.float16)
-        op(q[..., :48], c, c.clone(), lens)
+    c = torch.zeros(2, 2, 50, 48, device="cuda", dtype=torch.float16)  # a head dim the decode kernel lacks
+    assert fusedattn.plan_kvcache(q[..., :48], c, c.clone())["family"] == "gemm"  # tests/test_gemm_family.py
     # k_new laid out [B, Nnew, Hkv, d] (a transposed view, 3 rows) is read as given.
     k_t = k_new.transpose(1, 2).contiguous().transpose(1, 2)
     assert k_t.stride() != k_new.stride()

@@ -260,6 +260,15 @@ std::optional<Plan> plan_gemm(const ForwardParams& p, const PlanRequest& request
                               backward);
 }
 
+std::optional<Plan> plan_kvcache_gemm(const ForwardParams& p, bool packed) {
+  const AttentionShape& sh = p.shape;
+  const bool decodes = p.dtype != DType::Float32 && instantiated(DecodeHeadDims{}, sh.head_dim) &&
+                       sh.head_dim_v == sh.head_dim;
+  if (packed ? unfused_reason(p, /*backward=*/false).empty() : decodes) return std::nullopt;
+  return fusedattn::plan_gemm(sh.batch * sh.heads_q, sh.seqlen_q, sh.seqlen_k, sh.head_dim, kGemmScoreElements,
+                              /*backward=*/false);
+}
+
 Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
   const AttentionShape& sh = p.shape;
   check_kernel_head_dims(sh, /*backward=*/false);

@@ -21,6 +21,12 @@ namespace fusedattn::cuda {
 // std::invalid_argument where a forced sm80 or sm90 cannot take the call.
 std::optional<Plan> plan_gemm(const ForwardParams& p, const PlanRequest& request, bool backward);
 
+// forward_kvcache, first: the gemm family's plan (run a sequence at a time,
+// the cache lengths read on the host) where no kernel takes the call: for
+// contiguous queries the decode kernel (float16 and bfloat16 at its head
+// dims, v's head dim the same), for packed ones (`packed`) the forward's.
+std::optional<Plan> plan_kvcache_gemm(const ForwardParams& p, bool packed);
+
 // fusedattn.forward: sm90 where this build and device have it and it takes
 // the call, else sm80. Throws std::invalid_argument where a forced family
 // cannot serve the call, saying why.

@@ -82,10 +82,8 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
     set_forward_outputs(in.params, out_b, lse_b);
     cpu::forward(in.params);
   };
-  if (cu_seqlens_q)
-    return forward_packed_kvcache_by_sequence(op, q, k_cache, v_cache, cache_seqlens, *cu_seqlens_q, k_new, v_new,
-                                              block_table, forward);
-  return forward_kvcache_by_sequence(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, forward);
+  return forward_kvcache_each_sequence(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new,
+                                       block_table, forward);
 }
 
 // Packed sequences, one dense problem per sequence (on the tiled kernels, or

@@ -23,14 +23,6 @@ std::string dtype_list(const std::vector<at::ScalarType>& dtypes) {
   return s.str();
 }
 
-DType dtype_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::Float32;
-    case at::kHalf: return DType::Float16;
-    case at::kBFloat16: return DType::BFloat16;
-    default: TORCH_CHECK(false, "fusedattn: no kernel dtype for ", t);
-  }
-}
 
 void check_rank4(const char* op, const at::Tensor& t, const char* name, const char* layout) {
   TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be a 4-D tensor ", layout,
@@ -81,6 +73,15 @@ at::Tensor with_contiguous_rows(const at::Tensor& t) {
 }
 
 }  // namespace
+
+DType dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::Float32;
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    default: TORCH_CHECK(false, "fusedattn: no kernel dtype for ", t);
+  }
+}
 
 at::Tensor as_kernel_operand(const at::Tensor& t, const DeviceSupport& support) {
   at::Tensor rows = with_contiguous_rows(t);

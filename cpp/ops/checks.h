@@ -84,6 +84,9 @@ at::Tensor as_kernel_operand(const at::Tensor& t, const DeviceSupport& support);
 
 TensorStrides strides_of(const at::Tensor& t);
 
+// The kernels' DType of a float32, float16 or bfloat16 tensor (an error otherwise).
+DType dtype_of(at::ScalarType t);
+
 // Checks that `t` (named `name` in the message) is an output-shaped tensor,
 // [B, Hq, Nq, d_v] from q and v, with q's dtype and device.
 void check_output_layout(const char* op, const at::Tensor& t, const char* name, const at::Tensor& q,

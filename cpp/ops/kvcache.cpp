@@ -189,4 +189,15 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
   return {out, lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> forward_kvcache_each_sequence(
+    const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+    const std::optional<at::Tensor>& block_table, const SequenceForward& forward) {
+  if (cu_seqlens_q)
+    return forward_packed_kvcache_by_sequence(op, q, k_cache, v_cache, cache_seqlens, *cu_seqlens_q, k_new, v_new,
+                                              block_table, forward);
+  return forward_kvcache_by_sequence(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, forward);
+}
+
 }  // namespace fusedattn::ops

@@ -69,4 +69,12 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
     const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& block_table,
     const SequenceForward& forward);
 
+// forward_kvcache a sequence at a time (the CPU's, and CUDA's gemm family):
+// packed queries with cu_seqlens_q, else q [B, Hq, Nq, d].
+std::tuple<at::Tensor, at::Tensor> forward_kvcache_each_sequence(
+    const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+    const std::optional<at::Tensor>& block_table, const SequenceForward& forward);
+
 }  // namespace fusedattn::ops

@@ -1,7 +1,8 @@
 // forward_kvcache on CUDA: the decode family (cpp/cuda/decode). Nothing here
 // waits for the device, so decoding steps queue back to back and can be
 // captured in a CUDA graph. Packed queries (cu_seqlens_q) run the varlen
-// forward instead (varlen_cuda_ops.cpp), which reads their lengths on the host.
+// forward instead (varlen_cuda_ops.cpp), which reads their lengths on the host;
+// what no kernel takes, the gemm family a sequence at a time (the same).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -17,6 +18,7 @@
 #include "../cuda/decode/forward_kvcache.h"
 #include "../cuda/plan.h"
 #include "checks.h"
+#include "gemm_attention.h"
 #include "kvcache.h"
 #include "operators_cuda.h"
 #include "paged_cache.h"
@@ -109,6 +111,62 @@ DecodeInputs prepare_decode(const char* op, const at::Tensor& q, const at::Tenso
   return d;
 }
 
+// The gemm family's plan where no kernel takes the call (cuda::plan_kvcache_gemm,
+// from the dtype, heads, head dims and q's rows against the caches' capacity;
+// nothing is read); nullopt also for a malformed call, which the kernels'
+// checks then refuse.
+std::optional<Plan> kvcache_gemm_plan(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                      bool packed) {
+  const auto dtype = q.scalar_type();
+  if (q.dim() != (packed ? 3 : 4) || k_cache.dim() != 4 || v_cache.dim() != 4 ||
+      (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16))
+    return std::nullopt;
+  ForwardParams p;
+  p.dtype = dtype_of(q.scalar_type());
+  p.shape.batch = packed ? 1 : q.size(0);
+  p.shape.heads_q = q.size(-2 - !packed);
+  p.shape.heads_kv = k_cache.size(1);
+  p.shape.seqlen_q = packed ? q.size(0) : q.size(2);
+  p.shape.seqlen_k = k_cache.size(2);
+  p.shape.head_dim = q.size(-1);
+  p.shape.head_dim_v = v_cache.size(-1);
+  std::optional<Plan> plan = cuda::plan_kvcache_gemm(p, packed);
+  if (plan) plan->varlen = packed;
+  return plan;
+}
+
+// forward_kvcache on the gemm family, a sequence at a time (its cache lengths
+// read on the host: no graph capture).
+std::tuple<at::Tensor, at::Tensor> forward_kvcache_gemm(
+    const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+    bool is_causal, std::optional<double> scale, at::OptionalIntArrayRef window, std::optional<double> softcap,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& block_table) {
+  check_window(op, window);  // before any sequence's keys are appended
+  check_scale(op, scale);
+  check_softcap_and_sinks(op, q, softcap, sinks, cuda_dense_support());
+  const c10::cuda::CUDAGuard guard(q.device());
+  const SequenceForward forward = [&](const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
+                                      const at::Tensor& out_b, const at::Tensor& lse_b) {
+    const PreparedInputs in = prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cuda_dense_support(),
+                                              window, softcap, sinks);
+    const auto [out, lse] = gemm_forward(in, *cuda::plan_kvcache_gemm(in.params, cu_seqlens_q.has_value()));
+    out_b.copy_(out);
+    lse_b.copy_(lse);
+  };
+  return forward_kvcache_each_sequence(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new,
+                                       block_table, forward);
+}
+
+// The decode kernel's overrides, refused where the gemm family serves the call.
+void check_no_decode_overrides(const char* op, std::optional<int64_t> num_splits,
+                               std::optional<bool> merge_in_cluster, std::optional<int64_t> warps) {
+  TORCH_CHECK(!num_splits && !merge_in_cluster && !warps, op, ": num_splits, merge_in_cluster and warps choose "
+              "decode blocks; this call runs on the gemm family (float32, or head dims the kernels are not built "
+              "for), pass None");
+}
+
 void point_pages(KVCacheParams& p, const at::Tensor& table, const at::Tensor& k_cache) {
   if (!table.defined()) return;
   p.block_table = table.data_ptr<int32_t>();
@@ -125,6 +183,12 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     at::OptionalIntArrayRef window, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& block_table) {
   check_block_table_device("fusedattn.forward_kvcache", q, block_table);
+  check_caches("fusedattn.forward_kvcache", q, k_cache, v_cache);
+  if (kvcache_gemm_plan(q, k_cache, v_cache, cu_seqlens_q.has_value())) {
+    check_no_decode_overrides("fusedattn.forward_kvcache", num_splits, merge_in_cluster, warps);
+    return forward_kvcache_gemm("fusedattn.forward_kvcache", q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                is_causal, scale, window, softcap, sinks, cu_seqlens_q, block_table);
+  }
   if (cu_seqlens_q)
     return forward_packed_kvcache_cuda(q, k_cache, v_cache, cache_seqlens, *cu_seqlens_q, k_new, v_new, is_causal,
                                        scale, num_splits, merge_in_cluster, warps, window, softcap, sinks,
@@ -180,6 +244,11 @@ std::string plan_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
                               const std::optional<at::Tensor>& seqused_k,
                               const std::optional<at::Tensor>& block_table) {
   check_block_table_device("fusedattn.plan_kvcache", q, block_table);
+  check_caches("fusedattn.plan_kvcache", q, k_cache, v_cache);
+  if (const auto gemm = kvcache_gemm_plan(q, k_cache, v_cache, cu_seqlens_q.has_value())) {
+    check_no_decode_overrides("fusedattn.plan_kvcache", num_splits, merge_in_cluster, warps);
+    return gemm->describe();
+  }
   if (cu_seqlens_q)
     return plan_packed_kvcache_cuda(q, k_cache, v_cache, *cu_seqlens_q,
                                     seqused_k_of("fusedattn.plan_kvcache", seqused_k), is_causal, scale, num_splits,
