@@ -18,7 +18,7 @@ import torch
 import fusedattn
 from helpers.attention_cases import MASK_KINDS, Case, check_backward, check_forward, make_inputs, make_sinks, max_err
 from helpers.cuda import forward
-from helpers.kvcache_cases import check_against_reference, make_cache
+from helpers.kvcache_cases import check_against_reference, check_packed_kvcache, make_cache
 from helpers.varlen_cases import check_varlen, check_varlen_backward, packed
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -180,3 +180,18 @@ def test_cuda_kvcache_calls_the_decode_kernel_does_not_take(dtype, d, d_v):
     check_against_reference(q, k_cache, v_cache, lens, k_new, v_new, True, out, lse)
     with pytest.raises(RuntimeError, match="this call runs on the gemm family"):
         torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lens, None, None, True, num_splits=2)
+
+
+@pytest.mark.gpu
+def test_cuda_packed_calls_the_kernels_do_not_take():
+    """float32 packed sequences plan the gemm family by themselves (a forced
+    sm80 says why it cannot), and packed queries against float32 and d=40
+    caches run on it too, appending in place."""
+    q, k, v, cu_q, cu_k = packed([30, 0, 50], [40, 5, 50], device="cuda")
+    assert fusedattn.plan_varlen(q, k, v, cu_q, cu_k, is_causal=True, backward=True)["family"] == "gemm"
+    check_varlen_backward([30, 0, 50], [40, 5, 50], is_causal=True, device="cuda")
+    with fusedattn.backends.force("sm80"), pytest.raises(
+            RuntimeError, match="family sm80 was forced, but the CUDA kernels take float16 and bfloat16, got float32"):
+        fusedattn.attention_varlen(q, k, v, cu_q, cu_k)
+    for dtype, d in ((torch.float32, 64), (torch.float16, 40)):
+        check_packed_kvcache([5, 1, 40], [100, 1, 0], d=d, max_len=256, dtype=dtype, device="cuda", seed=4)

@@ -162,13 +162,13 @@ def test_varlen_cuda_refusals_name_the_limit():
         fusedattn.attention_varlen(q, k, v, cu_q.cpu(), cu_k)
     with pytest.raises(RuntimeError, match="cu_seqlens_k must not decrease"):
         fusedattn.attention_varlen(q, k, v, cu_q, torch.tensor([0, 25, 20], dtype=torch.int32, device="cuda"))
+    # Past the kernels' head dims and for the soft-capped backward: the gemm family (tests/test_gemm_family.py).
     big = max(cuda_head_dims("sm80_forward")) + 8
     q, k, v, cu_q, cu_k = packed([10], [10], d=big, dtype=torch.float16, device="cuda")
-    with pytest.raises(RuntimeError, match=f"head dims d and d_v must be at most {big - 8}, got q"):
-        fusedattn.attention_varlen(q, k, v, cu_q, cu_k)
-    q, k, v, cu_q, cu_k = packed([10], [10], d=64, dtype=torch.float16, device="cuda", requires_grad=True)
-    with pytest.raises(RuntimeError, match="does not soft-cap scores"):
-        fusedattn.attention_varlen(q, k, v, cu_q, cu_k, softcap=3.0).sum().backward()
+    assert fusedattn.plan_varlen(q, k, v, cu_q, cu_k)["family"] == "gemm"
+    q, k, v, cu_q, cu_k = packed([10], [10], d=64, dtype=torch.float16, device="cuda")
+    assert fusedattn.plan_varlen(q, k, v, cu_q, cu_k, softcap=3.0)["family"] in ("sm80", "sm90")
+    assert fusedattn.plan_varlen(q, k, v, cu_q, cu_k, softcap=3.0, backward=True)["family"] == "gemm"
 
 
 # Packed queries against KV caches: a prefill from empty, decodes, a chunk onto a long cache,
@@ -199,10 +199,10 @@ def test_packed_kvcache_gqa_window_sinks_and_no_new_keys():
 
 
 def test_packed_kvcache_refusals():
+    # A head dim the kernels are not built for (they read the caches in place): the gemm family.
     q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache([3, 1], [4, 9], d=40, max_len=16, dtype=torch.float16,
                                                                device="cuda")
-    with pytest.raises(RuntimeError, match="read the caches in place, at head dims"):
-        fusedattn.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, cu_seqlens_q=cu)
+    assert fusedattn.plan_kvcache(q, k_cache, v_cache, lens, k_new, v_new, cu_seqlens_q=cu)["family"] == "gemm"
     q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache([3, 1], [4, 9], d=64, max_len=16, dtype=torch.float16,
                                                                device="cuda")
     before, before_v = k_cache.clone(), v_cache.clone()

@@ -262,9 +262,10 @@ std::optional<Plan> plan_gemm(const ForwardParams& p, const PlanRequest& request
 
 std::optional<Plan> plan_kvcache_gemm(const ForwardParams& p, bool packed) {
   const AttentionShape& sh = p.shape;
-  const bool decodes = p.dtype != DType::Float32 && instantiated(DecodeHeadDims{}, sh.head_dim) &&
-                       sh.head_dim_v == sh.head_dim;
-  if (packed ? unfused_reason(p, /*backward=*/false).empty() : decodes) return std::nullopt;
+  // The caches are read (and appended to) in place: no padded copy, so only built head dims and d_v = d.
+  const bool built = packed ? instantiated(Sm80ForwardHeadDims{}, sh.head_dim)
+                            : instantiated(DecodeHeadDims{}, sh.head_dim);
+  if (p.dtype != DType::Float32 && built && sh.head_dim_v == sh.head_dim) return std::nullopt;
   return fusedattn::plan_gemm(sh.batch * sh.heads_q, sh.seqlen_q, sh.seqlen_k, sh.head_dim, kGemmScoreElements,
                               /*backward=*/false);
 }

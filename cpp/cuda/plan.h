@@ -22,9 +22,10 @@ namespace fusedattn::cuda {
 std::optional<Plan> plan_gemm(const ForwardParams& p, const PlanRequest& request, bool backward);
 
 // forward_kvcache, first: the gemm family's plan (run a sequence at a time,
-// the cache lengths read on the host) where no kernel takes the call: for
-// contiguous queries the decode kernel (float16 and bfloat16 at its head
-// dims, v's head dim the same), for packed ones (`packed`) the forward's.
+// the cache lengths read on the host) where no kernel takes the call: the
+// caches are read in place, so the decode kernel (contiguous queries) or the
+// varlen forward (`packed`) serves float16 and bfloat16 at a head dim it is
+// built for with d_v = d.
 std::optional<Plan> plan_kvcache_gemm(const ForwardParams& p, bool packed);
 
 // fusedattn.forward: sm90 where this build and device have it and it takes

@@ -116,7 +116,7 @@ DecodeInputs prepare_decode(const char* op, const at::Tensor& q, const at::Tenso
 // nothing is read); nullopt also for a malformed call, which the kernels'
 // checks then refuse.
 std::optional<Plan> kvcache_gemm_plan(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                      bool packed) {
+                                      bool packed, const std::optional<at::Tensor>& block_table) {
   const auto dtype = q.scalar_type();
   if (q.dim() != (packed ? 3 : 4) || k_cache.dim() != 4 || v_cache.dim() != 4 ||
       (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16))
@@ -127,13 +127,17 @@ std::optional<Plan> kvcache_gemm_plan(const at::Tensor& q, const at::Tensor& k_c
   p.shape.heads_q = q.size(-2 - !packed);
   p.shape.heads_kv = k_cache.size(1);
   p.shape.seqlen_q = packed ? q.size(0) : q.size(2);
-  p.shape.seqlen_k = k_cache.size(2);
+  p.shape.seqlen_k = block_table && block_table->dim() == 2 ? block_table->size(1) * k_cache.size(2) : k_cache.size(2);
   p.shape.head_dim = q.size(-1);
   p.shape.head_dim_v = v_cache.size(-1);
   std::optional<Plan> plan = cuda::plan_kvcache_gemm(p, packed);
   if (plan) plan->varlen = packed;
   return plan;
 }
+
+// Why the gemm family serves a KV-cache call, for its errors.
+constexpr const char* kKvcacheOnGemm =
+    "this call runs on the gemm family (float32, a head dim the kernels are not built for, or d_v != d)";
 
 // forward_kvcache on the gemm family, a sequence at a time (its cache lengths
 // read on the host: no graph capture).
@@ -143,10 +147,11 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_gemm(
     bool is_causal, std::optional<double> scale, at::OptionalIntArrayRef window, std::optional<double> softcap,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& block_table) {
-  check_window(op, window);  // before any sequence's keys are appended
-  check_scale(op, scale);
-  check_softcap_and_sinks(op, q, softcap, sinks, cuda_dense_support());
   const c10::cuda::CUDAGuard guard(q.device());
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(q.device().index()).stream(), &capture));
+  TORCH_CHECK(capture == cudaStreamCaptureStatusNone, op, ": ", kKvcacheOnGemm,
+              ", which reads the cache lengths on the host: it cannot be captured in a CUDA graph");
   const SequenceForward forward = [&](const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
                                       const at::Tensor& out_b, const at::Tensor& lse_b) {
     const PreparedInputs in = prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cuda_dense_support(),
@@ -159,12 +164,17 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_gemm(
                                        block_table, forward);
 }
 
-// The decode kernel's overrides, refused where the gemm family serves the call.
-void check_no_decode_overrides(const char* op, std::optional<int64_t> num_splits,
-                               std::optional<bool> merge_in_cluster, std::optional<int64_t> warps) {
+// What a KV-cache call on the gemm family checks first (a plan too): the
+// decode kernel's overrides refused, the window, scale, soft-cap and sinks.
+void check_kvcache_gemm_call(const char* op, const at::Tensor& q, std::optional<int64_t> num_splits,
+                             std::optional<bool> merge_in_cluster, std::optional<int64_t> warps,
+                             at::OptionalIntArrayRef window, std::optional<double> scale,
+                             std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(!num_splits && !merge_in_cluster && !warps, op, ": num_splits, merge_in_cluster and warps choose "
-              "decode blocks; this call runs on the gemm family (float32, or head dims the kernels are not built "
-              "for), pass None");
+              "decode blocks; ", kKvcacheOnGemm, ", pass None");
+  check_window(op, window);  // before any sequence's keys are appended
+  check_scale(op, scale);
+  check_softcap_and_sinks(op, q, softcap, sinks, cuda_dense_support());
 }
 
 void point_pages(KVCacheParams& p, const at::Tensor& table, const at::Tensor& k_cache) {
@@ -184,8 +194,9 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& block_table) {
   check_block_table_device("fusedattn.forward_kvcache", q, block_table);
   check_caches("fusedattn.forward_kvcache", q, k_cache, v_cache);
-  if (kvcache_gemm_plan(q, k_cache, v_cache, cu_seqlens_q.has_value())) {
-    check_no_decode_overrides("fusedattn.forward_kvcache", num_splits, merge_in_cluster, warps);
+  if (kvcache_gemm_plan(q, k_cache, v_cache, cu_seqlens_q.has_value(), block_table)) {
+    check_kvcache_gemm_call("fusedattn.forward_kvcache", q, num_splits, merge_in_cluster, warps, window, scale,
+                            softcap, sinks);
     return forward_kvcache_gemm("fusedattn.forward_kvcache", q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                 is_causal, scale, window, softcap, sinks, cu_seqlens_q, block_table);
   }
@@ -245,8 +256,9 @@ std::string plan_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
                               const std::optional<at::Tensor>& block_table) {
   check_block_table_device("fusedattn.plan_kvcache", q, block_table);
   check_caches("fusedattn.plan_kvcache", q, k_cache, v_cache);
-  if (const auto gemm = kvcache_gemm_plan(q, k_cache, v_cache, cu_seqlens_q.has_value())) {
-    check_no_decode_overrides("fusedattn.plan_kvcache", num_splits, merge_in_cluster, warps);
+  if (const auto gemm = kvcache_gemm_plan(q, k_cache, v_cache, cu_seqlens_q.has_value(), block_table)) {
+    check_kvcache_gemm_call("fusedattn.plan_kvcache", q, num_splits, merge_in_cluster, warps, window, scale, softcap,
+                            sinks);
     return gemm->describe();
   }
   if (cu_seqlens_q)

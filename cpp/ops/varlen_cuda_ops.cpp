@@ -141,12 +141,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cuda(
   const VarlenLengths lengths = check_varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                   window, softcap, sinks);
   check_varlen_outputs(op, q, v, grad_out, out, lse);
-  PreparedBackward b = prepare_backward(op, as_one_batch(grad_out), as_one_batch(q), as_one_batch(k), as_one_batch(v),
-                                        as_one_batch(out), lse.unsqueeze(0), std::nullopt, is_causal, scale,
-                                        cuda_dense_support(), window, softcap, sinks);
-  const c10::cuda::CUDAGuard guard(q.device());
   const PlanRequest request = family_request(op, family, q);
-  if (varlen_gemm_plan(b.params.fwd, request, max_seqlen_q, max_seqlen_k, /*backward=*/true)) {
+  // Decided before prepare_backward, whose packed gradients the gemm family does not use.
+  const bool on_gemm = varlen_gemm_plan(prepare_forward(op, as_one_batch(q), as_one_batch(k), as_one_batch(v),
+                                                        std::nullopt, is_causal, scale, cuda_dense_support(), window,
+                                                        softcap, sinks)
+                                            .params,
+                                        request, max_seqlen_q, max_seqlen_k, /*backward=*/true)
+                           .has_value();
+  const c10::cuda::CUDAGuard guard(q.device());
+  if (on_gemm) {
     const auto [grad_q, grad_k, grad_v] = backward_by_sequence(
         grad_out, q, k, v, out, lse, lengths,
         [&](const at::Tensor& grad_out_b, const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
@@ -158,6 +162,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cuda(
         });
     return {grad_q, grad_k, grad_v, sinks_gradient_from_output(sinks, lse.t(), grad_out, out)};
   }
+  PreparedBackward b = prepare_backward(op, as_one_batch(grad_out), as_one_batch(q), as_one_batch(k), as_one_batch(v),
+                                        as_one_batch(out), lse.unsqueeze(0), std::nullopt, is_causal, scale,
+                                        cuda_dense_support(), window, softcap, sinks);
   pad_to_kernel_head_dim(b, b.params.fwd.shape, /*backward=*/true);
   allocate_gradients_like_operands(b);  // packed, as the inputs are (unless padded)
   b.params.deterministic = at::globalContext().deterministicAlgorithms();

@@ -420,7 +420,10 @@ def plan_kvcache(
     (accepted so that the call's arguments can be passed as they are). With
     ``cu_seqlens_q`` (packed queries), the varlen forward's plan
     (:func:`plan_varlen`'s keys), ordered by ``cache_seqlens`` and the new keys.
-    ``block_table``: paged caches, as :func:`attention_with_kvcache` takes them."""
+    ``block_table``: paged caches, as :func:`attention_with_kvcache` takes them.
+    Where no kernel takes the call (float32, a head dim the kernels are not
+    built for, v's head dim of its own), ``"family": "gemm"``: a sequence at a
+    time, the lengths read on the host."""
     forced = backends.forced()
     seqused_k = None
     if cu_seqlens_q is not None:
