@@ -242,9 +242,12 @@ std::string unfused_reason(const ForwardParams& p, bool backward) {
   return {};
 }
 
-// A block's float32 scores on the GPU: 2^26 of them (256 MB) keep the
+// The gemm family's blocks on the GPU: 2^26 float32 scores (256 MB) keep the
 // products large and the blocks few (tens of launches each).
-constexpr int64_t kGemmScoreElements = int64_t(1) << 26;
+Plan gemm_blocks(const AttentionShape& sh, bool backward) {
+  return fusedattn::plan_gemm(sh.batch * sh.heads_q, sh.seqlen_q, sh.seqlen_k, sh.head_dim, int64_t(1) << 26,
+                              backward);
+}
 
 }  // namespace
 
@@ -255,9 +258,7 @@ std::optional<Plan> plan_gemm(const ForwardParams& p, const PlanRequest& request
   if (request.family == Choice::Sm80 || request.family == Choice::Sm90)
     throw std::invalid_argument(std::string("fusedattn: family ") + (request.family == Choice::Sm80 ? "sm80" : "sm90") +
                                 " was forced, but " + why);
-  const AttentionShape& sh = p.shape;
-  return fusedattn::plan_gemm(sh.batch * sh.heads_q, sh.seqlen_q, sh.seqlen_k, sh.head_dim, kGemmScoreElements,
-                              backward);
+  return gemm_blocks(p.shape, backward);
 }
 
 std::optional<Plan> plan_kvcache_gemm(const ForwardParams& p, bool packed) {
@@ -266,8 +267,7 @@ std::optional<Plan> plan_kvcache_gemm(const ForwardParams& p, bool packed) {
   const bool built = packed ? instantiated(Sm80ForwardHeadDims{}, sh.head_dim)
                             : instantiated(DecodeHeadDims{}, sh.head_dim);
   if (p.dtype != DType::Float32 && built && sh.head_dim_v == sh.head_dim) return std::nullopt;
-  return fusedattn::plan_gemm(sh.batch * sh.heads_q, sh.seqlen_q, sh.seqlen_k, sh.head_dim, kGemmScoreElements,
-                              /*backward=*/false);
+  return gemm_blocks(sh, /*backward=*/false);
 }
 
 Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {

@@ -40,9 +40,11 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q, const at::Te
   const bool gemm = parse_family(op, family, q) == PlanRequest::FamilyChoice::Gemm;
   PreparedInputs in =
       prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cpu_support(), window, softcap, sinks);
-  if (gemm) return gemm_forward(in, cpu::plan_gemm(in.params, /*backward=*/false));
   auto outputs = allocate_forward_outputs(in);
-  cpu::forward(in.params);
+  if (gemm)
+    gemm_forward(in, cpu::plan_gemm(in.params, /*backward=*/false), std::get<0>(outputs), std::get<1>(outputs));
+  else
+    cpu::forward(in.params);
   return outputs;
 }
 
@@ -106,9 +108,7 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const
     PreparedInputs in =
         prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cpu_support(), window, softcap, sinks);
     if (gemm) {
-      const auto [out, lse] = gemm_forward(in, cpu::plan_gemm(in.params, /*backward=*/false));
-      out_b.copy_(out);
-      lse_b.copy_(lse);
+      gemm_forward(in, cpu::plan_gemm(in.params, /*backward=*/false), out_b, lse_b);
       return;
     }
     set_forward_outputs(in.params, out_b, lse_b);
@@ -166,7 +166,8 @@ std::string plan_varlen_cpu(const at::Tensor& q, const at::Tensor& k, const at::
   check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
   check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   // The gemm family's blocks as for the longest sequence.
-  Plan plan = gemm ? fusedattn::plan_gemm(q.size(1), max_seqlen_q, max_seqlen_k, q.size(2), cpu::kGemmScoreElements, backward)
+  Plan plan = gemm ? fusedattn::plan_gemm(q.size(1), max_seqlen_q, max_seqlen_k, q.size(2),
+                                          cpu::kGemmScoreElements, backward)
                    : cpu::plan(backward);
   plan.varlen = true;
   return plan.describe();

@@ -32,8 +32,11 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
       prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_dense_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());  // after the checks: q may be on the CPU
   const PlanRequest request = family_request(op, family, q);
-  if (const auto gemm = with_torch_errors([&] { return cuda::plan_gemm(in.params, request, /*backward=*/false); }))
-    return gemm_forward(in, *gemm);
+  if (const auto gemm = with_torch_errors([&] { return cuda::plan_gemm(in.params, request, /*backward=*/false); })) {
+    auto outputs = allocate_forward_outputs(in);
+    gemm_forward(in, *gemm, std::get<0>(outputs), std::get<1>(outputs));
+    return outputs;
+  }
   const int64_t head_dim_v = in.params.shape.head_dim_v;
   pad_to_kernel_head_dim(in, in.params.shape, /*backward=*/false);
   auto [out, lse] = allocate_forward_outputs(in);

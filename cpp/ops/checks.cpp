@@ -23,7 +23,6 @@ std::string dtype_list(const std::vector<at::ScalarType>& dtypes) {
   return s.str();
 }
 
-
 void check_rank4(const char* op, const at::Tensor& t, const char* name, const char* layout) {
   TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be a 4-D tensor ", layout,
               ", got a tensor of shape ", shape_str(t));

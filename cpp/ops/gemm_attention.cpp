@@ -91,11 +91,8 @@ BlockScores block_scores(const PreparedInputs& in, const Operands& ops, const at
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> gemm_forward(const PreparedInputs& in, const Plan& plan) {
+void gemm_forward(const PreparedInputs& in, const Plan& plan, const at::Tensor& out, const at::Tensor& lse) {
   const Operands ops(in);
-  const int64_t d_v = in.v.size(3);
-  at::Tensor out = at::empty({ops.batch, ops.heads_q, ops.seqlen_q, d_v}, in.q.options());
-  at::Tensor lse = at::empty({ops.batch, ops.heads_q, ops.seqlen_q}, in.q.options().dtype(at::kFloat));
   // The sinks as a [1, Hq, 1] logit that joins every row's normaliser.
   const at::Tensor sink = in.sinks.defined() ? in.sinks.view({1, ops.heads_q, 1}) : at::Tensor();
   for (int64_t row0 = 0; row0 < ops.seqlen_q; row0 += plan.block_m) {
@@ -117,7 +114,6 @@ std::tuple<at::Tensor, at::Tensor> gemm_forward(const PreparedInputs& in, const 
     out.narrow(2, row0, rows).copy_(at::where(seen.unsqueeze(-1), pv / l.unsqueeze(-1), 0.0));
     lse.narrow(2, row0, rows).copy_(at::where(seen, m + l.log(), -kInf));
   }
-  return {out, lse};
 }
 
 at::Tensor gemm_backward(PreparedBackward& b, const Plan& plan) {

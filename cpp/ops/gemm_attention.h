@@ -14,9 +14,10 @@
 
 namespace fusedattn::ops {
 
-// out [B, Hq, Nq, d_v] in q's dtype and lse float32 [B, Hq, Nq] (natural
-// log; -inf for a row that sees nothing and has no sink).
-std::tuple<at::Tensor, at::Tensor> gemm_forward(const PreparedInputs& in, const Plan& plan);
+// Writes out [B, Hq, Nq, d_v] (q's dtype; a view is fine, e.g. a sequence's
+// rows of a packed output) and lse float32 [B, Hq, Nq] (natural log; -inf
+// for a row that sees nothing and has no sink).
+void gemm_forward(const PreparedInputs& in, const Plan& plan, const at::Tensor& out, const at::Tensor& lse);
 
 // Writes b.grad_q, b.grad_k and b.grad_v (as prepare_backward allocated
 // them) from b.out and b.lse; returns delta = rowsum(grad_out * out), float32

@@ -156,9 +156,7 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_gemm(
                                       const at::Tensor& out_b, const at::Tensor& lse_b) {
     const PreparedInputs in = prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cuda_dense_support(),
                                               window, softcap, sinks);
-    const auto [out, lse] = gemm_forward(in, *cuda::plan_kvcache_gemm(in.params, cu_seqlens_q.has_value()));
-    out_b.copy_(out);
-    lse_b.copy_(lse);
+    gemm_forward(in, *cuda::plan_kvcache_gemm(in.params, cu_seqlens_q.has_value()), out_b, lse_b);
   };
   return forward_kvcache_each_sequence(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new,
                                        block_table, forward);

@@ -116,9 +116,7 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cuda(const at::Tensor& q, cons
                                                      const at::Tensor& lse_b) {
       const PreparedInputs s = prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cuda_dense_support(),
                                                window, softcap, sinks);
-      const auto [out, lse] = gemm_forward(s, *with_torch_errors([&] { return cuda::plan_gemm(s.params, request, false); }));
-      out_b.copy_(out);
-      lse_b.copy_(lse);
+      gemm_forward(s, *with_torch_errors([&] { return cuda::plan_gemm(s.params, request, false); }), out_b, lse_b);
     });
   pad_to_kernel_head_dim(in, in.params.shape, /*backward=*/false);
   at::Tensor out = at::empty({q.size(0), q.size(1), in.params.shape.head_dim_v}, q.options());
