@@ -26,7 +26,7 @@ __all__ = ["FAMILIES", "Forced", "force", "forced"]
 
 # Families a caller may force on CUDA tensors ("cpu" names the CPU's tiled
 # kernels). "gemm", on either device: attention from float32 matrix products,
-# a block of query rows at a time (the dense forward and backward only).
+# a block of query rows at a time (forward and backward, dense and packed).
 FAMILIES = ("sm80", "sm90", "gemm")
 
 
