@@ -124,6 +124,9 @@ def run(rank: int, world: int, args, store: str | None) -> None:
         parallel = train(args, device, parallel=True)
         if dist.get_rank() == 0:
             report(args, parallel, train(args, device, parallel=False), dist.get_world_size())
+        # Every rank leaves together: a gloo peer torn down while rank 0 still
+        # trains alone can abort the spawned processes.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
