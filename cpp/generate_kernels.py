@@ -24,7 +24,7 @@ KERNELS = {
     "sm80_backward": ("sm80", "backward_kernel.cuh", (32, 64, 128), [
         "template void launch_backward_sm80<{d}, {t}>(const BackwardParams&, cudaStream_t);",
     ]),
-    "sm90_forward": ("sm90", "forward_kernel.cuh", (64, 128), [
+    "sm90_forward": ("sm90", "forward_kernel.cuh", (64, 128, 256), [
         "template void launch_forward_sm90<{d}, {t}>(const Sm90ForwardArgs&, const Plan&, cudaStream_t);",
     ]),
     "sm90_backward": ("sm90", "backward_kernel.cuh", (64, 128), [

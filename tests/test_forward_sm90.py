@@ -1,5 +1,6 @@
 """What only the sm90 forward has (marker `gpu`; the family forced, skipped
-where the build or GPU lacks it): persistent blocks, 176-key tiles, its
+where the build or GPU lacks it): persistent blocks, 176-key tiles (80-key
+  tiles at d=256), its
 refusals. The features every family serves are tested per family in
 test_forward.py."""
 
@@ -48,6 +49,22 @@ def test_sm90_causal_wide_tiles(batch, heads_q, heads_kv, nq, nk, dtype):
                 dtype=dtype, is_causal=True)
     assert plan_of(case)["block_n"] == 176
     assert plan_of(dataclasses.replace(case, seqlen_k=16383, seqlen_q=min(nq, 16383)))["block_n"] == 128
+    check_cuda(case)
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("call", ["none", "causal", "window", "sinks", "padded"])
+def test_sm90_head_dim_256(dtype, call):
+    """d=256 (Gemma 2/3) in 80-key tiles (tile_size.h): 517 keys end inside a tile; 2 x 36
+    heads x 3-5 query blocks are more items than SMs, so the persistent blocks take several;
+    under causal with Nq > Nk the first query blocks see no key. "padded": d=192 with d_v=128
+    (DeepSeek's prefill) runs zero-padded at 256."""
+    d, d_v = (192, 128) if call == "padded" else (256, 256)
+    case = Case(batch=2, heads_q=36, heads_kv=4, seqlen_q=600 if call == "causal" else 300, seqlen_k=517,
+                head_dim=d, head_dim_v=d_v, dtype=dtype, is_causal=call == "causal",
+                window=(100, 20) if call == "window" else None, sinks=call == "sinks")
+    plan = plan_of(case)
+    assert (plan["block_n"], plan["persistent"], plan["head_dim"]) == (80, True, 256)
     check_cuda(case)
 
 

@@ -13,7 +13,7 @@ import torch
 import fusedattn
 from fusedattn.ops import cuda_head_dims
 from helpers.attention_cases import Case, check_backward, check_forward, make_inputs
-from helpers.cuda import check_cuda, check_cuda_backward
+from helpers.cuda import check_cuda, check_cuda_backward, sm90_available
 from helpers.kvcache_cases import check_against_reference
 
 pytestmark = pytest.mark.gpu
@@ -53,8 +53,9 @@ def test_padded_plan_says_the_kernel_head_dim():
         assert fusedattn.plan(q, k, v)["head_dim"] == want, (d, d_v)
         assert fusedattn.plan(q, k, v, backward=True)["head_dim"] == want, (d, d_v)
     q, k, v, _ = make_inputs(Case(head_dim=192, head_dim_v=128, dtype=torch.float16), "cuda")
-    plan = fusedattn.plan(q, k, v)  # above 128 the sm80 forward alone
-    assert plan["family"] == "sm80" and plan["head_dim"] == 256
+    plan = fusedattn.plan(q, k, v)  # above 128 the forward's kernels run at 256 (sm90's 80-key tiles)
+    assert plan["family"] == ("sm90" if sm90_available() else "sm80") and plan["head_dim"] == 256
+    assert plan["block_n"] == (80 if sm90_available() else 64)
 
 
 def test_padding_keeps_the_scale_of_the_call():

@@ -136,8 +136,9 @@ def test_the_library_reports_the_generated_table():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_plans(dtype):
     """The planner's rules as documented: sm90 on Hopper for head dims 64 and
-    128 (attn_mask too), 176-key tiles at d=128 without a mask, sm80
-    elsewhere; the backward on sm80 in deterministic mode."""
+    128 (attn_mask too) and the forward at 256 (80-key tiles, no attn_mask),
+    176-key tiles at d=128 without a mask, sm80 elsewhere; the backward on
+    sm80 in deterministic mode."""
     def plan(d, mask=False, causal=False, nk=700, backward=False):
         q, k, v = qkv(d, dtype, "cuda", nq=300, nk=nk)
         m = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device="cuda") if mask else None
@@ -162,6 +163,10 @@ def test_cuda_plans(dtype):
         assert plan(128)["block_n"] == 176 and plan(128, mask=True)["block_n"] == 128
         assert plan(128, causal=True)["block_n"] == 128 and plan(128, causal=True, nk=16384)["block_n"] == 176
         assert plan(64)["persistent"] is False and plan(64, causal=True)["persistent"] is True
+        # d=256: sm90's forward in 80-key tiles, persistent; attn_mask there and the backward elsewhere.
+        wide = plan(256)
+        assert (wide["family"], wide["block_n"], wide["persistent"], wide["head_dim"]) == ("sm90", 80, True, 256)
+        assert plan(256, causal=True)["block_n"] == 80 and plan(256, mask=True)["family"] == "sm80"
     with fusedattn.backends.force("sm80"):
         assert plan(128)["family"] == "sm80" and plan(128)["block_n"] == 64
     torch.use_deterministic_algorithms(True)

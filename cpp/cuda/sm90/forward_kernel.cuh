@@ -1,5 +1,5 @@
 // The sm90 forward: FlashAttention with Hopper's machinery, in roles. A block
-// owns 64 queries per consumer warpgroup (2 at d=128, 3 at d=64) of one head:
+// owns 64 queries per consumer warpgroup (3 at d=64, else 2) of one head:
 //   producer (warpgroup 0, one thread): the mainloop's load
 //     (forward_mainloop.cuh) of Q and the K and V tiles into two-stage rings
 //     guarded by mbarriers (forward_pipeline.cuh); it gives its registers to
@@ -12,7 +12,7 @@
 //     GEMMs (named barriers), so one warpgroup's softmax overlaps the others'
 //     tensor-core work.
 // Work items come from the tile scheduler (forward_scheduler.cuh; packed
-// sequences too, from the planner's work list): at d=128,
+// sequences too, from the planner's work list): at d=128 and 256,
 // and at d=64 banded (tile_size.h), the blocks are persistent, one per
 // SM, and the producer loads the next item's Q and first tiles while the
 // consumers finish the last one; it hands each item's index to the consumers

@@ -82,7 +82,7 @@ void forward_sm90(const ForwardParams& p, const Plan& plan, cudaStream_t stream)
     constexpr int kHeadDim = decltype(head_dim)::value;
     Sm90ForwardArgs args{};
     args.p = p;
-    if (plan.block_m != Sm90ForwardTraits<kHeadDim, 128>::kBlockM || !encode_operand_maps(args, plan.block_m, plan.block_n))
+    if (plan.block_m != 64 * sm90_forward_consumers(kHeadDim) || !encode_operand_maps(args, plan.block_m, plan.block_n))
       throw_planner_bug("the sm90 forward's tensor maps cannot describe q, k or v as planned");
     launch_forward_sm90<kHeadDim, decltype(element)>(args, plan, stream);
   });
