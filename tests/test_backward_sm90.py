@@ -3,11 +3,13 @@ reference (marker `gpu`; the family forced, skipped where the build or GPU
 lacks it). The features every family serves are tested per family in
 test_backward.py."""
 
+import threading
+
 import pytest
 import torch
 
 import fusedattn
-from helpers.attention_cases import Case, check_backward, make_inputs
+from helpers.attention_cases import Case, check_backward, check_forward, make_inputs
 from helpers.cuda import HEAD_DIMS, backward, check_cuda_backward, forward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("sm90")]
@@ -25,6 +27,37 @@ def test_sm90_backward_strided_inputs(head_dim):
     grad_out = torch.randn_like(q)
     grads = torch.autograd.grad(fusedattn.attention(q_t, k_wide, v, None, True), (q_t, k_wide, v), grad_out)
     check_backward(case, device="cuda", grads=grads, grad_out=grad_out)
+
+
+def test_sm90_runs_on_a_thread_that_made_no_cuda_call():
+    """A thread binds no CUDA context until a runtime call binds one, and the
+    tensor maps come from a driver call, which needs one: the first sm90
+    backward on autograd's backward thread once failed so. The forward and the
+    backward, each the first CUDA work of a fresh thread."""
+    case = Case(dtype=torch.float16, head_dim=64, seqlen_q=77, seqlen_k=130, is_causal=True)
+    q, k, v, _ = make_inputs(case, "cuda")
+    out, lse = forward(q, k, v, None, True, None)
+    grad_out = torch.randn_like(out)
+    torch.cuda.synchronize()
+    calls = {"forward": lambda: torch.ops.fusedattn.forward(q, k, v, None, True, None, "sm90"),
+             "backward": lambda: torch.ops.fusedattn.backward(grad_out, q, k, v, out, lse, None, True, None, "sm90")}
+    results = {}
+
+    def run(name):
+        try:
+            results[name] = calls[name]()
+        except Exception as e:  # re-raised below, in the test's thread
+            results[name] = e
+
+    for name in calls:
+        thread = threading.Thread(target=run, args=(name,))
+        thread.start()
+        thread.join()
+    for result in results.values():
+        if isinstance(result, Exception):
+            raise result
+    check_forward(case, device="cuda", out=results["forward"][0], lse=results["forward"][1])
+    check_backward(case, device="cuda", grads=results["backward"], grad_out=grad_out)
 
 
 @pytest.mark.parametrize("n", [2048, 4096])
@@ -59,7 +92,7 @@ def test_sm90_backward_declines_what_tensor_maps_cannot_describe():
     out, lse = forward(q, k, v, None, True, None)
     grad_out = torch.randn(1, 1, 1, case.head_dim, device="cuda", dtype=case.dtype).expand_as(q)
     args = (grad_out, q, k, v, out, lse, None, True, None)
-    with pytest.raises(RuntimeError, match="tensor memory accelerator cannot describe"):
+    with pytest.raises(RuntimeError, match="tensor memory accelerator cannot describe grad_out: its byte strides"):
         backward(*args)
     with fusedattn.backends.force("auto"):
         check_backward(case, device="cuda", grads=backward(*args), grad_out=grad_out)

@@ -89,7 +89,8 @@ def test_sm90_random_cases(case, dtype, head_dim):
 
 def test_sm90_refuses_what_it_cannot_take():
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=32), "cuda")
-    with pytest.raises(RuntimeError, match=r"family sm90 was forced, but the sm90 forward has head dims \[64, 128\], "
+    dims = ", ".join(map(str, fusedattn.ops.cuda_head_dims("sm90_forward")))
+    with pytest.raises(RuntimeError, match=rf"family sm90 was forced, but the sm90 forward has head dims \[{dims}\], "
                        "got 32"):
         forward(q, k, v)
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=128), "cuda")
@@ -120,7 +121,7 @@ def test_sm90_declines_what_tensor_maps_cannot_describe():
     q = torch.randn(2, 4, 150, 128, device="cuda", dtype=torch.float16)
     k = torch.randn(2, 1, 150, 128, device="cuda", dtype=torch.float16).expand(2, 4, 150, 128)
     v = torch.randn(2, 1, 150, 128, device="cuda", dtype=torch.float16).expand(2, 4, 150, 128)
-    with pytest.raises(RuntimeError, match="tensor memory accelerator cannot describe"):
+    with pytest.raises(RuntimeError, match="tensor memory accelerator cannot describe k: its byte strides"):
         forward(q, k, v, None, False, None)
     with fusedattn.backends.force("auto"):
         assert fusedattn.plan(q, k, v)["family"] == "sm80"

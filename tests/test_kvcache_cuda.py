@@ -219,7 +219,7 @@ def test_cuda_kvcache_forced_choices_this_device_cannot_run():
     with pytest.raises(RuntimeError, match="the merge in clusters was forced, but this call's splits cannot merge "
                                            "in clusters: " + why):
         op(q, cache, cache.clone(), lens, None, None, True, None, num_splits=4, merge_in_cluster=True)
-    check_plan((q, cache, cache), {"num_splits": 4}, num_splits=4, merge_in_cluster=False)
+    check_plan((q, cache, cache.clone()), {"num_splits": 4}, num_splits=4, merge_in_cluster=False)
     if planned_warps(128) == 4:
         q = torch.zeros(2, 8, 1, 128, device="cuda", dtype=torch.float16)
         cache = torch.zeros(2, 8, 256, 128, device="cuda", dtype=torch.float16)
@@ -334,9 +334,9 @@ def test_cuda_kvcache_split_count_follows_the_capacity_up_to_the_cap():
 
     def splits(batch, heads, capacity, num_splits=None):
         q = torch.zeros(batch, heads, 1, 128, device="cuda", dtype=torch.float16)
-        cache = torch.zeros(batch, heads, 1, 128, device="cuda", dtype=torch.float16)
-        cache = cache.expand(batch, heads, capacity, 128)
-        return fusedattn.plan_kvcache(q, cache, cache, num_splits=num_splits)["num_splits"]
+        k, v = (torch.zeros(batch, heads, 1, 128, device="cuda", dtype=torch.float16).expand(batch, heads, capacity, 128)
+                for _ in range(2))
+        return fusedattn.plan_kvcache(q, k, v, num_splits=num_splits)["num_splits"]
 
     assert splits(8, 32, 65536) == splits(8, 32, 131072) < 32
     assert splits(8, 32, 524288) > splits(8, 32, 131072) and 524288 // splits(8, 32, 524288) <= 16384

@@ -181,17 +181,17 @@ def test_cuda_plans(dtype):
 @pytest.mark.gpu
 def test_cuda_decode_plans():
     q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.float16)
-    cache = torch.randn(8, 8, 32768, 128, device="cuda", dtype=torch.float16)
-    auto = fusedattn.plan_kvcache(q, cache, cache)
+    k, v = (torch.randn(8, 8, 32768, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    auto = fusedattn.plan_kvcache(q, k, v)
     assert auto["family"] == "decode" and 1 <= auto["num_splits"] <= 64
     assert auto["block_n"] == 16 * auto["warps"]
-    assert fusedattn.plan_kvcache(q, cache, cache, num_splits=3)["num_splits"] == 3
-    assert fusedattn.plan_kvcache(q, cache[:, :, :100], cache[:, :, :100], num_splits=40)["num_splits"] == 2
+    assert fusedattn.plan_kvcache(q, k, v, num_splits=3)["num_splits"] == 3
+    assert fusedattn.plan_kvcache(q, k[:, :, :100], v[:, :, :100], num_splits=40)["num_splits"] == 2
     with fusedattn.backends.force(decode_warps=4):
-        assert fusedattn.plan_kvcache(q, cache, cache)["warps"] == 4
+        assert fusedattn.plan_kvcache(q, k, v)["warps"] == 4
     with fusedattn.backends.force(decode_merge_in_cluster=False):
-        assert fusedattn.plan_kvcache(q, cache, cache, num_splits=4)["merge_in_cluster"] is False
+        assert fusedattn.plan_kvcache(q, k, v, num_splits=4)["merge_in_cluster"] is False
     with pytest.raises(RuntimeError, match="decode blocks of 4 warps were forced"):
         with fusedattn.backends.force(decode_warps=4):
             small = q[..., :64].contiguous()
-            fusedattn.plan_kvcache(small, cache[..., :64].contiguous(), cache[..., :64].contiguous())
+            fusedattn.plan_kvcache(small, k[..., :64].contiguous(), v[..., :64].contiguous())

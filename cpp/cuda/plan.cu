@@ -53,21 +53,19 @@ Family choose_family(PlanRequest::FamilyChoice choice, Refusal refusal) {
   return available && refusal().empty() ? Family::Sm90 : Family::Sm80;
 }
 
-bool operand_fits(const void* base, const AttentionShape& sh, int64_t heads, int64_t rows, const TensorStrides& s) {
-  return head_tensor_map_fits(base, sh.batch, heads, rows, sh.head_dim, s);
+// The sm90 forward's keys per tile for this call (tile_size.h): a window's
+// items span its width, not Nk, and a packed call's Nk is its total (its
+// sequences may be short), so both take the short tiles.
+int sm90_forward_tile_keys(const ForwardParams& p) {
+  return sm90_forward_block_n(static_cast<int>(p.shape.head_dim), p.banded(), p.mask.kind != MaskKind::None,
+                              p.has_window() || p.varlen.on() ? 0 : p.shape.seqlen_k);
 }
 
-bool key_value_fit(const ForwardParams& p) {
-  const AttentionShape& sh = p.shape;
-  return sh.seqlen_k == 0 ||  // no key tile is ever loaded
-         (operand_fits(p.k, sh, sh.heads_kv, sh.seqlen_k, p.k_strides) &&
-          operand_fits(p.v, sh, sh.heads_kv, sh.seqlen_k, p.v_strides));
+// The tensor maps the launch will encode, encoded into scratch maps: the
+// planner's answer and the launcher's cannot differ.
+std::string tensor_map_refusal(const std::string& why) {
+  return why.empty() ? why : "the tensor memory accelerator cannot describe " + why;
 }
-
-constexpr const char* kLayoutRefusal =
-    "the tensor memory accelerator cannot describe these operands' layouts (strides of 0 or not multiples of 16 "
-    "bytes)";
-
 
 std::string sm90_forward_refusal(const ForwardParams& p) {
   const AttentionShape& sh = p.shape;
@@ -89,8 +87,8 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
   if (p.softcap > 0.0f) return "the sm90 forward does not soft-cap scores yet";
   // Its items hold their mask list's offset in 32 bits (registers).
   if (masked) {
-    const MaskTiles lists = mask_tiles_layout(p, 64 * sm90_forward_consumers(static_cast<int>(sh.head_dim)),
-                                              sm90_forward_block_n(static_cast<int>(sh.head_dim), p.banded(), true, 0));
+    const MaskTiles lists =
+        mask_tiles_layout(p, 64 * sm90_forward_consumers(static_cast<int>(sh.head_dim)), sm90_forward_tile_keys(p));
     if (lists.rows * lists.capacity >= (int64_t(1) << 31))
       return "the sm90 forward's mask tile lists hold fewer than 2^31 entries, this call's " +
              std::to_string(lists.rows * lists.capacity);
@@ -99,8 +97,10 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
   // The kernel does row arithmetic in int (and TMA coordinates are int).
   if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30))
     return "the sm90 forward takes at most 2^30 keys and queries";
-  if (!operand_fits(p.q, sh, sh.heads_q, sh.seqlen_q, p.q_strides) || !key_value_fit(p)) return kLayoutRefusal;
-  return {};
+  CUtensorMap q_map, k_map, v_map;
+  return tensor_map_refusal(encode_forward_operand_maps(
+      p, &q_map, &k_map, &v_map, 64 * sm90_forward_consumers(static_cast<int>(sh.head_dim)),
+      sm90_forward_tile_keys(p)));
 }
 
 std::string sm90_backward_refusal(const BackwardParams& p) {
@@ -113,10 +113,13 @@ std::string sm90_backward_refusal(const BackwardParams& p) {
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31))
     return "the sm90 backward takes B x Hq x Nq and Nk below 2^31";
-  const bool rows_fit = rows == 0 || (operand_fits(p.fwd.q, sh, sh.heads_q, sh.seqlen_q, p.fwd.q_strides) &&
-                                      operand_fits(p.grad_out, sh, sh.heads_q, sh.seqlen_q, p.grad_out_strides) &&
-                                      reinterpret_cast<uintptr_t>(p.fwd.lse) % 16 == 0);
-  return rows_fit && key_value_fit(p.fwd) ? std::string() : kLayoutRefusal;
+  // lse's rows are loaded as a 1-D map (the backward's delta and dQ accumulator are its own, aligned).
+  if (rows > 0 && reinterpret_cast<uintptr_t>(p.fwd.lse) % 16 != 0)
+    return "the tensor memory accelerator cannot describe lse: its data does not start on 16 bytes";
+  CUtensorMap q_map, grad_out_map, k_map, v_map;
+  return tensor_map_refusal(encode_backward_operand_maps(p, &q_map, &grad_out_map, &k_map, &v_map,
+                                                         sm90_backward_block_m(static_cast<int>(sh.head_dim)),
+                                                         kSm90BackwardBlockN));
 }
 
 // How many blocks share each kv head's query heads per key block (a divisor
@@ -274,16 +277,14 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
   const AttentionShape& sh = p.shape;
   check_kernel_head_dims(sh, /*backward=*/false);
   const bool masked = p.mask.kind != MaskKind::None;
-  // Causal calls and windows run the banded kernels (common/band.cuh); a
-  // window's items span its width, not Nk, so it takes the short tiles.
+  // Causal calls and windows run the banded kernels (common/band.cuh).
   const bool banded = p.banded();
   Plan plan;
   plan.family = choose_family(request.family, [&] { return sm90_forward_refusal(p); });
   if (plan.family == Family::Sm90) {
     const int d = static_cast<int>(sh.head_dim);
     plan.block_m = 64 * sm90_forward_consumers(d);
-    // A packed call's Nk is its total: its sequences may be short, so its tiles are.
-    plan.block_n = sm90_forward_block_n(d, banded, masked, p.has_window() || p.varlen.on() ? 0 : sh.seqlen_k);
+    plan.block_n = sm90_forward_tile_keys(p);
     plan.warps = 4 * (1 + sm90_forward_consumers(d));
     plan.persistent = sm90_forward_persistent(d, banded);
   } else {

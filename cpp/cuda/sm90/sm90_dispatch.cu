@@ -40,27 +40,6 @@ bool probe_device(int device) {
   return launched == cudaSuccess && built == 1;
 }
 
-// K and V as tensor maps with boxes of block_n rows (both kernels' K/V
-// tiles); false where the tensor memory accelerator cannot describe one.
-bool encode_key_value_maps(const ForwardParams& p, CUtensorMap* k_map, CUtensorMap* v_map, int block_n) {
-  const AttentionShape& sh = p.shape;
-  return sh.seqlen_k == 0 ||  // no key tile is ever loaded
-         (encode_head_tensor_map(k_map, p.dtype, p.k, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim, p.k_strides,
-                                 block_n) &&
-          encode_head_tensor_map(v_map, p.dtype, p.v, sh.batch, sh.heads_kv, sh.seqlen_k, sh.head_dim, p.v_strides,
-                                 block_n));
-}
-
-// Q, K and V as tensor maps with the kernel's box heights; false where the
-// tensor memory accelerator cannot describe one of them.
-bool encode_operand_maps(Sm90ForwardArgs& args, int block_m, int block_n) {
-  const ForwardParams& p = args.p;
-  const AttentionShape& sh = p.shape;
-  return encode_head_tensor_map(&args.q_map, p.dtype, p.q, sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim,
-                                p.q_strides, block_m) &&
-         encode_key_value_maps(p, &args.k_map, &args.v_map, block_n);
-}
-
 }  // namespace
 
 bool sm90_available() {
@@ -82,8 +61,12 @@ void forward_sm90(const ForwardParams& p, const Plan& plan, cudaStream_t stream)
     constexpr int kHeadDim = decltype(head_dim)::value;
     Sm90ForwardArgs args{};
     args.p = p;
-    if (plan.block_m != 64 * sm90_forward_consumers(kHeadDim) || !encode_operand_maps(args, plan.block_m, plan.block_n))
-      throw_planner_bug("the sm90 forward's tensor maps cannot describe q, k or v as planned");
+    if (plan.block_m != 64 * sm90_forward_consumers(kHeadDim))
+      throw_planner_bug("the sm90 forward at head dim " + std::to_string(kHeadDim) + " has no " +
+                        std::to_string(plan.block_m) + "-query blocks");
+    const std::string why =
+        encode_forward_operand_maps(p, &args.q_map, &args.k_map, &args.v_map, plan.block_m, plan.block_n);
+    if (!why.empty()) throw_planner_bug("the sm90 forward's tensor maps cannot describe " + why);
     launch_forward_sm90<kHeadDim, decltype(element)>(args, plan, stream);
   });
 }
@@ -99,19 +82,15 @@ void backward_sm90(const BackwardParams& p, cudaStream_t stream) {
     Sm90BackwardArgs args{};
     args.p = p;
     // The first operand whose map fails, named in the error.
-    const char* failed =
-        rows > 0 && !encode_head_tensor_map(&args.q_map, p.fwd.dtype, p.fwd.q, sh.batch, sh.heads_q, sh.seqlen_q,
-                                            sh.head_dim, p.fwd.q_strides, Tr::kBlockM)          ? "q"
-        : rows > 0 && !encode_head_tensor_map(&args.do_map, p.fwd.dtype, p.grad_out, sh.batch, sh.heads_q,
-                                              sh.seqlen_q, sh.head_dim, p.grad_out_strides, Tr::kBlockM) ? "grad_out"
-        : rows > 0 && !encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, Tr::kRowsBox)   ? "lse"
-        : rows > 0 && !encode_rows_tensor_map(&args.delta_map, p.delta, rows, Tr::kRowsBox)   ? "delta"
-        : rows > 0 && !encode_float_matrix_tensor_map(&args.dq_map, p.grad_q_accum, rows, sh.head_dim,
-                                                      Tr::kDqBoxRows)                          ? "dq's accumulator"
-        : !encode_key_value_maps(p.fwd, &args.k_map, &args.v_map, Tr::kBlockN)                 ? "k or v"
-                                                                                               : nullptr;
-    if (failed != nullptr)
-      throw_planner_bug(std::string("the sm90 backward's tensor maps cannot describe ") + failed + " as planned");
+    std::string why = encode_backward_operand_maps(p, &args.q_map, &args.do_map, &args.k_map, &args.v_map,
+                                                   Tr::kBlockM, Tr::kBlockN);
+    if (why.empty() && rows > 0)
+      why = !encode_rows_tensor_map(&args.lse_map, p.fwd.lse, rows, Tr::kRowsBox)     ? "lse"
+            : !encode_rows_tensor_map(&args.delta_map, p.delta, rows, Tr::kRowsBox) ? "delta"
+            : !encode_float_matrix_tensor_map(&args.dq_map, p.grad_q_accum, rows, sh.head_dim, Tr::kDqBoxRows)
+                ? "dq's accumulator"
+                : "";
+    if (!why.empty()) throw_planner_bug("the sm90 backward's tensor maps cannot describe " + why);
     launch_backward_sm90<decltype(head_dim)::value, decltype(element)>(args, stream);
   });
 }

@@ -4,26 +4,32 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <string>
 
 #include "fusedattn/params.h"
 
 namespace fusedattn::cuda {
 
-// Whether encode_head_tensor_map can describe the operand (the planner asks
-// before it picks the sm90 family, so that its launchers never decline): a
-// base and strides that are multiples of 16 bytes, no stride of 0, and every
-// extent at least 1 (the driver's rules).
-bool head_tensor_map_fits(const void* base, int64_t batch, int64_t heads, int64_t rows, int64_t head_dim,
-                          const TensorStrides& strides);
-
 // Describes a 16-bit [batch, heads, rows, head_dim] operand (last dim
 // contiguous, other strides in elements) as the 4-D grid (head_dim, rows,
 // heads, batch), loaded in boxes of 64 columns x box_rows rows into
 // 128-byte-swizzled shared memory; rows past `rows` read as zeros. Returns
-// false, leaving *map unspecified, where head_tensor_map_fits says no or the
-// driver refuses.
-bool encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* base, int64_t batch, int64_t heads,
-                            int64_t rows, int64_t head_dim, const TensorStrides& strides, int box_rows);
+// why it cannot (the operand breaks a driver rule: a base or stride not a
+// multiple of 16 bytes, a stride of 0, an extent of 0; or the driver's own
+// refusal, with its code and the map's arguments), empty when *map holds the
+// map. The planner asks with a scratch map and the kernel's boxes before it
+// picks the sm90 family, so that its launchers never decline.
+std::string encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* base, int64_t batch, int64_t heads,
+                                   int64_t rows, int64_t head_dim, const TensorStrides& strides, int box_rows);
+
+// The sm90 kernels' 16-bit operands as maps of encode_head_tensor_map:
+// the forward's q (boxes of block_m rows), k and v (block_n rows; none where
+// Nk = 0); the backward's q and grad_out (block_m), k and v (block_n). Returns
+// the first that fails as "<operand>: <why>", empty when every map is written.
+std::string encode_forward_operand_maps(const ForwardParams& p, CUtensorMap* q_map, CUtensorMap* k_map,
+                                        CUtensorMap* v_map, int block_m, int block_n);
+std::string encode_backward_operand_maps(const BackwardParams& p, CUtensorMap* q_map, CUtensorMap* grad_out_map,
+                                         CUtensorMap* k_map, CUtensorMap* v_map, int block_m, int block_n);
 
 // Describes `count` consecutive floats as a 1-D map loaded in boxes of `box`
 // floats (no swizzle); elements past the end read as zeros. false where the
