@@ -68,6 +68,22 @@ def test_sm90_head_dim_256(dtype, call):
     check_cuda(case)
 
 
+@pytest.mark.parametrize("head_dim", fusedattn.ops.cuda_head_dims("sm90_forward_capped") or [128])
+@pytest.mark.parametrize("call", ["none", "causal", "window", "sinks", "gqa"])
+@pytest.mark.parametrize("softcap", [5.0, 0.3], ids=str)
+def test_sm90_soft_caps(head_dim, call, softcap):
+    """Soft-capping in its own sm90 kernels (before the band hides anything,
+    so hidden keys stay hidden): a cap the scores rarely reach and one that
+    flattens most of them; 517 keys end inside a tile."""
+    case = Case(batch=2, heads_q=8, heads_kv=2 if call == "gqa" else 8, seqlen_q=300, seqlen_k=517,
+                head_dim=head_dim, dtype=torch.bfloat16, is_causal=call == "causal",
+                window=(100, 20) if call == "window" else None, sinks=call == "sinks", softcap=softcap)
+    q, k, v, _ = make_inputs(case, "cuda")
+    plan = fusedattn.plan(q, k, v, None, case.is_causal, window=case.window, softcap=softcap)
+    assert plan["family"] == "sm90" and plan["head_dim"] == head_dim, plan
+    check_cuda(case)
+
+
 def test_sm90_agrees_with_sm80():
     case = Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=300, seqlen_k=517, head_dim=128,
                 dtype=torch.float16, is_causal=True)
@@ -93,7 +109,13 @@ def test_sm90_refuses_what_it_cannot_take():
     with pytest.raises(RuntimeError, match=rf"family sm90 was forced, but the sm90 forward has head dims \[{dims}\], "
                        "got 32"):
         forward(q, k, v)
+    capped = ", ".join(map(str, fusedattn.ops.cuda_head_dims("sm90_forward_capped")))
+    with pytest.raises(RuntimeError, match=rf"the sm90 forward soft-caps at head dims \[{capped}\], got 64"):
+        fusedattn.plan(*make_inputs(Case(dtype=torch.float16, head_dim=64), "cuda")[:3], softcap=5.0)
     q, k, v, _ = make_inputs(Case(dtype=torch.float16, head_dim=128), "cuda")
+    mask = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool, device="cuda")
+    with pytest.raises(RuntimeError, match="the sm90 forward soft-caps calls without attn_mask only"):
+        torch.ops.fusedattn.forward(q, k, v, mask, False, None, "sm90", None, 5.0)
     for scale in (-0.5, 1e-39):  # negative; below FLT_MIN (flushed to 0 by the kernels' fast math)
         with pytest.raises(RuntimeError, match="the sm90 forward takes a scale of at least FLT_MIN"):
             forward(q, k, v, None, False, scale)

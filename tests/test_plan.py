@@ -103,6 +103,7 @@ def generated_table() -> dict[str, tuple[int, ...]]:
     spec.loader.exec_module(module)
     table = {kernel: dims for kernel, (_, _, dims, _) in module.KERNELS.items()}
     table["sm90_forward_masked"] = module.SM90_FORWARD_MASKED
+    table["sm90_forward_capped"] = module.SM90_FORWARD_CAPPED
     return table
 
 

@@ -83,8 +83,11 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
   // hidden score's -inf is NaN. sm80 scales before it masks.
   if (!(p.scale >= FLT_MIN))
     return "the sm90 forward takes a scale of at least FLT_MIN, got " + std::to_string(p.scale);
-  // A run-time soft-capping branch made its consumers spill (ptxas): sm80's forward soft-caps.
-  if (p.softcap > 0.0f) return "the sm90 forward does not soft-cap scores yet";
+  // Soft-capped kernels exist without attn_mask only (forward_kernel.cuh).
+  if (p.softcap > 0.0f && !instantiated(Sm90ForwardCappedHeadDims{}, sh.head_dim))
+    return "the sm90 forward soft-caps at head dims " + dims_text(Sm90ForwardCappedHeadDims{}) + ", got " +
+           std::to_string(sh.head_dim);
+  if (p.softcap > 0.0f && masked) return "the sm90 forward soft-caps calls without attn_mask only";
   // Its items hold their mask list's offset in 32 bits (registers).
   if (masked) {
     const MaskTiles lists =
@@ -430,10 +433,11 @@ std::vector<int64_t> instantiated_head_dims(const std::string& kernel) {
   if (kernel == "sm80_backward") return values_of(Sm80BackwardHeadDims{});
   if (kernel == "sm90_forward") return values_of(Sm90ForwardHeadDims{});
   if (kernel == "sm90_forward_masked") return values_of(Sm90ForwardMaskedHeadDims{});
+  if (kernel == "sm90_forward_capped") return values_of(Sm90ForwardCappedHeadDims{});
   if (kernel == "sm90_backward") return values_of(Sm90BackwardHeadDims{});
   if (kernel == "decode") return values_of(DecodeHeadDims{});
   throw std::invalid_argument("fusedattn: no kernel named '" + kernel +
-                              "'; the kernels are sm80_forward, sm80_backward, sm90_forward, sm90_forward_masked, "
+                              "'; the kernels are sm80_forward, sm80_backward, sm90_forward, sm90_forward_masked, sm90_forward_capped, "
                               "sm90_backward and decode");
 }
 

@@ -75,7 +75,8 @@ int64_t kernel_head_dim(int64_t d, int64_t d_v, bool backward);
 
 // The head dims a kernel is instantiated for, by generate_kernels.py's names
 // ("sm80_forward", "sm80_backward", "sm90_forward", "sm90_forward_masked",
-// "sm90_backward", "decode"). Throws std::invalid_argument for another name.
+// "sm90_forward_capped", "sm90_backward", "decode"). Throws
+// std::invalid_argument for another name.
 std::vector<int64_t> instantiated_head_dims(const std::string& kernel);
 
 }  // namespace fusedattn::cuda

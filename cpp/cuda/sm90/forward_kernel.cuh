@@ -6,8 +6,8 @@
 //     the consumers (setmaxnreg).
 //   consumers (warpgroups 1, 2[, 3]): per key tile j the mainloop's mma,
 //     S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued right behind it, so the
-//     softmax of S_j (forward_softmax.cuh: the band's and end masks,
-//     attn_mask, the online step) runs while that GEMM is in flight; then the
+//     softmax of S_j (forward_softmax.cuh: soft-capping, the band's and end
+//     masks, attn_mask, the online step) runs while that GEMM is in flight; then the
 //     epilogue (forward_epilogue.cuh). The consumers take turns issuing their
 //     GEMMs (named barriers), so one warpgroup's softmax overlaps the others'
 //     tensor-core work.
@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "../common/device_math.cuh"
 #include "../common/instantiation_dispatch.h"
@@ -42,7 +43,7 @@
 
 namespace fusedattn::cuda {
 
-template <int HeadDim, int BlockN, typename T, bool Banded, MaskKind Mask>
+template <int HeadDim, int BlockN, typename T, bool Banded, MaskKind Mask, bool Capped>
 __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 1)
     sm90_forward_kernel(const __grid_constant__ Sm90ForwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and setmaxnreg exist only in sm_90a code
@@ -95,8 +96,8 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
   const int g = lane / 4, t = lane % 4;
   const int warp_row = warp * 16;  // this warp's rows within the warpgroup's 64
   const Sm90ForwardMma<HeadDim, T, Tr> mma{smem, consumer};
-  const Sm90ForwardSoftmax<kBlockN, T, Banded, Mask> softmax{
-      p, p.scale * kLog2e, warp_row, g, t, scheduler.seqlen_q};
+  const Sm90ForwardSoftmax<kBlockN, T, Banded, Mask, Capped> softmax{
+      p, SoftCap::of(p), warp_row, g, t, scheduler.seqlen_q};
 
   float acc[kDTiles][4];
   float m_i[2], l_i[2];
@@ -197,10 +198,10 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
 #endif
 }
 
-template <int HeadDim, int BlockN, typename T, bool Banded, MaskKind Mask>
+template <int HeadDim, int BlockN, typename T, bool Banded, MaskKind Mask, bool Capped>
 void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90ForwardTraits<HeadDim, BlockN>;
-  auto kernel = sm90_forward_kernel<HeadDim, BlockN, T, Banded, Mask>;
+  auto kernel = sm90_forward_kernel<HeadDim, BlockN, T, Banded, Mask, Capped>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90ForwardArgs launch_args = args;
   launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), Banded);
@@ -225,36 +226,47 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream
 // The plan's tile width and persistence (plan.cu chose them with tile_size.h,
 // and encoded the K/V tensor maps' boxes for that width); a plan with no
 // instantiation here is a planner bug.
-template <int HeadDim, typename Element, bool Banded, MaskKind Mask>
+template <int HeadDim, typename Element, bool Banded, MaskKind Mask, bool Capped>
 void launch_planned_sm90_forward(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
   constexpr int kShortN = sm90_forward_block_n(HeadDim, Banded, Mask != MaskKind::None, 0);
   constexpr int kLongN = sm90_forward_block_n(HeadDim, Banded, Mask != MaskKind::None, kSm90CausalWideTileKeys);
   if (plan.persistent != sm90_forward_persistent(HeadDim, Banded))
     throw_planner_bug("the sm90 forward's persistence is fixed per head dim and band");
   if (plan.block_n == kLongN)
-    launch_sm90_forward_kernel<HeadDim, kLongN, Element, Banded, Mask>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, kLongN, Element, Banded, Mask, Capped>(args, stream);
   else if (plan.block_n == kShortN)
-    launch_sm90_forward_kernel<HeadDim, kShortN, Element, Banded, Mask>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, kShortN, Element, Banded, Mask, Capped>(args, stream);
   else
     throw_planner_bug("no sm90 forward of " + std::to_string(plan.block_n) + "-key tiles");
 }
 
+// Soft-capped calls have their own kernels, without attn_mask, at the capped
+// head dims (the planner sends the others to sm80).
 template <int HeadDim, typename Element>
 void launch_forward_sm90(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
   const ForwardParams& p = args.p;
-  auto with_band = [&](auto mask) {
+  auto with_band = [&](auto mask, auto capped) {
     constexpr MaskKind kMask = decltype(mask)::value;
+    constexpr bool kCapped = decltype(capped)::value;
     if (p.banded())
-      launch_planned_sm90_forward<HeadDim, Element, true, kMask>(args, plan, stream);
+      launch_planned_sm90_forward<HeadDim, Element, true, kMask, kCapped>(args, plan, stream);
     else
-      launch_planned_sm90_forward<HeadDim, Element, false, kMask>(args, plan, stream);
+      launch_planned_sm90_forward<HeadDim, Element, false, kMask, kCapped>(args, plan, stream);
   };
-  if constexpr (instantiated(Sm90ForwardMaskedHeadDims{}, HeadDim)) {
-    dispatch_each_mask_kind(p.mask.kind, with_band);
+  using Unmasked = std::integral_constant<MaskKind, MaskKind::None>;
+  if (p.softcap > 0.0f) {
+    if constexpr (instantiated(Sm90ForwardCappedHeadDims{}, HeadDim)) {
+      if (p.mask.kind != MaskKind::None) throw_planner_bug("the sm90 forward soft-caps calls without attn_mask only");
+      with_band(Unmasked{}, std::true_type{});
+    } else {
+      throw_planner_bug("the sm90 forward has no soft-capped variant at head dim " + std::to_string(HeadDim));
+    }
+  } else if constexpr (instantiated(Sm90ForwardMaskedHeadDims{}, HeadDim)) {
+    dispatch_each_mask_kind(p.mask.kind, [&](auto mask) { with_band(mask, std::false_type{}); });
   } else {
     if (p.mask.kind != MaskKind::None)
       throw_planner_bug("the sm90 forward has no attn_mask variant at head dim " + std::to_string(HeadDim));
-    with_band(std::integral_constant<MaskKind, MaskKind::None>{});
+    with_band(Unmasked{}, std::false_type{});
   }
 }
 

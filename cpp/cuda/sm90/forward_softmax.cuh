@@ -16,13 +16,13 @@
 
 namespace fusedattn::cuda {
 
-// Mask: attn_mask's kind, fixed at compile time (a run-time choice of kinds
-// made the consumers spill).
-template <int BlockN, typename T, bool Banded, MaskKind Mask>
+// Mask: attn_mask's kind; Capped: soft-capping on (SoftCap); both fixed at
+// compile time (a run-time choice of either made the consumers spill).
+template <int BlockN, typename T, bool Banded, MaskKind Mask, bool Capped>
 struct Sm90ForwardSoftmax {
   static constexpr int kNTiles = BlockN / 8;
   const ForwardParams& p;
-  float scale_log2;
+  SoftCap cap;  // its scale_log2 takes a raw (or, Capped, capped) score to base-2 units
   int warp_row, g, t;  // this warp's first row in its warpgroup's 64; the thread's MMA row and column groups
   int seqlen_q;
 
@@ -51,8 +51,11 @@ struct Sm90ForwardSoftmax {
   // the exponent, which takes the scale (>= FLT_MIN: the planner checks) in
   // one FFMA; a tile whose entry says it reads attn_mask, which adds base-2
   // values, scales its scores first and passes the exponent a factor of 1.
+  // Capped, the scores become tanh(S scale / cap) first, before anything is
+  // hidden (tanh of -inf would be -1), and the exponent's factor is cap log2 e.
   __device__ __forceinline__ void step(float (&s)[kNTiles][4], float (&m_i)[2], float (&l_i)[2], float (&rescale)[2],
                                        const Sm90ForwardItem& it, int wg_row0, int entry) const {
+    if constexpr (Capped) cap.apply(s);
     const int col0 = MaskTiles::tile_of(entry) * BlockN;
     const Band band = Band::of(p, it.seqlen_q, it.seqlen_k);
     const bool needs_masking = col0 + BlockN > it.key_end || (Banded && band.cuts(wg_row0, 64, col0, BlockN));
@@ -89,11 +92,11 @@ struct Sm90ForwardSoftmax {
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+          for (int e = 0; e < 4; ++e) s[nt][e] *= cap.scale_log2;
         add_mask(s, it, wg_row0, col0);
       }
     }
-    online_softmax_scores</*RawScores=*/true>(s, m_i, l_i, rescale, reads_mask ? 1.0f : scale_log2);
+    online_softmax_scores</*RawScores=*/true>(s, m_i, l_i, rescale, reads_mask ? 1.0f : cap.scale_log2);
   }
 };
 
