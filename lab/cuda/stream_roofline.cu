@@ -248,9 +248,12 @@ int main(int argc, char** argv) {
     const TensorStrides strides{heads * n * kHeadDim, n * kHeadDim, kHeadDim};
     for (int wide = 0; wide < 2; ++wide) {
       const int rows = wide ? 128 : 64;
-      if (!encode_head_tensor_map(&a.k_map[wide], DType::Float16, k, kBatch, heads, n, kHeadDim, strides, rows) ||
-          !encode_head_tensor_map(&a.v_map[wide], DType::Float16, v, kBatch, heads, n, kHeadDim, strides, rows)) {
-        std::printf("tensor maps refused\n");
+      std::string why = encode_head_tensor_map(&a.k_map[wide], DType::Float16, k, kBatch, heads, n, kHeadDim, strides,
+                                               rows);
+      if (why.empty())
+        why = encode_head_tensor_map(&a.v_map[wide], DType::Float16, v, kBatch, heads, n, kHeadDim, strides, rows);
+      if (!why.empty()) {
+        std::printf("tensor maps refused: %s\n", why.c_str());
         return 1;
       }
     }
