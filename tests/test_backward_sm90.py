@@ -30,10 +30,10 @@ def test_sm90_backward_strided_inputs(head_dim):
 
 
 def test_sm90_runs_on_a_thread_that_made_no_cuda_call():
-    """A thread binds no CUDA context until a runtime call binds one, and the
-    tensor maps come from a driver call, which needs one: the first sm90
-    backward on autograd's backward thread once failed so. The forward and the
-    backward, each the first CUDA work of a fresh thread."""
+    """A thread has no CUDA context until a runtime call binds one, and the
+    tensor maps come from a driver call, which needs one (autograd's backward
+    thread is such a thread). The forward and the backward, each the first
+    CUDA work of a fresh thread."""
     case = Case(dtype=torch.float16, head_dim=64, seqlen_q=77, seqlen_k=130, is_causal=True)
     q, k, v, _ = make_inputs(case, "cuda")
     out, lse = forward(q, k, v, None, True, None)

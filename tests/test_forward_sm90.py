@@ -1,7 +1,6 @@
 """What only the sm90 forward has (marker `gpu`; the family forced, skipped
-where the build or GPU lacks it): persistent blocks, 176-key tiles (80-key
-  tiles at d=256), its
-refusals. The features every family serves are tested per family in
+where the build or GPU lacks it): persistent blocks, 176-key tiles, d=256 in
+80-key tiles, soft-capping, its refusals. The features every family serves are tested per family in
 test_forward.py."""
 
 import dataclasses
@@ -12,15 +11,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fusedattn
-from helpers.attention_cases import Case, cases, check_forward, make_inputs
+from helpers.attention_cases import Case, cases, check_forward, make_inputs, make_sinks
 from helpers.cuda import GPU_DTYPES, check_cuda, forward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("sm90")]
 
 
 def plan_of(case: Case) -> dict:
+    """The case's plan, with every option the call passes."""
     q, k, v, mask = make_inputs(case, "cuda")
-    return fusedattn.plan(q, k, v, mask, case.is_causal, case.scale)
+    return fusedattn.plan(q, k, v, mask, case.is_causal, case.scale, window=case.window, softcap=case.softcap,
+                          sinks=make_sinks(case, "cuda"))
 
 
 @pytest.mark.parametrize("nq,nk", [(1000, 1000), (2000, 700)])
@@ -56,31 +57,40 @@ def test_sm90_causal_wide_tiles(batch, heads_q, heads_kv, nq, nk, dtype):
 @pytest.mark.parametrize("call", ["none", "causal", "window", "sinks", "padded"])
 def test_sm90_head_dim_256(dtype, call):
     """d=256 (Gemma 2/3) in 80-key tiles (tile_size.h): 517 keys end inside a tile; 2 x 36
-    heads x 3-5 query blocks are more items than SMs, so the persistent blocks take several;
-    under causal with Nq > Nk the first query blocks see no key. "padded": d=192 with d_v=128
-    (DeepSeek's prefill) runs zero-padded at 256."""
+    heads x 3-6 query blocks are more items than SMs, so the persistent blocks take several;
+    under causal Nq - Nk = 183 rows see no key, the first query block of each head among
+    them. "padded": d=192 with d_v=128 (DeepSeek's prefill) runs zero-padded at 256."""
     d, d_v = (192, 128) if call == "padded" else (256, 256)
-    case = Case(batch=2, heads_q=36, heads_kv=4, seqlen_q=600 if call == "causal" else 300, seqlen_k=517,
+    case = Case(batch=2, heads_q=36, heads_kv=4, seqlen_q=700 if call == "causal" else 300, seqlen_k=517,
                 head_dim=d, head_dim_v=d_v, dtype=dtype, is_causal=call == "causal",
                 window=(100, 20) if call == "window" else None, sinks=call == "sinks")
     plan = plan_of(case)
-    assert (plan["block_n"], plan["persistent"], plan["head_dim"]) == (80, True, 256)
+    assert (plan["family"], plan["block_n"], plan["persistent"], plan["head_dim"]) == ("sm90", 80, True, 256)
     check_cuda(case)
 
 
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", fusedattn.ops.cuda_head_dims("sm90_forward_capped") or [128])
 @pytest.mark.parametrize("call", ["none", "causal", "window", "sinks", "gqa"])
 @pytest.mark.parametrize("softcap", [5.0, 0.3], ids=str)
-def test_sm90_soft_caps(head_dim, call, softcap):
+def test_sm90_soft_caps(dtype, head_dim, call, softcap):
     """Soft-capping in its own sm90 kernels (before the band hides anything,
     so hidden keys stay hidden): a cap the scores rarely reach and one that
     flattens most of them; 517 keys end inside a tile."""
     case = Case(batch=2, heads_q=8, heads_kv=2 if call == "gqa" else 8, seqlen_q=300, seqlen_k=517,
-                head_dim=head_dim, dtype=torch.bfloat16, is_causal=call == "causal",
+                head_dim=head_dim, dtype=dtype, is_causal=call == "causal",
                 window=(100, 20) if call == "window" else None, sinks=call == "sinks", softcap=softcap)
-    q, k, v, _ = make_inputs(case, "cuda")
-    plan = fusedattn.plan(q, k, v, None, case.is_causal, window=case.window, softcap=softcap)
+    plan = plan_of(case)
     assert plan["family"] == "sm90" and plan["head_dim"] == head_dim, plan
+    check_cuda(case)
+
+
+def test_sm90_soft_caps_in_wide_causal_tiles():
+    """Causal from 16K keys at d=128: the capped kernel of 176-key tiles, the diagonal inside them."""
+    case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=1000, seqlen_k=16500, head_dim=128, dtype=torch.float16,
+                is_causal=True, softcap=30.0)
+    plan = plan_of(case)
+    assert (plan["family"], plan["block_n"]) == ("sm90", 176), plan
     check_cuda(case)
 
 

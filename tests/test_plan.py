@@ -137,13 +137,14 @@ def test_the_library_reports_the_generated_table():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_plans(dtype):
     """The planner's rules as documented: sm90 on Hopper for head dims 64 and
-    128 (attn_mask too) and the forward at 256 (80-key tiles, no attn_mask),
+    128 (attn_mask too), the forward at 256 (80-key tiles, no attn_mask) and
+    soft-capped at 128 and 256 (no attn_mask),
     176-key tiles at d=128 without a mask, sm80 elsewhere; the backward on
     sm80 in deterministic mode."""
-    def plan(d, mask=False, causal=False, nk=700, backward=False):
+    def plan(d, mask=False, causal=False, nk=700, backward=False, softcap=None):
         q, k, v = qkv(d, dtype, "cuda", nq=300, nk=nk)
         m = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device="cuda") if mask else None
-        return fusedattn.plan(q, k, v, m, causal, backward=backward)
+        return fusedattn.plan(q, k, v, m, causal, backward=backward, softcap=softcap)
 
     hopper = sm90_available()
     for d in cuda_head_dims():
@@ -168,6 +169,13 @@ def test_cuda_plans(dtype):
         wide = plan(256)
         assert (wide["family"], wide["block_n"], wide["persistent"], wide["head_dim"]) == ("sm90", 80, True, 256)
         assert plan(256, causal=True)["block_n"] == 80 and plan(256, mask=True)["family"] == "sm80"
+        assert plan(256, backward=True)["family"] == "gemm"
+        # Soft-capped forwards: sm90 unmasked at its capped head dims, sm80 elsewhere.
+        for d in cuda_head_dims():
+            capped = d in cuda_head_dims("sm90_forward_capped")
+            assert plan(d, softcap=5.0)["family"] == ("sm90" if capped else "sm80")
+            assert plan(d, causal=True, softcap=5.0)["family"] == ("sm90" if capped else "sm80")
+            assert plan(d, mask=True, softcap=5.0)["family"] == "sm80"
     with fusedattn.backends.force("sm80"):
         assert plan(128)["family"] == "sm80" and plan(128)["block_n"] == 64
     torch.use_deterministic_algorithms(True)

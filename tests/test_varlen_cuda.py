@@ -34,7 +34,8 @@ def assert_planned(lengths_q, lengths_k, backward=False, head_dim=64, **options)
     else sm80) with one work item per query (key) tile."""
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, d=head_dim, dtype=torch.float16, device="cuda")
     plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, backward=backward, **options)
-    sm90 = (sm90_available() and options.get("softcap") is None
+    capped_dims = () if backward else cuda_head_dims("sm90_forward_capped")  # the capped backward is gemm's
+    sm90 = (sm90_available() and (options.get("softcap") is None or plan["head_dim"] in capped_dims)
             and not (backward and torch.are_deterministic_algorithms_enabled())
             and plan["head_dim"] in cuda_head_dims("sm90_backward" if backward else "sm90_forward"))
     expected = fusedattn.backends.forced().family or ("sm90" if sm90 else "sm80")
@@ -65,13 +66,15 @@ def test_varlen_forward_grouped_heads_and_windows(family, heads, window, d):
                      hq=heads[0], hkv=heads[1], d=d, scale=0.2, device="cuda", seed=1)
 
 
+@pytest.mark.parametrize("d,d_v", [(64, 32), (128, 96)], ids=str)
 @pytest.mark.parametrize("softcap", [None, 2.5], ids=["sinks", "softcap-sinks"])
-def test_varlen_forward_softcap_sinks_and_value_head_dim(softcap):
-    """Sinks alone run sm90's forward (where the GPU has it); soft-capping sm80's."""
+def test_varlen_forward_softcap_sinks_and_value_head_dim(softcap, d, d_v):
+    """Sinks alone run sm90's forward (where the GPU has it); soft-capping sm90's
+    at its capped head dims (128 here), sm80's elsewhere (64)."""
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device="cuda")
-    assert_planned(LENGTHS_Q, LENGTHS_K, is_causal=True, softcap=softcap, sinks=sinks)
-    check_varlen(LENGTHS_Q, LENGTHS_K, is_causal=True, softcap=softcap, sinks=sinks, dtype=torch.float16, d=64,
-                 d_v=32, device="cuda", seed=2)
+    assert_planned(LENGTHS_Q, LENGTHS_K, head_dim=d, is_causal=True, softcap=softcap, sinks=sinks)
+    check_varlen(LENGTHS_Q, LENGTHS_K, is_causal=True, softcap=softcap, sinks=sinks, dtype=torch.float16, d=d,
+                 d_v=d_v, device="cuda", seed=2)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

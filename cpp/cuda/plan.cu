@@ -61,7 +61,8 @@ int sm90_forward_tile_keys(const ForwardParams& p) {
                               p.has_window() || p.varlen.on() ? 0 : p.shape.seqlen_k);
 }
 
-// The tensor maps the launch will encode, encoded into scratch maps: the
+// A failure of encode_*_operand_maps as a refusal. The refusals below encode
+// the maps the launch will (scratch maps, the kernel's boxes), so the
 // planner's answer and the launcher's cannot differ.
 std::string tensor_map_refusal(const std::string& why) {
   return why.empty() ? why : "the tensor memory accelerator cannot describe " + why;
@@ -437,8 +438,8 @@ std::vector<int64_t> instantiated_head_dims(const std::string& kernel) {
   if (kernel == "sm90_backward") return values_of(Sm90BackwardHeadDims{});
   if (kernel == "decode") return values_of(DecodeHeadDims{});
   throw std::invalid_argument("fusedattn: no kernel named '" + kernel +
-                              "'; the kernels are sm80_forward, sm80_backward, sm90_forward, sm90_forward_masked, sm90_forward_capped, "
-                              "sm90_backward and decode");
+                              "'; the kernels are sm80_forward, sm80_backward, sm90_forward, sm90_forward_masked, "
+                              "sm90_forward_capped, sm90_backward and decode");
 }
 
 }  // namespace fusedattn::cuda

@@ -3,7 +3,7 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
-#include <mutex>
+#include <stdexcept>
 #include <string>
 
 #include "../common/launch_check.h"
@@ -11,34 +11,35 @@
 namespace fusedattn::cuda {
 namespace {
 
-// cuTensorMapEncodeTiled is a driver function: found through the runtime, so
-// the library does not link libcuda itself.
+// A driver function, found through the runtime (so the library does not link
+// libcuda itself); null where the driver lacks it.
+template <typename Function>
+Function driver_function(const char* name) {
+  void* entry = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &entry, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess)
+    return nullptr;
+  return reinterpret_cast<Function>(entry);
+}
+
 PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* entry = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault, &found) ==
-            cudaSuccess &&
-        found == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(entry);
-  });
+  static const auto fn = driver_function<PFN_cuTensorMapEncodeTiled_v12000>("cuTensorMapEncodeTiled");
   return fn;
 }
 
-// cuTensorMapEncodeTiled is a driver call, which fails without a current
-// context; a thread that has made no runtime call that binds one has none,
-// even where the runtime reports a current device (autograd's backward
-// thread: its first sm90 backward failed so). cudaSetDevice binds the
-// device's primary context to the calling thread.
+// Driver calls need a current context, and a thread that has made no runtime
+// call that binds one has none, even where the runtime reports a current
+// device (autograd's backward thread, say: PyTorch's device guard skips
+// cudaSetDevice when the number matches). cudaSetDevice binds the device's
+// primary context to the calling thread.
 void bind_device_context() {
-  thread_local int bound = -1;
+  static const auto current = driver_function<PFN_cuCtxGetCurrent_v4000>("cuCtxGetCurrent");
+  CUcontext context = nullptr;
+  if (current != nullptr && current(&context) == CUDA_SUCCESS && context != nullptr) return;
   int device = 0;
   FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-  if (device == bound) return;
   FUSEDATTN_CUDA_CHECK(cudaSetDevice(device));
-  bound = device;
 }
 
 // The operand's (row, head, batch) strides in bytes. A dimension of extent 1
@@ -86,10 +87,13 @@ std::string encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* ba
                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                     CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r == CUDA_SUCCESS) return {};
-  return "cuTensorMapEncodeTiled returned " + std::to_string(static_cast<int>(r)) + " for extents (d, rows, heads, " +
-         "batch) " + std::to_string(head_dim) + ", " + std::to_string(rows) + ", " + std::to_string(heads) + ", " +
-         std::to_string(batch) + ", " + stride_text + ", boxes of 64 x " + std::to_string(box_rows) +
-         ", data at " + std::to_string(reinterpret_cast<uintptr_t>(base) % 1024) + " mod 1024";
+  // Past the rules above a refusal is not the operand's layout: an error, not a quiet fallback to sm80.
+  throw std::runtime_error(
+      "fusedattn: cuTensorMapEncodeTiled returned " + std::to_string(static_cast<int>(r)) +
+      " for extents (d, rows, heads, batch) " + std::to_string(head_dim) + ", " + std::to_string(rows) + ", " +
+      std::to_string(heads) + ", " + std::to_string(batch) + ", " + stride_text + ", boxes of 64 x " +
+      std::to_string(box_rows) + ", data at " + std::to_string(reinterpret_cast<uintptr_t>(base) % 1024) +
+      " mod 1024");
 }
 
 namespace {

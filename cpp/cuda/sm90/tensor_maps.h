@@ -15,10 +15,11 @@ namespace fusedattn::cuda {
 // heads, batch), loaded in boxes of 64 columns x box_rows rows into
 // 128-byte-swizzled shared memory; rows past `rows` read as zeros. Returns
 // why it cannot (the operand breaks a driver rule: a base or stride not a
-// multiple of 16 bytes, a stride of 0, an extent of 0; or the driver's own
-// refusal, with its code and the map's arguments), empty when *map holds the
-// map. The planner asks with a scratch map and the kernel's boxes before it
-// picks the sm90 family, so that its launchers never decline.
+// multiple of 16 bytes, a stride of 0, an extent of 0), empty when *map holds
+// the map; throws std::runtime_error, with the driver's code and the map's
+// arguments, where the driver refuses an operand that keeps those rules. The
+// planner asks with a scratch map and the kernel's boxes before it picks the
+// sm90 family, so that its launchers never decline.
 std::string encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* base, int64_t batch, int64_t heads,
                                    int64_t rows, int64_t head_dim, const TensorStrides& strides, int box_rows);
 
