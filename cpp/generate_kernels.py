@@ -18,13 +18,13 @@ CUDA = Path(__file__).resolve().parent / "cuda"
 # kernel: (folder under cpp/cuda, header defining its templates, head dims, explicit instantiations).
 # In an instantiation {d} is the head dim and {t} the element type.
 KERNELS = {
-    "sm80_forward": ("sm80", "forward_kernel.cuh", (32, 64, 128, 256), [
+    "sm80_forward": ("sm80", "forward_kernel.cuh", (32, 64, 128, 192, 256), [
         "template void launch_forward_sm80<{d}, {t}>(const ForwardParams&, cudaStream_t);",
     ]),
     "sm80_backward": ("sm80", "backward_kernel.cuh", (32, 64, 128), [
         "template void launch_backward_sm80<{d}, {t}>(const BackwardParams&, cudaStream_t);",
     ]),
-    "sm90_forward": ("sm90", "forward_kernel.cuh", (64, 128, 256), [
+    "sm90_forward": ("sm90", "forward_kernel.cuh", (64, 128, 192, 256), [
         "template void launch_forward_sm90<{d}, {t}>(const Sm90ForwardArgs&, const Plan&, cudaStream_t);",
     ]),
     "sm90_backward": ("sm90", "backward_kernel.cuh", (64, 128), [

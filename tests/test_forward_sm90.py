@@ -1,6 +1,6 @@
 """What only the sm90 forward has (marker `gpu`; the family forced, skipped
-where the build or GPU lacks it): persistent blocks, 176-key tiles, d=256 in
-80-key tiles, soft-capping, its refusals. The features every family serves are tested per family in
+where the build or GPU lacks it): persistent blocks, 176-key tiles, d=192 and
+256 in 112- and 80-key tiles, soft-capping, its refusals. The features every family serves are tested per family in
 test_forward.py."""
 
 import dataclasses
@@ -54,18 +54,22 @@ def test_sm90_causal_wide_tiles(batch, heads_q, heads_kv, nq, nk, dtype):
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("call", ["none", "causal", "window", "sinks", "padded"])
-def test_sm90_head_dim_256(dtype, call):
-    """d=256 (Gemma 2/3) in 80-key tiles (tile_size.h): 517 keys end inside a tile; 2 x 36
-    heads x 3-6 query blocks are more items than SMs, so the persistent blocks take several;
-    under causal Nq - Nk = 183 rows see no key, the first query block of each head among
-    them. "padded": d=192 with d_v=128 (DeepSeek's prefill) runs zero-padded at 256."""
-    d, d_v = (192, 128) if call == "padded" else (256, 256)
+@pytest.mark.parametrize("call", ["none", "causal", "window", "sinks", "dv128", "padded"])
+@pytest.mark.parametrize("head_dim,block_n", [(192, 112), (256, 80)])
+def test_sm90_wide_head_dims(dtype, call, head_dim, block_n):
+    """d=192 and 256 (DeepSeek's prefill, Gemma 2/3) in 112- and 80-key tiles
+    (tile_size.h): 517 keys end inside a tile; 2 x 36 heads x 3-6 query blocks
+    are more items than SMs, so the persistent blocks take several; under
+    causal Nq - Nk = 183 rows see no key, the first query block of each head
+    among them. "dv128": v's head dim 128 (DeepSeek's 192/128) runs padded to
+    d; "padded": d - 32 runs padded to d."""
+    d = head_dim - 32 if call == "padded" else head_dim
     case = Case(batch=2, heads_q=36, heads_kv=4, seqlen_q=700 if call == "causal" else 300, seqlen_k=517,
-                head_dim=d, head_dim_v=d_v, dtype=dtype, is_causal=call == "causal",
+                head_dim=d, head_dim_v=128 if call == "dv128" else None, dtype=dtype, is_causal=call == "causal",
                 window=(100, 20) if call == "window" else None, sinks=call == "sinks")
     plan = plan_of(case)
-    assert (plan["family"], plan["block_n"], plan["persistent"], plan["head_dim"]) == ("sm90", 80, True, 256)
+    assert (plan["family"], plan["block_n"], plan["persistent"], plan["head_dim"]) == ("sm90", block_n, True,
+                                                                                      head_dim)
     check_cuda(case)
 
 

@@ -52,10 +52,10 @@ def test_padded_plan_says_the_kernel_head_dim():
         q, k, v, _ = make_inputs(Case(head_dim=d, head_dim_v=d_v, dtype=torch.float16), "cuda")
         assert fusedattn.plan(q, k, v)["head_dim"] == want, (d, d_v)
         assert fusedattn.plan(q, k, v, backward=True)["head_dim"] == want, (d, d_v)
-    q, k, v, _ = make_inputs(Case(head_dim=192, head_dim_v=128, dtype=torch.float16), "cuda")
-    plan = fusedattn.plan(q, k, v)  # above 128 the forward's kernels run at 256 (sm90's 80-key tiles)
-    assert plan["family"] == ("sm90" if sm90_available() else "sm80") and plan["head_dim"] == 256
-    assert plan["block_n"] == (80 if sm90_available() else 64)
+    q, k, v, _ = make_inputs(Case(head_dim=160, head_dim_v=128, dtype=torch.float16), "cuda")
+    plan = fusedattn.plan(q, k, v)  # above 128 the forward's kernels run at 192 and 256 (sm90: 112-, 80-key tiles)
+    assert plan["family"] == ("sm90" if sm90_available() else "sm80") and plan["head_dim"] == 192
+    assert plan["block_n"] == (112 if sm90_available() else 64)
 
 
 def test_padding_keeps_the_scale_of_the_call():

@@ -137,7 +137,8 @@ def test_the_library_reports_the_generated_table():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_plans(dtype):
     """The planner's rules as documented: sm90 on Hopper for head dims 64 and
-    128 (attn_mask too), the forward at 256 (80-key tiles, no attn_mask) and
+    128 (attn_mask too), the forward at 192 and 256 (112- and 80-key tiles,
+    no attn_mask) and
     soft-capped at 128 and 256 (no attn_mask),
     176-key tiles at d=128 without a mask, sm80 elsewhere; the backward on
     sm80 in deterministic mode."""
@@ -165,11 +166,13 @@ def test_cuda_plans(dtype):
         assert plan(128)["block_n"] == 176 and plan(128, mask=True)["block_n"] == 128
         assert plan(128, causal=True)["block_n"] == 128 and plan(128, causal=True, nk=16384)["block_n"] == 176
         assert plan(64)["persistent"] is False and plan(64, causal=True)["persistent"] is True
-        # d=256: sm90's forward in 80-key tiles, persistent; attn_mask there and the backward elsewhere.
-        wide = plan(256)
-        assert (wide["family"], wide["block_n"], wide["persistent"], wide["head_dim"]) == ("sm90", 80, True, 256)
-        assert plan(256, causal=True)["block_n"] == 80 and plan(256, mask=True)["family"] == "sm80"
-        assert plan(256, backward=True)["family"] == "gemm"
+        # d=192 and 256: sm90's forward in 112- and 80-key tiles, persistent; attn_mask there on sm80,
+        # the backward on the gemm family.
+        for d, keys in ((192, 112), (256, 80)):
+            wide = plan(d)
+            assert (wide["family"], wide["block_n"], wide["persistent"], wide["head_dim"]) == ("sm90", keys, True, d)
+            assert plan(d, causal=True)["block_n"] == keys and plan(d, mask=True)["family"] == "sm80"
+            assert plan(d, backward=True)["family"] == "gemm"
         # Soft-capped forwards: sm90 unmasked at its capped head dims, sm80 elsewhere.
         for d in cuda_head_dims():
             capped = d in cuda_head_dims("sm90_forward_capped")

@@ -46,7 +46,7 @@ def assert_planned(lengths_q, lengths_k, backward=False, head_dim=64, **options)
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("d", [64, 128, 40, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("d", [64, 128, 40, 192, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_varlen_forward_matches_reference(family, dtype, d, is_causal):
     with fusedattn.backends.force(family):
@@ -181,10 +181,11 @@ KV_CACHED = [0, 700, 3, 500, 12, 0, 959, 1023]
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("d", [64, 128, 192], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
 def test_packed_kvcache_matches_reference_and_appends(dtype, d, is_causal):
-    """forward_kvcache with cu_seqlens_q runs sm80's varlen forward over the caches' rows."""
+    """forward_kvcache with cu_seqlens_q runs sm80's varlen forward over the caches' rows (at
+    every head dim of sm80's forward: 192 loads its rows' 24 chunks dealt over 128 threads)."""
     q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache(KV_N_Q, KV_CACHED, d=d, max_len=1024, dtype=dtype,
                                                                device="cuda")
     plan = fusedattn.plan_kvcache(q, k_cache, v_cache, lens, k_new, v_new, is_causal=is_causal, cu_seqlens_q=cu)

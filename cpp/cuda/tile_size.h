@@ -24,25 +24,26 @@ __host__ __device__ constexpr int sm80_backward_block_m(int head_dim) { return h
 inline constexpr int kSm80DqBlockM = 64;
 
 // sm90 forward: consumer warpgroups of 64 queries each, FA3's counts: 3 at
-// d=64 (whose S, P and O fit in 160 registers), 2 at d=128 and d=256.
+// d=64 (whose S, P and O fit in 160 registers), 2 at d=128, 192 and 256.
 __host__ __device__ constexpr int sm90_forward_consumers(int head_dim) { return head_dim == 64 ? 3 : 2; }
 // Keys per K/V tile. 176 at d=128 without attn_mask (FA3's tile there: a
 // third fewer softmax rounds, barriers and turns per key; S takes 88
 // registers); 128 elsewhere: with a mask the consumers spill (ptxas). Banded
 // calls (causal, windows) take 176 from kSm90CausalWideTileKeys keys on:
 // below, the diagonal's partly hidden tiles (up to 176 + 127 keys of a
-// block, against 128 + 127) cost more than the rounds saved. 80 at d=256
-// (FA3's tile there): O alone takes 128 registers, and Q with two stages of
-// K and V fill 224 of the SM's 227 KB.
+// block, against 128 + 127) cost more than the rounds saved. FA3's tiles at
+// d=192 and 256, 112 and 80 keys: O takes 96 and 128 registers, and Q with
+// two stages of K and V fill 217 and 224 KB of the SM's 227.
 inline constexpr int64_t kSm90CausalWideTileKeys = 16384;
 __host__ __device__ constexpr int sm90_forward_block_n(int head_dim, bool banded, bool has_mask,
                                                       int64_t seqlen_k) {
   if (head_dim == 256) return 80;
+  if (head_dim == 192) return 112;
   if (head_dim != 128 || has_mask) return 128;
   return !banded || seqlen_k >= kSm90CausalWideTileKeys ? 176 : 128;
 }
 // Blocks that stay resident and take work items until none are left at
-// d=128 and d=256, and at d=64 under causal; else a block per item. A persistent
+// d=128 and above, and at d=64 under causal; else a block per item. A persistent
 // block's producer loads the next item's Q and first tiles while the
 // consumers finish the last one, which pays most where items are short (d=64
 // banded); unbanded d=64 persistent spills (ptxas).

@@ -61,16 +61,31 @@ template <int Rows, typename Tr, int L2Prefetch = 0, typename T>
 __device__ __forceinline__ void load_rows_async(T* smem, const T* head, int64_t row_stride,
                                                 int64_t row0, int64_t valid_rows,
                                                 int thread = threadIdx.x) {
-  constexpr int kRowStep = RowChunk<Tr>::kRowStep;
-  static_assert(Rows % kRowStep == 0);
-  const RowChunk<Tr> chunk(thread);
-  const T* src = head + (row0 + chunk.row) * row_stride + chunk.col;
+  if constexpr (Tr::kThreads % Tr::kChunksPerRow != 0) {
+    // A row's chunks do not divide among the threads (d=192: 24 chunks, 128
+    // threads): the tile's chunks are dealt out in order instead.
+    constexpr int kChunks = Rows * Tr::kChunksPerRow;
+    static_assert(kChunks % Tr::kThreads == 0);
 #pragma unroll
-  for (int i = 0; i < Rows / kRowStep; ++i) {
-    const int r = chunk.row + i * kRowStep;
-    const bool valid = r < valid_rows;
-    cp_async_16<L2Prefetch>(smem + tile_offset<Tr>(r, chunk.col), valid ? src + i * kRowStep * row_stride : head,
-                            valid);
+    for (int i = 0; i < kChunks / Tr::kThreads; ++i) {
+      const int c = thread + i * Tr::kThreads;
+      const int r = c / Tr::kChunksPerRow, col = c % Tr::kChunksPerRow * 8;
+      const bool valid = r < valid_rows;
+      cp_async_16<L2Prefetch>(smem + tile_offset<Tr>(r, col), valid ? head + (row0 + r) * row_stride + col : head,
+                              valid);
+    }
+  } else {
+    constexpr int kRowStep = RowChunk<Tr>::kRowStep;
+    static_assert(Rows % kRowStep == 0);
+    const RowChunk<Tr> chunk(thread);
+    const T* src = head + (row0 + chunk.row) * row_stride + chunk.col;
+#pragma unroll
+    for (int i = 0; i < Rows / kRowStep; ++i) {
+      const int r = chunk.row + i * kRowStep;
+      const bool valid = r < valid_rows;
+      cp_async_16<L2Prefetch>(smem + tile_offset<Tr>(r, chunk.col), valid ? src + i * kRowStep * row_stride : head,
+                              valid);
+    }
   }
 }
 

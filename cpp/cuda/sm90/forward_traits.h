@@ -37,9 +37,11 @@ struct Sm90ForwardTraits {
   // align the base.
   static constexpr int kBarriersOffset = kQBytes + 2 * kStages * kTileBytes;
   static constexpr int kSmemBytes = kBarriersOffset + (2 + 4 * kStages) * 8 + 4 + 1024;
-  static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "wgmma tiles of 64-column slabs");
-  static_assert(HeadDim == 256 ? BlockN == 80 : BlockN == 128 || (BlockN == 176 && HeadDim == 128),
-                "S, P and O fit in the consumers' registers: 176-key tiles at d=128 only, 80-key ones at d=256");
+  static_assert(HeadDim % 64 == 0 && HeadDim <= 256, "wgmma tiles of 64-column slabs");
+  static_assert(HeadDim == 256   ? BlockN == 80
+                : HeadDim == 192 ? BlockN == 112
+                                 : BlockN == 128 || (BlockN == 176 && HeadDim == 128),
+                "S, P and O fit in the consumers' registers: 176-key tiles at d=128 only, 112 at 192, 80 at 256");
   static_assert(kSmemBytes <= 227 * 1024, "Q and the rings exceed a block's shared memory");
 };
 
