@@ -154,7 +154,7 @@ def test_varlen_opcheck_and_compile_on_cuda():
 
 @pytest.mark.skipif(not sm90_available(), reason="needs the sm90 family (Hopper)")
 def test_varlen_forced_sm90_says_why_not():
-    q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], d=256, dtype=torch.float16, device="cuda")
+    q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], d=32, dtype=torch.float16, device="cuda")
     with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="the sm90 forward has head dims"):
         fusedattn.attention_varlen(q, k, v, cu_q, cu_k)
 

@@ -33,7 +33,7 @@ __host__ __device__ constexpr int sm90_forward_consumers(int head_dim) { return 
 // below, the diagonal's partly hidden tiles (up to 176 + 127 keys of a
 // block, against 128 + 127) cost more than the rounds saved. FA3's tiles at
 // d=192 and 256, 112 and 80 keys: O takes 96 and 128 registers, and Q with
-// two stages of K and V fill 217 and 224 KB of the SM's 227.
+// two stages of K and V fill 216 and 224 KB of the SM's 227.
 inline constexpr int64_t kSm90CausalWideTileKeys = 16384;
 __host__ __device__ constexpr int sm90_forward_block_n(int head_dim, bool banded, bool has_mask,
                                                       int64_t seqlen_k) {

@@ -12,7 +12,7 @@
 //     GEMMs (named barriers), so one warpgroup's softmax overlaps the others'
 //     tensor-core work.
 // Work items come from the tile scheduler (forward_scheduler.cuh; packed
-// sequences too, from the planner's work list): at d=128 and 256,
+// sequences too, from the planner's work list): from d=128 on,
 // and at d=64 banded (tile_size.h), the blocks are persistent, one per
 // SM, and the producer loads the next item's Q and first tiles while the
 // consumers finish the last one; it hands each item's index to the consumers
