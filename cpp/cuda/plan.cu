@@ -92,7 +92,7 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
   // Its items hold their mask list's offset in 32 bits (registers).
   if (masked) {
     const MaskTiles lists =
-        mask_tiles_layout(p, 64 * sm90_forward_consumers(static_cast<int>(sh.head_dim)), sm90_forward_tile_keys(p));
+        mask_tiles_layout(p, sm90_forward_block_m(static_cast<int>(sh.head_dim)), sm90_forward_tile_keys(p));
     if (lists.rows * lists.capacity >= (int64_t(1) << 31))
       return "the sm90 forward's mask tile lists hold fewer than 2^31 entries, this call's " +
              std::to_string(lists.rows * lists.capacity);
@@ -103,7 +103,7 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
     return "the sm90 forward takes at most 2^30 keys and queries";
   CUtensorMap q_map, k_map, v_map;
   return tensor_map_refusal(encode_forward_operand_maps(
-      p, &q_map, &k_map, &v_map, 64 * sm90_forward_consumers(static_cast<int>(sh.head_dim)),
+      p, &q_map, &k_map, &v_map, sm90_forward_block_m(static_cast<int>(sh.head_dim)),
       sm90_forward_tile_keys(p)));
 }
 
@@ -287,7 +287,7 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
   plan.family = choose_family(request.family, [&] { return sm90_forward_refusal(p); });
   if (plan.family == Family::Sm90) {
     const int d = static_cast<int>(sh.head_dim);
-    plan.block_m = 64 * sm90_forward_consumers(d);
+    plan.block_m = sm90_forward_block_m(d);
     plan.block_n = sm90_forward_tile_keys(p);
     plan.warps = 4 * (1 + sm90_forward_consumers(d));
     plan.persistent = sm90_forward_persistent(d, banded);

@@ -26,6 +26,7 @@ inline constexpr int kSm80DqBlockM = 64;
 // sm90 forward: consumer warpgroups of 64 queries each, FA3's counts: 3 at
 // d=64 (whose S, P and O fit in 160 registers), 2 at d=128, 192 and 256.
 __host__ __device__ constexpr int sm90_forward_consumers(int head_dim) { return head_dim == 64 ? 3 : 2; }
+__host__ __device__ constexpr int sm90_forward_block_m(int head_dim) { return 64 * sm90_forward_consumers(head_dim); }
 // Keys per K/V tile. 176 at d=128 without attn_mask (FA3's tile there: a
 // third fewer softmax rounds, barriers and turns per key; S takes 88
 // registers); 128 elsewhere: with a mask the consumers spill (ptxas). Banded

@@ -18,7 +18,7 @@ template <int HeadDim, int BlockN>
 struct Sm90ForwardTraits {
   static constexpr int kConsumers = sm90_forward_consumers(HeadDim);  // of 64 queries each
   static constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer
-  static constexpr int kBlockM = 64 * kConsumers;
+  static constexpr int kBlockM = sm90_forward_block_m(HeadDim);
   static constexpr int kBlockN = BlockN;
   static constexpr int kStages = 2;                         // per ring (K and V)
   static constexpr int kSlabs = HeadDim / 64;               // 64-column swizzled slabs per row

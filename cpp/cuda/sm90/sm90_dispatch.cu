@@ -61,7 +61,7 @@ void forward_sm90(const ForwardParams& p, const Plan& plan, cudaStream_t stream)
     constexpr int kHeadDim = decltype(head_dim)::value;
     Sm90ForwardArgs args{};
     args.p = p;
-    if (plan.block_m != 64 * sm90_forward_consumers(kHeadDim))
+    if (plan.block_m != sm90_forward_block_m(kHeadDim))
       throw_planner_bug("the sm90 forward at head dim " + std::to_string(kHeadDim) + " has no " +
                         std::to_string(plan.block_m) + "-query blocks");
     const std::string why =

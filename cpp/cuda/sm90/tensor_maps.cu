@@ -79,8 +79,8 @@ std::string encode_head_tensor_map(CUtensorMap* map, DType dtype, const void* ba
       return "its " + stride_text + " are not all multiples of 16 between 16 and 2^40";
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(heads), cuuint64_t(batch)};
   const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
-  bind_device_context();
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  bind_device_context();
   const CUresult r = encode_tiled()(map, dtype == DType::Float16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                  : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                                     4, const_cast<void*>(base), dims, byte_strides.bytes, box, element_strides,
@@ -128,14 +128,12 @@ std::string encode_backward_operand_maps(const BackwardParams& p, CUtensorMap* q
                                          CUtensorMap* k_map, CUtensorMap* v_map, int block_m, int block_n) {
   const AttentionShape& sh = p.fwd.shape;
   // With no query rows only dK and dV (zeros) are written: no q or grad_out tile is loaded.
-  const bool has_rows = sh.batch * sh.heads_q * sh.seqlen_q > 0;
-  std::string why = has_rows ? named("q", encode_head_tensor_map(q_map, p.fwd.dtype, p.fwd.q, sh.batch, sh.heads_q,
-                                                                 sh.seqlen_q, sh.head_dim, p.fwd.q_strides, block_m))
-                             : std::string();
-  if (why.empty() && has_rows)
-    why = named("grad_out", encode_head_tensor_map(grad_out_map, p.fwd.dtype, p.grad_out, sh.batch, sh.heads_q,
-                                                   sh.seqlen_q, sh.head_dim, p.grad_out_strides, block_m));
-  return why.empty() ? encode_key_value_maps(p.fwd, k_map, v_map, block_n) : why;
+  if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return encode_key_value_maps(p.fwd, k_map, v_map, block_n);
+  const std::string why = encode_forward_operand_maps(p.fwd, q_map, k_map, v_map, block_m, block_n);
+  return why.empty() ? named("grad_out", encode_head_tensor_map(grad_out_map, p.fwd.dtype, p.grad_out, sh.batch,
+                                                                sh.heads_q, sh.seqlen_q, sh.head_dim,
+                                                                p.grad_out_strides, block_m))
+                     : why;
 }
 
 bool encode_rows_tensor_map(CUtensorMap* map, const float* base, int64_t count, int box) {
