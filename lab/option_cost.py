@@ -2,7 +2,7 @@
 without it, interleaved per row (bench.interleaved_medians), as the ratio of
 the times (issue 31's bars: sinks at most 3%, softcap at most 10%). Forward,
 forward+backward and decode (the KV cache, planner's splits).
-  python lab/option_cost.py [--options sinks] [--json PATH] [--repeats 30]
+  python lab/option_cost.py [--options sinks] [--head-dim 128] [--json PATH] [--repeats 30]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import fusedattn
 from fusedattn import bench
 
-DENSE = [(4096, False), (4096, True), (8192, False), (8192, True)]  # (N, is_causal), B=4, H=16, d=128
+DENSE = [(4096, False), (4096, True), (8192, False), (8192, True)]  # (N, is_causal), B=4, H=16 (d=256: 8)
 DECODE = [4096, 32768]  # cache lengths, B=8, Hq=32, Hkv=8, d=128, one query
 
 
@@ -27,8 +27,9 @@ def option_values(name: str, heads: int, device) -> dict:
     raise SystemExit(f"option_cost.py: --options takes sinks, softcap; got {name!r}")
 
 
-def dense_calls(n, is_causal, dtype, backward, options):
-    q, k, v = (torch.randn(4, 16, n, 128, device="cuda", dtype=dtype, requires_grad=backward) for _ in range(3))
+def dense_calls(n, is_causal, dtype, backward, options, head_dim, heads):
+    q, k, v = (torch.randn(4, heads, n, head_dim, device="cuda", dtype=dtype, requires_grad=backward)
+               for _ in range(3))
     grad = torch.randn_like(q)
     if not backward:  # else autograd would record the call with the option and not without it
         options = {key: (v.detach() if torch.is_tensor(v) else v) for key, v in options.items()}
@@ -62,18 +63,21 @@ def main() -> None:
     parser.add_argument("--options", default="sinks")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--head-dim", type=int, default=128, help="of the dense calls (decode stays at 128)")
     parser.add_argument("--json")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     rows = []
     for name in args.options.split(","):
-        cases = [(f"forward N={n}{' causal' if c else ''}", lambda n=n, c=c: dense_calls(n, c, dtype, False,
-                                                                                          option_values(name, 16, "cuda")))
+        d = args.head_dim
+        heads = 8 if d == 256 else 16
+        cases = [(f"forward d={d} N={n}{' causal' if c else ''}",
+                  lambda n=n, c=c: dense_calls(n, c, dtype, False, option_values(name, heads, "cuda"), d, heads))
                  for n, c in DENSE]
-        # The CUDA backward does not soft-cap yet.
-        backward = fusedattn.ops.supports(torch.device("cuda"), dtype, 128, softcap=name == "softcap")
-        cases += [(f"fwd+bwd N={n}{' causal' if c else ''}", lambda n=n, c=c: dense_calls(n, c, dtype, True,
-                                                                                           option_values(name, 16, "cuda")))
+        # fwd+bwd where a fused backward serves the option (the gemm family is not the point).
+        backward = fusedattn.ops.supports(torch.device("cuda"), dtype, d, softcap=name == "softcap", fused=True)
+        cases += [(f"fwd+bwd d={d} N={n}{' causal' if c else ''}",
+                   lambda n=n, c=c: dense_calls(n, c, dtype, True, option_values(name, heads, "cuda"), d, heads))
                   for n, c in DENSE if backward]
         cases += [(f"decode cache={n}", lambda n=n: decode_calls(n, dtype, option_values(name, 32, "cuda")))
                   for n in DECODE]
@@ -87,7 +91,7 @@ def main() -> None:
             ratio = medians["with"] / medians["without"]
             rows.append({"option": name, "call": label, "without_us": medians["without"] * 1e6,
                          "with_us": medians["with"] * 1e6, "cost": ratio - 1})
-            print(f"{name:8s} {label:24s} without {medians['without'] * 1e6:9.1f} us  "
+            print(f"{name:8s} {label:30s} without {medians['without'] * 1e6:9.1f} us  "
                   f"with {medians['with'] * 1e6:9.1f} us  cost {100 * (ratio - 1):+6.2f}%", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -3,9 +3,8 @@ rows at a time (cpp/ops/gemm_attention.h). Forced, on the CPU and on CUDA,
 against the float64 reference: every mask kind, windows, soft-capping, sinks,
 grouped heads, a value head dim of its own, awkward and empty lengths, more
 than one block of rows, packed sequences, forward and backward. On CUDA the planner gives it
-what no fused kernel takes (float32, head dims past the kernels', the
-soft-capped backward; for the KV cache, what the decode kernel is not built
-for): those plans, their accuracy against SDPA's float32, and the errors of
+what no fused kernel takes (float32, head dims past the kernels'; for the
+KV cache, what the decode kernel is not built for): those plans, their accuracy against SDPA's float32, and the errors of
 a fused family forced on them."""
 
 from __future__ import annotations
@@ -126,16 +125,17 @@ def test_an_unknown_family_names_it():
 @pytest.mark.gpu
 def test_cuda_plans_it_where_no_kernel_serves():
     """float32, a head dim past the forward's kernels, the backward past its
-    kernels' and the soft-capped backward: the gemm family; what the kernels
-    take stays on them; a fused family forced on the rest says why it cannot."""
+    kernels': the gemm family; what the kernels take (soft-capped calls too)
+    stays on them; a fused family forced on the rest says why it cannot."""
     def plan(dtype=torch.float16, d=64, backward=False, softcap=None):
         q = torch.randn(1, 2, 40, d, device="cuda", dtype=dtype)
         return fusedattn.plan(q, q, q, backward=backward, softcap=softcap)["family"]
 
     with fusedattn.backends.force("auto"):
         assert plan(torch.float32) == plan(torch.float32, backward=True) == "gemm"
-        assert plan(d=300) == plan(d=256, backward=True) == plan(softcap=5.0, backward=True) == "gemm"
-        assert plan() in ("sm80", "sm90") and plan(d=256) in ("sm80", "sm90") and plan(softcap=5.0) != "gemm"
+        assert plan(d=300) == plan(d=256, backward=True) == "gemm"
+        assert plan() in ("sm80", "sm90") and plan(d=256) in ("sm80", "sm90")
+        assert plan(softcap=5.0) != "gemm" and plan(softcap=5.0, backward=True) != "gemm"
     q = torch.randn(1, 2, 40, 64, device="cuda")
     with fusedattn.backends.force("sm80"), pytest.raises(
             RuntimeError, match="family sm80 was forced, but the CUDA kernels take float16 and bfloat16, got float32"):

@@ -127,6 +127,7 @@ def test_the_library_reports_the_generated_table():
     for d in range(1, 300):  # below the largest served dim, the kernels run it padded; above, the gemm family
         assert fusedattn.ops.supports(cuda, torch.float16, d, fused=True) == (d <= max(served))
         assert fusedattn.ops.supports(cuda, torch.float16, d)
+    assert fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True, sinks=True, fused=True)
     assert not fusedattn.ops.supports(cuda, torch.float32, 64, fused=True)
     assert fusedattn.ops.supports(cuda, torch.float32, 64)
     with pytest.raises(RuntimeError, match="no kernel named 'sm70_forward'"):
@@ -138,8 +139,8 @@ def test_the_library_reports_the_generated_table():
 def test_cuda_plans(dtype):
     """The planner's rules as documented: sm90 on Hopper for head dims 64 and
     128 (attn_mask too), the forward at 192 and 256 (112- and 80-key tiles,
-    no attn_mask) and
-    soft-capped at 128 and 256 (no attn_mask),
+    no attn_mask), soft-capped at its capped head dims and the backward's
+    (no attn_mask),
     176-key tiles at d=128 without a mask, sm80 elsewhere; the backward on
     sm80 in deterministic mode."""
     def plan(d, mask=False, causal=False, nk=700, backward=False, softcap=None):
@@ -179,6 +180,10 @@ def test_cuda_plans(dtype):
             assert plan(d, softcap=5.0)["family"] == ("sm90" if capped else "sm80")
             assert plan(d, causal=True, softcap=5.0)["family"] == ("sm90" if capped else "sm80")
             assert plan(d, mask=True, softcap=5.0)["family"] == "sm80"
+            # and backwards: sm90's unmasked at its backward's head dims, sm80 elsewhere.
+            backward_family = "sm90" if d in cuda_head_dims("sm90_backward") else "sm80"
+            assert plan(d, softcap=5.0, backward=True)["family"] == backward_family
+            assert plan(d, mask=True, softcap=5.0, backward=True)["family"] == "sm80"
     with fusedattn.backends.force("sm80"):
         assert plan(128)["family"] == "sm80" and plan(128)["block_n"] == 64
     torch.use_deterministic_algorithms(True)

@@ -2,10 +2,8 @@
 before masks) and attention sinks (one value-less logit per query head in
 every row's softmax), forward and backward, dense, varlen and KV cache,
 against the float64 reference; on CUDA, sinks in every kernel family and
-both split merges of the decode kernels, soft-capping in the CUDA forwards (the
-soft-capped backward runs on the gemm family)."""
-
-import dataclasses
+both split merges of the decode kernels, soft-capping in the CUDA forwards and
+backwards."""
 
 import pytest
 import torch
@@ -51,8 +49,6 @@ def test_dtypes_groups_and_windows(backend, dtype, heads, window):
         case = Case(heads_q=heads[0], heads_kv=heads[1], seqlen_q=97, seqlen_k=260, head_dim=64, dtype=dtype,
                     window=window, softcap=2.0, sinks=sinks)
         backend.check_forward(case)
-        if backend.device == "cuda":  # the fused backwards do not soft-cap (the gemm family does)
-            case = dataclasses.replace(case, softcap=None)
         backend.check_backward(case)
 
 
@@ -195,19 +191,35 @@ def test_bad_input_says_what_was_expected(bad):
 
 
 @pytest.mark.gpu
-def test_cuda_backward_soft_caps_on_the_gemm_family():
-    """The fused forward soft-caps; the backward's plan is the gemm family's,
-    and a forced fused family says why it cannot."""
+@pytest.mark.parametrize("softcap", [0.3, 5.0, 50.0], ids=str)
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("mask", ["none", "additive"])
+def test_cuda_backward_soft_caps(cuda_family, softcap, head_dim, mask):
+    """Every family and backward head dim (padded too), causal with sinks; sm90's
+    backward soft-caps without attn_mask (forcing it with one raises)."""
+    from helpers.cuda import check_cuda_backward
+
+    for dtype in GPU_DTYPES:
+        check_cuda_backward(Case(seqlen_q=150, seqlen_k=333, head_dim=head_dim, dtype=dtype, mask=mask,
+                                 is_causal=True, softcap=softcap, sinks=True))
+
+
+@pytest.mark.gpu
+def test_cuda_backward_soft_caps_in_the_fused_kernels():
+    """The soft-capped backward's plan is a fused family's, sm90's where it
+    takes the call unmasked; attn_mask sends it to sm80, which says so when
+    sm90 is forced."""
+    from helpers.cuda import sm90_available
+
     q = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.float16)
-    assert fusedattn.plan(q, q, q, softcap=30.0)["family"] in ("sm80", "sm90")
-    assert fusedattn.plan(q, q, q, softcap=30.0, backward=True)["family"] == "gemm"
-    check_backward(Case(seqlen_q=140, seqlen_k=300, head_dim=64, dtype=torch.float16, mask="additive",
-                        is_causal=True, softcap=30.0, sinks=True), device="cuda")
-    q.requires_grad_(True)
-    out = fusedattn.attention(q, q, q, softcap=30.0)
-    with pytest.raises(RuntimeError, match="family sm80 was forced, but the CUDA backward kernels do not soft-cap"):
-        torch.ops.fusedattn.backward(torch.ones_like(out), q, q, q, out, torch.zeros(1, 4, 64, device="cuda"),
-                                     None, False, None, "sm80", None, 30.0)
+    m = torch.zeros(64, 64, device="cuda", dtype=torch.float16)
+    with fusedattn.backends.force("auto"):
+        assert fusedattn.plan(q, q, q, softcap=30.0, backward=True)["family"] == (
+            "sm90" if sm90_available() else "sm80")
+        assert fusedattn.plan(q, q, q, m, softcap=30.0, backward=True)["family"] == "sm80"
+    if sm90_available():
+        with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="soft-caps calls without attn_mask"):
+            fusedattn.plan(q, q, q, m, softcap=30.0, backward=True)
     with pytest.raises(RuntimeError, match="sinks must be on cuda"):
         fusedattn.attention(q, q, q, sinks=torch.zeros(4))
 
@@ -225,11 +237,11 @@ def test_cuda_forward_soft_caps(cuda_family, softcap, head_dim):
 
 @pytest.mark.gpu
 def test_cuda_soft_capping_plans_sm80():
-    """sm90's forward refuses soft-capping by name (forcing it raises); sm80's serves it."""
+    """sm90's forward refuses soft-capping at d=64 by name (forcing it raises); sm80's serves it."""
     q = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.float16)
     assert fusedattn.plan(q, q, q, softcap=30.0)["family"] == "sm80"
     if fusedattn.plan(q, q, q)["family"] == "sm90":
-        with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="does not soft-cap scores yet"):
+        with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="soft-caps at head dims"):
             fusedattn.attention(q, q, q, softcap=30.0)
 
 

@@ -34,7 +34,7 @@ def assert_planned(lengths_q, lengths_k, backward=False, head_dim=64, **options)
     else sm80) with one work item per query (key) tile."""
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, d=head_dim, dtype=torch.float16, device="cuda")
     plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, backward=backward, **options)
-    capped_dims = () if backward else cuda_head_dims("sm90_forward_capped")  # the capped backward is gemm's
+    capped_dims = cuda_head_dims("sm90_backward" if backward else "sm90_forward_capped")
     sm90 = (sm90_available() and (options.get("softcap") is None or plan["head_dim"] in capped_dims)
             and not (backward and torch.are_deterministic_algorithms_enabled())
             and plan["head_dim"] in cuda_head_dims("sm90_backward" if backward else "sm90_forward"))
@@ -101,12 +101,13 @@ def test_varlen_backward_matches_reference(family, d, is_causal, window):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
-def test_varlen_backward_sinks_and_mqa(family, d):
+@pytest.mark.parametrize("softcap", [None, 2.5], ids=["sinks", "softcap-sinks"])
+def test_varlen_backward_sinks_softcap_and_mqa(family, d, softcap):
     sinks = torch.tensor([0.3, -0.7, 1.1, 0.0, 2.0, -2.0])
     with fusedattn.backends.force(family):
-        assert_planned(LENGTHS_Q, LENGTHS_K, backward=True, head_dim=d, is_causal=True)
-        check_varlen_backward(LENGTHS_Q, LENGTHS_K, is_causal=True, sinks=sinks, dtype=torch.bfloat16, d=d, hq=6,
-                              hkv=1, device="cuda", seed=4)
+        assert_planned(LENGTHS_Q, LENGTHS_K, backward=True, head_dim=d, is_causal=True, softcap=softcap)
+        check_varlen_backward(LENGTHS_Q, LENGTHS_K, is_causal=True, sinks=sinks, softcap=softcap,
+                              dtype=torch.bfloat16, d=d, hq=6, hkv=1, device="cuda", seed=4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -165,13 +166,13 @@ def test_varlen_cuda_refusals_name_the_limit():
         fusedattn.attention_varlen(q, k, v, cu_q.cpu(), cu_k)
     with pytest.raises(RuntimeError, match="cu_seqlens_k must not decrease"):
         fusedattn.attention_varlen(q, k, v, cu_q, torch.tensor([0, 25, 20], dtype=torch.int32, device="cuda"))
-    # Past the kernels' head dims and for the soft-capped backward: the gemm family (tests/test_gemm_family.py).
+    # Past the kernels' head dims: the gemm family (tests/test_gemm_family.py); soft-capped calls stay on the kernels.
     big = max(cuda_head_dims("sm80_forward")) + 8
     q, k, v, cu_q, cu_k = packed([10], [10], d=big, dtype=torch.float16, device="cuda")
     assert fusedattn.plan_varlen(q, k, v, cu_q, cu_k)["family"] == "gemm"
     q, k, v, cu_q, cu_k = packed([10], [10], d=64, dtype=torch.float16, device="cuda")
     assert fusedattn.plan_varlen(q, k, v, cu_q, cu_k, softcap=3.0)["family"] in ("sm80", "sm90")
-    assert fusedattn.plan_varlen(q, k, v, cu_q, cu_k, softcap=3.0, backward=True)["family"] == "gemm"
+    assert fusedattn.plan_varlen(q, k, v, cu_q, cu_k, softcap=3.0, backward=True)["family"] in ("sm80", "sm90")
 
 
 # Packed queries against KV caches: a prefill from empty, decodes, a chunk onto a long cache,

@@ -113,6 +113,9 @@ std::string sm90_backward_refusal(const BackwardParams& p) {
   if (!instantiated(Sm90BackwardHeadDims{}, sh.head_dim))
     return "the sm90 backward has head dims " + dims_text(Sm90BackwardHeadDims{}) + ", got " +
            std::to_string(sh.head_dim);
+  // Soft-capped kernels exist without attn_mask only (backward_kernel.cuh).
+  if (p.fwd.softcap > 0.0f && p.fwd.mask.kind != MaskKind::None)
+    return "the sm90 backward soft-caps calls without attn_mask only";
   // TMA coordinates are int, the rows of lse and delta included.
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31))
@@ -245,7 +248,6 @@ std::string unfused_reason(const ForwardParams& p, bool backward) {
     return std::string("the CUDA ") + (backward ? "backward" : "forward") + " kernels take head dims up to " +
            std::to_string(largest) + ", got d = " + std::to_string(sh.head_dim) + " and d_v = " +
            std::to_string(sh.head_dim_v);
-  if (backward && p.softcap > 0.0f) return "the CUDA backward kernels do not soft-cap scores";
   return {};
 }
 

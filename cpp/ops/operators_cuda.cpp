@@ -31,7 +31,7 @@ at::Tensor mask_tiles_storage(MaskTiles& t, const MaskTiles& layout, const at::T
 const DeviceSupport& cuda_support(bool backward) {
   auto support = [](bool backward) {
     return DeviceSupport{"CUDA",          {at::kHalf, at::kBFloat16}, /*head_dims=*/{},
-                         /*aligned_rows=*/true, /*own_value_head_dim=*/true, /*softcap=*/!backward,
+                         /*aligned_rows=*/true, /*own_value_head_dim=*/true, /*softcap=*/true,
                          /*sinks=*/true,  cuda::served_head_dims(backward).back()};
   };
   static const DeviceSupport forward = support(false), backward_support = support(true);

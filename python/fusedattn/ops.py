@@ -56,7 +56,8 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head
              softcap: bool = False, sinks: bool = False, backward: bool = True, fused: bool = False) -> bool:
     """Whether fusedattn serves attention on this device, dtype and head dim
     (and v's head dim, None: the same), with soft-capping and attention sinks
-    where asked: the forward, and with ``backward`` the backward too. On CUDA
+    where asked (every path serves both): the forward, and with ``backward``
+    the backward too. On CUDA
     the gemm family (float32 matrix products, a block of query rows at a
     time) serves what the fused kernels do not; with ``fused`` only a fused
     kernel counts."""
@@ -67,8 +68,7 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head
     served = cuda_head_dims("sm80_backward" if backward else "sm80_forward")  # () without CUDA kernels
     if not fused:
         return bool(served)
-    return (dtype in CUDA_DTYPES and bool(served) and max(head_dim, value_head_dim or head_dim) <= served[-1]
-            and not (softcap and backward))  # the fused backward does not soft-cap
+    return dtype in CUDA_DTYPES and bool(served) and max(head_dim, value_head_dim or head_dim) <= served[-1]
 
 
 def _grad_sinks_fake(q, sinks):

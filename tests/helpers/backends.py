@@ -47,8 +47,6 @@ class Backend:
             if kernel_head_dim(case, backward) is None:  # below the largest, the kernels run it padded
                 pytest.skip(f"cuda's {'backward' if backward else 'forward'} kernels take head dims up to their "
                             f"largest, not d={case.head_dim}, d_v={case.head_dim_v or case.head_dim}")
-            if backward and case.softcap is not None:
-                pytest.skip("cuda's backward kernels do not soft-cap")
 
     def check_forward(self, case: Case):
         """The forward of the case on this backend against the reference, its plan asserted."""

@@ -103,7 +103,7 @@ def check_cuda_backward(case: Case):
     the backward's plan as for check_cuda."""
     q, k, v, mask = make_inputs(case, "cuda")
     plan = planned(case, q, k, v, mask, backward=True)
-    if plan is None:
+    if plan is None or planned(case, q, k, v, mask) is None:  # a forced family may take one pass only
         q.requires_grad_(True)
         with pytest.raises(RuntimeError, match="was forced, but"):
             fusedattn.attention(q, k, v, mask, *case.options(make_sinks(case, "cuda"))).sum().backward()

@@ -3,6 +3,8 @@
 // queries can see and sums dQ in registers in a fixed order:
 //   S  = Q K^T;  P = 2^(S scale log2 e + mask - lse log2 e);  dP = dO V^T
 //   dS = P (dP - delta);  dQ += dS K;   grad_q = scale dQ
+// (soft-capped, a template argument: S becomes tanh(S scale / cap), the
+// exponent's factor cap log2 e, and dS takes tanh's slope).
 // It recomputes S and dP, which the key-block kernel has already computed once
 // (four GEMMs here against the one atomic-free GEMM it replaces): the price of
 // the same bits on every run. Rows are queries, as in the forward, so P and dS
@@ -36,7 +38,7 @@ struct DqTraits {
   static constexpr int kSmemElements = 2 * kBlockM * kStride + 4 * kBlockN * kStride;
 };
 
-template <int HeadDim, typename T, bool Banded>
+template <int HeadDim, typename T, bool Banded, bool Capped>
 __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
     backward_dq_kernel(const __grid_constant__ BackwardParams p, const BlockOrder order) {
   using Tr = DqTraits<HeadDim>;
@@ -106,7 +108,7 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
   }
 
   float dq[kDTiles][4] = {};
-  const float scale_log2 = f.scale * kLog2e;
+  const SoftCap cap = SoftCap::of(f);  // its scale_log2 takes a raw (or, Capped, capped) score to base-2 units
   const bool has_mask = f.mask.kind != MaskKind::None;
   const int64_t mask_base = batch * f.mask.batch_stride + head * f.mask.head_stride;
 
@@ -139,7 +141,8 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
       }
     }
 
-    // dS = P (dP - delta), in place of S.
+    // dS = P (dP - delta), in place of S (capped: of tanh(S scale / cap), times tanh's slope).
+    if constexpr (Capped) cap.apply(s);
     const bool needs_masking =
         has_mask || col0 + kBlockN > key_end || (Banded && band.cuts(row0, kBlockM, col0, kBlockN));
 #pragma unroll
@@ -148,7 +151,8 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1;
         const int64_t query = row0 + warp_row + g + 8 * h, key = col0 + nt * 8 + 2 * t + (e & 1);
-        float x = s[nt][e] * scale_log2;  // the forward's score, mask included, then minus lse
+        const float slope = Capped ? SoftCap::slope(s[nt][e]) : 1.0f;
+        float x = s[nt][e] * cap.scale_log2;  // the forward's score, mask included, then minus lse
         if (needs_masking) {
           if (key >= key_end || (Banded && !band.sees(query, key))) {
             x = -INFINITY;
@@ -156,7 +160,7 @@ __global__ void __launch_bounds__(DqTraits<HeadDim>::kThreads)
             x += mask_log2<T>(f.mask, mask_base, query, key);
           }
         }
-        s[nt][e] = exp2f(x - lse_log2[h]) * (dp[nt][e] - delta[h]);
+        s[nt][e] = exp2f(x - lse_log2[h]) * (dp[nt][e] - delta[h]) * slope;
       }
     }
 

@@ -10,6 +10,8 @@
 //        S^T  = K Q^T                      P^T = 2^(S^T scale log2 e + mask - lse log2 e)
 //        dV  += P^T dO                     dP^T = V dO^T
 //        dS^T = P^T (dP^T - delta)         dK  += dS^T Q          (scaled at the end)
+//      (soft-capped, a template argument: S^T becomes tanh(S^T scale / cap),
+//      the exponent's factor cap log2 e, and dS^T takes tanh's slope);
 //        dQ  += dS K, added to the float32 accumulator with atomics (or,
 //               deterministic, left to backward_dq_kernel.cuh's own pass)
 //      Each warp owns 16 keys (the rows of S^T, so P^T and dS^T are A
@@ -22,6 +24,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "../common/backward_passes.cuh"
 #include "../common/band.cuh"
@@ -76,7 +79,7 @@ __device__ __forceinline__ void load_lse_delta_async(float* s_lse, float* s_delt
   }
 }
 
-template <int HeadDim, typename T, bool Banded, bool AtomicDq>
+template <int HeadDim, typename T, bool Banded, bool AtomicDq, bool Capped>
 __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     backward_kernel(const __grid_constant__ BackwardParams p, const BlockOrder order) {
   using Tr = BackwardTraits<HeadDim>;
@@ -187,7 +190,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   cp_async_commit();
 
   float dk[kDTiles][4] = {}, dv[kDTiles][4] = {};
-  const float scale_log2 = f.scale * kLog2e;
+  const SoftCap cap = SoftCap::of(f);  // its scale_log2 takes a raw (or, Capped, capped) score to base-2 units
   const int key_row = warp * 16;  // this warp's first key in the block
 
   // The step's two products of each kind, on mma.sync fragments:
@@ -238,6 +241,14 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
     keys_times_queries(st, sK, q_tile);
 
     // P^T. Element (key row g + 8h, query column 2t + e) of each n-tile.
+    [[maybe_unused]] float slope[Capped ? kMTiles : 1][4];  // tanh's, kept for dS^T
+    if constexpr (Capped) {
+      cap.apply(st);
+#pragma unroll
+      for (int nt = 0; nt < kMTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) slope[nt][e] = SoftCap::slope(st[nt][e]);
+    }
     const bool needs_masking =
         reads_mask || key0 + kBlockN > seq.seqlen_k || (Banded && band.cuts(m0, kBlockM, key0, kBlockN));
     const int64_t mask_base = batch * f.mask.batch_stride + head * f.mask.head_stride;
@@ -246,7 +257,7 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = key_row + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
-        float x = st[nt][e] * scale_log2;  // the forward's score, mask included, then minus lse
+        float x = st[nt][e] * cap.scale_log2;  // the forward's score, mask included, then minus lse
         if (needs_masking) {
           const int64_t key = key0 + r, query = m0 + c;
           if (key >= seq.seqlen_k || (Banded && !band.sees(query, key))) {
@@ -269,7 +280,10 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
 #pragma unroll
       for (int nt = 0; nt < kMTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) st[nt][e] *= dpt[nt][e] - delta[nt * 8 + 2 * t + (e & 1)];
+        for (int e = 0; e < 4; ++e) {
+          st[nt][e] *= dpt[nt][e] - delta[nt * 8 + 2 * t + (e & 1)];
+          if constexpr (Capped) st[nt][e] *= slope[nt][e];
+        }
     }
 
     // dK += dS^T Q; dS^T also goes to shared memory for dQ (atomic mode).
@@ -319,10 +333,10 @@ __global__ void __launch_bounds__(BackwardTraits<HeadDim>::kThreads)
   store_key_gradients<HeadDim, T>(p, batch, head_kv, seq.k0, key0 + key_row, seq.seqlen_k, dk, dv);
 }
 
-template <int HeadDim, typename T, bool Banded, bool AtomicDq>
+template <int HeadDim, typename T, bool Banded, bool AtomicDq, bool Capped>
 void launch_backward_kernel(const BackwardParams& p, cudaStream_t stream) {
   using Tr = BackwardTraits<HeadDim>;
-  auto kernel = backward_kernel<HeadDim, T, Banded, AtomicDq>;
+  auto kernel = backward_kernel<HeadDim, T, Banded, AtomicDq, Capped>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T) + Tr::kSmemFloats * sizeof(float);
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const BlockOrder order = make_key_block_order(p.fwd.shape, Tr::kBlockN, p.head_splits, sizeof(T), Banded);
@@ -333,10 +347,10 @@ void launch_backward_kernel(const BackwardParams& p, cudaStream_t stream) {
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
-template <int HeadDim, typename T, bool Banded>
+template <int HeadDim, typename T, bool Banded, bool Capped>
 void launch_backward_dq_kernel(const BackwardParams& p, cudaStream_t stream) {
   using Tr = DqTraits<HeadDim>;
-  auto kernel = backward_dq_kernel<HeadDim, T, Banded>;
+  auto kernel = backward_dq_kernel<HeadDim, T, Banded, Capped>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T);
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const BlockOrder order = make_query_block_order(p.fwd.shape, Tr::kBlockM, sizeof(T), Banded);
@@ -348,26 +362,33 @@ void launch_backward_dq_kernel(const BackwardParams& p, cudaStream_t stream) {
 
 // The key-block kernel and, deterministic, the dQ pass; run_backward_passes
 // does the rest.
-template <int HeadDim, typename T, bool Banded>
+template <int HeadDim, typename T, bool Banded, bool Capped>
 void launch_backward_main(const BackwardParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.fwd.shape;
   const bool any_keys = sh.batch * sh.heads_kv * sh.seqlen_k > 0;
   if (!p.deterministic) {
-    if (any_keys) launch_backward_kernel<HeadDim, T, Banded, true>(p, stream);
+    if (any_keys) launch_backward_kernel<HeadDim, T, Banded, true, Capped>(p, stream);
     return;
   }
   if (p.head_splits != 1) throw std::invalid_argument("fusedattn: a deterministic backward takes head_splits = 1");
-  if (any_keys) launch_backward_kernel<HeadDim, T, Banded, false>(p, stream);
-  if (sh.batch * sh.heads_q * sh.seqlen_q > 0) launch_backward_dq_kernel<HeadDim, T, Banded>(p, stream);
+  if (any_keys) launch_backward_kernel<HeadDim, T, Banded, false, Capped>(p, stream);
+  if (sh.batch * sh.heads_q * sh.seqlen_q > 0) launch_backward_dq_kernel<HeadDim, T, Banded, Capped>(p, stream);
 }
 
 template <int HeadDim, typename Element>
 void launch_backward_sm80(const BackwardParams& p, cudaStream_t stream) {
   run_backward_passes<Element>(p, stream, [&] {
+    auto with_cap = [&](auto banded) {
+      constexpr bool kBanded = decltype(banded)::value;
+      if (p.fwd.softcap > 0.0f)
+        launch_backward_main<HeadDim, Element, kBanded, true>(p, stream);
+      else
+        launch_backward_main<HeadDim, Element, kBanded, false>(p, stream);
+    };
     if (p.fwd.banded())
-      launch_backward_main<HeadDim, Element, true>(p, stream);
+      with_cap(std::true_type{});
     else
-      launch_backward_main<HeadDim, Element, false>(p, stream);
+      with_cap(std::false_type{});
   });
 }
 

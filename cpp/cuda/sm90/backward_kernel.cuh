@@ -22,9 +22,12 @@
 // dK and dV stay in registers across the walk (GQA's sum costs nothing).
 // Under attn_mask (its kind a template argument) a block walks its key
 // tile's lists (common/mask_tiles.h) and reads the mask on the steps they mark.
+// Soft-capped (a template argument too) it has no attn_mask variant.
 // Not yet: overlap between one step's products and the next step's, and the
 // deterministic mode (the dispatcher sends it to sm80).
 #pragma once
+
+#include <type_traits>
 
 #include "../common/backward_passes.cuh"
 #include "../common/band.cuh"
@@ -43,10 +46,11 @@
 #include "backward_sm90.h"
 #include "backward_softmax.cuh"
 #include "backward_traits.h"
+#include "fusedattn/plan.h"
 
 namespace fusedattn::cuda {
 
-template <int HeadDim, typename T, bool Banded, MaskKind Mask>
+template <int HeadDim, typename T, bool Banded, MaskKind Mask, bool Capped>
 __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     sm90_backward_kernel(const __grid_constant__ Sm90BackwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma, stmatrix and setmaxnreg exist only in sm_90a code
@@ -89,7 +93,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const int warp_row = warp * 16;  // this warp's accumulator rows: keys of S^T, queries of dQ (after query0)
   const int64_t my_key0 = walk.key0 + 64 * consumer;  // this warpgroup's 64 keys
   const Sm90BackwardMma<HeadDim, T, Tr> mma{smem, consumer};
-  using Softmax = Sm90BackwardSoftmax<Tr, T, Banded, Mask>;
+  using Softmax = Sm90BackwardSoftmax<Tr, T, Banded, Mask, Capped>;
   const Softmax softmax{f,
                         walk.batch,
                         reinterpret_cast<typename Softmax::MaskEntry*>(smem.mask +
@@ -99,7 +103,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
                         walk.seq.seqlen_q,
                         walk.seq.seqlen_k,
                         Band::of(f, walk.seq.seqlen_q, walk.seq.seqlen_k),
-                        f.scale * kLog2e,
+                        SoftCap::of(f),
                         lane,
                         g,
                         t};
@@ -217,10 +221,10 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
 #endif
 }
 
-template <int HeadDim, typename T, bool Banded, MaskKind Mask>
+template <int HeadDim, typename T, bool Banded, MaskKind Mask, bool Capped>
 void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90BackwardTraits<HeadDim>;
-  auto kernel = sm90_backward_kernel<HeadDim, T, Banded, Mask>;
+  auto kernel = sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90BackwardArgs launch_args = args;
   launch_args.order = make_key_block_order(args.p.fwd.shape, Tr::kBlockN, args.p.head_splits, sizeof(T), Banded);
@@ -231,19 +235,27 @@ void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stre
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 
+// Soft-capped calls have their own kernels, without attn_mask (the planner
+// sends the others to sm80), as in the forward.
 template <int HeadDim, typename Element>
 void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
   const BackwardParams& p = args.p;
   run_backward_passes<Element>(p, stream, [&] {
     if (p.fwd.shape.batch * p.fwd.shape.heads_kv * p.fwd.shape.seqlen_k == 0) return;
-    auto with_band = [&](auto mask) {
+    auto with_band = [&](auto mask, auto capped) {
       constexpr MaskKind kMask = decltype(mask)::value;
+      constexpr bool kCapped = decltype(capped)::value;
       if (p.fwd.banded())
-        launch_sm90_backward_kernel<HeadDim, Element, true, kMask>(args, stream);
+        launch_sm90_backward_kernel<HeadDim, Element, true, kMask, kCapped>(args, stream);
       else
-        launch_sm90_backward_kernel<HeadDim, Element, false, kMask>(args, stream);
+        launch_sm90_backward_kernel<HeadDim, Element, false, kMask, kCapped>(args, stream);
     };
-    dispatch_each_mask_kind(p.fwd.mask.kind, with_band);
+    if (p.fwd.softcap > 0.0f) {
+      if (p.fwd.mask.kind != MaskKind::None) throw_planner_bug("the sm90 backward soft-caps calls without attn_mask only");
+      with_band(std::integral_constant<MaskKind, MaskKind::None>{}, std::true_type{});
+    } else {
+      dispatch_each_mask_kind(p.fwd.mask.kind, [&](auto mask) { with_band(mask, std::false_type{}); });
+    }
   });
 }
 

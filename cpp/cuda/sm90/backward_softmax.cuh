@@ -1,7 +1,8 @@
 // The sm90 backward's softmax step, per consumer thread: from a step's S^T
 // and dP^T (this warpgroup's 64 keys by the step's queries) to
 //   P^T  = 2^(S^T scale log2 e - lse log2 e),  dS^T = P^T (dP^T - delta)
-// with every hidden entry 0 in both: past the keys or the queries, outside
+// (soft-capped: P^T = 2^(tanh(S^T scale / cap) cap log2 e - lse log2 e) and dS^T
+// takes tanh's slope as a factor) with every hidden entry 0 in both: past the keys or the queries, outside
 // the band, or hidden by attn_mask (read on the steps the mask's lists mark,
 // each warp copying its entries to shared memory first).
 #pragma once
@@ -17,7 +18,8 @@
 
 namespace fusedattn::cuda {
 
-template <typename Tr, typename T, bool Banded, MaskKind Mask>
+// Capped: soft-capping on (SoftCap), fixed at compile time as in the forward.
+template <typename Tr, typename T, bool Banded, MaskKind Mask, bool Capped>
 struct Sm90BackwardSoftmax {
   static constexpr int kBlockM = Tr::kBlockM, kMTiles = kBlockM / 8;
   static constexpr bool kListed = Mask != MaskKind::None;
@@ -40,7 +42,7 @@ struct Sm90BackwardSoftmax {
   // The sequence's lengths (the call's, dense); banded: query i sees key j iff band.sees(i, j).
   int64_t seqlen_q, seqlen_k;
   Band band;
-  float scale_log2;
+  SoftCap cap;  // its scale_log2 takes a raw (or, Capped, capped) score to base-2 units
   int lane, g, t;
 
   // Element (nt, e) (key row g + 8 (e / 2), query column nt * 8 + 2t + e % 2):
@@ -68,8 +70,18 @@ struct Sm90BackwardSoftmax {
     // mask added; the exponentials stay one straight run the compiler
     // interleaves. A test per element in their loop became a branch per
     // element, which serialised them (docs/cuda-notes.md, rung 4).
+    // Capped, S^T becomes tanh(S^T scale / cap) first and dP^T - delta takes
+    // tanh's slope there, so that nothing below needs the raw score again.
+    if constexpr (Capped) {
+      cap.apply(st);
+#pragma unroll
+      for (int nt = 0; nt < kMTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          dpt[nt][e] = (dpt[nt][e] - delta[nt * 8 + 2 * t + (e & 1)]) * SoftCap::slope(st[nt][e]);
+    }
     uint64_t hidden = 0;
-    float score_scale = scale_log2;  // S^T to base-2 scores
+    float score_scale = cap.scale_log2;  // S^T to base-2 scores
     if constexpr (kListed) {
       if (needs_masking) {
         const int64_t mask_base = batch * f.mask.batch_stride + head * f.mask.head_stride;
@@ -87,7 +99,7 @@ struct Sm90BackwardSoftmax {
               if (reads_mask && !is_outside)
                 added = mask_entry<Mask, T>(mask_stage, (query_col - round * kRoundRows) * 16 + key_row);
               is_outside |= added == -INFINITY;
-              st[nt][e] = st[nt][e] * scale_log2 + added;
+              st[nt][e] = st[nt][e] * cap.scale_log2 + added;
               hidden |= uint64_t(is_outside) << (4 * nt + e);
             }
           }
@@ -108,7 +120,7 @@ struct Sm90BackwardSoftmax {
         const bool is_hidden = (hidden >> (4 * nt + e)) & 1u;
         const float prob = is_hidden ? 0.0f : exp2f(st[nt][e] * score_scale - lse_in_log2(lse[c]));
         st[nt][e] = prob;
-        dpt[nt][e] = is_hidden ? 0.0f : prob * (dpt[nt][e] - delta[c]);
+        dpt[nt][e] = is_hidden ? 0.0f : prob * (Capped ? dpt[nt][e] : dpt[nt][e] - delta[c]);
       }
     }
   }
