@@ -103,49 +103,20 @@ struct SoftCap {
   // tanh(x pre) as 1 - 2 / (e^(2 x pre) + 1): float32-accurate (about 1e-7
   // absolute) for two MUFU ops, one more than tanh.approx, whose 2^-11
   // relative error would move a score capped at 50 by 0.02. Large |x| give
-  // exactly +-1.
-  __device__ __forceinline__ float tanh_of_any(float x) const {
-    return 1.0f - __fdividef(2.0f, exp2f(2.0f * kLog2e * pre * x) + 1.0f);
-  }
-  // tanh(y) for |y| <= 1 as y + y^3 P(y^2) on the FMA pipe alone; P from
-  // lab/fit_tanh.py, 1.2e-7 absolute in float32.
-  __device__ __forceinline__ static float tanh_near_zero(float y) {
-    const float z = y * y;
-    float p = 0.0010445386f;
-    p = fmaf(p, z, -0.006213699f);
-    p = fmaf(p, z, 0.020302922f);
-    p = fmaf(p, z, -0.05346617f);
-    p = fmaf(p, z, 0.13325578f);
-    p = fmaf(p, z, -0.33332914f);
-    return fmaf(y * z, p, y);
+  // exactly +-1. (A polynomial on the FMA pipe for |x pre| <= 1, which left
+  // the MUFU unit one op per score, ran slower: docs/cuda-notes.md.)
+  __device__ __forceinline__ float operator()(float x) const {
+    return fmaf(-2.0f, __fdividef(1.0f, exp2f(2.0f * kLog2e * pre * x) + 1.0f), 1.0f);
   }
   // The slope of tanh where it took the value `th`: a capped score's
   // derivative is scale slope(th), and the backward's dS takes the factor.
   __device__ __forceinline__ static float slope(float th) { return 1.0f - th * th; }
-  // tanh(x pre) of a tile of raw scores: by the polynomial when every score
-  // of the warp's tile has |x pre| <= 1 (each capped score within the cap of
-  // 0, the usual case), else by the exponential form. The softmax's
-  // exponentials already keep the MUFU unit busy; the polynomial leaves it
-  // one op per score instead of three. The vote only picks the faster of two
-  // equal answers, so the warp need not be converged.
   template <int NTiles>
   __device__ __forceinline__ void apply(float (&s)[NTiles][4]) const {
-    float widest = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < NTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) widest = fmaxf(widest, fabsf(s[nt][e]));
-    if (__all_sync(__activemask(), widest * pre <= 1.0f)) {
-#pragma unroll
-      for (int nt = 0; nt < NTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = tanh_near_zero(s[nt][e] * pre);
-    } else {
-#pragma unroll
-      for (int nt = 0; nt < NTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = tanh_of_any(s[nt][e]);
-    }
+      for (int e = 0; e < 4; ++e) s[nt][e] = (*this)(s[nt][e]);
   }
 };
 
