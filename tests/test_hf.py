@@ -143,6 +143,39 @@ def test_gemma2_soft_capping_runs_in_the_kernels(fused_calls):
     assert len(fused_calls) == config.num_hidden_layers
 
 
+def relative_gradient_errors(model, reference):
+    """Each q_proj weight's gradient error against the reference's, over the reference's largest entry."""
+    return [((a.self_attn.q_proj.weight.grad.float() - b.self_attn.q_proj.weight.grad).abs().max()
+             / b.self_attn.q_proj.weight.grad.abs().max()).item()
+            for a, b in zip(model.model.layers, reference.model.layers)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemma2_soft_capped_training_step(device, fused_calls):
+    """A training step through Gemma 2's soft-cap (1.0: tanh's slope matters
+    on most scores): the attention weights' gradients against eager attention
+    in float32. On CUDA the model runs in bfloat16 on the fused soft-capped
+    backward, within twice eager bfloat16's own error."""
+    config = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=97,
+                                       attn_logit_softcapping=1.0, final_logit_softcapping=None, sliding_window=8,
+                                       query_pre_attn_scalar=32, max_position_embeddings=128)
+    eager, fused = twin_models(transformers.Gemma2ForCausalLM, config, reference="eager")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if device == "cuda":
+        assert fusedattn.ops.supports(torch.device(device), dtype, 32, softcap=True, fused=True)
+    eager_low = copy.deepcopy(eager).to(device, dtype)
+    eager, fused = eager.to(device), fused.to(device, dtype)
+    ids = IDS.to(device)
+    for model in (eager, eager_low, fused):
+        model.train()
+        model(ids).logits.float().square().mean().backward()
+    assert len(fused_calls) == config.num_hidden_layers
+    floor = 1e-5 if device == "cpu" else 0.0  # float32 against float32: rounding only
+    for ours, low in zip(relative_gradient_errors(fused, eager), relative_gradient_errors(eager_low, eager)):
+        assert ours <= 2 * low + floor, (ours, low)
+
+
 def test_phi3_head_dim_96_runs_in_the_kernels(fused_calls):
     """Phi-3's head dim 96 (and its fused QKV projection), logits and greedy tokens against SDPA."""
     config = transformers.Phi3Config(hidden_size=192, intermediate_size=128, num_hidden_layers=2,
