@@ -2,7 +2,7 @@
 // of query rows at a time (plan.block_m rows; a block's scores, [B, Hq, rows,
 // Nk], bound the memory). It takes every dtype, head dim and option on any
 // device; the CUDA planner gives it the calls no fused kernel takes
-// (float32, head dims past the kernels', soft-capping in the backward).
+// (float32, head dims past the kernels').
 #pragma once
 
 #include <ATen/core/Tensor.h>
