@@ -89,50 +89,30 @@ BlockScores block_scores(const PreparedInputs& in, const Operands& ops, const at
   return b;
 }
 
-// A block's softmax pieces from its scores: the row max m (0 for a row
-// that sees nothing, whose exponentials are then all 0), e = exp(s - m) and
-// the normaliser l, the sinks ([1, Hq, 1] logits, or undefined) included.
-struct BlockSoftmax {
-  at::Tensor m, e, l;
-
-  static BlockSoftmax of(const at::Tensor& s, const at::Tensor& sink, const Operands& ops, int64_t rows, int64_t keys) {
-    at::Tensor m = keys > 0 ? s.amax(-1) : at::full({ops.batch, ops.heads_q, rows}, -kInf, s.options());
-    if (sink.defined()) m = at::maximum(m, sink);
-    m.masked_fill_(m.isneginf(), 0.0);
-    at::Tensor e = (s - m.unsqueeze(-1)).exp_();
-    at::Tensor l = e.sum(-1);
-    if (sink.defined()) l.add_((sink - m).exp_());
-    return {m, e, l};
-  }
-  // P = e / l, 0 in rows that see nothing (l = 0); a NaN score stays NaN.
-  at::Tensor probabilities() const {
-    const at::Tensor den = l.unsqueeze(-1);
-    return at::where(den == 0, 0.0, e / den);
-  }
-};
-
-// The sinks as a [1, Hq, 1] logit that joins every row's normaliser (undefined without).
-at::Tensor sink_logits(const PreparedInputs& in, const Operands& ops) {
-  return in.sinks.defined() ? in.sinks.view({1, ops.heads_q, 1}) : at::Tensor();
-}
-
 }  // namespace
 
 void gemm_forward(const PreparedInputs& in, const Plan& plan, const at::Tensor& out, const at::Tensor& lse) {
   const Operands ops(in);
-  const at::Tensor sink = sink_logits(in, ops);
+  // The sinks as a [1, Hq, 1] logit that joins every row's normaliser.
+  const at::Tensor sink = in.sinks.defined() ? in.sinks.view({1, ops.heads_q, 1}) : at::Tensor();
   for (int64_t row0 = 0; row0 < ops.seqlen_q; row0 += plan.block_m) {
     const int64_t rows = std::min<int64_t>(plan.block_m, ops.seqlen_q - row0);
     const Block blk = Block::of(in.params, ops, row0, rows);
     const at::Tensor s = block_scores(in, ops, ops.grouped_rows(in.q, row0, rows), blk).s;
-    const BlockSoftmax sm = BlockSoftmax::of(s, sink, ops, rows, blk.keys);
+    at::Tensor m = blk.keys > 0 ? s.amax(-1) : at::full({ops.batch, ops.heads_q, rows}, -kInf, s.options());
+    if (sink.defined()) m = at::maximum(m, sink);
+    // A row with nothing visible (m = -inf) subtracts 0: its exponentials are all 0.
+    m.masked_fill_(m.isneginf(), 0.0);
+    const at::Tensor e = (s - m.unsqueeze(-1)).exp_();
+    at::Tensor l = e.sum(-1);
+    if (sink.defined()) l.add_((sink - m).exp_());
     const at::Tensor pv =
-        ops.per_head(at::matmul(sm.e.view({ops.batch, ops.heads_kv, ops.group * rows, blk.keys}), blk.key_rows(ops.v)),
+        ops.per_head(at::matmul(e.view({ops.batch, ops.heads_kv, ops.group * rows, blk.keys}), blk.key_rows(ops.v)),
                      rows);
     // Rows with l = 0 see nothing: out 0, lse -inf.
-    const at::Tensor seen = sm.l > 0;
-    out.narrow(2, row0, rows).copy_(at::where(seen.unsqueeze(-1), pv / sm.l.unsqueeze(-1), 0.0));
-    lse.narrow(2, row0, rows).copy_(at::where(seen, sm.m + sm.l.log(), -kInf));
+    const at::Tensor seen = l > 0;
+    out.narrow(2, row0, rows).copy_(at::where(seen.unsqueeze(-1), pv / l.unsqueeze(-1), 0.0));
+    lse.narrow(2, row0, rows).copy_(at::where(seen, m + l.log(), -kInf));
   }
 }
 
@@ -141,9 +121,8 @@ at::Tensor gemm_backward(PreparedBackward& b, const Plan& plan) {
   const Operands ops(in);
   const float scale = in.params.scale;
   const at::Tensor delta = output_delta(b.grad_out, b.out);  // float32 [B, Hq, Nq]
-  // P is the block's softmax again, not exp(s - lse): lse's float32 rounding
-  // (half an ulp of a value near log Nk) would become P's relative error.
-  const at::Tensor sink = sink_logits(in, ops);
+  // lse of a row that sees nothing is -inf; as +inf it makes that row's P 0.
+  const at::Tensor lse = b.lse.masked_fill(b.lse.isneginf(), kInf);
   at::Tensor grad_k = at::zeros_like(ops.k), grad_v = at::zeros_like(ops.v);
   for (int64_t row0 = 0; row0 < ops.seqlen_q; row0 += plan.block_m) {
     const int64_t rows = std::min<int64_t>(plan.block_m, ops.seqlen_q - row0);
@@ -151,7 +130,7 @@ at::Tensor gemm_backward(PreparedBackward& b, const Plan& plan) {
     const at::Tensor do_rows = ops.grouped_rows(b.grad_out, row0, rows);
     const Block blk = Block::of(in.params, ops, row0, rows);
     const BlockScores scores = block_scores(in, ops, q_rows, blk);
-    const at::Tensor p = BlockSoftmax::of(scores.s, sink, ops, rows, blk.keys).probabilities();
+    const at::Tensor p = (scores.s - lse.narrow(2, row0, rows).unsqueeze(-1)).exp_();
     const std::vector<int64_t> grouped{ops.batch, ops.heads_kv, ops.group * rows, blk.keys};
     blk.key_rows(grad_v).add_(at::matmul(p.view(grouped).transpose(-2, -1), do_rows));
     // dS = P (dP - delta), times the soft-cap's slope 1 - tanh^2.
