@@ -144,26 +144,32 @@ def test_gemma2_soft_capping_runs_in_the_kernels(fused_calls):
 
 
 def relative_gradient_errors(model, reference):
-    """Each q_proj weight's gradient error against the reference's, over the reference's largest entry."""
-    return [((a.self_attn.q_proj.weight.grad.float() - b.self_attn.q_proj.weight.grad).abs().max()
-             / b.self_attn.q_proj.weight.grad.abs().max()).item()
-            for a, b in zip(model.model.layers, reference.model.layers)]
+    """Each layer's q_proj, k_proj and v_proj weight gradient error against the
+    reference's, over the reference's largest entry."""
+    errors = []
+    for a, b in zip(model.model.layers, reference.model.layers):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            ours, theirs = getattr(a.self_attn, name).weight.grad, getattr(b.self_attn, name).weight.grad
+            errors.append(((ours.float() - theirs).abs().max() / theirs.abs().max()).item())
+    return errors
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gemma2_soft_capped_training_step(device, fused_calls):
-    """A training step through Gemma 2's soft-cap (1.0: tanh's slope matters
-    on most scores): the attention weights' gradients against eager attention
-    in float32. On CUDA the model runs in bfloat16 on the fused soft-capped
-    backward, within twice eager bfloat16's own error."""
+    """A training step through Gemma 2's soft-cap: the attention weights'
+    gradients against eager attention in float32. The cap (0.02) flattens the
+    scores enough that tanh's slope moves those gradients by 76-117%. On CUDA
+    the model runs in bfloat16 on the fused soft-capped backward, within twice
+    eager bfloat16's own error."""
     config = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=97,
-                                       attn_logit_softcapping=1.0, final_logit_softcapping=None, sliding_window=8,
+                                       attn_logit_softcapping=0.02, final_logit_softcapping=None, sliding_window=8,
                                        query_pre_attn_scalar=32, max_position_embeddings=128)
     eager, fused = twin_models(transformers.Gemma2ForCausalLM, config, reference="eager")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    if device == "cuda":
-        assert fusedattn.ops.supports(torch.device(device), dtype, 32, softcap=True, fused=True)
+    if device == "cuda":  # the layers' calls plan a fused backward
+        q, k = torch.zeros(2, 4, 20, 32, device=device, dtype=dtype), torch.zeros(2, 2, 20, 32, device=device, dtype=dtype)
+        assert fusedattn.plan(q, k, k, is_causal=True, softcap=0.02, backward=True)["family"] in ("sm80", "sm90")
     eager_low = copy.deepcopy(eager).to(device, dtype)
     eager, fused = eager.to(device), fused.to(device, dtype)
     ids = IDS.to(device)

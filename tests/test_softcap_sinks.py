@@ -11,7 +11,7 @@ from hypothesis import given
 
 import fusedattn
 from fusedattn import reference
-from helpers.attention_cases import Case, cases, check_backward, check_forward
+from helpers.attention_cases import Case, assert_within_rule, cases, check_backward, check_forward
 from helpers.cuda import GPU_DTYPES
 from helpers.kvcache_cases import check_against_reference, make_cache
 from helpers.varlen_cases import check_varlen, packed, sequence
@@ -93,6 +93,37 @@ def test_softcap_bounds_every_score():
     assert (lse <= 1.0 + torch.log(torch.tensor(64.0))).all()
     uncapped, _ = torch.ops.fusedattn.forward(q, k, v)
     assert (out - uncapped).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_softcap_across_tanh_range(dtype):
+    """The CPU's tanh has two forms (a polynomial up to |score / cap| = 1, an
+    exponential beyond): scores from 1e-4 of the cap to 40x it, straddling the
+    seam, are as accurate as float32's torch.tanh through the reference, with
+    gradients; a NaN score stays NaN in its row."""
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 2, 90, 16, generator=gen), torch.randn(1, 2, 90, 16, generator=gen)
+    # Row r's scores reach |s| ~ 10^(r / 10 - 4) x 16 of a cap of 16: from 1e-4 of it to far past it.
+    spread = torch.logspace(-4, 1.6, 57).view(1, 1, 57, 1)
+    q, k, v = (t.to(dtype) for t in (torch.randn(1, 2, 57, 16, generator=gen) * spread, k, v))
+    out, lse = torch.ops.fusedattn.forward(q, k, v, softcap=16.0)
+    oracle, oracle_lse = reference.attention_with_lse(q.double(), k.double(), v.double(), softcap=16.0)
+    low, _ = reference.attention_with_lse(q, k, v, softcap=16.0)
+    assert_within_rule("out", out, oracle, low, dtype, factor=2)
+    assert (lse.double() - oracle_lse).abs().max() <= 1e-4 * (1 + oracle_lse.abs().max())
+    grad_out = torch.randn(out.shape, generator=gen).to(dtype)
+    grads = {}
+    for name, attend, cast in (("ours", fusedattn.attention, lambda t: t), ("oracle", reference.attention, torch.Tensor.double),
+                               ("low", reference.attention, lambda t: t)):
+        inputs = [cast(t).detach().requires_grad_() for t in (q, k, v)]
+        grads[name] = torch.autograd.grad(attend(*inputs, softcap=16.0), inputs, cast(grad_out))
+    magnitude = max(1.0, *(o.abs().max().item() for o in grads["oracle"]))
+    for name, a, o, lp in zip(("dq", "dk", "dv"), grads["ours"], grads["oracle"], grads["low"]):
+        assert_within_rule(name, a, o, lp, dtype, factor=3, scale=magnitude)
+    q = q.clone()
+    q[0, 1, 5, 3] = float("nan")
+    out, _ = torch.ops.fusedattn.forward(q, k, v, softcap=16.0)
+    assert out[0, 1, 5].isnan().all() and not out[0, 0].isnan().any()
 
 
 # varlen: empty sequences on either side, one token, Nq != Nk both ways.
@@ -192,16 +223,19 @@ def test_bad_input_says_what_was_expected(bad):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("softcap", [0.3, 5.0, 50.0], ids=str)
-@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 128])
 @pytest.mark.parametrize("mask", ["none", "additive"])
-def test_cuda_backward_soft_caps(cuda_family, softcap, head_dim, mask):
-    """Every family and backward head dim (padded too), causal with sinks; sm90's
-    backward soft-caps without attn_mask (forcing it with one raises)."""
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_cuda_backward_soft_caps(cuda_family, softcap, head_dim, mask, is_causal):
+    """Every family and backward head dim (padded too), with sinks, banded and
+    not; sm90's backward soft-caps without attn_mask (forcing it with one
+    raises; at d=32 and 64, where sm90's forward has no capped kernel, the
+    forced call raises in the forward)."""
     from helpers.cuda import check_cuda_backward
 
     for dtype in GPU_DTYPES:
         check_cuda_backward(Case(seqlen_q=150, seqlen_k=333, head_dim=head_dim, dtype=dtype, mask=mask,
-                                 is_causal=True, softcap=softcap, sinks=True))
+                                 is_causal=is_causal, softcap=softcap, sinks=True))
 
 
 @pytest.mark.gpu
@@ -296,9 +330,10 @@ def test_cuda_decode_sinks(head_dim, splits, merge):
 def test_supports_says_where_each_option_runs():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert fusedattn.ops.supports(cpu, torch.bfloat16, 64, softcap=True, sinks=True)
-    # The fused backwards do not soft-cap; the gemm family does, where there are CUDA kernels at all.
-    assert not fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True, fused=True)
-    assert fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True) == fusedattn.ops.has_kernel("forward", "cuda")
+    # The fused kernels soft-cap, forward and backward, where there are CUDA kernels at all.
+    has_cuda_kernels = fusedattn.ops.has_kernel("forward", "cuda")
+    assert fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True, fused=True) == has_cuda_kernels
+    assert fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True) == has_cuda_kernels
     assert fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True, backward=False) == \
         fusedattn.ops.supports(cuda, torch.float16, 64)
     assert fusedattn.ops.supports(cuda, torch.float16, 64, sinks=True) == fusedattn.ops.supports(cuda, torch.float16, 64)

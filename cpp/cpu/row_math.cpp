@@ -32,6 +32,30 @@ inline float exp2_clamped(float x) {
   return p * std::bit_cast<float>(exponent_bits);
 }
 
+// tanh(y) for |y| <= 1 as y + y^3 P(y^2), P from lab/fit_tanh.py: 1.2e-7
+// absolute in float32, and relative near 0, where the exponential form below
+// cancels.
+inline float tanh_near_zero(float y) {
+  const float z = y * y;
+  float p = 0.0010445386f;
+  p = p * z - 0.006213699f;
+  p = p * z + 0.020302922f;
+  p = p * z - 0.05346617f;
+  p = p * z + 0.13325578f;
+  p = p * z - 0.33332914f;
+  return y + y * z * p;
+}
+
+// tanh(y) about as accurately as std::tanh (1.2e-7 absolute), in operations
+// a loop vectorises: both forms are computed and one kept. Past |y| = 1,
+// 1 - 2 / (e^2y + 1), whose clamped exponential gives exactly +-1 far out; a
+// NaN takes the polynomial, so it stays NaN.
+inline float tanh_vectorisable(float y) {
+  constexpr float kTwoLog2e = 2.8853900817779268f;  // 2 log2(e)
+  const float far = 1.0f - 2.0f / (exp2_clamped(kTwoLog2e * y) + 1.0f);
+  return std::fabs(y) > 1.0f ? far : tanh_near_zero(y);
+}
+
 }  // namespace
 
 FUSEDATTN_MULTIVERSION
@@ -77,10 +101,16 @@ void softmax_grad_row(float* dp, const float* p, int64_t n, float delta) {
 FUSEDATTN_MULTIVERSION
 void softcap_row(float* x, int64_t n, float cap, float* slope) {
   const float inv_cap = 1.0f / cap;
+  if (slope == nullptr) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) x[j] = cap * tanh_vectorisable(x[j] * inv_cap);
+    return;
+  }
+#pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    const float t = std::tanh(x[j] * inv_cap);
+    const float t = tanh_vectorisable(x[j] * inv_cap);
     x[j] = cap * t;
-    if (slope) slope[j] = 1.0f - t * t;
+    slope[j] = 1.0f - t * t;
   }
 }
 

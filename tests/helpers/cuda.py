@@ -103,13 +103,24 @@ def check_cuda_backward(case: Case):
     the backward's plan as for check_cuda."""
     q, k, v, mask = make_inputs(case, "cuda")
     plan = planned(case, q, k, v, mask, backward=True)
-    if plan is None or planned(case, q, k, v, mask) is None:  # a forced family may take one pass only
+    if plan is None:
         q.requires_grad_(True)
         with pytest.raises(RuntimeError, match="was forced, but"):
             fusedattn.attention(q, k, v, mask, *case.options(make_sinks(case, "cuda"))).sum().backward()
         return
     q_shape = (case.batch, case.heads_q, case.seqlen_q, plan["head_dim"])  # the kernels' (padded) gradients
     kv_shape = (case.batch, case.heads_kv, case.seqlen_k, plan["head_dim"])
-    poison_allocator(*[(q_shape, case.dtype)] * 3, *[(kv_shape, case.dtype)] * 2, (q_shape, torch.float32),
-                     (q_shape[:3], torch.float32))
-    check_backward(case, device="cuda")
+    if planned(case, q, k, v, mask) is not None:
+        poison_allocator(*[(q_shape, case.dtype)] * 3, *[(kv_shape, case.dtype)] * 2, (q_shape, torch.float32),
+                         (q_shape[:3], torch.float32))
+        check_backward(case, device="cuda")
+        return
+    # The forced family takes the backward but not the forward: the forward
+    # unforced, then the forced backward operator itself.
+    sinks = make_sinks(case, "cuda")
+    is_causal, scale, window, softcap, sinks = case.options(sinks)
+    with fusedattn.backends.force("auto"):
+        out, lse = forward(q, k, v, mask, is_causal, scale, window, softcap, sinks)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(case.seed + 1)).to("cuda", case.dtype)
+    grads = backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, window, softcap, sinks)
+    check_backward(case, device="cuda", grads=grads if sinks is not None else grads[:3], grad_out=grad_out)
