@@ -56,6 +56,23 @@ inline float tanh_vectorisable(float y) {
   return std::fabs(y) > 1.0f ? far : tanh_near_zero(y);
 }
 
+// x[j] = cap tanh_of(x[j] / cap), and with slope, slope[j] = 1 - tanh^2.
+template <typename Tanh>
+inline void softcap_with(float* x, int64_t n, float cap, float* slope, Tanh tanh_of) {
+  const float inv_cap = 1.0f / cap;
+  if (slope == nullptr) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) x[j] = cap * tanh_of(x[j] * inv_cap);
+    return;
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float t = tanh_of(x[j] * inv_cap);
+    x[j] = cap * t;
+    slope[j] = 1.0f - t * t;
+  }
+}
+
 }  // namespace
 
 FUSEDATTN_MULTIVERSION
@@ -100,18 +117,15 @@ void softmax_grad_row(float* dp, const float* p, int64_t n, float delta) {
 
 FUSEDATTN_MULTIVERSION
 void softcap_row(float* x, int64_t n, float cap, float* slope) {
-  const float inv_cap = 1.0f / cap;
-  if (slope == nullptr) {
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) x[j] = cap * tanh_vectorisable(x[j] * inv_cap);
-    return;
-  }
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float t = tanh_vectorisable(x[j] * inv_cap);
-    x[j] = cap * t;
-    slope[j] = 1.0f - t * t;
-  }
+  // A row whose scores all lie within the cap (the usual case) needs the
+  // polynomial only; a NaN is not counted, and the polynomial keeps it NaN.
+  float widest = 0.0f;
+#pragma omp simd reduction(max : widest)
+  for (int64_t j = 0; j < n; ++j) widest = std::fabs(x[j]) > widest ? std::fabs(x[j]) : widest;
+  if (widest <= cap)
+    softcap_with(x, n, cap, slope, tanh_near_zero);
+  else
+    softcap_with(x, n, cap, slope, tanh_vectorisable);
 }
 
 FUSEDATTN_MULTIVERSION
