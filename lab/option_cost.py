@@ -70,7 +70,7 @@ def main() -> None:
     rows = []
     for name in args.options.split(","):
         d = args.head_dim
-        heads = 8 if d == 256 else 16
+        heads = 8 if d == 256 else 16  # issue 31's bars: H=16, H=8 at d=256
         cases = [(f"forward d={d} N={n}{' causal' if c else ''}",
                   lambda n=n, c=c: dense_calls(n, c, dtype, False, option_values(name, heads, "cuda"), d, heads))
                  for n, c in DENSE]

@@ -55,10 +55,10 @@ def needs_gradients(*tensors: Tensor | None) -> bool:
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None, *,
              softcap: bool = False, sinks: bool = False, backward: bool = True, fused: bool = False) -> bool:
     """Whether fusedattn serves attention on this device, dtype and head dim
-    (and v's head dim, None: the same), with soft-capping and attention sinks
-    where asked (every path serves both): the forward, and with ``backward``
-    the backward too. On CUDA
-    the gemm family (float32 matrix products, a block of query rows at a
+    (and v's head dim, None: the same): the forward, and with ``backward`` the
+    backward too. ``softcap`` and ``sinks`` say whether the call soft-caps or
+    has sinks; every path serves both, so they change no answer today. On
+    CUDA the gemm family (float32 matrix products, a block of query rows at a
     time) serves what the fused kernels do not; with ``fused`` only a fused
     kernel counts."""
     if dtype not in DTYPES or device.type not in ("cpu", "cuda"):

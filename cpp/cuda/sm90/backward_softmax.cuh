@@ -1,10 +1,11 @@
 // The sm90 backward's softmax step, per consumer thread: from a step's S^T
 // and dP^T (this warpgroup's 64 keys by the step's queries) to
 //   P^T  = 2^(S^T scale log2 e - lse log2 e),  dS^T = P^T (dP^T - delta)
-// (soft-capped: P^T = 2^(tanh(S^T scale / cap) cap log2 e - lse log2 e) and dS^T
-// takes tanh's slope as a factor) with every hidden entry 0 in both: past the keys or the queries, outside
-// the band, or hidden by attn_mask (read on the steps the mask's lists mark,
-// each warp copying its entries to shared memory first).
+// (soft-capped: P^T = 2^(tanh(S^T scale / cap) cap log2 e - lse log2 e), and
+// dS^T takes tanh's slope as a factor) with every hidden entry 0 in both:
+// past the keys or the queries, outside the band, or hidden by attn_mask (read
+// on the steps the mask's lists mark, each warp copying its entries to shared
+// memory first).
 #pragma once
 
 #include <cmath>
