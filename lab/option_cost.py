@@ -62,6 +62,14 @@ def decode_calls(length, dtype, options, device):
     return call({}), call(options)
 
 
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name()
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor() or "cpu")
+    return f"{model}, {torch.get_num_threads()} threads"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--options", default="sinks")
@@ -103,9 +111,8 @@ def main() -> None:
             print(f"{name:8s} {label:30s} without {medians['without'] * 1e6:9.1f} us  "
                   f"with {medians['with'] * 1e6:9.1f} us  cost {100 * (ratio - 1):+6.2f}%", flush=True)
     if args.json:
-        name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
         with open(args.json, "w") as f:
-            json.dump({"device": name, "dtype": args.dtype, "rows": rows}, f, indent=1)
+            json.dump({"device": device_name(device), "dtype": args.dtype, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def test_cuda_backward_deterministic_mode(is_causal, window, head_dim):
     need CUBLAS_WORKSPACE_CONFIG inside it)."""
     case = Case(heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=333, head_dim=head_dim,
                 dtype=torch.bfloat16, mask="key_padding", is_causal=is_causal, window=window,
-                softcap=2.0 if is_causal else None)  # soft-capped: the dQ pass's capped kernel too
+                softcap=2.0 if is_causal else None)  # capped: sm80's capped key-block and dQ kernels
     q, k, v, mask = make_inputs(case, "cuda", requires_grad=True)
     grad_out = torch.randn_like(q)
     torch.use_deterministic_algorithms(True)

@@ -48,12 +48,14 @@ inline float tanh_near_zero(float y) {
 
 // tanh(y) about as accurately as std::tanh (1.2e-7 absolute), in operations
 // a loop vectorises: both forms are computed and one kept. Past |y| = 1,
-// 1 - 2 / (e^2y + 1), whose clamped exponential gives exactly +-1 far out; a
-// NaN takes the polynomial, so it stays NaN.
+// sign(y) (1 - 2 / (e^2|y| + 1)) (on |y|: for y < -1 the sum would cancel),
+// whose clamped exponential gives exactly +-1 far out; a NaN takes the
+// polynomial, so it stays NaN.
 inline float tanh_vectorisable(float y) {
   constexpr float kTwoLog2e = 2.8853900817779268f;  // 2 log2(e)
-  const float far = 1.0f - 2.0f / (exp2_clamped(kTwoLog2e * y) + 1.0f);
-  return std::fabs(y) > 1.0f ? far : tanh_near_zero(y);
+  const float a = std::fabs(y);
+  const float far = std::copysign(1.0f - 2.0f / (exp2_clamped(kTwoLog2e * a) + 1.0f), y);
+  return a > 1.0f ? far : tanh_near_zero(y);
 }
 
 // x[j] = cap tanh_of(x[j] / cap), and with slope, slope[j] = 1 - tanh^2.

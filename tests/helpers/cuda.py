@@ -115,12 +115,17 @@ def check_cuda_backward(case: Case):
                          (q_shape[:3], torch.float32))
         check_backward(case, device="cuda")
         return
-    # The forced family takes the backward but not the forward: the forward
-    # unforced, then the forced backward operator itself.
+    # The forced family takes the backward but not the forward: the forced
+    # call raises, so the forward runs unforced, then the forced backward
+    # operator itself.
     sinks = make_sinks(case, "cuda")
     is_causal, scale, window, softcap, sinks = case.options(sinks)
+    with pytest.raises(RuntimeError, match="was forced, but"):
+        forward(q, k, v, mask, is_causal, scale, window, softcap, sinks)
     with fusedattn.backends.force("auto"):
         out, lse = forward(q, k, v, mask, is_causal, scale, window, softcap, sinks)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(case.seed + 1)).to("cuda", case.dtype)
+    poison_allocator(*[(q_shape, case.dtype)] * 3, *[(kv_shape, case.dtype)] * 2, (q_shape, torch.float32),
+                     (q_shape[:3], torch.float32))
     grads = backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, window, softcap, sinks)
     check_backward(case, device="cuda", grads=grads if sinks is not None else grads[:3], grad_out=grad_out)
