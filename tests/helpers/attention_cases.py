@@ -199,6 +199,13 @@ def check_forward(case: Case, device="cpu", out=None, lse=None):
     return out, lse
 
 
+def default_grad_out(case: Case, device="cpu") -> torch.Tensor:
+    """The case's grad_out, [B, Hq, Nq, d_v] in its dtype, from its own seed."""
+    g = torch.Generator().manual_seed(case.seed + 1)
+    shape = (case.batch, case.heads_q, case.seqlen_q, case.head_dim_v or case.head_dim)
+    return torch.randn(shape, generator=g).to(device=device, dtype=case.dtype)
+
+
 def check_backward(case: Case, device="cpu", grads=None, grad_out=None):
     """Gradients of q, k, v (and the sinks) through fusedattn.attention (or
     `grads`, computed by the caller from make_inputs(case) and `grad_out`)
@@ -207,8 +214,7 @@ def check_backward(case: Case, device="cpu", grads=None, grad_out=None):
     sinks = make_sinks(case, device, requires_grad=True)
     inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
     if grad_out is None:
-        g = torch.Generator().manual_seed(case.seed + 1)
-        grad_out = torch.randn((*q.shape[:3], v.shape[3]), generator=g).to(device=device, dtype=case.dtype)
+        grad_out = default_grad_out(case, device)
 
     if grads is None:
         out = fusedattn.attention(q, k, v, mask, *case.options(sinks))

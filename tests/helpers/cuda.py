@@ -9,7 +9,7 @@ import torch
 import fusedattn
 from fusedattn.ops import cuda_head_dims
 
-from .attention_cases import Case, check_backward, check_forward, make_inputs, make_sinks
+from .attention_cases import Case, check_backward, check_forward, default_grad_out, make_inputs, make_sinks
 
 GPU_DTYPES = [torch.float16, torch.bfloat16]
 HEAD_DIMS = list(cuda_head_dims())
@@ -110,9 +110,13 @@ def check_cuda_backward(case: Case):
         return
     q_shape = (case.batch, case.heads_q, case.seqlen_q, plan["head_dim"])  # the kernels' (padded) gradients
     kv_shape = (case.batch, case.heads_kv, case.seqlen_k, plan["head_dim"])
-    if planned(case, q, k, v, mask) is not None:
+
+    def poison_gradients():
         poison_allocator(*[(q_shape, case.dtype)] * 3, *[(kv_shape, case.dtype)] * 2, (q_shape, torch.float32),
                          (q_shape[:3], torch.float32))
+
+    if planned(case, q, k, v, mask) is not None:
+        poison_gradients()
         check_backward(case, device="cuda")
         return
     # The forced family takes the backward but not the forward: the forced
@@ -124,8 +128,7 @@ def check_cuda_backward(case: Case):
         forward(q, k, v, mask, is_causal, scale, window, softcap, sinks)
     with fusedattn.backends.force("auto"):
         out, lse = forward(q, k, v, mask, is_causal, scale, window, softcap, sinks)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(case.seed + 1)).to("cuda", case.dtype)
-    poison_allocator(*[(q_shape, case.dtype)] * 3, *[(kv_shape, case.dtype)] * 2, (q_shape, torch.float32),
-                     (q_shape[:3], torch.float32))
+    grad_out = default_grad_out(case, "cuda")
+    poison_gradients()
     grads = backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, window, softcap, sinks)
     check_backward(case, device="cuda", grads=grads if sinks is not None else grads[:3], grad_out=grad_out)
