@@ -47,15 +47,23 @@ def attention_cases():
                 out, lse = torch.ops.fusedattn.forward(q, k, v, None, causal, None)
                 torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, causal, None)
 
-    # The wide head dims' forwards (their backwards run on the gemm family):
-    # sm90's 112- and 80-key tiles, soft-capped too, and sm80's loader, which
-    # deals a 192 row's 24 chunks over its 128 threads.
+    # The wide head dims' forwards: sm90's 112- and 80-key tiles, soft-capped
+    # too, and sm80's loader, which deals a 192 row's 24 chunks over its 128
+    # threads; and sm90's wide backward at d=192 (the walk's ring wrapping,
+    # with and without head splits).
     for head_dim in (192, 256):
         case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=200, seqlen_k=331, head_dim=head_dim,
                     dtype=torch.float16, mask="none", is_causal=True)
         q, k, v, _ = make_inputs(case, "cuda")
         for family, softcap in (("auto", None), ("auto", 5.0), ("sm80", None)):
             torch.ops.fusedattn.forward(q, k, v, None, True, None, family, None, softcap)
+        if head_dim == 192:
+            for heads_q, heads_kv in ((2, 1), (2, 2)):
+                case = Case(batch=1, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=300, seqlen_k=231,
+                            head_dim=head_dim, dtype=torch.bfloat16, mask="none", is_causal=False)
+                q, k, v, _ = make_inputs(case, "cuda")
+                out, lse = torch.ops.fusedattn.forward(q, k, v, None, False, None)
+                torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, False, None)
 
     # More query blocks than SMs (2 x 72 heads x 2 blocks = 288 items, 128 or
     # 192 query rows a block): the persistent sm90 forward's blocks (d=128, and

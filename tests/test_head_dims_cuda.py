@@ -1,5 +1,5 @@
 """Head dims the CUDA kernels have no instantiation for: any d up to the
-largest served one (the forward's 256, the backward's 128), and a value head
+largest served one (the forward's 256, the backward's 128, on sm90 192), and a value head
 dim of its own (d_v != d). The operators pad q, k and v with zeros to the next
 served head dim (the plan's head_dim) and cut the outputs back; forward and
 backward on each family against the float64 reference, with masks, windows,
@@ -13,7 +13,7 @@ import torch
 import fusedattn
 from fusedattn.ops import cuda_head_dims
 from helpers.attention_cases import Case, check_backward, check_forward, make_inputs
-from helpers.cuda import check_cuda, check_cuda_backward, sm90_available
+from helpers.cuda import check_cuda, check_cuda_backward, served_head_dims, sm90_available
 from helpers.kvcache_cases import check_against_reference
 
 pytestmark = pytest.mark.gpu
@@ -56,6 +56,8 @@ def test_padded_plan_says_the_kernel_head_dim():
     plan = fusedattn.plan(q, k, v)  # above 128 the forward's kernels run at 192 and 256 (sm90: 112-, 80-key tiles)
     assert plan["family"] == ("sm90" if sm90_available() else "sm80") and plan["head_dim"] == 192
     assert plan["block_n"] == (112 if sm90_available() else 64)
+    plan = fusedattn.plan(q, k, v, backward=True)  # sm90's backward runs it at 192, sm80's has no kernel
+    assert (plan["family"], plan["head_dim"]) == (("sm90", 192) if sm90_available() else ("gemm", 160))
 
 
 def test_padding_keeps_the_scale_of_the_call():
@@ -95,9 +97,10 @@ def test_fake_functions_and_compile_at_a_padded_head_dim():
 
 
 def test_head_dims_above_the_largest_run_on_the_gemm_family():
-    """Above 256 the forward, above 128 the backward runs on the gemm family
-    (float32 matrix products); supports(fused=True) says where the kernels stop."""
-    top, top_backward = cuda_head_dims("sm80_forward")[-1], cuda_head_dims("sm80_backward")[-1]
+    """Above 256 the forward, above 128 (sm90: 192) the backward runs on the
+    gemm family (float32 matrix products); supports(fused=True) says where the
+    kernels stop."""
+    top, top_backward = cuda_head_dims("sm80_forward")[-1], served_head_dims(backward=True)[-1]
     for d, d_v in [(top + 1, top), (top, top + 32)]:
         case = Case(head_dim=d, head_dim_v=d_v, dtype=torch.float16, seqlen_q=70, seqlen_k=90)
         q, k, v, _ = make_inputs(case, "cuda")

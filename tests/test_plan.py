@@ -11,7 +11,7 @@ import torch
 import fusedattn
 from fusedattn.ops import cuda_head_dims
 
-from helpers.cuda import sm90_available
+from helpers.cuda import served_head_dims, sm90_available
 
 
 def qkv(d=16, dtype=torch.float32, device="cpu", nq=5, nk=7):
@@ -122,10 +122,10 @@ def test_the_library_reports_the_generated_table():
     """supports() and the CLI read the head dims from the library, which has them from the table."""
     for kernel, dims in generated_table().items():
         assert cuda_head_dims(kernel) == dims, kernel
-    served = set(cuda_head_dims("sm80_forward")) & set(cuda_head_dims("sm80_backward"))
+    top = min(served_head_dims()[-1], served_head_dims(backward=True)[-1])
     cuda = torch.device("cuda")
     for d in range(1, 300):  # below the largest served dim, the kernels run it padded; above, the gemm family
-        assert fusedattn.ops.supports(cuda, torch.float16, d, fused=True) == (d <= max(served))
+        assert fusedattn.ops.supports(cuda, torch.float16, d, fused=True) == (d <= top)
         assert fusedattn.ops.supports(cuda, torch.float16, d)
     assert fusedattn.ops.supports(cuda, torch.float16, 64, softcap=True, sinks=True, fused=True)
     assert not fusedattn.ops.supports(cuda, torch.float32, 64, fused=True)
@@ -167,13 +167,19 @@ def test_cuda_plans(dtype):
         assert plan(128)["block_n"] == 176 and plan(128, mask=True)["block_n"] == 128
         assert plan(128, causal=True)["block_n"] == 128 and plan(128, causal=True, nk=16384)["block_n"] == 176
         assert plan(64)["persistent"] is False and plan(64, causal=True)["persistent"] is True
-        # d=192 and 256: sm90's forward in 112- and 80-key tiles, persistent; attn_mask there on sm80,
-        # the backward on the gemm family.
+        # d=192 and 256: sm90's forward in 112- and 80-key tiles, persistent; attn_mask there on sm80.
+        # The backward: sm90's wide kernel at 192 (64 x 64 tiles) without attn_mask or soft-capping,
+        # else (and at 256) the gemm family.
         for d, keys in ((192, 112), (256, 80)):
             wide = plan(d)
             assert (wide["family"], wide["block_n"], wide["persistent"], wide["head_dim"]) == ("sm90", keys, True, d)
             assert plan(d, causal=True)["block_n"] == keys and plan(d, mask=True)["family"] == "sm80"
-            assert plan(d, backward=True)["family"] == "gemm"
+            backward = plan(d, backward=True)
+            if d == 192:
+                assert (backward["family"], backward["block_m"], backward["block_n"]) == ("sm90", 64, 64), backward
+            else:
+                assert backward["family"] == "gemm"
+            assert plan(d, mask=True, backward=True)["family"] == plan(d, softcap=5.0, backward=True)["family"] == "gemm"
         # Soft-capped forwards: sm90 unmasked at its capped head dims, sm80 elsewhere.
         for d in cuda_head_dims():
             capped = d in cuda_head_dims("sm90_forward_capped")

@@ -107,26 +107,41 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
       sm90_forward_tile_keys(p)));
 }
 
-std::string sm90_backward_refusal(const BackwardParams& p) {
-  const AttentionShape& sh = p.fwd.shape;
-  if (p.deterministic) return "the sm90 backward has no deterministic mode (torch.use_deterministic_algorithms)";
+// Why the sm90 backward cannot take a call at its kernel head dim, short of
+// the tensor maps: what the backward's gemm-or-kernel choice can tell before
+// the operators pad q, k and v (their padded copies are contiguous).
+std::string sm90_backward_rule_refusal(const ForwardParams& p, bool deterministic) {
+  const AttentionShape& sh = p.shape;
+  if (deterministic) return "the sm90 backward has no deterministic mode (torch.use_deterministic_algorithms)";
   if (!instantiated(Sm90BackwardHeadDims{}, sh.head_dim))
     return "the sm90 backward has head dims " + dims_text(Sm90BackwardHeadDims{}) + ", got " +
            std::to_string(sh.head_dim);
+  // Above d=128 the wide kernel (backward_wide_kernel.cuh) has neither yet.
+  if (sh.head_dim > 128 && p.mask.kind != MaskKind::None)
+    return "the sm90 backward takes attn_mask at head dims up to 128, got " + std::to_string(sh.head_dim);
+  if (sh.head_dim > 128 && p.softcap > 0.0f)
+    return "the sm90 backward soft-caps at head dims up to 128, got " + std::to_string(sh.head_dim);
   // Soft-capped kernels exist without attn_mask only (backward_kernel.cuh).
-  if (p.fwd.softcap > 0.0f && p.fwd.mask.kind != MaskKind::None)
+  if (p.softcap > 0.0f && p.mask.kind != MaskKind::None)
     return "the sm90 backward soft-caps calls without attn_mask only";
   // TMA coordinates are int, the rows of lse and delta included.
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31))
     return "the sm90 backward takes B x Hq x Nq and Nk below 2^31";
+  return {};
+}
+
+std::string sm90_backward_refusal(const BackwardParams& p) {
+  const AttentionShape& sh = p.fwd.shape;
+  if (std::string why = sm90_backward_rule_refusal(p.fwd, p.deterministic); !why.empty()) return why;
+  const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   // lse's rows are loaded as a 1-D map (the backward's delta and dQ accumulator are its own, aligned).
   if (rows > 0 && reinterpret_cast<uintptr_t>(p.fwd.lse) % 16 != 0)
     return "the tensor memory accelerator cannot describe lse: its data does not start on 16 bytes";
   CUtensorMap q_map, grad_out_map, k_map, v_map;
   return tensor_map_refusal(encode_backward_operand_maps(p, &q_map, &grad_out_map, &k_map, &v_map,
                                                          sm90_backward_block_m(static_cast<int>(sh.head_dim)),
-                                                         kSm90BackwardBlockN));
+                                                         sm90_backward_block_n(static_cast<int>(sh.head_dim))));
 }
 
 // How many blocks share each kv head's query heads per key block (a divisor
@@ -239,8 +254,10 @@ void check_kernel_head_dims(const AttentionShape& sh, bool backward) {
                            std::to_string(sh.head_dim) + " and d_v = " + std::to_string(sh.head_dim_v));
 }
 
-// Why no fused kernel takes a dense call (empty when one does).
-std::string unfused_reason(const ForwardParams& p, bool backward) {
+// Why no fused kernel takes a dense call (empty when one does). Backward
+// head dims that only sm90 serves (above sm80's largest) need sm90 to take
+// the call at its kernel head dim.
+std::string unfused_reason(const ForwardParams& p, const PlanRequest& request, bool backward) {
   const AttentionShape& sh = p.shape;
   if (p.dtype == DType::Float32) return "the CUDA kernels take float16 and bfloat16, got float32";
   const int64_t largest = served_head_dims(backward).back();
@@ -248,6 +265,15 @@ std::string unfused_reason(const ForwardParams& p, bool backward) {
     return std::string("the CUDA ") + (backward ? "backward" : "forward") + " kernels take head dims up to " +
            std::to_string(largest) + ", got d = " + std::to_string(sh.head_dim) + " and d_v = " +
            std::to_string(sh.head_dim_v);
+  const int64_t kernel_dim = kernel_head_dim(sh.head_dim, sh.head_dim_v, backward);
+  if (backward && !instantiated(Sm80BackwardHeadDims{}, kernel_dim)) {
+    if (request.family == PlanRequest::FamilyChoice::Sm80)
+      return "the sm80 backward has head dims " + dims_text(Sm80BackwardHeadDims{}) + ", got " +
+             std::to_string(kernel_dim);
+    ForwardParams padded = p;
+    padded.shape.head_dim = padded.shape.head_dim_v = kernel_dim;
+    return sm90_backward_rule_refusal(padded, request.deterministic);
+  }
   return {};
 }
 
@@ -262,7 +288,7 @@ Plan gemm_blocks(const AttentionShape& sh, bool backward) {
 
 std::optional<Plan> plan_gemm(const ForwardParams& p, const PlanRequest& request, bool backward) {
   using Choice = PlanRequest::FamilyChoice;
-  const std::string why = request.family == Choice::Gemm ? std::string() : unfused_reason(p, backward);
+  const std::string why = request.family == Choice::Gemm ? std::string() : unfused_reason(p, request, backward);
   if (request.family != Choice::Gemm && why.empty()) return std::nullopt;
   if (request.family == Choice::Sm80 || request.family == Choice::Sm90)
     throw std::invalid_argument(std::string("fusedattn: family ") + (request.family == Choice::Sm80 ? "sm80" : "sm90") +
@@ -312,10 +338,15 @@ Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
   plan.backward = true;
   plan.deterministic = p.deterministic;
   plan.family = choose_family(request.family, [&] { return sm90_backward_refusal(p); });
+  // plan_gemm sent a head dim only sm90 serves here by sm90's rules; its tensor maps may still refuse.
+  if (plan.family == Family::Sm80 && !instantiated(Sm80BackwardHeadDims{}, d))
+    throw std::invalid_argument("fusedattn: the CUDA backward at head dim " + std::to_string(d) +
+                                " runs on the sm90 kernels only, which cannot take this call: " +
+                                sm90_backward_refusal(p));
   int blocks_per_sm = 0;
   if (plan.family == Family::Sm90) {
     plan.block_m = sm90_backward_block_m(d);
-    plan.block_n = kSm90BackwardBlockN;
+    plan.block_n = sm90_backward_block_n(d);
     plan.warps = 4 * (1 + kSm90BackwardConsumers);
     blocks_per_sm = kSm90BackwardBlocksPerSm;
   } else {
@@ -419,7 +450,13 @@ VarlenWork schedule_varlen(const ForwardParams& p, const HostSequences& sequence
 }
 
 std::vector<int64_t> served_head_dims(bool backward) {
-  return instantiated_head_dims(backward ? "sm80_backward" : "sm80_forward");
+  if (!backward) return values_of(Sm80ForwardHeadDims{});
+  std::vector<int64_t> dims = values_of(Sm80BackwardHeadDims{});
+  if (sm90_available())
+    for (int64_t d : values_of(Sm90BackwardHeadDims{}))
+      if (std::find(dims.begin(), dims.end(), d) == dims.end()) dims.push_back(d);
+  std::sort(dims.begin(), dims.end());
+  return dims;
 }
 
 int64_t kernel_head_dim(int64_t d, int64_t d_v, bool backward) {

@@ -64,7 +64,8 @@ struct VarlenWork {
 VarlenWork schedule_varlen(const ForwardParams& p, const HostSequences& sequences, Plan& plan);
 
 // The head dims CUDA's forward (backward: its backward) serves natively:
-// those of sm80, every call's fallback.
+// those of sm80, every call's fallback; the backward's also those only the
+// sm90 kernels serve (above d=128) where this device and build run them.
 std::vector<int64_t> served_head_dims(bool backward);
 
 // The head dim the forward (or backward) kernels run a call of q/k head dim

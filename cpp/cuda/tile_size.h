@@ -57,10 +57,17 @@ __host__ __device__ constexpr bool sm90_forward_persistent(int head_dim, bool ba
 // mbarrier round trip, dQ's reductions); 128 halve those costs per FLOP and
 // still fit 240 registers. At d=128 a 64-query step's products are twice as
 // large for the same fixed costs.
+// Above d=128 a consumer's 64 keys would hold dK and dV in d registers: the
+// wide kernel (FA3's orientation there) computes S = Q K^T and dK^T, dV^T
+// with the keys as N, 32 per consumer, so that dK^T and dV^T take d / 4
+// registers each; 64 keys by 64 queries, with two stages of Q and dO, fill
+// 219 KB of shared memory at d=192.
 inline constexpr int kSm90BackwardConsumers = 2;
-inline constexpr int kSm90BackwardBlockN = 64 * kSm90BackwardConsumers;
 inline constexpr int kSm90BackwardBlocksPerSm = 1;
 __host__ __device__ constexpr int sm90_backward_block_m(int head_dim) { return head_dim == 64 ? 128 : 64; }
+__host__ __device__ constexpr int sm90_backward_block_n(int head_dim) {
+  return head_dim > 128 ? 64 : 64 * kSm90BackwardConsumers;
+}
 
 // decode: a block takes kDecodeBlockM (query head, query) rows of one kv head
 // and streams its keys in tiles of kDecodeKeysPerWarp keys per warp (so a

@@ -48,6 +48,7 @@ const DeviceSupport& cuda_dense_support() {
 PlanRequest family_request(const char* op, const std::optional<c10::string_view>& family, const at::Tensor& q) {
   PlanRequest r;
   r.family = parse_family(op, family, q);
+  r.deterministic = at::globalContext().deterministicAlgorithms();
   return r;
 }
 

@@ -57,10 +57,11 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head
     """Whether fusedattn serves attention on this device, dtype and head dim
     (and v's head dim, None: the same): the forward, and with ``backward`` the
     backward too. ``softcap`` and ``sinks`` say whether the call soft-caps or
-    has sinks; every path serves both, so they change no answer today. On
-    CUDA the gemm family (float32 matrix products, a block of query rows at a
-    time) serves what the fused kernels do not; with ``fused`` only a fused
-    kernel counts."""
+    has sinks; every path serves both. On CUDA the gemm family (float32
+    matrix products, a block of query rows at a time) serves what the fused
+    kernels do not; with ``fused`` only a fused kernel counts. The backward
+    above d=128 is fused on sm90 devices only (Hopper), without soft-capping
+    or attn_mask (which this function is not told of)."""
     if dtype not in DTYPES or device.type not in ("cpu", "cuda"):
         return False
     if device.type == "cpu":
@@ -68,7 +69,11 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head
     served = cuda_head_dims("sm80_backward" if backward else "sm80_forward")  # () without CUDA kernels
     if not fused:
         return bool(served)
-    return dtype in CUDA_DTYPES and bool(served) and max(head_dim, value_head_dim or head_dim) <= served[-1]
+    largest = max(head_dim, value_head_dim or head_dim)
+    if backward and served and largest > served[-1] and not softcap and \
+            torch.cuda.get_device_capability(device)[0] == 9:
+        served = cuda_head_dims("sm90_backward")
+    return dtype in CUDA_DTYPES and bool(served) and largest <= served[-1]
 
 
 def _grad_sinks_fake(q, sinks):

@@ -56,12 +56,20 @@ def backward(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale
                                         fusedattn.backends.forced().family, window, softcap, sinks)
 
 
+def served_head_dims(backward: bool = False) -> tuple[int, ...]:
+    """The forward's (or backward's) served head dims on this GPU: sm80's, and
+    for the backward those only sm90 has (above 128) where the GPU has sm90."""
+    if not backward:
+        return cuda_head_dims("sm80_forward")
+    wide = cuda_head_dims("sm90_backward") if sm90_available() else ()
+    return tuple(sorted(set(cuda_head_dims("sm80_backward")) | set(wide)))
+
+
 def kernel_head_dim(case: Case, backward: bool = False) -> int | None:
     """The head dim the CUDA kernels run the case at: the next of the forward's
     (or backward's) served dims at least d and d_v; None above the largest."""
     widest = max(case.head_dim, case.head_dim_v or case.head_dim)
-    return min((d for d in cuda_head_dims("sm80_backward" if backward else "sm80_forward") if d >= widest),
-               default=None)
+    return min((d for d in served_head_dims(backward) if d >= widest), default=None)
 
 
 def planned(case: Case, q, k, v, mask, backward: bool = False) -> dict | None:

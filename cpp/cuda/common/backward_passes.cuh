@@ -22,8 +22,7 @@ namespace fusedattn::cuda {
 // 16-byte loads and stores: out and grad_out rows start on 16 bytes on CUDA
 // (as_kernel_operand), and grad_q, grad_k, grad_v and the float32 sums are
 // fresh, contiguous tensors. Head dims are multiples of 8: the operator
-// layer lets only the instantiated ones (32, 64, 128) reach a kernel
-// (docs/architecture.md).
+// layer lets only the instantiated ones reach a kernel (docs/architecture.md).
 template <typename T>
 struct Octet {  // 8 elements of T in one 16-byte word
   uint4 bits;
@@ -42,16 +41,24 @@ __device__ __forceinline__ void load8_scaled(const float* x, float scale, float 
   out[4] = hi.x * scale, out[5] = hi.y * scale, out[6] = hi.z * scale, out[7] = hi.w * scale;
 }
 
+// The threads of one warp that take a row in backward_preprocess_kernel:
+// d / 8 rounded up to a power of two (the host checks d / 8 <= 32).
+__host__ __device__ inline int preprocess_lanes(int64_t head_dim) {
+  int lanes = 1;
+  while (lanes * 8 < head_dim) lanes *= 2;
+  return lanes;
+}
+
 // delta[row] = sum_d dO[row, d] O[row, d]; grad_q_accum[row, :] = 0 (when
-// there is one). A row takes d / 8 threads of one warp (d / 8 divides 32:
-// the host checks), so a block of 128 takes 128 / (d / 8) rows.
+// there is one). A row takes preprocess_lanes(d) threads of one warp, 8
+// columns each (those past d idle), so a block of 128 takes 128 / lanes rows.
 template <typename T>
 __global__ void __launch_bounds__(128) backward_preprocess_kernel(const __grid_constant__ BackwardParams p) {
   const AttentionShape& sh = p.fwd.shape;
-  const int lanes = static_cast<int>(sh.head_dim / 8);
+  const int lanes = preprocess_lanes(sh.head_dim);
   const int64_t row = int64_t(blockIdx.x) * (128 / lanes) + threadIdx.x / lanes;
   const int col = threadIdx.x % lanes * 8;
-  const bool valid = row < sh.batch * sh.heads_q * sh.seqlen_q;
+  const bool valid = row < sh.batch * sh.heads_q * sh.seqlen_q && col < sh.head_dim;
   float sum = 0.0f;
   if (valid) {
     const int64_t batch = row / (sh.heads_q * sh.seqlen_q), head = row / sh.seqlen_q % sh.heads_q,
@@ -235,10 +242,10 @@ void run_backward_passes(const BackwardParams& p, cudaStream_t stream, LaunchMai
   const AttentionShape& sh = p.fwd.shape;
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * sh.head_dim;
-  if (sh.head_dim < 8 || sh.head_dim > 256 || sh.head_dim % 8 != 0 || 32 % (sh.head_dim / 8) != 0)
-    throw std::invalid_argument("fusedattn: the CUDA backward's passes take head dims 8, 16, 32, 64, 128 or 256, got " +
+  if (sh.head_dim < 8 || sh.head_dim > 256 || sh.head_dim % 8 != 0)
+    throw std::invalid_argument("fusedattn: the CUDA backward's passes take head dims 8 to 256 in steps of 8, got " +
                                 std::to_string(sh.head_dim));
-  const int64_t rows_per_block = 128 / (sh.head_dim / 8);
+  const int64_t rows_per_block = 128 / preprocess_lanes(sh.head_dim);
   if ((rows + rows_per_block - 1) / rows_per_block > 2147483647 || (rows * sh.head_dim / 8 + 255) / 256 > 2147483647 ||
       (kv_size / 8 + 255) / 256 > 2147483647)
     throw std::runtime_error("fusedattn: B x H x N x d exceeds one launch of the backward's passes");

@@ -46,6 +46,7 @@
 #include "backward_sm90.h"
 #include "backward_softmax.cuh"
 #include "backward_traits.h"
+#include "backward_wide_kernel.cuh"
 #include "fusedattn/plan.h"
 
 namespace fusedattn::cuda {
@@ -236,27 +237,32 @@ void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stre
 }
 
 // Soft-capped calls have their own kernels, without attn_mask (the planner
-// sends the others to sm80), as in the forward.
+// sends the others to sm80), as in the forward. Above d=128 the wide kernel.
 template <int HeadDim, typename Element>
 void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
-  const BackwardParams& p = args.p;
-  run_backward_passes<Element>(p, stream, [&] {
-    if (p.fwd.shape.batch * p.fwd.shape.heads_kv * p.fwd.shape.seqlen_k == 0) return;
-    auto with_band = [&](auto mask, auto capped) {
-      constexpr MaskKind kMask = decltype(mask)::value;
-      constexpr bool kCapped = decltype(capped)::value;
-      if (p.fwd.banded())
-        launch_sm90_backward_kernel<HeadDim, Element, true, kMask, kCapped>(args, stream);
-      else
-        launch_sm90_backward_kernel<HeadDim, Element, false, kMask, kCapped>(args, stream);
-    };
-    if (p.fwd.softcap > 0.0f) {
-      if (p.fwd.mask.kind != MaskKind::None) throw_planner_bug("the sm90 backward soft-caps calls without attn_mask only");
-      with_band(std::integral_constant<MaskKind, MaskKind::None>{}, std::true_type{});
-    } else {
-      dispatch_each_mask_kind(p.fwd.mask.kind, [&](auto mask) { with_band(mask, std::false_type{}); });
-    }
-  });
+  if constexpr (HeadDim > 128) {
+    launch_wide_backward_sm90<HeadDim, Element>(args, stream);
+  } else {
+    const BackwardParams& p = args.p;
+    run_backward_passes<Element>(p, stream, [&] {
+      if (p.fwd.shape.batch * p.fwd.shape.heads_kv * p.fwd.shape.seqlen_k == 0) return;
+      auto with_band = [&](auto mask, auto capped) {
+        constexpr MaskKind kMask = decltype(mask)::value;
+        constexpr bool kCapped = decltype(capped)::value;
+        if (p.fwd.banded())
+          launch_sm90_backward_kernel<HeadDim, Element, true, kMask, kCapped>(args, stream);
+        else
+          launch_sm90_backward_kernel<HeadDim, Element, false, kMask, kCapped>(args, stream);
+      };
+      if (p.fwd.softcap > 0.0f) {
+        if (p.fwd.mask.kind != MaskKind::None)
+          throw_planner_bug("the sm90 backward soft-caps calls without attn_mask only");
+        with_band(std::integral_constant<MaskKind, MaskKind::None>{}, std::true_type{});
+      } else {
+        dispatch_each_mask_kind(p.fwd.mask.kind, [&](auto mask) { with_band(mask, std::false_type{}); });
+      }
+    });
+  }
 }
 
 }  // namespace fusedattn::cuda

@@ -14,7 +14,7 @@ template <int HeadDim>
 struct Sm90BackwardTraits {
   static constexpr int kConsumers = kSm90BackwardConsumers;  // warpgroups of 64 keys
   static constexpr int kThreads = 128 * (1 + kConsumers);    // + the producer
-  static constexpr int kBlockN = kSm90BackwardBlockN;        // keys per block
+  static constexpr int kBlockN = sm90_backward_block_n(HeadDim);  // keys per block
   static_assert(kBlockN == 64 * kConsumers);
   static constexpr int kBlockM = sm90_backward_block_m(HeadDim);  // queries per step (tile_size.h)
   static constexpr int kStages = 2;                         // of Q, dO, lse, delta

@@ -9,7 +9,7 @@
 #include "../common/instantiation_dispatch.h"
 #include "../common/launch_check.h"
 #include "backward_sm90.h"
-#include "backward_traits.h"
+#include "backward_wide_traits.h"
 #include "forward_sm90.h"
 #include "forward_traits.h"
 #include "tensor_maps.h"
@@ -78,7 +78,7 @@ void backward_sm90(const BackwardParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.fwd.shape;
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   dispatch_instantiation(Sm90BackwardHeadDims{}, "sm90 backward", p.fwd.dtype, sh.head_dim, [&](auto head_dim, auto element) {
-    using Tr = Sm90BackwardTraits<decltype(head_dim)::value>;
+    using Tr = Sm90BackwardTraitsOf<decltype(head_dim)::value>;
     Sm90BackwardArgs args{};
     args.p = p;
     // The first operand whose map fails, named in the error.

@@ -32,6 +32,7 @@ struct PlanRequest {
   int num_splits = 0;                        // decode: 0 = the planner's count
   int merge_in_cluster = -1;                 // decode: -1 the planner's answer, 0 never, 1 required
   int warps = 0;                             // decode: 0 = the planner's count, else 4 or 8
+  bool deterministic = false;                // backward: torch.use_deterministic_algorithms(True)
 };
 
 struct Plan {

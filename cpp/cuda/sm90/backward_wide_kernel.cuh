@@ -1,0 +1,250 @@
+// The sm90 backward's key-block kernel above d=128. The d<=128 kernel
+// (backward_kernel.cuh) gives each consumer 64 keys as the products' M, so
+// dK and dV would hold d registers per thread; this one turns the products
+// around (FlashAttention 3's orientation at d=192 and 256): S = Q K^T with
+// the step's 64 queries as M and each consumer's 32 keys as N, dK^T and dV^T
+// (d x 32 keys, d / 4 registers each) accumulated from P and dS, which go
+// through shared memory as [key][query] tiles (backward_wide_mainloop.cuh).
+// A block owns 64 keys and is three warpgroups:
+//   producer (warpgroup 0): backward_mainloop.cuh's load, as in the other kernel.
+//   consumers (warpgroups 1, 2): per step S, dP; the softmax step
+//     (backward_wide_softmax.cuh); P^T and dS^T stored (stmatrix,
+//     transposed); dQ for this consumer's 64-column slabs of d, staged and
+//     added to the float32 accumulator by tensor reduces (backward_epilogue.cuh)
+//     while dV^T and dK^T run.
+// Not yet: attn_mask, soft-capping and d=256 (its Q and dO stages do not fit
+// beside K, V and dQ's staging); the planner sends those calls elsewhere.
+#pragma once
+
+#include <type_traits>
+
+#include "../common/backward_passes.cuh"
+#include "../common/band.cuh"
+#include "../common/device_math.cuh"
+#include "../common/launch_check.h"
+#include "../common/online_softmax.cuh"
+#include "../hopper/bulk_copy.cuh"
+#include "../hopper/ring_phases.cuh"
+#include "../hopper/warpgroup.cuh"
+#include "../hopper/wgmma.cuh"
+#include "backward_epilogue.cuh"
+#include "backward_mainloop.cuh"
+#include "backward_pipeline.cuh"
+#include "backward_wide_mainloop.cuh"
+#include "backward_wide_softmax.cuh"
+#include "backward_wide_traits.h"
+#include "fusedattn/plan.h"
+
+namespace fusedattn::cuda {
+
+// dK^T (scaled: S was scale Q K^T) and dV^T of one consumer warp: rows
+// warp_row + g (+ 8) of each 64 columns of d, columns this consumer's keys
+// from first_key (m64n32 accumulators); written, or added to the float32
+// sums when the group's query heads are split over blocks, as in
+// store_key_gradients.
+template <int HeadDim, int Keys, typename T>
+__device__ __forceinline__ void store_transposed_key_gradients(const BackwardParams& p, int64_t batch,
+                                                               unsigned head_kv, int64_t k0, int64_t first_key,
+                                                               int64_t seqlen_k, int warp_row,
+                                                               const float (&dk)[HeadDim / 64][Keys / 2],
+                                                               const float (&dv)[HeadDim / 64][Keys / 2]) {
+  const AttentionShape& sh = p.fwd.shape;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t kv_row = (batch * sh.heads_kv + head_kv) * sh.seqlen_k + k0;
+  const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * HeadDim;
+  const float scale = p.fwd.scale;
+  T* grad_k = static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + head_kv * p.grad_k_strides.head +
+              k0 * p.grad_k_strides.row;
+  T* grad_v = static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + head_kv * p.grad_v_strides.head +
+              k0 * p.grad_v_strides.row;
+#pragma unroll
+  for (int j = 0; j < HeadDim / 64; ++j)
+#pragma unroll
+    for (int nt = 0; nt < Keys / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 64 * j + warp_row + g + 8 * (e >> 1);
+        const int64_t key = first_key + nt * 8 + 2 * t + (e & 1);
+        if (key >= seqlen_k) continue;
+        const float dk_value = dk[j][4 * nt + e] * scale, dv_value = dv[j][4 * nt + e];
+        if (p.head_splits > 1) {
+          float* dk_sum = p.grad_kv_accum + (kv_row + key) * HeadDim + col;
+          atomicAdd(dk_sum, dk_value);
+          atomicAdd(dk_sum + kv_size, dv_value);
+        } else {
+          grad_k[key * p.grad_k_strides.row + col] = from_float<T>(dk_value);
+          grad_v[key * p.grad_v_strides.row + col] = from_float<T>(dv_value);
+        }
+      }
+}
+
+template <int HeadDim, typename T, bool Banded>
+__global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
+    sm90_wide_backward_kernel(const __grid_constant__ Sm90BackwardArgs args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma, stmatrix and setmaxnreg exist only in sm_90a code
+  using Tr = Sm90WideBackwardTraits<HeadDim>;
+  using Smem = Sm90BackwardSmem<Tr>;
+  const RingPhases<Tr::kStages> ring;  // the walk is one run of the step ring
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kKeys = Tr::kKeysPerConsumer;
+  constexpr int kChunks = HeadDim / 64, kNTiles = kKeys / 8;
+  using Walk = KeyBlockWalk<kBlockN, kBlockM, Banded>;
+
+  extern __shared__ unsigned char smem_raw[];
+  const Smem smem(smem_raw);
+  const BackwardParams& p = args.p;
+  const ForwardParams& f = p.fwd;
+  const AttentionShape& sh = f.shape;
+  const Walk walk(p, args.order);
+
+  if (threadIdx.x == 0) smem.init_barriers();
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ---------------- producer ----------------
+    warpgroup_release_registers<Tr::kProducerRegisters>();
+    if (threadIdx.x != 0 || walk.steps == 0) return;
+    const Sm90BackwardLoad<Tr, Walk, false> load{args, smem, walk};
+    load.prefetch_maps();
+    load.keys_and_values();
+    for (int s = 0; s < walk.steps; ++s) load.step(s, ring);
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  warpgroup_claim_registers<Tr::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int warp_row = warp * 16;  // this warp's accumulator rows: queries of S and dQ, columns of d in dK^T
+  const int64_t my_key0 = walk.key0 + kKeys * consumer;
+  const Sm90WideBackwardMma<HeadDim, T, Tr> mma{smem, consumer};
+  const Sm90WideBackwardSoftmax<kBlockM, kKeys, Banded> softmax{my_key0,
+                                                                warp_row,
+                                                                walk.seq.seqlen_q,
+                                                                walk.seq.seqlen_k,
+                                                                Band::of(f, walk.seq.seqlen_q, walk.seq.seqlen_k),
+                                                                SoftCap::of(f).scale_log2,
+                                                                g,
+                                                                t};
+  const int first_slab = consumer == 0 ? 0 : Tr::kDqSlabs0;  // of dQ's columns
+  unsigned char* dq_stage = smem.dq + first_slab * Tr::kDqSlabBytes;
+  unsigned char* pt_tile = smem.ds + Tr::kPtOffset;
+  const bool issues_dq = threadIdx.x % 128 == 0;  // one thread of each consumer issues its dQ reduces
+
+  float dk[kChunks][kKeys / 2] = {}, dv[kChunks][kKeys / 2] = {};
+  if (walk.steps > 0) mbarrier_wait(smem.kv_full, 0);
+
+  for (int s = 0; s < walk.steps; ++s) {
+    const int stage = ring.stage(s);
+    mbarrier_wait(&smem.step_full[stage], ring.phase(s));
+    const typename Walk::Step step = walk.at(s);
+    const int64_t head = step.head, m0 = step.m0;
+    const unsigned char* q_tile = smem.q + stage * Tr::kQTileBytes;
+    const unsigned char* do_tile = smem.d_o + stage * Tr::kQTileBytes;
+    const int row_skew = flat_row(sh, walk, head, m0) & 3;  // where the step's rows start in the boxes
+    const float* lse = smem.lse + stage * Tr::kRowsSlot + row_skew;
+    const float* delta = smem.delta + stage * Tr::kRowsSlot + row_skew;
+    unsigned char* dst_tile = smem.ds + (s % 2) * Tr::kDsBytes;
+
+    float sc[kNTiles][4], dp[kNTiles][4];
+    float (&sc_flat)[kNTiles * 4] = reinterpret_cast<float (&)[kNTiles * 4]>(sc);
+    float (&dp_flat)[kNTiles * 4] = reinterpret_cast<float (&)[kNTiles * 4]>(dp);
+    mma.scores(sc_flat, dp_flat, q_tile, do_tile);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(sc_flat);
+    fence_registers(dp_flat);
+    softmax(sc, dp, m0, lse, delta);
+
+    // P^T and dS^T, [key][query]: this consumer's keys are rows kKeys
+    // consumer.. The A fragment of k-step kq holds the four 8x8 matrices
+    // (this warp's queries (i % 2) * 8.., keys kq * 16 + (i / 2) * 8..) that a
+    // transposing stmatrix writes as 16-byte rows (8 queries) of a key.
+#pragma unroll
+    for (int kq = 0; kq < kKeys / 16; ++kq) {
+      uint32_t p_a[4], ds_a[4];
+      probabilities_as_a<T>(p_a, sc, kq);
+      probabilities_as_a<T>(ds_a, dp, kq);
+      const int i = lane / 8, key = consumer * kKeys + kq * 16 + (i / 2) * 8 + lane % 8, query_chunk = 2 * warp + i % 2;
+      stmatrix_x4_trans(p_a, pt_tile + swizzled_chunk_offset(key, query_chunk, kBlockN));
+      stmatrix_x4_trans(ds_a, dst_tile + swizzled_chunk_offset(key, query_chunk, kBlockN));
+    }
+    fence_proxy_async_shared();  // written through the generic proxy, read by wgmma
+    // The last step's dQ slabs have been read out of their stage (the wait is
+    // the issuing thread's; the barrier tells its warpgroup).
+    if (issues_dq) bulk_wait<0, true>();
+    // Both consumers' P^T and dS^T written (and fenced). It also orders dS^T's
+    // buffer's next use, two steps on, after both consumers' dQ of this step.
+    named_barrier_sync(Tr::kDsWrittenBarrier, 128 * Tr::kConsumers);
+
+    // dQ first, then dV^T and dK^T, which run while dQ is staged and added.
+    auto dq_share = [&](auto slabs) {
+      constexpr int kSlabs = decltype(slabs)::value;
+      float dq[kSlabs * 32];
+      mma.template query_gradient<kSlabs>(dq, dst_tile, first_slab);
+      wgmma_commit();
+      mma.key_gradient_product(dv, do_tile, pt_tile);
+      mma.key_gradient_product(dk, q_tile, dst_tile);
+      wgmma_commit();
+      wgmma_wait<1>();  // dQ
+      fence_registers(dq);
+#pragma unroll
+      for (int j = 0; j < kSlabs; ++j)
+        stage_dq_quarter(dq_stage + j * Tr::kDqSlabBytes, reinterpret_cast<const float (&)[8][4]>(dq[32 * j]),
+                         warp_row, g, t, m0, walk.seq.seqlen_q);
+      fence_proxy_async_shared();  // written through the generic proxy, read by the tensor reduce
+      named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
+      if (issues_dq)
+        for (int j = 0; j < kSlabs; ++j)
+          reduce_dq_quarter<Tr>(dq_stage + j * Tr::kDqSlabBytes, &args.dq_map, 64 * (first_slab + j),
+                                flat_row(sh, walk, head, m0));
+    };
+    if (consumer == 0)
+      dq_share(std::integral_constant<int, Tr::kDqSlabs0>{});
+    else
+      dq_share(std::integral_constant<int, Tr::kDqSlabs1>{});
+    wgmma_wait<0>();  // dV^T and dK^T: the stage's Q and dO and this consumer's P^T are read
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      fence_registers(dk[j]);
+      fence_registers(dv[j]);
+    }
+    if (lane == 0) mbarrier_arrive(&smem.step_empty[stage]);
+  }
+  if (issues_dq) bulk_wait<0, false>();  // the reduces done before the block leaves
+  store_transposed_key_gradients<HeadDim, kKeys, T>(p, walk.batch, walk.head_kv, walk.seq.k0, my_key0,
+                                                    walk.seq.seqlen_k, warp_row, dk, dv);
+#else
+  __trap();  // built for another target: sm90_available() keeps callers away
+#endif
+}
+
+// The launch, for calls without attn_mask or soft-capping (the planner's rule).
+template <int HeadDim, typename Element>
+void launch_wide_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
+  using Tr = Sm90WideBackwardTraits<HeadDim>;
+  const BackwardParams& p = args.p;
+  if (p.fwd.mask.kind != MaskKind::None || p.fwd.softcap > 0.0f)
+    throw_planner_bug("the sm90 backward above d=128 takes no attn_mask and no soft-capping");
+  run_backward_passes<Element>(p, stream, [&] {
+    if (p.fwd.shape.batch * p.fwd.shape.heads_kv * p.fwd.shape.seqlen_k == 0) return;
+    auto launch = [&](auto banded) {
+      auto kernel = sm90_wide_backward_kernel<HeadDim, Element, decltype(banded)::value>;
+      FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
+      Sm90BackwardArgs launch_args = args;
+      launch_args.order =
+          make_key_block_order(p.fwd.shape, Tr::kBlockN, p.head_splits, sizeof(Element), decltype(banded)::value);
+      const VarlenParams& varlen = p.fwd.varlen;
+      const unsigned blocks = grid_blocks(launch_args.order, varlen.on(), varlen.key_items, p.fwd.shape.heads_kv);
+      kernel<<<blocks, Tr::kThreads, Tr::kSmemBytes, stream>>>(launch_args);
+      FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+    };
+    if (p.fwd.banded())
+      launch(std::true_type{});
+    else
+      launch(std::false_type{});
+  });
+}
+
+}  // namespace fusedattn::cuda

@@ -1,0 +1,99 @@
+"""The sm90 backward above d=128 (cpp/cuda/sm90/backward_wide_kernel.cuh):
+d=192 and the dims padded to it (d_v != d included), full, causal and
+windowed, grouped heads with and without head splits, packed sequences,
+against the float64 reference with the plan asserted; and where the planner
+sends what it does not take (attn_mask, soft-capping, the deterministic
+mode, sm80): to the gemm family, or a forced family's error."""
+
+import pytest
+import torch
+
+import fusedattn
+from helpers.attention_cases import Case, check_backward, make_inputs
+from helpers.cuda import check_cuda_backward, sm90_available
+from helpers.varlen_cases import check_varlen_backward, packed
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not sm90_available(), reason="this build or GPU has no sm90 kernels")]
+
+CALLS = {"full": {}, "causal": {"is_causal": True}, "window": {"window": (70, 9)}, "causal-window": {
+    "is_causal": True, "window": (100, 0)}}
+
+
+def backward_plan(case: Case) -> dict:
+    q, k, v, mask = make_inputs(case, "cuda")
+    return fusedattn.plan(q, k, v, mask, case.is_causal, case.scale, backward=True, window=case.window,
+                          softcap=case.softcap)
+
+
+@pytest.mark.parametrize("d,d_v", [(192, 192), (160, 160), (192, 128), (136, 72)], ids=str)
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_wide_backward_matches_reference(sm90, d, d_v, call, dtype):
+    # Nq, Nk not multiples of the 64-query steps or 64-key blocks; GQA 6:2.
+    case = Case(heads_q=6, heads_kv=2, seqlen_q=190, seqlen_k=260, head_dim=d, head_dim_v=d_v, dtype=dtype,
+                seed=d + d_v, **CALLS[call])
+    plan = backward_plan(case)
+    assert (plan["family"], plan["head_dim"], plan["block_m"], plan["block_n"]) == ("sm90", 192, 64, 64), plan
+    check_cuda_backward(case)
+
+
+@pytest.mark.parametrize("heads", [(8, 1), (4, 4)], ids=["mqa-split", "mha"])
+def test_wide_backward_head_splits(heads):
+    """One short sequence of MQA spreads its 8 query heads over blocks (float32
+    sums of dK and dV, added by atomics); MHA writes dK and dV directly."""
+    case = Case(batch=1, heads_q=heads[0], heads_kv=heads[1], seqlen_q=300, seqlen_k=200, head_dim=192,
+                dtype=torch.bfloat16, is_causal=True)
+    plan = backward_plan(case)
+    assert plan["family"] == "sm90" and (plan["head_splits"] > 1) == (heads[1] == 1), plan
+    check_cuda_backward(case)
+
+
+def test_wide_backward_long_sequence_and_unit_rows():
+    """Many 64-query steps per block (the ring's phases over a long walk), and Nq = Nk = 1."""
+    check_cuda_backward(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=1500, seqlen_k=1100, head_dim=192,
+                             dtype=torch.float16, is_causal=True))
+    check_cuda_backward(Case(batch=3, seqlen_q=1, seqlen_k=1, head_dim=192, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_wide_backward_packed_sequences(is_causal):
+    lengths_q, lengths_k = [5, 0, 1, 200, 3, 130, 64, 700], [5, 9, 1, 140, 0, 260, 64, 700]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, d=192, dtype=torch.float16, device="cuda")
+    plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, is_causal=is_causal, backward=True)
+    assert plan["family"] == "sm90" and plan["block_n"] == 64 and plan["varlen"], plan
+    check_varlen_backward(lengths_q, lengths_k, is_causal=is_causal, dtype=torch.float16, d=192, hq=4, hkv=2,
+                          device="cuda", seed=5)
+
+
+@pytest.mark.parametrize("option", ["mask", "softcap", "deterministic"])
+def test_what_the_wide_backward_does_not_take_runs_on_the_gemm_family(option):
+    case = Case(seqlen_q=90, seqlen_k=70, head_dim=192, dtype=torch.float16, is_causal=option != "mask",
+                mask="additive" if option == "mask" else "none", softcap=2.0 if option == "softcap" else None)
+    if option == "deterministic":
+        torch.use_deterministic_algorithms(True)
+    try:
+        assert backward_plan(case)["family"] == "gemm"
+        check_backward(case, "cuda")
+        q, k, v, mask = make_inputs(case, "cuda")
+        with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="was forced, but the sm90 backward"):
+            fusedattn.plan(q, k, v, mask, case.is_causal, backward=True, softcap=case.softcap)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_sm80_forced_at_a_wide_head_dim_is_an_error():
+    case = Case(head_dim=192, dtype=torch.float16)
+    q, k, v, _ = make_inputs(case, "cuda")
+    with fusedattn.backends.force("sm80"):
+        assert fusedattn.plan(q, k, v)["family"] == "sm80"  # the forward has d=192 on sm80
+        with pytest.raises(RuntimeError, match=r"family sm80 was forced, but the sm80 backward has head dims"):
+            fusedattn.plan(q, k, v, backward=True)
+
+
+def test_supports_says_the_backward_is_fused_to_192_on_sm90():
+    cuda = torch.device("cuda")
+    assert fusedattn.ops.supports(cuda, torch.bfloat16, 192, fused=True)
+    assert fusedattn.ops.supports(cuda, torch.bfloat16, 150, 100, fused=True)
+    assert not fusedattn.ops.supports(cuda, torch.bfloat16, 192, softcap=True, fused=True)
+    assert not fusedattn.ops.supports(cuda, torch.bfloat16, 200, fused=True)
