@@ -28,7 +28,7 @@ KERNELS = {
     "sm90_forward": ("sm90", "forward_kernel.cuh", (64, 128, 192, 256), [
         "template void launch_forward_sm90<{d}, {t}>(const Sm90ForwardArgs&, const Plan&, cudaStream_t);",
     ]),
-    "sm90_backward": ("sm90", "backward_kernel.cuh", (64, 128, 192), [
+    "sm90_backward": ("sm90", "backward_kernel.cuh", (64, 128, 192, 256), [
         "template void launch_backward_sm90<{d}, {t}>(const Sm90BackwardArgs&, cudaStream_t);",
     ]),
     "decode": ("decode", "decode_kernel.cuh", (32, 64, 128, 256), [

@@ -1,5 +1,5 @@
 """The sm90 backward above d=128 (cpp/cuda/sm90/backward_wide_kernel.cuh):
-d=192 and the dims padded to it (d_v != d included), full, causal and
+d=192 and 256 and the dims padded to them (d_v != d included), full, causal and
 windowed, grouped heads with and without head splits, packed sequences,
 against the float64 reference with the plan asserted; and where the planner
 sends what it does not take (attn_mask, soft-capping, the deterministic
@@ -26,7 +26,8 @@ def backward_plan(case: Case) -> dict:
                           softcap=case.softcap)
 
 
-@pytest.mark.parametrize("d,d_v", [(192, 192), (160, 160), (192, 128), (136, 72)], ids=str)
+@pytest.mark.parametrize("d,d_v", [(192, 192), (160, 160), (192, 128), (136, 72), (256, 256), (200, 256),
+                                   (256, 128)], ids=str)
 @pytest.mark.parametrize("call", list(CALLS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_wide_backward_matches_reference(sm90, d, d_v, call, dtype):
@@ -34,35 +35,39 @@ def test_wide_backward_matches_reference(sm90, d, d_v, call, dtype):
     case = Case(heads_q=6, heads_kv=2, seqlen_q=190, seqlen_k=260, head_dim=d, head_dim_v=d_v, dtype=dtype,
                 seed=d + d_v, **CALLS[call])
     plan = backward_plan(case)
-    assert (plan["family"], plan["head_dim"], plan["block_m"], plan["block_n"]) == ("sm90", 192, 64, 64), plan
+    kernel_dim = 192 if max(d, d_v) <= 192 else 256
+    assert (plan["family"], plan["head_dim"], plan["block_m"], plan["block_n"]) == ("sm90", kernel_dim, 64, 64), plan
     check_cuda_backward(case)
 
 
 @pytest.mark.parametrize("heads", [(8, 1), (4, 4)], ids=["mqa-split", "mha"])
-def test_wide_backward_head_splits(heads):
+@pytest.mark.parametrize("d", [192, 256])
+def test_wide_backward_head_splits(heads, d):
     """One short sequence of MQA spreads its 8 query heads over blocks (float32
     sums of dK and dV, added by atomics); MHA writes dK and dV directly."""
-    case = Case(batch=1, heads_q=heads[0], heads_kv=heads[1], seqlen_q=300, seqlen_k=200, head_dim=192,
+    case = Case(batch=1, heads_q=heads[0], heads_kv=heads[1], seqlen_q=300, seqlen_k=200, head_dim=d,
                 dtype=torch.bfloat16, is_causal=True)
     plan = backward_plan(case)
     assert plan["family"] == "sm90" and (plan["head_splits"] > 1) == (heads[1] == 1), plan
     check_cuda_backward(case)
 
 
-def test_wide_backward_long_sequence_and_unit_rows():
+@pytest.mark.parametrize("d", [192, 256])
+def test_wide_backward_long_sequence_and_unit_rows(d):
     """Many 64-query steps per block (the ring's phases over a long walk), and Nq = Nk = 1."""
-    check_cuda_backward(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=1500, seqlen_k=1100, head_dim=192,
+    check_cuda_backward(Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=1500, seqlen_k=1100, head_dim=d,
                              dtype=torch.float16, is_causal=True))
-    check_cuda_backward(Case(batch=3, seqlen_q=1, seqlen_k=1, head_dim=192, dtype=torch.bfloat16))
+    check_cuda_backward(Case(batch=3, seqlen_q=1, seqlen_k=1, head_dim=d, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_wide_backward_packed_sequences(is_causal):
+@pytest.mark.parametrize("d", [192, 256])
+def test_wide_backward_packed_sequences(is_causal, d):
     lengths_q, lengths_k = [5, 0, 1, 200, 3, 130, 64, 700], [5, 9, 1, 140, 0, 260, 64, 700]
-    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, d=192, dtype=torch.float16, device="cuda")
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, d=d, dtype=torch.float16, device="cuda")
     plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, is_causal=is_causal, backward=True)
     assert plan["family"] == "sm90" and plan["block_n"] == 64 and plan["varlen"], plan
-    check_varlen_backward(lengths_q, lengths_k, is_causal=is_causal, dtype=torch.float16, d=192, hq=4, hkv=2,
+    check_varlen_backward(lengths_q, lengths_k, is_causal=is_causal, dtype=torch.float16, d=d, hq=4, hkv=2,
                           device="cuda", seed=5)
 
 
@@ -91,9 +96,9 @@ def test_sm80_forced_at_a_wide_head_dim_is_an_error():
             fusedattn.plan(q, k, v, backward=True)
 
 
-def test_supports_says_the_backward_is_fused_to_192_on_sm90():
+def test_supports_says_the_backward_is_fused_to_256_on_sm90():
     cuda = torch.device("cuda")
     assert fusedattn.ops.supports(cuda, torch.bfloat16, 192, fused=True)
-    assert fusedattn.ops.supports(cuda, torch.bfloat16, 150, 100, fused=True)
+    assert fusedattn.ops.supports(cuda, torch.bfloat16, 150, 256, fused=True)
     assert not fusedattn.ops.supports(cuda, torch.bfloat16, 192, softcap=True, fused=True)
-    assert not fusedattn.ops.supports(cuda, torch.bfloat16, 200, fused=True)
+    assert not fusedattn.ops.supports(cuda, torch.bfloat16, 264, fused=True)

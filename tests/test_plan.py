@@ -168,17 +168,14 @@ def test_cuda_plans(dtype):
         assert plan(128, causal=True)["block_n"] == 128 and plan(128, causal=True, nk=16384)["block_n"] == 176
         assert plan(64)["persistent"] is False and plan(64, causal=True)["persistent"] is True
         # d=192 and 256: sm90's forward in 112- and 80-key tiles, persistent; attn_mask there on sm80.
-        # The backward: sm90's wide kernel at 192 (64 x 64 tiles) without attn_mask or soft-capping,
-        # else (and at 256) the gemm family.
+        # The backward: sm90's wide kernel (64 x 64 tiles) without attn_mask or soft-capping, else
+        # the gemm family.
         for d, keys in ((192, 112), (256, 80)):
             wide = plan(d)
             assert (wide["family"], wide["block_n"], wide["persistent"], wide["head_dim"]) == ("sm90", keys, True, d)
             assert plan(d, causal=True)["block_n"] == keys and plan(d, mask=True)["family"] == "sm80"
             backward = plan(d, backward=True)
-            if d == 192:
-                assert (backward["family"], backward["block_m"], backward["block_n"]) == ("sm90", 64, 64), backward
-            else:
-                assert backward["family"] == "gemm"
+            assert (backward["family"], backward["block_m"], backward["block_n"]) == ("sm90", 64, 64), backward
             assert plan(d, mask=True, backward=True)["family"] == plan(d, softcap=5.0, backward=True)["family"] == "gemm"
         # Soft-capped forwards: sm90 unmasked at its capped head dims, sm80 elsewhere.
         for d in cuda_head_dims():

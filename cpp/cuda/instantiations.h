@@ -13,7 +13,7 @@ struct HeadDimList {
 using Sm80ForwardHeadDims = HeadDimList<32, 64, 128, 192, 256>;
 using Sm80BackwardHeadDims = HeadDimList<32, 64, 128>;
 using Sm90ForwardHeadDims = HeadDimList<64, 128, 192, 256>;
-using Sm90BackwardHeadDims = HeadDimList<64, 128, 192>;
+using Sm90BackwardHeadDims = HeadDimList<64, 128, 192, 256>;
 using DecodeHeadDims = HeadDimList<32, 64, 128, 256>;
 using Sm90ForwardMaskedHeadDims = HeadDimList<64, 128>;
 using Sm90ForwardCappedHeadDims = HeadDimList<128, 192, 256>;

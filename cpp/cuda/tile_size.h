@@ -61,7 +61,7 @@ __host__ __device__ constexpr bool sm90_forward_persistent(int head_dim, bool ba
 // wide kernel (FA3's orientation there) computes S = Q K^T and dK^T, dV^T
 // with the keys as N, 32 per consumer, so that dK^T and dV^T take d / 4
 // registers each; 64 keys by 64 queries, with two stages of Q and dO, fill
-// 219 KB of shared memory at d=192.
+// 219 KB of shared memory at d=192 (at d=256 dQ skips its staging).
 inline constexpr int kSm90BackwardConsumers = 2;
 inline constexpr int kSm90BackwardBlocksPerSm = 1;
 __host__ __device__ constexpr int sm90_backward_block_m(int head_dim) { return head_dim == 64 ? 128 : 64; }

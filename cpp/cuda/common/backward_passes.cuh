@@ -198,20 +198,34 @@ struct KeyBlockWalk {
 // layout, which wgmma's accumulators share per warp) among the sequence's
 // seqlen_k keys, which start at row k0 of the kv head: written, or added to
 // the float32 sums when the group's query heads are split over blocks.
+// Where a block's dK and dV go: grad_k and grad_v from the sequence's first
+// key (row k0 of kv head head_kv), or with head splits the float32 sums
+// (dV's kv_size floats after dK's).
+template <int HeadDim, typename T>
+struct KeyGradientRows {
+  T *grad_k, *grad_v;
+  float* dk_sum;  // row 0's; null without head splits
+  int64_t kv_size;
+  __device__ __forceinline__ KeyGradientRows(const BackwardParams& p, int64_t batch, unsigned head_kv, int64_t k0) {
+    const AttentionShape& sh = p.fwd.shape;
+    kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * HeadDim;
+    dk_sum = p.head_splits > 1 ? p.grad_kv_accum + ((batch * sh.heads_kv + head_kv) * sh.seqlen_k + k0) * HeadDim
+                               : nullptr;
+    grad_k = static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + head_kv * p.grad_k_strides.head +
+             k0 * p.grad_k_strides.row;
+    grad_v = static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + head_kv * p.grad_v_strides.head +
+             k0 * p.grad_v_strides.row;
+  }
+};
+
 template <int HeadDim, typename T>
 __device__ __forceinline__ void store_key_gradients(const BackwardParams& p, int64_t batch, unsigned head_kv,
                                                     int64_t k0, int64_t first_key, int64_t seqlen_k,
                                                     const float (&dk)[HeadDim / 8][4],
                                                     const float (&dv)[HeadDim / 8][4]) {
-  const AttentionShape& sh = p.fwd.shape;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t kv_row = (batch * sh.heads_kv + head_kv) * sh.seqlen_k + k0;
-  const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * HeadDim;
   const float scale = p.fwd.scale;
-  T* grad_k = static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + head_kv * p.grad_k_strides.head +
-              k0 * p.grad_k_strides.row;
-  T* grad_v = static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + head_kv * p.grad_v_strides.head +
-              k0 * p.grad_v_strides.row;
+  const KeyGradientRows<HeadDim, T> out(p, batch, head_kv, k0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int64_t key = first_key + g + 8 * h;
@@ -220,13 +234,13 @@ __device__ __forceinline__ void store_key_gradients(const BackwardParams& p, int
     for (int dt = 0; dt < HeadDim / 8; ++dt) {
       const int col = dt * 8 + 2 * t;
       if (p.head_splits > 1) {
-        float* dk_sum = p.grad_kv_accum + (kv_row + key) * HeadDim + col;
+        float* dk_sum = out.dk_sum + key * HeadDim + col;
         red_add_float2(dk_sum, dk[dt][2 * h] * scale, dk[dt][2 * h + 1] * scale);
-        red_add_float2(dk_sum + kv_size, dv[dt][2 * h], dv[dt][2 * h + 1]);
+        red_add_float2(dk_sum + out.kv_size, dv[dt][2 * h], dv[dt][2 * h + 1]);
       } else {
-        *reinterpret_cast<uint32_t*>(grad_k + key * p.grad_k_strides.row + col) =
+        *reinterpret_cast<uint32_t*>(out.grad_k + key * p.grad_k_strides.row + col) =
             pack2<T>(dk[dt][2 * h] * scale, dk[dt][2 * h + 1] * scale);
-        *reinterpret_cast<uint32_t*>(grad_v + key * p.grad_v_strides.row + col) =
+        *reinterpret_cast<uint32_t*>(out.grad_v + key * p.grad_v_strides.row + col) =
             pack2<T>(dv[dt][2 * h], dv[dt][2 * h + 1]);
       }
     }

@@ -76,13 +76,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    // ---------------- producer ----------------
-    warpgroup_release_registers<Tr::kProducerRegisters>();
-    if (threadIdx.x != 0 || walk.steps == 0) return;
-    const Sm90BackwardLoad<Tr, Walk, kListed> load{args, smem, walk};
-    load.prefetch_maps();
-    load.keys_and_values();
-    for (int s = 0; s < walk.steps; ++s) load.step(s, ring);
+    run_backward_producer<Tr, Walk, kListed>(args, smem, walk, ring);
     return;
   }
 

@@ -20,6 +20,7 @@
 #include "../hopper/bulk_copy.cuh"
 #include "../hopper/ring_phases.cuh"
 #include "../hopper/tma.cuh"
+#include "../hopper/warpgroup.cuh"
 #include "../hopper/wgmma.cuh"
 #include "backward_pipeline.cuh"
 #include "backward_traits.h"
@@ -85,6 +86,19 @@ struct Sm90BackwardLoad {
     tma_load_row(smem.delta + stage * Tr::kRowsSlot, &args.delta_map, row, &smem.step_full[stage]);
   }
 };
+
+// The producer warpgroup of either sm90 backward kernel: it gives its
+// registers to the consumers, and one thread runs the walk's loads.
+template <typename Tr, typename Walk, bool Listed>
+__device__ __forceinline__ void run_backward_producer(const Sm90BackwardArgs& args, const Sm90BackwardSmem<Tr>& smem,
+                                                      const Walk& walk, const RingPhases<Tr::kStages>& ring) {
+  warpgroup_release_registers<Tr::kProducerRegisters>();
+  if (threadIdx.x != 0 || walk.steps == 0) return;
+  const Sm90BackwardLoad<Tr, Walk, Listed> load{args, smem, walk};
+  load.prefetch_maps();
+  load.keys_and_values();
+  for (int s = 0; s < walk.steps; ++s) load.step(s, ring);
+}
 
 template <int HeadDim, typename T, typename Tr>
 struct Sm90BackwardMma {

@@ -12,8 +12,9 @@
 //     transposed); dQ for this consumer's 64-column slabs of d, staged and
 //     added to the float32 accumulator by tensor reduces (backward_epilogue.cuh)
 //     while dV^T and dK^T run.
-// Not yet: attn_mask, soft-capping and d=256 (its Q and dO stages do not fit
-// beside K, V and dQ's staging); the planner sends those calls elsewhere.
+// At d=256 dQ's staging does not fit beside two stages of Q and dO: each
+// thread adds its dQ elements by reductions instead (traits' kDqByReductions).
+// Not yet: attn_mask and soft-capping; the planner sends those calls elsewhere.
 #pragma once
 
 #include <type_traits>
@@ -48,15 +49,9 @@ __device__ __forceinline__ void store_transposed_key_gradients(const BackwardPar
                                                                int64_t seqlen_k, int warp_row,
                                                                const float (&dk)[HeadDim / 64][Keys / 2],
                                                                const float (&dv)[HeadDim / 64][Keys / 2]) {
-  const AttentionShape& sh = p.fwd.shape;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t kv_row = (batch * sh.heads_kv + head_kv) * sh.seqlen_k + k0;
-  const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * HeadDim;
   const float scale = p.fwd.scale;
-  T* grad_k = static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + head_kv * p.grad_k_strides.head +
-              k0 * p.grad_k_strides.row;
-  T* grad_v = static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + head_kv * p.grad_v_strides.head +
-              k0 * p.grad_v_strides.row;
+  const KeyGradientRows<HeadDim, T> out(p, batch, head_kv, k0);
 #pragma unroll
   for (int j = 0; j < HeadDim / 64; ++j)
 #pragma unroll
@@ -68,14 +63,30 @@ __device__ __forceinline__ void store_transposed_key_gradients(const BackwardPar
         if (key >= seqlen_k) continue;
         const float dk_value = dk[j][4 * nt + e] * scale, dv_value = dv[j][4 * nt + e];
         if (p.head_splits > 1) {
-          float* dk_sum = p.grad_kv_accum + (kv_row + key) * HeadDim + col;
+          float* dk_sum = out.dk_sum + key * HeadDim + col;
           atomicAdd(dk_sum, dk_value);
-          atomicAdd(dk_sum + kv_size, dv_value);
+          atomicAdd(dk_sum + out.kv_size, dv_value);
         } else {
-          grad_k[key * p.grad_k_strides.row + col] = from_float<T>(dk_value);
-          grad_v[key * p.grad_v_strides.row + col] = from_float<T>(dv_value);
+          out.grad_k[key * p.grad_k_strides.row + col] = from_float<T>(dk_value);
+          out.grad_v[key * p.grad_v_strides.row + col] = from_float<T>(dv_value);
         }
       }
+}
+
+// This thread's dQ elements of a step (rows warp_row + g (+ 8) of the step's
+// queries, from `row` of the flat accumulator; `queries` of them exist), its
+// slabs from first_slab, added to the float32 accumulator by reductions.
+template <int HeadDim, int Slabs>
+__device__ __forceinline__ void add_dq_by_reductions(float* accum, const float (&dq)[Slabs * 32], int row,
+                                                     int first_slab, int warp_row, int g, int t, int64_t queries) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = warp_row + g + 8 * h;
+    if (r >= queries) continue;
+    float* accum_row = accum + int64_t(row + r) * HeadDim + 64 * first_slab + 2 * t;
+#pragma unroll
+    for (int nt = 0; nt < Slabs * 8; ++nt) red_add_float2(accum_row + 8 * nt, dq[4 * nt + 2 * h], dq[4 * nt + 2 * h + 1]);
+  }
 }
 
 template <int HeadDim, typename T, bool Banded>
@@ -101,13 +112,7 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    // ---------------- producer ----------------
-    warpgroup_release_registers<Tr::kProducerRegisters>();
-    if (threadIdx.x != 0 || walk.steps == 0) return;
-    const Sm90BackwardLoad<Tr, Walk, false> load{args, smem, walk};
-    load.prefetch_maps();
-    load.keys_and_values();
-    for (int s = 0; s < walk.steps; ++s) load.step(s, ring);
+    run_backward_producer<Tr, Walk, false>(args, smem, walk, ring);
     return;
   }
 
@@ -189,16 +194,21 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
       wgmma_commit();
       wgmma_wait<1>();  // dQ
       fence_registers(dq);
+      if constexpr (Tr::kDqByReductions) {
+        add_dq_by_reductions<HeadDim, kSlabs>(p.grad_q_accum, dq, flat_row(sh, walk, head, m0), first_slab, warp_row,
+                                              g, t, walk.seq.seqlen_q - m0);
+      } else {
 #pragma unroll
-      for (int j = 0; j < kSlabs; ++j)
-        stage_dq_quarter(dq_stage + j * Tr::kDqSlabBytes, reinterpret_cast<const float (&)[8][4]>(dq[32 * j]),
-                         warp_row, g, t, m0, walk.seq.seqlen_q);
-      fence_proxy_async_shared();  // written through the generic proxy, read by the tensor reduce
-      named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
-      if (issues_dq)
         for (int j = 0; j < kSlabs; ++j)
-          reduce_dq_quarter<Tr>(dq_stage + j * Tr::kDqSlabBytes, &args.dq_map, 64 * (first_slab + j),
-                                flat_row(sh, walk, head, m0));
+          stage_dq_quarter(dq_stage + j * Tr::kDqSlabBytes, reinterpret_cast<const float (&)[8][4]>(dq[32 * j]),
+                           warp_row, g, t, m0, walk.seq.seqlen_q);
+        fence_proxy_async_shared();  // written through the generic proxy, read by the tensor reduce
+        named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
+        if (issues_dq)
+          for (int j = 0; j < kSlabs; ++j)
+            reduce_dq_quarter<Tr>(dq_stage + j * Tr::kDqSlabBytes, &args.dq_map, 64 * (first_slab + j),
+                                  flat_row(sh, walk, head, m0));
+      }
     };
     if (consumer == 0)
       dq_share(std::integral_constant<int, Tr::kDqSlabs0>{});

@@ -33,6 +33,9 @@ struct Sm90WideBackwardTraits {
   // the first kDqSlabs0, consumer 1 the rest, each staged as two boxes of
   // [64 rows][32 floats] (128-byte swizzled) for the tensor reduce.
   static constexpr int kDqSlabs0 = (kSlabs + 1) / 2, kDqSlabs1 = kSlabs - kDqSlabs0;
+  // At d=256 the staging (64 KB) does not fit beside two stages of Q and dO:
+  // each thread adds its dQ elements to the accumulator by reductions instead.
+  static constexpr bool kDqByReductions = HeadDim > 192;
   static constexpr int kDqBoxRows = 64;
   static constexpr int kDqBoxBytes = kDqBoxRows * 32 * 4;
   static constexpr int kDqSlabBytes = 2 * kDqBoxBytes;
@@ -40,7 +43,7 @@ struct Sm90WideBackwardTraits {
   // aligned), the lse and delta rings, the mbarriers, each stage's step (3
   // ints: the loader writes them for listed walks only), room to align the base.
   static constexpr int kDqOffset = 2 * kKVTileBytes + 2 * kStages * kQTileBytes + 3 * kDsBytes;
-  static constexpr int kMaskStageOffset = kDqOffset + kSlabs * kDqSlabBytes;  // no attn_mask: empty
+  static constexpr int kMaskStageOffset = kDqOffset + (kDqByReductions ? 0 : kSlabs * kDqSlabBytes);  // no attn_mask
   static constexpr int kFloatsOffset = kMaskStageOffset;
   static constexpr int kSmemBytes =
       kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + kStages * 3 * 4 + 1024;
