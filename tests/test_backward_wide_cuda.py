@@ -102,3 +102,18 @@ def test_supports_says_the_backward_is_fused_to_256_on_sm90():
     assert fusedattn.ops.supports(cuda, torch.bfloat16, 150, 256, fused=True)
     assert not fusedattn.ops.supports(cuda, torch.bfloat16, 192, softcap=True, fused=True)
     assert not fusedattn.ops.supports(cuda, torch.bfloat16, 264, fused=True)
+
+
+def test_broadcast_operands_at_a_wide_head_dim_run_on_the_gemm_family():
+    """k and v broadcast over the query heads (a stride of 0, which sm90's
+    tensor maps do not take) at d=192: the gemm family, not an error."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 70, 192, generator=g).half().cuda().requires_grad_()
+    k, v = (torch.randn(2, 1, 90, 192, generator=g).half().cuda().expand(2, 4, 90, 192).requires_grad_()
+            for _ in range(2))
+    out = fusedattn.attention(q, k, v, is_causal=True)
+    out.float().square().sum().backward()
+    want = [torch.autograd.grad(fusedattn.reference.attention(q.double(), k.double(), v.double(), is_causal=True)
+                                .square().sum(), t)[0] for t in (q, k, v)]
+    for got, expected in zip((q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(got.double(), expected, atol=5e-2, rtol=5e-2)

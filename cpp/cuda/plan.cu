@@ -296,6 +296,24 @@ std::optional<Plan> plan_gemm(const ForwardParams& p, const PlanRequest& request
   return gemm_blocks(p.shape, backward);
 }
 
+std::optional<Plan> plan_backward_gemm(const BackwardParams& p, const PlanRequest& request) {
+  if (std::optional<Plan> plan = plan_gemm(p.fwd, request, /*backward=*/true)) return plan;
+  // A call at a head dim only sm90 serves, not padded (a padded copy is
+  // contiguous): its tensor maps must take the operands as given (a broadcast
+  // k has a stride of 0), else the gemm family.
+  const AttentionShape& sh = p.fwd.shape;
+  if (instantiated(Sm80BackwardHeadDims{}, kernel_head_dim(sh.head_dim, sh.head_dim_v, true)) ||
+      sh.head_dim != sh.head_dim_v || !instantiated(Sm90BackwardHeadDims{}, sh.head_dim))
+    return std::nullopt;
+  BackwardParams call = p;
+  call.deterministic = request.deterministic;
+  const std::string why = sm90_backward_refusal(call);
+  if (why.empty()) return std::nullopt;
+  if (request.family == PlanRequest::FamilyChoice::Sm90)
+    throw std::invalid_argument("fusedattn: family sm90 was forced, but " + why);
+  return gemm_blocks(sh, /*backward=*/true);
+}
+
 std::optional<Plan> plan_kvcache_gemm(const ForwardParams& p, bool packed) {
   const AttentionShape& sh = p.shape;
   // The caches are read (and appended to) in place: no padded copy, so only built head dims and d_v = d.

@@ -20,6 +20,10 @@ namespace fusedattn::cuda {
 // backward), else nullopt and plan_forward / plan_backward decide. Throws
 // std::invalid_argument where a forced sm80 or sm90 cannot take the call.
 std::optional<Plan> plan_gemm(const ForwardParams& p, const PlanRequest& request, bool backward);
+// plan_gemm for a dense backward with its own operands (grad_out's strides
+// included): also the gemm family where only sm90 serves the head dim and
+// its tensor maps cannot take the operands as given.
+std::optional<Plan> plan_backward_gemm(const BackwardParams& p, const PlanRequest& request);
 
 // forward_kvcache, first: the gemm family's plan (run a sequence at a time,
 // the cache lengths read on the host) where no kernel takes the call: the

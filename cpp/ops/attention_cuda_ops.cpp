@@ -55,7 +55,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
                                         cuda_dense_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
   const PlanRequest request = family_request(op, family, q);
-  if (const auto gemm = with_torch_errors([&] { return cuda::plan_gemm(b.params.fwd, request, /*backward=*/true); })) {
+  if (const auto gemm = with_torch_errors([&] { return cuda::plan_backward_gemm(b.params, request); })) {
     const at::Tensor delta = gemm_backward(b, *gemm);
     return {b.grad_q, b.grad_k, b.grad_v, sinks_gradient(sinks, lse, delta)};
   }
