@@ -20,7 +20,7 @@
 namespace fusedattn::ops {
 
 // Any head dims d, d_v up to the largest the forward (or backward) serves:
-// the kernels run them padded to kernel_head_dim. Soft-capping: the forward only.
+// the kernels run them padded to kernel_head_dim.
 const DeviceSupport& cuda_support(bool backward = false);
 // fusedattn.forward and fusedattn.backward (and their plan): every dtype,
 // head dim and option, the gemm family taking what the kernels do not.

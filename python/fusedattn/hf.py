@@ -10,8 +10,8 @@ None with a causal flag). Soft-capping (Gemma 2's ``softcap``) and attention
 sinks (gpt-oss's ``s_aux``) run in the kernels. Calls the fused kernels cannot
 serve (attention dropout while training, position biases, a query batch
 broadcast against the keys', a dtype or head dims the device's kernels do
-not take, such as head dims above 128 on CUDA when gradients are
-needed) go to transformers' own SDPA function; a call with sinks or soft-capping
+not take, such as head dims above 256 on CUDA, or above 128 with gradients
+off Hopper) go to transformers' own SDPA function; a call with sinks or soft-capping
 that fusedattn cannot serve raises, since SDPA would drop them.
 
 Packed sequences (several documents in one row, as

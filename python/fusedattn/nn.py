@@ -54,7 +54,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     ``need_weights=False``, no attention dropout is active (eval mode or
     ``dropout=0``), ``add_bias_kv`` and ``add_zero_attn`` are off, and the
     device's kernels take the dtype and head dim (any on the CPU; float16 or
-    bfloat16 with head dims up to 128 on CUDA, 256 without gradients). Every
+    bfloat16 with head dims up to 256 on CUDA; with gradients, up to 128 off
+    Hopper). Every
     other call takes PyTorch's own path, which
     materialises the attention weights (memory O(N^2)) and is what
     ``need_weights=True``, the default of ``nn.MultiheadAttention``, requires:

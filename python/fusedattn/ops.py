@@ -38,7 +38,8 @@ def cuda_head_dims(kernel: str | None = None) -> tuple[int, ...]:
     those of sm80's forward and backward, every CUDA call's fallback, so the
     head dims CUDA's forward and backward serve natively. Other head dims (and
     a v head dim of its own) run zero-padded to the next of the forward's
-    ("sm80_forward") or the backward's ("sm80_backward"), up to their largest."""
+    ("sm80_forward") or the backward's ("sm80_backward", and on Hopper
+    "sm90_backward"), up to their largest."""
     if not has_kernel("forward", "cuda"):
         return ()
     if kernel is None:

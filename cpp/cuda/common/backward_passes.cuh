@@ -193,11 +193,6 @@ struct KeyBlockWalk {
   }
 };
 
-// dK (scaled: S was scale Q K^T) and dV of one warp's 16 keys, rows
-// first_key + g and first_key + g + 8 of m16n8 accumulators (mma.sync's C
-// layout, which wgmma's accumulators share per warp) among the sequence's
-// seqlen_k keys, which start at row k0 of the kv head: written, or added to
-// the float32 sums when the group's query heads are split over blocks.
 // Where a block's dK and dV go: grad_k and grad_v from the sequence's first
 // key (row k0 of kv head head_kv), or with head splits the float32 sums
 // (dV's kv_size floats after dK's).
@@ -218,6 +213,11 @@ struct KeyGradientRows {
   }
 };
 
+// dK (scaled: S was scale Q K^T) and dV of one warp's 16 keys, rows
+// first_key + g and first_key + g + 8 of m16n8 accumulators (mma.sync's C
+// layout, which wgmma's accumulators share per warp) among the sequence's
+// seqlen_k keys, which start at row k0 of the kv head: written, or added to
+// the float32 sums when the group's query heads are split over blocks.
 template <int HeadDim, typename T>
 __device__ __forceinline__ void store_key_gradients(const BackwardParams& p, int64_t batch, unsigned head_kv,
                                                     int64_t k0, int64_t first_key, int64_t seqlen_k,

@@ -179,8 +179,9 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
     // The last step's dQ slabs have been read out of their stage (the wait is
     // the issuing thread's; the barrier tells its warpgroup).
     if (issues_dq) bulk_wait<0, true>();
-    // Both consumers' P^T and dS^T written (and fenced). It also orders dS^T's
-    // buffer's next use, two steps on, after both consumers' dQ of this step.
+    // Both consumers' P^T and dS^T written (and fenced). The next step's
+    // barrier is passed only after both consumers' dQ of this step is done,
+    // so dS^T's buffer is free again two steps on.
     named_barrier_sync(Tr::kDsWrittenBarrier, 128 * Tr::kConsumers);
 
     // dQ first, then dV^T and dK^T, which run while dQ is staged and added.
