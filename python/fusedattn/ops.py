@@ -71,7 +71,7 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head
     if not fused:
         return bool(served)
     largest = max(head_dim, value_head_dim or head_dim)
-    if backward and served and largest > served[-1] and not softcap and \
+    if backward and served and largest > served[-1] and not softcap and torch.cuda.is_available() and \
             torch.cuda.get_device_capability(device)[0] == 9:
         served = cuda_head_dims("sm90_backward")
     return dtype in CUDA_DTYPES and bool(served) and largest <= served[-1]
