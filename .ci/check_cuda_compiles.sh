@@ -49,7 +49,7 @@ nvcc -std=c++17 -O3 --use_fast_math -Icpp/include -gencode=arch=compute_90a,code
   lab/cuda/decode_splits.cu -o "$out/decode_splits"
 echo "  lab/cuda/decode_splits.cu: built"
 nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-  lab/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o "$out/stream_roofline"
+  lab/cuda/stream_roofline.cu cpp/cuda/hopper/tensor_maps.cu -o "$out/stream_roofline"
 echo "  lab/cuda/stream_roofline.cu: built"
 nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
   lab/cuda/stream_schedule.cu -o "$out/stream_schedule"

@@ -269,7 +269,7 @@ stage_decode_splits() {
 # the ceiling for the decode kernel (lab/cuda/stream_roofline.cu, ~1 minute).
 build_roofline() {
   nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-    lab/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o /tmp/stream_roofline || { status=1; return 1; }
+    lab/cuda/stream_roofline.cu cpp/cuda/hopper/tensor_maps.cu -o /tmp/stream_roofline || { status=1; return 1; }
 }
 stage_roofline() {
   build_roofline || return

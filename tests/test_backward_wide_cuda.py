@@ -111,6 +111,7 @@ def test_broadcast_operands_at_a_wide_head_dim_run_on_the_gemm_family():
     q = torch.randn(2, 4, 70, 192, generator=g).half().cuda().requires_grad_()
     k, v = (torch.randn(2, 1, 90, 192, generator=g).half().cuda().expand(2, 4, 90, 192).requires_grad_()
             for _ in range(2))
+    assert fusedattn.plan(q, k, v, is_causal=True, backward=True)["family"] == "gemm"
     out = fusedattn.attention(q, k, v, is_causal=True)
     out.float().square().sum().backward()
     want = [torch.autograd.grad(fusedattn.reference.attention(q.double(), k.double(), v.double(), is_causal=True)

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 import fusedattn
 from helpers.attention_cases import DTYPES, MASK_KINDS, Case, cases, check_forward
-
-FEATURE_HEAD_DIMS = [32, 64, 128]
+from helpers.kernel_table import FEATURE_HEAD_DIMS
 
 
 @given(st.data())

@@ -9,7 +9,7 @@ import torch
 
 import fusedattn
 from helpers.attention_cases import MASK_KINDS, Case, check_forward, make_inputs
-from helpers.cuda import GPU_DTYPES, at_odd_offset, check_cuda, poison_allocator
+from helpers.cuda import GPU_DTYPES, at_odd_offset, check_cuda, poison_allocator, sm90_available
 
 pytestmark = pytest.mark.gpu
 
@@ -91,6 +91,10 @@ def test_cuda_graph_replays_zero_the_work_counter(head_dim, is_causal):
     case = Case(batch=2, heads_q=72, heads_kv=24, seqlen_q=256, seqlen_k=300, head_dim=head_dim,
                 dtype=torch.bfloat16, is_causal=is_causal)
     q, k, v, _ = make_inputs(case, "cuda")
+    plan = fusedattn.plan(q, k, v, is_causal=is_causal)
+    assert plan["persistent"] == (sm90_available() and plan["family"] == "sm90"), plan
+    if plan["persistent"]:
+        assert 288 > plan["resident_blocks"] > 0, plan  # more items than blocks: the counter deals the rest
     torch.ops.fusedattn.forward(q, k, v, None, is_causal, None)  # warm-up outside the capture
     check_graph_replays(q, k, v, is_causal=is_causal, replays=3)
 

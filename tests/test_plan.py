@@ -12,6 +12,7 @@ import fusedattn
 from fusedattn.ops import cuda_head_dims
 
 from helpers.cuda import served_head_dims, sm90_available
+from helpers.kernel_table import generated_table
 
 
 def qkv(d=16, dtype=torch.float32, device="cpu", nq=5, nk=7):
@@ -79,6 +80,19 @@ def test_force_nests_and_is_per_thread():
     assert fusedattn.backends.forced() == fusedattn.backends.Forced()
 
 
+def test_a_forced_choice_does_not_vanish_under_torch_compile():
+    """Dynamo cannot read force()'s context variable: tracing inside force() raises
+    instead of compiling the planner's choice in its place; outside it, nothing is forced."""
+    q, k, v = qkv()
+    torch._dynamo.reset()
+    compiled = torch.compile(fusedattn.attention, fullgraph=True, backend="eager")
+    with fusedattn.backends.force("gemm"):
+        with pytest.raises(Exception, match="does not reach code that torch.compile traces"):
+            compiled(q, k, v)
+    torch._dynamo.reset()
+    torch.testing.assert_close(compiled(q, k, v), fusedattn.attention(q, k, v))
+
+
 def test_cpu_decode_overrides_are_checked():
     q, k, v = qkv()
     lens = torch.tensor([3, 7], dtype=torch.int32)
@@ -91,20 +105,6 @@ def test_cpu_decode_overrides_are_checked():
             fusedattn.attention_with_kvcache(q, k, v, lens)
     out = fusedattn.attention_with_kvcache(q, k, v, lens, num_splits=4)  # accepted, ignored
     torch.testing.assert_close(out, fusedattn.attention_with_kvcache(q, k, v, lens))
-
-
-def generated_table() -> dict[str, tuple[int, ...]]:
-    """The head dims of cpp/generate_kernels.py's table, by kernel."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "cpp" / "generate_kernels.py"
-    spec = importlib.util.spec_from_file_location("generate_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    table = {kernel: dims for kernel, (_, _, dims, _) in module.KERNELS.items()}
-    table["sm90_forward_masked"] = module.SM90_FORWARD_MASKED
-    table["sm90_forward_capped"] = module.SM90_FORWARD_CAPPED
-    return table
 
 
 def test_the_library_reads_no_environment_variable():

@@ -8,6 +8,7 @@ namespace fusedattn::cuda {
 template <int... HeadDims>
 struct HeadDimList {
   static constexpr int values[sizeof...(HeadDims)] = {HeadDims...};
+  static constexpr int count = sizeof...(HeadDims);
 };
 
 using Sm80ForwardHeadDims = HeadDimList<32, 64, 128, 192, 256>;
@@ -17,5 +18,25 @@ using Sm90BackwardHeadDims = HeadDimList<64, 128, 192, 256>;
 using DecodeHeadDims = HeadDimList<32, 64, 128, 256>;
 using Sm90ForwardMaskedHeadDims = HeadDimList<64, 128>;
 using Sm90ForwardCappedHeadDims = HeadDimList<128, 192, 256>;
+using Sm90BackwardMaskedHeadDims = HeadDimList<64, 128>;
+using Sm90BackwardCappedHeadDims = HeadDimList<64, 128>;
+
+// Every list by its table name (fusedattn's instantiated_head_dims).
+struct NamedHeadDims {
+  const char* name;
+  const int* dims;
+  int count;
+};
+inline constexpr NamedHeadDims kNamedHeadDims[] = {
+    {"sm80_forward", Sm80ForwardHeadDims::values, Sm80ForwardHeadDims::count},
+    {"sm80_backward", Sm80BackwardHeadDims::values, Sm80BackwardHeadDims::count},
+    {"sm90_forward", Sm90ForwardHeadDims::values, Sm90ForwardHeadDims::count},
+    {"sm90_backward", Sm90BackwardHeadDims::values, Sm90BackwardHeadDims::count},
+    {"decode", DecodeHeadDims::values, DecodeHeadDims::count},
+    {"sm90_forward_masked", Sm90ForwardMaskedHeadDims::values, Sm90ForwardMaskedHeadDims::count},
+    {"sm90_forward_capped", Sm90ForwardCappedHeadDims::values, Sm90ForwardCappedHeadDims::count},
+    {"sm90_backward_masked", Sm90BackwardMaskedHeadDims::values, Sm90BackwardMaskedHeadDims::count},
+    {"sm90_backward_capped", Sm90BackwardCappedHeadDims::values, Sm90BackwardCappedHeadDims::count},
+};
 
 }  // namespace fusedattn::cuda

@@ -7,13 +7,14 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/backward_passes.cuh"
 #include "common/band.cuh"
 #include "common/instantiation_dispatch.h"
 #include "common/launch_check.h"
 #include "common/mask_tiles.h"
 #include "decode/forward_kvcache.h"
 #include "sm90/forward_sm90.h"
-#include "sm90/tensor_maps.h"
+#include "hopper/tensor_maps.h"
 #include "tile_size.h"
 
 namespace fusedattn::cuda {
@@ -116,11 +117,12 @@ std::string sm90_backward_rule_refusal(const ForwardParams& p, bool deterministi
   if (!instantiated(Sm90BackwardHeadDims{}, sh.head_dim))
     return "the sm90 backward has head dims " + dims_text(Sm90BackwardHeadDims{}) + ", got " +
            std::to_string(sh.head_dim);
-  // Above d=128 the wide kernel (backward_wide_kernel.cuh) has neither yet.
-  if (sh.head_dim > 128 && p.mask.kind != MaskKind::None)
-    return "the sm90 backward takes attn_mask at head dims up to 128, got " + std::to_string(sh.head_dim);
-  if (sh.head_dim > 128 && p.softcap > 0.0f)
-    return "the sm90 backward soft-caps at head dims up to 128, got " + std::to_string(sh.head_dim);
+  if (p.mask.kind != MaskKind::None && !instantiated(Sm90BackwardMaskedHeadDims{}, sh.head_dim))
+    return "the sm90 backward takes attn_mask at head dims " + dims_text(Sm90BackwardMaskedHeadDims{}) + ", got " +
+           std::to_string(sh.head_dim);
+  if (p.softcap > 0.0f && !instantiated(Sm90BackwardCappedHeadDims{}, sh.head_dim))
+    return "the sm90 backward soft-caps at head dims " + dims_text(Sm90BackwardCappedHeadDims{}) + ", got " +
+           std::to_string(sh.head_dim);
   // Soft-capped kernels exist without attn_mask only (backward_kernel.cuh).
   if (p.softcap > 0.0f && p.mask.kind != MaskKind::None)
     return "the sm90 backward soft-caps calls without attn_mask only";
@@ -337,6 +339,7 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
     plan.block_n = sm90_forward_tile_keys(p);
     plan.warps = 4 * (1 + sm90_forward_consumers(d));
     plan.persistent = sm90_forward_persistent(d, banded);
+    plan.resident_blocks = plan.persistent ? device_sms() : 0;
   } else {
     plan.block_m = kSm80ForwardBlockM;
     plan.block_n = kSm80ForwardBlockN;
@@ -351,6 +354,8 @@ Plan plan_forward(const ForwardParams& p, const PlanRequest& request) {
 
 Plan plan_backward(const BackwardParams& p, const PlanRequest& request) {
   check_kernel_head_dims(p.fwd.shape, /*backward=*/true);
+  if (const std::string why = backward_passes_refusal(p.fwd.shape); !why.empty())
+    throw std::invalid_argument("fusedattn: " + why);
   const int d = static_cast<int>(p.fwd.shape.head_dim);
   Plan plan;
   plan.backward = true;
@@ -408,7 +413,11 @@ Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
             : splits_for_waves(decode_items(sh), device_sms(), decode_blocks_per_sm<kHeadDim, Element>(plan.warps),
                                tiles);
     plan.merge_in_cluster = merges_in_cluster<kHeadDim, Element>(p, plan, request.merge_in_cluster);
+    plan.dependent_launch = decode_dependent_launch<kHeadDim, Element>(plan.warps);
   });
+  if (decode_items(sh) * plan.num_splits > kMaxDecodeGrid)
+    throw std::invalid_argument("fusedattn: B x Hkv x splits x query row tiles of a KV-cache call must fit one launch "
+                                "(2^31 - 1 blocks), got " + std::to_string(decode_items(sh) * plan.num_splits));
   return plan;
 }
 
@@ -487,16 +496,12 @@ int64_t kernel_head_dim(int64_t d, int64_t d_v, bool backward) {
 }
 
 std::vector<int64_t> instantiated_head_dims(const std::string& kernel) {
-  if (kernel == "sm80_forward") return values_of(Sm80ForwardHeadDims{});
-  if (kernel == "sm80_backward") return values_of(Sm80BackwardHeadDims{});
-  if (kernel == "sm90_forward") return values_of(Sm90ForwardHeadDims{});
-  if (kernel == "sm90_forward_masked") return values_of(Sm90ForwardMaskedHeadDims{});
-  if (kernel == "sm90_forward_capped") return values_of(Sm90ForwardCappedHeadDims{});
-  if (kernel == "sm90_backward") return values_of(Sm90BackwardHeadDims{});
-  if (kernel == "decode") return values_of(DecodeHeadDims{});
-  throw std::invalid_argument("fusedattn: no kernel named '" + kernel +
-                              "'; the kernels are sm80_forward, sm80_backward, sm90_forward, sm90_forward_masked, "
-                              "sm90_forward_capped, sm90_backward and decode");
+  std::string names;
+  for (const NamedHeadDims& list : kNamedHeadDims) {
+    if (kernel == list.name) return std::vector<int64_t>(list.dims, list.dims + list.count);
+    names += (names.empty() ? "" : ", ") + std::string(list.name);
+  }
+  throw std::invalid_argument("fusedattn: no kernel named '" + kernel + "'; the kernels are " + names);
 }
 
 }  // namespace fusedattn::cuda

@@ -81,17 +81,30 @@ std::string plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       prepare_forward(op, q, k, v, attn_mask, is_causal, scale, cuda_dense_support(), window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
   const PlanRequest request = family_request(op, family, q);
-  if (const auto gemm = with_torch_errors([&] { return cuda::plan_gemm(in.params, request, backward); }))
+  if (!backward) {
+    if (const auto gemm = with_torch_errors([&] { return cuda::plan_gemm(in.params, request, false); }))
+      return gemm->describe();
+    pad_to_kernel_head_dim(in, in.params.shape, /*backward=*/false);
+    return with_torch_errors([&] { return cuda::plan_forward(in.params, request); }).describe();
+  }
+  // As backward_cuda plans: the gemm family's rules see the operands as
+  // given (grad_out as a contiguous tensor like q), the kernels' the padded ones.
+  auto plan_params = [&] {
+    const int64_t d = in.params.shape.head_dim;
+    return backward_plan_params(in.params, {q.size(1) * q.size(2) * d, q.size(2) * d, d});
+  };
+  if (const auto gemm = with_torch_errors([&] { return cuda::plan_backward_gemm(plan_params(), request); }))
     return gemm->describe();
-  pad_to_kernel_head_dim(in, in.params.shape, backward);
-  if (!backward) return with_torch_errors([&] { return cuda::plan_forward(in.params, request); }).describe();
-  const int64_t d = in.params.shape.head_dim;
-  const BackwardParams b = backward_plan_params(in.params, {q.size(1) * q.size(2) * d, q.size(2) * d, d});
-  return with_torch_errors([&] { return cuda::plan_backward(b, request); }).describe();
+  pad_to_kernel_head_dim(in, in.params.shape, /*backward=*/true);
+  return with_torch_errors([&] { return cuda::plan_backward(plan_params(), request); }).describe();
 }
 
 std::vector<int64_t> instantiated_head_dims(c10::string_view kernel) {
   return with_torch_errors([&] { return cuda::instantiated_head_dims(std::string(kernel)); });
+}
+
+std::vector<int64_t> served_head_dims(bool backward) {
+  return with_torch_errors([&] { return cuda::served_head_dims(backward); });
 }
 
 // Seed 2: S = Q K^T (cuBLAS through ATen), one fused scale + mask + softmax
@@ -133,6 +146,7 @@ TORCH_LIBRARY_IMPL(fusedattn, CUDA, m) {
 // No tensor argument to dispatch on: one kernel for every key.
 TORCH_LIBRARY_IMPL(fusedattn, CompositeImplicitAutograd, m) {
   m.impl("instantiated_head_dims", &instantiated_head_dims);
+  m.impl("served_head_dims", &served_head_dims);
 }
 
 }  // namespace fusedattn::ops

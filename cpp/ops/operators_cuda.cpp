@@ -62,8 +62,10 @@ void run_forward(ForwardParams& p, const Plan& plan, const at::Tensor& q, cudaSt
     const at::Tensor work_counter = at::empty({1}, q.options().dtype(at::kInt));  // the launch zeroes it
     p.work_counter = reinterpret_cast<unsigned*>(work_counter.data_ptr<int>());
     cuda::forward_sm90(p, plan, stream);
+  } else if (plan.family == Family::Sm80) {
+    cuda::forward_sm80(p, plan, stream);
   } else {
-    cuda::forward_sm80(p, stream);
+    throw_planner_bug(std::string("run_forward runs the sm80 and sm90 families, not ") + family_name(plan.family));
   }
 }
 
@@ -97,9 +99,11 @@ BackwardParams backward_plan_params(const ForwardParams& fwd, const TensorStride
 
 void run_backward(const BackwardParams& p, const Plan& plan, cudaStream_t stream) {
   if (plan.family == Family::Sm90)
-    cuda::backward_sm90(p, stream);
+    cuda::backward_sm90(p, plan, stream);
+  else if (plan.family == Family::Sm80)
+    cuda::backward_sm80(p, plan, stream);
   else
-    cuda::backward_sm80(p, stream);
+    throw_planner_bug(std::string("run_backward runs the sm80 and sm90 families, not ") + family_name(plan.family));
 }
 
 }  // namespace fusedattn::ops

@@ -76,6 +76,9 @@ TORCH_LIBRARY(fusedattn, m) {
       "Tensor? block_table=None) -> str");
   // The head dims a CUDA kernel is instantiated for (cpp/generate_kernels.py's table).
   m.def("instantiated_head_dims(str kernel) -> int[]");
+  // The head dims the CUDA forward (backward) kernels of the current device
+  // serve natively; others up to the largest run padded to the next (the planner's table).
+  m.def("served_head_dims(bool backward) -> int[]");
   // Weights as a GGUF file stores them (cpp/cpu/gguf_blocks.h): blocks uint8
   // [n, k / 32 * block bytes] in format q4_0, q4_1 or q8_0. The engine's
   // linear layers on the CPU: x [..., k] float32 times W^T, and W's rows in

@@ -31,7 +31,7 @@
 // cp.async-early all of them while the block waits.
 //
 //   nvcc -std=c++17 -O3 -Icpp/include -gencode=arch=compute_90a,code=sm_90a \
-//     lab/cuda/stream_roofline.cu cpp/cuda/sm90/tensor_maps.cu -o /tmp/stream_roofline
+//     lab/cuda/stream_roofline.cu cpp/cuda/hopper/tensor_maps.cu -o /tmp/stream_roofline
 //   /tmp/stream_roofline [heads: 32, or 8 for GQA 32/8's bytes]
 #include <cuda.h>
 
@@ -41,7 +41,7 @@
 
 #include "../../cpp/cuda/hopper/bulk_copy.cuh"
 #include "../../cpp/cuda/common/device_math.cuh"
-#include "../../cpp/cuda/sm90/tensor_maps.h"
+#include "../../cpp/cuda/hopper/tensor_maps.h"
 #include "../../cpp/cuda/hopper/tma.cuh"
 
 using namespace fusedattn;

@@ -8,8 +8,10 @@ values to the operators instead; a forced choice that cannot serve a call is an
 error, never a silent fallback. The setting is a context variable: each thread
 (and each asyncio task) has its own, and the backward of a call runs what its
 forward was given. Calling ``torch.ops.fusedattn.*`` directly bypasses it: those
-take the same choices as arguments. Inside code that ``torch.compile`` traces the
-planner decides. The decode choices name CUDA blocks: forced around a call on
+take the same choices as arguments. Code that ``torch.compile`` traces cannot
+read the setting: tracing a call inside ``force(...)`` raises, rather than
+compiling the planner's choices in its place (pass ``family=`` to the
+operators there). The decode choices name CUDA blocks: forced around a call on
 CPU tensors they raise.
 """
 
@@ -43,11 +45,22 @@ _PLANNER = Forced()
 _FORCED: contextvars.ContextVar[Forced] = contextvars.ContextVar("fusedattn_forced", default=_PLANNER)
 
 
+@torch.compiler.assume_constant_result
+def _nothing_forced_while_tracing() -> bool:
+    """Run once, eagerly, when torch.compile traces a call: a forced choice
+    there would be dropped (Dynamo cannot guard on a context variable), so it
+    is an error."""
+    if _FORCED.get() != _PLANNER:
+        raise RuntimeError(f"fusedattn.backends.force: {_FORCED.get()} does not reach code that torch.compile "
+                           "traces; trace it outside force(...), or pass family= to torch.ops.fusedattn.* there")
+    return True
+
+
 def forced() -> Forced:
-    """The choices forced in this thread or task (all None outside ``force``).
-    Code that torch.compile traces runs the planner's choices: Dynamo cannot
-    read a context variable."""
+    """The choices forced in this thread or task (all None outside ``force``);
+    while torch.compile traces, all None, and an error if any is forced."""
     if torch.compiler.is_compiling():
+        _nothing_forced_while_tracing()
         return _PLANNER
     return _FORCED.get()
 

@@ -8,6 +8,7 @@ adds what torch.library expects from Python.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -60,21 +61,27 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head
     backward too. ``softcap`` and ``sinks`` say whether the call soft-caps or
     has sinks; every path serves both. On CUDA the gemm family (float32
     matrix products, a block of query rows at a time) serves what the fused
-    kernels do not; with ``fused`` only a fused kernel counts. The backward
-    above d=128 is fused on sm90 devices only (Hopper), without soft-capping
-    or attn_mask (which this function is not told of)."""
+    kernels do not; with ``fused`` only a fused kernel counts, as the
+    library's planner reads its table for this device: the backward above
+    d=128 is fused on sm90 devices only (Hopper), soft-capped where the
+    table has sm90's capped variants, and without attn_mask (which this
+    function is not told of)."""
     if dtype not in DTYPES or device.type not in ("cpu", "cuda"):
         return False
     if device.type == "cpu":
         return True
-    served = cuda_head_dims("sm80_backward" if backward else "sm80_forward")  # () without CUDA kernels
+    if not has_kernel("forward", "cuda"):
+        return False
     if not fused:
-        return bool(served)
-    largest = max(head_dim, value_head_dim or head_dim)
-    if backward and served and largest > served[-1] and not softcap and torch.cuda.is_available() and \
-            torch.cuda.get_device_capability(device)[0] == 9:
-        served = cuda_head_dims("sm90_backward")
-    return dtype in CUDA_DTYPES and bool(served) and largest <= served[-1]
+        return True
+    if dtype not in CUDA_DTYPES:
+        return False
+    with torch.cuda.device(device) if torch.cuda.is_available() else contextlib.nullcontext():
+        served = tuple(torch.ops.fusedattn.served_head_dims(backward))
+    if backward and softcap:  # above sm80's head dims, soft-capped backwards need sm90's capped variants
+        capped = cuda_head_dims("sm80_backward") + cuda_head_dims("sm90_backward_capped")
+        served = tuple(d for d in served if d in capped)
+    return any(d >= max(head_dim, value_head_dim or head_dim) for d in served)
 
 
 def _grad_sinks_fake(q, sinks):
@@ -362,8 +369,8 @@ def plan(
     ``"family"`` ("cpu", "sm80", "sm90", "gemm"), ``"block_m"`` and ``"block_n"``
     (queries and keys per tile), ``"warps"``, ``"mask_tiles"`` (CUDA: whether
     attn_mask is first sorted into the tiles it hides, leaves whole or cuts),
-    ``"persistent"`` (sm90), ``"head_splits"`` and ``"deterministic"``
-    (backward). Choices
+    ``"persistent"`` (sm90; with ``"resident_blocks"``, how many blocks take
+    the work items), ``"head_splits"`` and ``"deterministic"`` (backward). Choices
     forced with :func:`fusedattn.backends.force` apply; the same errors as the
     call's are raised for bad arguments."""
     if isinstance(attn_mask, BlockMask):

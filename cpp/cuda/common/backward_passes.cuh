@@ -1,7 +1,8 @@
 // What the backward's kernel families share: the kernels around the
 // key-block kernel (delta and the zeroed dQ accumulator before it; the
 // conversions of the float32 sums after it), the store of a warp's dK and dV,
-// and the order in which they run.
+// and the order in which they run (the walk of a key block:
+// key_block_scheduler.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,12 +10,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "band.cuh"
-#include "block_order.h"
 #include "device_math.cuh"
 #include "launch_check.h"
-#include "sequences.cuh"
 #include "fusedattn/params.h"
+#include "fusedattn/plan.h"
 
 namespace fusedattn::cuda {
 
@@ -47,6 +46,22 @@ __host__ __device__ inline int preprocess_lanes(int64_t head_dim) {
   int lanes = 1;
   while (lanes * 8 < head_dim) lanes *= 2;
   return lanes;
+}
+
+// Why the passes around a key-block kernel cannot take a call (empty when
+// they can): their grids are one launch each, and a row of the preprocess
+// lies in one warp. The planner asks; run_backward_passes trusts its answer.
+inline std::string backward_passes_refusal(const AttentionShape& sh) {
+  if (sh.head_dim < 8 || sh.head_dim > 256 || sh.head_dim % 8 != 0)
+    return "the CUDA backward's passes take head dims 8 to 256 in steps of 8, got " + std::to_string(sh.head_dim);
+  const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
+  const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * sh.head_dim;
+  const int64_t rows_per_block = 128 / preprocess_lanes(sh.head_dim);
+  if ((rows + rows_per_block - 1) / rows_per_block > 2147483647 || (rows * sh.head_dim / 8 + 255) / 256 > 2147483647 ||
+      (kv_size / 8 + 255) / 256 > 2147483647)
+    return "B x H x N x d of a CUDA backward must fit one launch of its passes (2^31 - 1 blocks of 256 x 8 "
+           "elements)";
+  return {};
 }
 
 // delta[row] = sum_d dO[row, d] O[row, d]; grad_q_accum[row, :] = 0 (when
@@ -117,82 +132,6 @@ __global__ void __launch_bounds__(256) backward_convert_dkv_kernel(const __grid_
                             head * p.grad_v_strides.head + key * p.grad_v_strides.row + col) = pack8<T>(dv);
 }
 
-// What a block of a key-block kernel owns and walks (the sm90 kernel's; the
-// sm80 kernel computes the same inline, where this struct cost it a spill at
-// d=64 on sm_90a). The grid's order is make_key_block_order's: pairs of
-// (sequence, kv head, head split), key block 0 (the most queries see it)
-// first under causal; packed (not Listed), the key tiles' work list, one
-// split, and rows and keys count from the sequence's first (`seq`). A block
-// walks every query block of every query head
-// of its share of the group that can see one of its keys: banded, the
-// queries from band.query_begin(key0) to band.query_end(last key); Listed
-// (attn_mask sorted by key tiles, common/mask_tiles.h), the query blocks of
-// each head's list.
-template <int BlockN, int BlockM, bool Banded, bool Listed = false>
-struct KeyBlockWalk {
-  unsigned batch, head_kv, n_block;
-  SequenceRows seq;                // the block's sequence
-  int64_t key0, keys;              // the block's keys: [key0, key0 + keys) of the sequence
-  int64_t first_head, m_begin;     // the walk starts at this query head and query
-  int steps_per_head, steps;       // query blocks per head (Listed: of the first head), and in all (< 2^31)
-  const MaskTiles& tiles;
-
-  // Step s: its query head, first query, and whether it reads attn_mask.
-  struct Step {
-    int64_t head, m0;
-    bool reads_mask;
-  };
-
-  __device__ KeyBlockWalk(const BackwardParams& p, const BlockOrder& order) : tiles(p.fwd.mask.tiles) {
-    const AttentionShape& sh = p.fwd.shape;
-    const bool packed = !Listed && p.fwd.varlen.on();  // packed calls take no attn_mask
-    const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
-    const GridBlock block =
-        packed ? work_item(p.fwd.varlen.key_tiles, blockIdx.x, heads_kv) : order.at<false>(blockIdx.x);
-    n_block = block.block;
-    const unsigned head_split = block.pair % static_cast<unsigned>(p.head_splits);
-    const unsigned bh = block.pair / static_cast<unsigned>(p.head_splits);
-    seq = SequenceRows::of(p.fwd, bh / heads_kv, packed);
-    batch = static_cast<unsigned>(seq.batch);
-    head_kv = bh % heads_kv;
-    const int64_t group = sh.heads_q / sh.heads_kv;
-    const int64_t split_heads = group / p.head_splits;
-    first_head = head_kv * group + head_split * split_heads;
-    key0 = int64_t(n_block) * BlockN;
-    keys = min(int64_t(BlockN), seq.seqlen_k - key0);
-    const Band band = Band::of(p.fwd, seq.seqlen_q, seq.seqlen_k);
-    const int64_t first_query = Banded ? band.query_begin(key0) : 0;
-    const int64_t query_end = Banded ? band.query_end(key0 + keys - 1) : seq.seqlen_q;
-    m_begin = first_query / BlockM * BlockM;
-    steps_per_head = static_cast<int>(first_query < query_end ? (query_end - m_begin + BlockM - 1) / BlockM : 0);
-    steps = steps_per_head * static_cast<int>(split_heads);
-    if constexpr (Listed) {
-      steps_per_head = count(0);  // every head's where the mask is the same for the heads
-      steps = steps_per_head * static_cast<int>(split_heads);
-      if (tiles.head_stride != 0)
-        for (int i = 1; i < split_heads; ++i) steps += count(i) - steps_per_head;
-    }
-  }
-  __device__ int64_t list_row(int i) const { return tiles.row(batch, first_head + i, n_block); }
-  __device__ int count(int i) const { return tiles.counts[list_row(i)]; }
-
-  __device__ Step at(int s) const {
-    if constexpr (!Listed) {
-      return {first_head + s / steps_per_head, m_begin + int64_t(s % steps_per_head) * BlockM, false};
-    } else {
-      int i = 0;
-      if (tiles.head_stride == 0) {
-        i = s / steps_per_head;
-        s %= steps_per_head;
-      } else {
-        for (int n; s >= (n = count(i)); ++i) s -= n;
-      }
-      const int32_t entry = tiles.list(list_row(i))[s];
-      return {first_head + i, int64_t(MaskTiles::tile_of(entry)) * BlockM, MaskTiles::reads_mask(entry)};
-    }
-  }
-};
-
 // Where a block's dK and dV go: grad_k and grad_v from the sequence's first
 // key (row k0 of kv head head_kv), or with head splits the float32 sums
 // (dV's kv_size floats after dK's).
@@ -256,13 +195,8 @@ void run_backward_passes(const BackwardParams& p, cudaStream_t stream, LaunchMai
   const AttentionShape& sh = p.fwd.shape;
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   const int64_t kv_size = sh.batch * sh.heads_kv * sh.seqlen_k * sh.head_dim;
-  if (sh.head_dim < 8 || sh.head_dim > 256 || sh.head_dim % 8 != 0)
-    throw std::invalid_argument("fusedattn: the CUDA backward's passes take head dims 8 to 256 in steps of 8, got " +
-                                std::to_string(sh.head_dim));
+  if (const std::string why = backward_passes_refusal(sh); !why.empty()) throw_planner_bug(why);
   const int64_t rows_per_block = 128 / preprocess_lanes(sh.head_dim);
-  if ((rows + rows_per_block - 1) / rows_per_block > 2147483647 || (rows * sh.head_dim / 8 + 255) / 256 > 2147483647 ||
-      (kv_size / 8 + 255) / 256 > 2147483647)
-    throw std::runtime_error("fusedattn: B x H x N x d exceeds one launch of the backward's passes");
   if (rows > 0) {
     backward_preprocess_kernel<T>
         <<<static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block), 128, 0, stream>>>(p);

@@ -29,6 +29,14 @@ struct Band {
   __host__ __device__ static Band of(const ForwardParams& p, int64_t seqlen_k) {
     return of(p, p.shape.seqlen_q, seqlen_k);
   }
+  // is_causal alone (bottom-right aligned), for callers without ForwardParams.
+  __host__ __device__ static Band causal(bool is_causal, int64_t seqlen_q, int64_t seqlen_k) {
+    Band b;
+    if (is_causal) b.upper = seqlen_k - seqlen_q;
+    b.seqlen_q = seqlen_q;
+    b.seqlen_k = seqlen_k;
+    return b;
+  }
   // With both lengths given (a packed sequence's).
   __host__ __device__ static Band of(const ForwardParams& p, int64_t seqlen_q, int64_t seqlen_k) {
     Band b;

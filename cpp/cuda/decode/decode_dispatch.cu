@@ -27,7 +27,7 @@ void forward_kvcache(const KVCacheParams& p, const Plan& plan, cudaStream_t stre
   if (p.n_new > 0) launch_append(p, stream);
   if (!attends) return;
   dispatch_instantiation(DecodeHeadDims{}, "decode kernel", p.attn.dtype, sh.head_dim, [&](auto head_dim, auto element) {
-    launch_decode<decltype(head_dim)::value, decltype(element)>(p, plan.warps, stream);
+    launch_decode<decltype(head_dim)::value, decltype(element)>(p, plan, stream);
   });
 }
 

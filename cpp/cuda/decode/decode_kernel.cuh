@@ -457,28 +457,37 @@ decltype(auto) with_decode_warps(int warps, F&& f) {
 }
 
 template <int HeadDim, int Warps, typename T, bool Banded>
-void launch_decode_kernel(const KVCacheParams& p, cudaStream_t stream) {
+void launch_decode_kernel(const KVCacheParams& p, const Plan& plan, cudaStream_t stream) {
   using Tr = DecodeTraits<HeadDim, Warps>;
-  // The kernel's sm_90 code runs on this device: it waits for the kernel
-  // before it, and may run in clusters (where the plan says).
+  // Where the kernel's sm_90 code runs on this device, it may wait for the
+  // kernel before it and run in clusters (where the plan says).
   const bool hopper = configure_decode_kernel<HeadDim, Warps, T, Banded>();
   const int64_t blocks = decode_items(p.attn.shape) * p.num_splits;
-  if (blocks > 2147483647)
-    throw std::runtime_error("fusedattn: B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
-  if (p.merge_in_cluster && !hopper) throw_planner_bug("merge_in_cluster needs the decode kernel's sm_90 code");
-  launch_dependent(decode_kernel<HeadDim, Warps, T, Banded>, hopper, p.merge_in_cluster ? p.num_splits : 1,
-                   dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads), decode_smem_bytes<HeadDim, Warps, T>(),
-                   stream, p);
+  if (blocks > kMaxDecodeGrid) throw_planner_bug("B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
+  if ((p.merge_in_cluster || plan.dependent_launch) && !hopper)
+    throw_planner_bug("merge_in_cluster and a dependent launch need the decode kernel's sm_90 code");
+  launch_dependent(decode_kernel<HeadDim, Warps, T, Banded>, plan.dependent_launch,
+                   p.merge_in_cluster ? p.num_splits : 1, dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads),
+                   decode_smem_bytes<HeadDim, Warps, T>(), stream, p);
 }
 
 template <int HeadDim, typename Element>
-void launch_decode(const KVCacheParams& p, int warps, cudaStream_t stream) {
-  with_decode_warps<HeadDim>(warps, [&](auto warps) {
+void launch_decode(const KVCacheParams& p, const Plan& plan, cudaStream_t stream) {
+  with_decode_warps<HeadDim>(plan.warps, [&](auto warps) {
     if (p.attn.banded())
-      launch_decode_kernel<HeadDim, warps, Element, true>(p, stream);
+      launch_decode_kernel<HeadDim, warps, Element, true>(p, plan, stream);
     else
-      launch_decode_kernel<HeadDim, warps, Element, false>(p, stream);
+      launch_decode_kernel<HeadDim, warps, Element, false>(p, plan, stream);
   });
+}
+
+// Whether blocks of `warps` warps run the kernel's sm_90 code on the current
+// device, so that each may start while the kernel before it ends (both
+// causal variants give one answer).
+template <int HeadDim, typename Element>
+bool decode_dependent_launch(int warps) {
+  return with_decode_warps<HeadDim>(
+      warps, [](auto warps) { return configure_decode_kernel<HeadDim, decltype(warps)::value, Element, true>(); });
 }
 
 // Both causal variants share traits and registers closely enough that one

@@ -19,6 +19,9 @@ namespace fusedattn::cuda {
 // cluster size) where the device runs every cluster of the grid at once.
 inline constexpr int kMaxClusterSplits = 8;
 
+// The most blocks one launch of the decode kernel takes (a grid's x).
+inline constexpr int64_t kMaxDecodeGrid = 2147483647;
+
 // Blocks per (sequence, kv head, split): the group's Hq / Hkv x Nq rows in
 // tiles of kDecodeBlockM.
 __host__ __device__ inline int64_t decode_row_tiles(const AttentionShape& sh) {
@@ -41,7 +44,10 @@ void forward_kvcache(const KVCacheParams& p, const Plan& plan, cudaStream_t stre
 
 // One instantiation per (head dim, element type), generate_kernels.py.
 template <int HeadDim, typename Element>
-void launch_decode(const KVCacheParams& p, int warps, cudaStream_t stream);
+void launch_decode(const KVCacheParams& p, const Plan& plan, cudaStream_t stream);
+// Whether the kernel's blocks of `warps` warps may be a dependent launch here.
+template <int HeadDim, typename Element>
+bool decode_dependent_launch(int warps);
 // Blocks of `warps` warps resident per SM of the current device.
 template <int HeadDim, typename Element>
 int decode_blocks_per_sm(int warps);

@@ -3,6 +3,7 @@
 // block merges them, and a second sweep writes P = exp(x - m) / l.
 #include <cmath>
 
+#include "../common/band.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
 #include "../common/mask.cuh"
@@ -41,6 +42,18 @@ __device__ RowStats block_merge(RowStats s) {
   return row;
 }
 
+// A scaled score x with attn_mask's entry at `at` applied: a bool mask hides
+// (x stays x where it may attend, even +inf); an additive one adds, in natural units.
+template <MaskKind Kind, typename T>
+__device__ __forceinline__ float masked_score(float x, const MaskParams& m, int64_t at) {
+  if constexpr (Kind == MaskKind::None)
+    return x;
+  else if constexpr (Kind == MaskKind::Bool)
+    return mask_entry<Kind, T>(m.ptr, at) == 0.0f ? x : -INFINITY;
+  else
+    return x + mask_entry<Kind, T, /*Log2=*/false>(m.ptr, at);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) softmax_rows_kernel(const SoftmaxRowsParams p) {
   const int64_t row_index = blockIdx.x;  // over B * Hq * Nq
@@ -50,30 +63,27 @@ __global__ void __launch_bounds__(kThreads) softmax_rows_kernel(const SoftmaxRow
   T* row = static_cast<T*>(p.scores) + row_index * p.seqlen_k;
   const int64_t mask_row = batch * p.mask.batch_stride + head * p.mask.head_stride +
                            i * p.mask.row_stride;
-  // Keys j > last_visible are hidden by the causal rule.
-  const int64_t last_visible = p.is_causal ? i + p.seqlen_k - p.seqlen_q : p.seqlen_k - 1;
+  const Band band = Band::causal(p.is_causal, p.seqlen_q, p.seqlen_k);
 
-  auto score = [&](int64_t j) -> float {
-    if (j > last_visible) return -INFINITY;
-    float x = to_float(row[j]) * p.scale;
-    const int64_t at = mask_row + j * p.mask.col_stride;
-    // A bool mask hides (x stays x where it may attend, even +inf); an additive one adds, in natural units.
-    switch (p.mask.kind) {
-      case MaskKind::Bool: return mask_entry<MaskKind::Bool, T>(p.mask.ptr, at) == 0.0f ? x : -INFINITY;
-      case MaskKind::AdditiveFloat32: return x + mask_entry<MaskKind::AdditiveFloat32, T, false>(p.mask.ptr, at);
-      case MaskKind::AdditiveInput: return x + mask_entry<MaskKind::AdditiveInput, T, false>(p.mask.ptr, at);
-      default: return x;
+  auto softmax = [&](auto kind) {
+    auto score = [&](int64_t j) -> float {
+      if (!band.sees(i, j)) return -INFINITY;
+      return masked_score<decltype(kind)::value, T>(to_float(row[j]) * p.scale, p.mask,
+                                                    mask_row + j * p.mask.col_stride);
+    };
+    RowStats s;
+    for (int64_t j = threadIdx.x; j < p.seqlen_k; j += kThreads) s = merge(s, {score(j), 1.0f});
+    const RowStats total = block_merge(s);
+    const float inv_l = total.l > 0.0f ? 1.0f / total.l : 0.0f;
+    for (int64_t j = threadIdx.x; j < p.seqlen_k; j += kThreads) {
+      const float x = score(j);
+      row[j] = from_float<T>(x == -INFINITY ? 0.0f : __expf(x - total.m) * inv_l);
     }
   };
-
-  RowStats s;
-  for (int64_t j = threadIdx.x; j < p.seqlen_k; j += kThreads) s = merge(s, {score(j), 1.0f});
-  const RowStats total = block_merge(s);
-  const float inv_l = total.l > 0.0f ? 1.0f / total.l : 0.0f;
-  for (int64_t j = threadIdx.x; j < p.seqlen_k; j += kThreads) {
-    const float x = score(j);
-    row[j] = from_float<T>(x == -INFINITY ? 0.0f : __expf(x - total.m) * inv_l);
-  }
+  if (p.mask.kind == MaskKind::None)
+    softmax(std::integral_constant<MaskKind, MaskKind::None>{});
+  else
+    dispatch_mask_kind(p.mask.kind, softmax);
 }
 
 }  // namespace

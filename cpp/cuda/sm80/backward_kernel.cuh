@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "../common/backward_passes.cuh"
+#include "../common/key_block_scheduler.cuh"
 #include "../common/band.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
@@ -339,11 +340,10 @@ void launch_backward_kernel(const BackwardParams& p, cudaStream_t stream) {
   auto kernel = backward_kernel<HeadDim, T, Banded, AtomicDq, Capped>;
   constexpr int smem_bytes = Tr::kSmemElements * sizeof(T) + Tr::kSmemFloats * sizeof(float);
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  const BlockOrder order = make_key_block_order(p.fwd.shape, Tr::kBlockN, p.head_splits, sizeof(T), Banded);
+  const KeyBlockGrid grid = key_block_grid(p, Tr::kBlockN, sizeof(T), Banded);
   if (p.fwd.mask.tiles.lists != nullptr) sort_mask_into_key_tiles(p.fwd, Tr::kBlockN, Tr::kBlockM, stream);
-  const unsigned blocks = grid_blocks(order, p.fwd.varlen.on(), p.fwd.varlen.key_items, p.fwd.shape.heads_kv);
-  if (blocks == 0) return;
-  kernel<<<blocks, Tr::kThreads, smem_bytes, stream>>>(p, order);
+  if (grid.blocks == 0) return;
+  kernel<<<grid.blocks, Tr::kThreads, smem_bytes, stream>>>(p, grid.order);
   FUSEDATTN_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "fusedattn/params.h"
+#include "fusedattn/plan.h"
 
 namespace fusedattn::cuda {
 
@@ -13,9 +14,10 @@ namespace fusedattn::cuda {
 // p.grad_kv_accum as workspaces. p.fwd.dtype must be Float16
 // or BFloat16 and the head dim one of Sm80BackwardHeadDims. By default dQ is summed
 // with float32 atomics, whose order (and so the last bits) varies between
-// runs; p.deterministic computes it in a separate pass instead. Throws
-// std::runtime_error on a CUDA error.
-void backward_sm80(const BackwardParams& p, cudaStream_t stream);
+// runs; p.deterministic computes it in a separate pass instead. `plan` is
+// plan_backward's (family sm80); throws std::logic_error (a planner bug) for
+// one it cannot run, std::runtime_error on a CUDA error.
+void backward_sm80(const BackwardParams& p, const Plan& plan, cudaStream_t stream);
 
 // One instantiation per (head dim, element type), each in its own file.
 template <int HeadDim, typename Element>

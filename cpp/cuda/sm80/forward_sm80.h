@@ -5,12 +5,15 @@
 #include <cuda_runtime.h>
 
 #include "fusedattn/params.h"
+#include "fusedattn/plan.h"
 
 namespace fusedattn::cuda {
 
-// Writes p.out and p.lse on `stream`. p.dtype must be Float16 or BFloat16 and
-// p.shape.head_dim one of Sm80ForwardHeadDims (instantiations.h). Throws std::runtime_error on a CUDA error.
-void forward_sm80(const ForwardParams& p, cudaStream_t stream);
+// Writes p.out and p.lse on `stream`, for a call plan_forward gave family
+// sm80. p.dtype must be Float16 or BFloat16 and p.shape.head_dim one of
+// Sm80ForwardHeadDims (instantiations.h). Throws std::logic_error (a planner
+// bug) for a plan whose tiles it has no kernel of, std::runtime_error on a CUDA error.
+void forward_sm80(const ForwardParams& p, const Plan& plan, cudaStream_t stream);
 
 // One instantiation per (head dim, element type), each in its own file.
 template <int HeadDim, typename Element>

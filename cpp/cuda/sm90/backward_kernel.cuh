@@ -30,8 +30,10 @@
 #include <type_traits>
 
 #include "../common/backward_passes.cuh"
+#include "../common/key_block_scheduler.cuh"
 #include "../common/band.cuh"
 #include "../common/device_math.cuh"
+#include "../common/instantiation_dispatch.h"
 #include "../common/launch_check.h"
 #include "../common/mask.cuh"
 #include "../common/mask_tiles.h"
@@ -41,6 +43,7 @@
 #include "../hopper/warpgroup.cuh"
 #include "../hopper/wgmma.cuh"
 #include "backward_epilogue.cuh"
+#include "backward_launch.cuh"
 #include "backward_mainloop.cuh"
 #include "backward_pipeline.cuh"
 #include "backward_sm90.h"
@@ -219,21 +222,19 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
 template <int HeadDim, typename T, bool Banded, MaskKind Mask, bool Capped>
 void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90BackwardTraits<HeadDim>;
-  auto kernel = sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped>;
-  FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-  Sm90BackwardArgs launch_args = args;
-  launch_args.order = make_key_block_order(args.p.fwd.shape, Tr::kBlockN, args.p.head_splits, sizeof(T), Banded);
   if constexpr (Mask != MaskKind::None) sort_mask_into_key_tiles(args.p.fwd, Tr::kBlockN, Tr::kBlockM, stream);
-  const VarlenParams& varlen = args.p.fwd.varlen;
-  const unsigned blocks = grid_blocks(launch_args.order, varlen.on(), varlen.key_items, args.p.fwd.shape.heads_kv);
-  kernel<<<blocks, Tr::kThreads, Tr::kSmemBytes, stream>>>(launch_args);
-  FUSEDATTN_CUDA_CHECK(cudaGetLastError());
+  launch_sm90_key_blocks<Tr, T, Banded>(sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped>, args, stream);
 }
 
-// Soft-capped calls have their own kernels, without attn_mask (the planner
-// sends the others to sm80), as in the forward. Above d=128 the wide kernel.
+// Soft-capped calls have their own kernels, without attn_mask, at the head
+// dims of the table's capped variants; attn_mask at its masked ones (the
+// planner sends the others elsewhere), as in the forward. Above d=128 the
+// wide kernel, which has neither.
 template <int HeadDim, typename Element>
 void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
+  static_assert(!(HeadDim > 128 && (instantiated(Sm90BackwardMaskedHeadDims{}, HeadDim) ||
+                                    instantiated(Sm90BackwardCappedHeadDims{}, HeadDim))),
+                "the wide backward has no attn_mask or soft-capped variant");
   if constexpr (HeadDim > 128) {
     launch_wide_backward_sm90<HeadDim, Element>(args, stream);
   } else {
@@ -248,12 +249,21 @@ void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
         else
           launch_sm90_backward_kernel<HeadDim, Element, false, kMask, kCapped>(args, stream);
       };
+      using Unmasked = std::integral_constant<MaskKind, MaskKind::None>;
       if (p.fwd.softcap > 0.0f) {
-        if (p.fwd.mask.kind != MaskKind::None)
-          throw_planner_bug("the sm90 backward soft-caps calls without attn_mask only");
-        with_band(std::integral_constant<MaskKind, MaskKind::None>{}, std::true_type{});
-      } else {
+        if constexpr (instantiated(Sm90BackwardCappedHeadDims{}, HeadDim)) {
+          if (p.fwd.mask.kind != MaskKind::None)
+            throw_planner_bug("the sm90 backward soft-caps calls without attn_mask only");
+          with_band(Unmasked{}, std::true_type{});
+        } else {
+          throw_planner_bug("the sm90 backward has no soft-capped variant at head dim " + std::to_string(HeadDim));
+        }
+      } else if constexpr (instantiated(Sm90BackwardMaskedHeadDims{}, HeadDim)) {
         dispatch_each_mask_kind(p.fwd.mask.kind, [&](auto mask) { with_band(mask, std::false_type{}); });
+      } else {
+        if (p.fwd.mask.kind != MaskKind::None)
+          throw_planner_bug("the sm90 backward has no attn_mask variant at head dim " + std::to_string(HeadDim));
+        with_band(Unmasked{}, std::false_type{});
       }
     });
   }

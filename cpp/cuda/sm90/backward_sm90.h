@@ -5,14 +5,15 @@
 #include <cuda_runtime.h>
 
 #include "fusedattn/params.h"
+#include "fusedattn/plan.h"
 
 namespace fusedattn::cuda {
 
 // Writes p.grad_q, p.grad_k, p.grad_v on `stream`, like backward_sm80, for a
-// call plan_backward gave family sm90 (no attn_mask, not deterministic,
-// p.head_splits counted for its blocks). Throws std::logic_error where the
-// tensor memory accelerator cannot describe the operands after all.
-void backward_sm90(const BackwardParams& p, cudaStream_t stream);
+// call plan_backward gave family sm90 (`plan`; p.head_splits its count).
+// Throws std::logic_error (a planner bug) for a plan it cannot run, or where
+// the tensor memory accelerator cannot describe the operands after all.
+void backward_sm90(const BackwardParams& p, const Plan& plan, cudaStream_t stream);
 
 struct Sm90BackwardArgs;  // backward_traits.h
 template <int HeadDim, typename Element>

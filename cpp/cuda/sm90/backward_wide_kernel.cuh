@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "../common/backward_passes.cuh"
+#include "../common/key_block_scheduler.cuh"
 #include "../common/band.cuh"
 #include "../common/device_math.cuh"
 #include "../common/launch_check.h"
@@ -29,6 +30,7 @@
 #include "../hopper/warpgroup.cuh"
 #include "../hopper/wgmma.cuh"
 #include "backward_epilogue.cuh"
+#include "backward_launch.cuh"
 #include "backward_mainloop.cuh"
 #include "backward_pipeline.cuh"
 #include "backward_wide_mainloop.cuh"
@@ -240,21 +242,10 @@ void launch_wide_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream
     throw_planner_bug("the sm90 backward above d=128 takes no attn_mask and no soft-capping");
   run_backward_passes<Element>(p, stream, [&] {
     if (p.fwd.shape.batch * p.fwd.shape.heads_kv * p.fwd.shape.seqlen_k == 0) return;
-    auto launch = [&](auto banded) {
-      auto kernel = sm90_wide_backward_kernel<HeadDim, Element, decltype(banded)::value>;
-      FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-      Sm90BackwardArgs launch_args = args;
-      launch_args.order =
-          make_key_block_order(p.fwd.shape, Tr::kBlockN, p.head_splits, sizeof(Element), decltype(banded)::value);
-      const VarlenParams& varlen = p.fwd.varlen;
-      const unsigned blocks = grid_blocks(launch_args.order, varlen.on(), varlen.key_items, p.fwd.shape.heads_kv);
-      kernel<<<blocks, Tr::kThreads, Tr::kSmemBytes, stream>>>(launch_args);
-      FUSEDATTN_CUDA_CHECK(cudaGetLastError());
-    };
     if (p.fwd.banded())
-      launch(std::true_type{});
+      launch_sm90_key_blocks<Tr, Element, true>(sm90_wide_backward_kernel<HeadDim, Element, true>, args, stream);
     else
-      launch(std::false_type{});
+      launch_sm90_key_blocks<Tr, Element, false>(sm90_wide_backward_kernel<HeadDim, Element, false>, args, stream);
   });
 }
 

@@ -199,23 +199,20 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
 }
 
 template <int HeadDim, int BlockN, typename T, bool Banded, MaskKind Mask, bool Capped>
-void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, cudaStream_t stream) {
+void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
   using Tr = Sm90ForwardTraits<HeadDim, BlockN>;
   auto kernel = sm90_forward_kernel<HeadDim, BlockN, T, Banded, Mask, Capped>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90ForwardArgs launch_args = args;
   launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), Banded);
   if constexpr (Mask != MaskKind::None) sort_mask_into_tiles(args.p, Tr::kBlockM, Tr::kBlockN, stream);
-  // Persistent: one block per SM (its threads take 65536 / kThreads registers
-  // each from entry, as setmaxnreg needs: 64512 or 65536, no room for a
-  // second block), each taking items from the counter, zeroed here; else a
-  // block per item.
+  // Persistent: the plan's resident blocks at most (one per SM), each taking
+  // items from the counter, zeroed here; else a block per item.
   const VarlenParams& varlen = args.p.varlen;
   int64_t blocks = grid_blocks(launch_args.order, varlen.on(), varlen.query_items, args.p.shape.heads_q);
   if constexpr (sm90_forward_persistent(HeadDim, Banded)) {
-    const int sms = device_sms();
-    if (blocks > sms) {
-      blocks = sms;
+    if (blocks > plan.resident_blocks) {
+      blocks = plan.resident_blocks;
       FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(args.p.work_counter, 0, sizeof(unsigned), stream));
     }
   }
@@ -230,12 +227,12 @@ template <int HeadDim, typename Element, bool Banded, MaskKind Mask, bool Capped
 void launch_planned_sm90_forward(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
   constexpr int kShortN = sm90_forward_block_n(HeadDim, Banded, Mask != MaskKind::None, 0);
   constexpr int kLongN = sm90_forward_block_n(HeadDim, Banded, Mask != MaskKind::None, kSm90CausalWideTileKeys);
-  if (plan.persistent != sm90_forward_persistent(HeadDim, Banded))
-    throw_planner_bug("the sm90 forward's persistence is fixed per head dim and band");
+  if (plan.persistent != sm90_forward_persistent(HeadDim, Banded) || (plan.persistent && plan.resident_blocks < 1))
+    throw_planner_bug("the sm90 forward's persistence is fixed per head dim and band, with resident blocks");
   if (plan.block_n == kLongN)
-    launch_sm90_forward_kernel<HeadDim, kLongN, Element, Banded, Mask, Capped>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, kLongN, Element, Banded, Mask, Capped>(args, plan, stream);
   else if (plan.block_n == kShortN)
-    launch_sm90_forward_kernel<HeadDim, kShortN, Element, Banded, Mask, Capped>(args, stream);
+    launch_sm90_forward_kernel<HeadDim, kShortN, Element, Banded, Mask, Capped>(args, plan, stream);
   else
     throw_planner_bug("no sm90 forward of " + std::to_string(plan.block_n) + "-key tiles");
 }

@@ -12,7 +12,7 @@
 #include "backward_wide_traits.h"
 #include "forward_sm90.h"
 #include "forward_traits.h"
-#include "tensor_maps.h"
+#include "../hopper/tensor_maps.h"
 
 namespace fusedattn::cuda {
 namespace {
@@ -45,7 +45,11 @@ bool probe_device(int device) {
 bool sm90_available() {
   static std::mutex lock;
   static std::vector<int> known;  // per device: -1 unknown, 0 no, 1 yes
-  int device = 0;
+  int device = 0, devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    (void)cudaGetLastError();  // no device: no sm90 (the error is not sticky)
+    return false;
+  }
   FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> guard(lock);
   if (known.size() <= static_cast<size_t>(device)) known.resize(device + 1, -1);
@@ -71,14 +75,20 @@ void forward_sm90(const ForwardParams& p, const Plan& plan, cudaStream_t stream)
   });
 }
 
-void backward_sm90(const BackwardParams& p, cudaStream_t stream) {
+void backward_sm90(const BackwardParams& p, const Plan& plan, cudaStream_t stream) {
   if (p.deterministic) throw_planner_bug("the sm90 backward has no deterministic mode");
+  if (plan.family != Family::Sm90 || plan.head_splits != p.head_splits)
+    throw_planner_bug("backward_sm90 was handed the plan " + plan.describe());
   if (p.fwd.mask.kind != MaskKind::None && p.fwd.mask.tiles.lists == nullptr)
     throw_planner_bug("the sm90 backward takes attn_mask sorted into key tiles only");
   const AttentionShape& sh = p.fwd.shape;
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   dispatch_instantiation(Sm90BackwardHeadDims{}, "sm90 backward", p.fwd.dtype, sh.head_dim, [&](auto head_dim, auto element) {
     using Tr = Sm90BackwardTraitsOf<decltype(head_dim)::value>;
+    if (plan.block_m != Tr::kBlockM || plan.block_n != Tr::kBlockN || plan.warps != Tr::kThreads / 32)
+      throw_planner_bug("the sm90 backward at head dim " + std::to_string(decltype(head_dim)::value) + " runs " +
+                        std::to_string(Tr::kBlockM) + " x " + std::to_string(Tr::kBlockN) + " tiles of " +
+                        std::to_string(Tr::kThreads / 32) + " warps, got the plan " + plan.describe());
     Sm90BackwardArgs args{};
     args.p = p;
     // The first operand whose map fails, named in the error.

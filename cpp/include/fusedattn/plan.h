@@ -42,6 +42,7 @@ struct Plan {
   int warps = 0;    // per thread block (CPU: 0)
   int head_dim = 0;  // CUDA: the kernel's head dim; q, k, v (d_v) below it are padded with zeros to it
   bool persistent = false;        // sm90 forward: resident blocks that take work items
+  int resident_blocks = 0;        // persistent: how many (one per SM; 65536 registers a block leave no room for two)
   bool mask_tiles = false;        // attn_mask sorted into tile lists first (MaskTiles, params.h;
                                   // the backwards' by key tiles)
   bool backward = false;          // a plan of the backward
@@ -49,6 +50,7 @@ struct Plan {
   bool deterministic = false;     // backward: dQ summed in a fixed order
   int num_splits = 1;             // decode: blocks splitting each sequence's keys
   bool merge_in_cluster = false;  // decode: the splits merge in a thread block cluster
+  bool dependent_launch = false;  // decode: blocks may start while the kernel before them ends (sm_90 code)
   bool varlen = false;            // packed sequences (VarlenParams, params.h)
   int64_t work_items = 0;         // varlen: the work list's (sequence, tile) items, longest first
 
@@ -59,9 +61,11 @@ struct Plan {
     if (family != Family::Cpu) s += " head_dim=" + std::to_string(head_dim);
     auto flag = [](bool b) { return b ? "true" : "false"; };
     if (family == Family::Sm90) s += std::string(" persistent=") + flag(persistent);
+    if (persistent) s += " resident_blocks=" + std::to_string(resident_blocks);
     if (family == Family::Sm80 || family == Family::Sm90) s += std::string(" mask_tiles=") + flag(mask_tiles);
     if (family == Family::Decode)
-      s += " num_splits=" + std::to_string(num_splits) + " merge_in_cluster=" + flag(merge_in_cluster);
+      s += " num_splits=" + std::to_string(num_splits) + " merge_in_cluster=" + flag(merge_in_cluster) +
+           " dependent_launch=" + flag(dependent_launch);
     if (backward) s += " head_splits=" + std::to_string(head_splits) + " deterministic=" + flag(deterministic);
     if (varlen) s += " varlen=true";
     // Packed calls of the CPU and the gemm family run a sequence at a time, the kernels' from a work list.

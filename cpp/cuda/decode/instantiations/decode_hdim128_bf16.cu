@@ -2,7 +2,8 @@
 #include "../decode_kernel.cuh"
 
 namespace fusedattn::cuda {
-template void launch_decode<128, __nv_bfloat16>(const KVCacheParams&, int, cudaStream_t);
+template void launch_decode<128, __nv_bfloat16>(const KVCacheParams&, const Plan&, cudaStream_t);
+template bool decode_dependent_launch<128, __nv_bfloat16>(int);
 template int decode_blocks_per_sm<128, __nv_bfloat16>(int);
 template bool decode_warps_fit<128, __nv_bfloat16>(int);
 template int decode_max_active_clusters<128, __nv_bfloat16>(int, int);

@@ -2,7 +2,8 @@
 #include "../decode_kernel.cuh"
 
 namespace fusedattn::cuda {
-template void launch_decode<64, __half>(const KVCacheParams&, int, cudaStream_t);
+template void launch_decode<64, __half>(const KVCacheParams&, const Plan&, cudaStream_t);
+template bool decode_dependent_launch<64, __half>(int);
 template int decode_blocks_per_sm<64, __half>(int);
 template bool decode_warps_fit<64, __half>(int);
 template int decode_max_active_clusters<64, __half>(int, int);

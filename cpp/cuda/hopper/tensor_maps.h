@@ -1,4 +1,4 @@
-// Host side of the sm90 family's TMA loads: a tensor map per operand.
+// Host side of the Hopper kernels' TMA loads (the sm90 family's): a tensor map per operand.
 #pragma once
 
 #include <cuda.h>
