@@ -102,6 +102,12 @@ def test_supports_says_the_backward_is_fused_to_256_on_sm90():
     assert fusedattn.ops.supports(cuda, torch.bfloat16, 150, 256, fused=True)
     assert not fusedattn.ops.supports(cuda, torch.bfloat16, 192, softcap=True, fused=True)
     assert not fusedattn.ops.supports(cuda, torch.bfloat16, 264, fused=True)
+    torch.use_deterministic_algorithms(True)  # the wide kernel has no deterministic mode: the gemm family
+    try:
+        assert not fusedattn.ops.supports(cuda, torch.bfloat16, 192, fused=True)
+        assert fusedattn.ops.supports(cuda, torch.bfloat16, 192, backward=False, fused=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_broadcast_operands_at_a_wide_head_dim_run_on_the_gemm_family():

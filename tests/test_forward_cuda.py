@@ -92,8 +92,8 @@ def test_cuda_graph_replays_zero_the_work_counter(head_dim, is_causal):
                 dtype=torch.bfloat16, is_causal=is_causal)
     q, k, v, _ = make_inputs(case, "cuda")
     plan = fusedattn.plan(q, k, v, is_causal=is_causal)
-    assert plan["persistent"] == (sm90_available() and plan["family"] == "sm90"), plan
-    if plan["persistent"]:
+    assert plan.get("persistent", False) == (sm90_available() and plan["family"] == "sm90"), plan
+    if plan.get("persistent"):
         assert 288 > plan["resident_blocks"] > 0, plan  # more items than blocks: the counter deals the rest
     torch.ops.fusedattn.forward(q, k, v, None, is_causal, None)  # warm-up outside the capture
     check_graph_replays(q, k, v, is_causal=is_causal, replays=3)

@@ -89,7 +89,12 @@ int main(int argc, char** argv) {
         p.partial_lse = partial_lse;
         p.split_arrivals = split_arrivals;
         p.merge_in_cluster = false;  // always the global merge (the operator may merge in clusters)
-        auto step = [&] { cuda::launch_decode<128, __half>(p, /*warps=*/8, nullptr); };  // 8: the planner's on Hopper
+        Plan plan;  // the plan the planner gives on Hopper, but for its split count
+        plan.family = Family::Decode;
+        plan.warps = 8;
+        plan.num_splits = splits;
+        plan.dependent_launch = cuda::decode_dependent_launch<128, __half>(plan.warps);
+        auto step = [&] { cuda::launch_decode<128, __half>(p, plan, nullptr); };
         for (int i = 0; i < 3; ++i) step();
         const int iterations = n > 40000 ? 10 : 50;
         cudaEvent_t start, end;

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import threading
 from typing import Iterator
 
 import torch
@@ -43,6 +44,11 @@ class Forced:
 
 _PLANNER = Forced()
 _FORCED: contextvars.ContextVar[Forced] = contextvars.ContextVar("fusedattn_forced", default=_PLANNER)
+# force() blocks open in any thread: a module global, which torch.compile
+# guards on (it cannot guard on the context variable), so a function compiled
+# outside force() is traced again inside it, and that trace raises.
+_OPEN_FORCES = 0
+_OPEN_FORCES_LOCK = threading.Lock()
 
 
 @torch.compiler.assume_constant_result
@@ -60,7 +66,8 @@ def forced() -> Forced:
     """The choices forced in this thread or task (all None outside ``force``);
     while torch.compile traces, all None, and an error if any is forced."""
     if torch.compiler.is_compiling():
-        _nothing_forced_while_tracing()
+        if _OPEN_FORCES:
+            _nothing_forced_while_tracing()
         return _PLANNER
     return _FORCED.get()
 
@@ -86,8 +93,13 @@ def force(family: str | None = None, *, decode_warps: int | None = None,
         decode_merge_in_cluster=(decode_merge_in_cluster if decode_merge_in_cluster is not None
                                  else outer.decode_merge_in_cluster),
     )
+    global _OPEN_FORCES
     token = _FORCED.set(inner)
+    with _OPEN_FORCES_LOCK:
+        _OPEN_FORCES += 1
     try:
         yield inner
     finally:
+        with _OPEN_FORCES_LOCK:
+            _OPEN_FORCES -= 1
         _FORCED.reset(token)

@@ -8,7 +8,6 @@ adds what torch.library expects from Python.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -61,11 +60,11 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head
     backward too. ``softcap`` and ``sinks`` say whether the call soft-caps or
     has sinks; every path serves both. On CUDA the gemm family (float32
     matrix products, a block of query rows at a time) serves what the fused
-    kernels do not; with ``fused`` only a fused kernel counts, as the
-    library's planner reads its table for this device: the backward above
-    d=128 is fused on sm90 devices only (Hopper), soft-capped where the
-    table has sm90's capped variants, and without attn_mask (which this
-    function is not told of)."""
+    kernels do not; with ``fused`` only a fused kernel counts: the planner's
+    answer for a call of these head dims and options on this device (under
+    ``torch.use_deterministic_algorithms`` too), without attn_mask (which
+    this function is not told of); with no CUDA device, the head dims every
+    CUDA device's kernels serve."""
     if dtype not in DTYPES or device.type not in ("cpu", "cuda"):
         return False
     if device.type == "cpu":
@@ -74,14 +73,33 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head
         return False
     if not fused:
         return True
-    if dtype not in CUDA_DTYPES:
+    return dtype in CUDA_DTYPES and _planned_fused(device, dtype, head_dim, value_head_dim or head_dim, softcap,
+                                                   sinks, backward, torch.are_deterministic_algorithms_enabled())
+
+
+@torch.compiler.assume_constant_result
+def _planned_fused(device: torch.device, dtype: torch.dtype, head_dim: int, value_head_dim: int, softcap: bool,
+                   sinks: bool, backward: bool, deterministic: bool) -> bool:
+    """supports(fused=True) on CUDA, asked of the planner once per argument set
+    (constant to torch.compile: a plan depends on these alone)."""
+    return _planned_fused_cached(device, dtype, head_dim, value_head_dim, softcap, sinks, backward, deterministic)
+
+
+@functools.cache
+def _planned_fused_cached(device, dtype, head_dim, value_head_dim, softcap, sinks, backward, deterministic) -> bool:
+    del deterministic  # a key of the cache; the planner reads the global setting itself
+    if not torch.cuda.is_available():
+        served = torch.ops.fusedattn.served_head_dims(backward)
+        return max(head_dim, value_head_dim) <= served[-1]
+    q, k = (torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype) for _ in range(2))
+    v = torch.empty(1, 1, 1, value_head_dim, device=device, dtype=dtype)
+    sink = torch.zeros(1, device=device) if sinks else None
+    try:
+        plan = _parse_plan(torch.ops.fusedattn.plan(q, k, v, None, False, None, None, backward, None,
+                                                    1.0 if softcap else None, sink))
+    except RuntimeError:  # a call no path takes (a head dim below 1, say)
         return False
-    with torch.cuda.device(device) if torch.cuda.is_available() else contextlib.nullcontext():
-        served = tuple(torch.ops.fusedattn.served_head_dims(backward))
-    if backward and softcap:  # above sm80's head dims, soft-capped backwards need sm90's capped variants
-        capped = cuda_head_dims("sm80_backward") + cuda_head_dims("sm90_backward_capped")
-        served = tuple(d for d in served if d in capped)
-    return any(d >= max(head_dim, value_head_dim or head_dim) for d in served)
+    return plan["family"] != "gemm"
 
 
 def _grad_sinks_fake(q, sinks):
