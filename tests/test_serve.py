@@ -178,9 +178,50 @@ def test_bad_requests_get_an_openai_error_and_the_server_serves_on(server, model
 
 
 def test_chat_requests_are_checked_too(server, model):
-    for messages in ([], [{"role": "robot", "content": "hi"}], [{"role": "user", "content": 3}]):
+    for messages in ([], [{"role": "robot", "content": "hi"}], [{"role": "user", "content": 3}],
+                     [{"role": "user", "content": []}],
+                     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]):
         response = post(server.url + "/v1/chat/completions", json_body={"model": model, "messages": messages})
         assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def test_content_parts_and_the_developer_role_are_the_plain_request(client, model):
+    """OpenAI's newer request shapes: content as a list of text parts, and
+    "developer" for "system"; each gives the same greedy answer as the plain form."""
+    def answer(messages):
+        return client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                              max_tokens=8).choices[0].message.content
+
+    plain = answer([{"role": "system", "content": "Answer in one word."},
+                    {"role": "user", "content": "What is the capital of France?"}])
+    parts = answer([{"role": "developer", "content": [{"type": "text", "text": "Answer in one word."}]},
+                    {"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                                 {"type": "text", "text": "of France?"}]}])
+    assert parts == plain
+
+
+def test_a_model_is_retrieved_by_name(server, client, model):
+    assert client.models.retrieve(model).id == model
+    missing = get(server.url + "/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_without_max_tokens_a_chat_takes_what_the_kv_cache_holds(engine, model):
+    """A chat without max_tokens: up to the end of the context, or of a KV
+    cache shorter than the context (64 positions here, against SmolLM2's 8192)."""
+    running = Running(make_app(engine, model, kv_positions=64))
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count to 100."}],
+                                               temperature=0)
+        assert 1 <= reply.usage.completion_tokens <= 64 - reply.usage.prompt_tokens + 1
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        long = post(running.url + "/v1/chat/completions",
+                    json_body={"model": model, "messages": [{"role": "user", "content": "hi " * 100}]})
+        assert long.status_code == 400 and long.json()["error"]["param"] == "messages"
+        assert "KV cache" in long.json()["error"]["message"]
+    finally:
+        running.stop()
 
 
 def test_a_thousand_malformed_requests_leave_it_healthy(server, client, model):

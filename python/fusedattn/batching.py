@@ -165,6 +165,12 @@ class Batcher:
         self._waiting.append(seq)
         return seq
 
+    def room(self, prompt_tokens: int) -> int:
+        """The most tokens a request with this prompt may generate: its
+        positions must fit the model's context and the whole KV cache (below 1:
+        the prompt alone does not)."""
+        return min(self.engine.config.context, self.pool.pages * self.pool.page_size) - prompt_tokens + 1
+
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raises ValueError where a request of these sizes could never run."""
         context = self.engine.config.context

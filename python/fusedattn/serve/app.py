@@ -54,6 +54,7 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None, **batc
     app[_MODEL] = model_name
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
 
@@ -68,9 +69,20 @@ async def _health(request: web.Request) -> web.Response:
     return _json({"status": "ok", "requests": request.app[_SCHEDULER].pool()})
 
 
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "fusedattn"}
+
+
 async def _models(request: web.Request) -> web.Response:
-    return _json({"object": "list", "data": [
-        {"id": request.app[_MODEL], "object": "model", "created": 0, "owned_by": "fusedattn"}]})
+    return _json({"object": "list", "data": [_model_card(request.app[_MODEL])]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    if name != request.app[_MODEL]:
+        raise ApiError(404, f"the model '{name}' does not exist (this server has '{request.app[_MODEL]}')", "model",
+                       "model_not_found")
+    return _json(_model_card(name))
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -101,12 +113,19 @@ def _job(request: web.Request, req: Request) -> Job:
     if room < 1:
         raise ApiError(400, f"the prompt is {len(ids)} tokens; the model's context is {context}", "messages"
                        if req.chat else "prompt", "context_length_exceeded")
-    max_tokens = room if req.max_tokens is None else req.max_tokens
+    batcher = request.app[_SCHEDULER].batcher
+    if req.max_tokens is None:  # as many as the context and the KV cache leave
+        if batcher.room(len(ids)) < 1:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens, more than this server's KV cache holds",
+                           "messages" if req.chat else "prompt", "context_length_exceeded")
+        max_tokens = min(room, batcher.room(len(ids)))
+    else:
+        max_tokens = req.max_tokens
     if max_tokens > room:
         raise ApiError(400, f"the prompt ({len(ids)} tokens) and max_tokens ({max_tokens}) exceed the model's "
                        f"context of {context} tokens", "max_tokens", "context_length_exceeded")
     try:
-        request.app[_SCHEDULER].batcher.check(len(ids), max_tokens)
+        batcher.check(len(ids), max_tokens)
     except ValueError as e:  # more than the whole KV cache holds
         raise ApiError(400, str(e).removeprefix("fusedattn.batching: "), "max_tokens") from None
     seed = req.seed if req.seed is not None else random.SystemRandom().randrange(2**63)

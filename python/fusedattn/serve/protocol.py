@@ -71,16 +71,28 @@ def _integer(body: dict, name: str, default, low: int, high: int | None = None):
     return value
 
 
+def _content_text(content, i: int) -> str:
+    """A message's content: a string, or OpenAI's list of parts, of which only
+    text parts ({"type": "text", "text": ...}) are served, joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"messages[{i}].content must be a string or a non-empty list of text parts "
+                   "({\"type\": \"text\", \"text\": ...}); this server takes text only", "messages")
+
+
 def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}] must have a role of system, user or assistant", "messages")
-        if not isinstance(m.get("content"), str):
-            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}] must have a role of system, developer, user or assistant", "messages")
+    # OpenAI's "developer" role is its newer name for "system", which chat templates know.
+    return [{"role": "system" if m["role"] == "developer" else m["role"], "content": _content_text(m.get("content"), i)}
+            for i, m in enumerate(messages)]
 
 
 def _prompt(body: dict) -> str:
