@@ -220,8 +220,21 @@ def test_without_max_tokens_a_chat_takes_what_the_kv_cache_holds(engine, model):
                     json_body={"model": model, "messages": [{"role": "user", "content": "hi " * 100}]})
         assert long.status_code == 400 and long.json()["error"]["param"] == "messages"
         assert "KV cache" in long.json()["error"]["message"]
+        given = post(running.url + "/v1/completions", json_body={"model": model, "prompt": "hi " * 100,
+                                                                  "max_tokens": 1})
+        assert given.status_code == 400 and given.json()["error"]["param"] == "prompt"  # the prompt, not max_tokens
     finally:
         running.stop()
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_bad_request(server, engine, model, monkeypatch):
+    monkeypatch.setattr(engine.tokenizer, "chat_template", "{{ raise_exception('roles must alternate') }}")
+    response = post(server.url + "/v1/chat/completions",
+                    json_body={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages"
+    assert "roles must alternate" in response.json()["error"]["message"]
+    assert get(server.url + "/health").json()["status"] == "ok"
 
 
 def test_a_thousand_malformed_requests_leave_it_healthy(server, client, model):

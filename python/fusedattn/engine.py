@@ -197,7 +197,12 @@ class Engine:
                              "give the text as a plain prompt")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        from jinja2.exceptions import TemplateError  # apply_chat_template renders with jinja2
+
+        try:
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as e:  # the template's own raise_exception, e.g. roles out of order
+            raise ValueError(f"fusedattn.engine: the model's chat template refused the conversation: {e}") from None
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     def _rotations(self, positions: Tensor) -> dict[float, Tensor]:

@@ -98,8 +98,8 @@ def _prompt_ids(engine: Engine, req: Request) -> list[int]:
         return engine.tokenizer.encode(req.prompt)
     try:
         return engine.chat_prompt(req.messages)
-    except ValueError:  # no chat template
-        raise ApiError(400, "this model has no chat template: use /v1/completions", "messages") from None
+    except ValueError as e:  # no chat template, or the template refused the messages
+        raise ApiError(400, str(e).removeprefix("fusedattn.engine: "), "messages") from None
 
 
 def _job(request: web.Request, req: Request) -> Job:
@@ -114,13 +114,11 @@ def _job(request: web.Request, req: Request) -> Job:
         raise ApiError(400, f"the prompt is {len(ids)} tokens; the model's context is {context}", "messages"
                        if req.chat else "prompt", "context_length_exceeded")
     batcher = request.app[_SCHEDULER].batcher
-    if req.max_tokens is None:  # as many as the context and the KV cache leave
-        if batcher.room(len(ids)) < 1:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens, more than this server's KV cache holds",
-                           "messages" if req.chat else "prompt", "context_length_exceeded")
-        max_tokens = min(room, batcher.room(len(ids)))
-    else:
-        max_tokens = req.max_tokens
+    if batcher.room(len(ids)) < 1:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens, more than this server's KV cache holds",
+                       "messages" if req.chat else "prompt", "context_length_exceeded")
+    # Without max_tokens: as many as the context and the KV cache leave.
+    max_tokens = req.max_tokens if req.max_tokens is not None else min(room, batcher.room(len(ids)))
     if max_tokens > room:
         raise ApiError(400, f"the prompt ({len(ids)} tokens) and max_tokens ({max_tokens}) exceed the model's "
                        f"context of {context} tokens", "max_tokens", "context_length_exceeded")

@@ -37,7 +37,7 @@ class Request:
     model: str
     prompt: str | None  # completions
     messages: list[dict] | None  # chat completions
-    max_tokens: int | None  # None: the rest of the context
+    max_tokens: int | None  # None: what the context and the KV cache leave
     temperature: float
     top_p: float
     top_k: int
