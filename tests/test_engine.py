@@ -187,8 +187,15 @@ def test_generate_draws_a_fresh_seed_and_says_which(capsys, cache_dir):
 def test_a_cached_model_loads_without_converting_and_decodes_the_same(engine, tmp_path, monkeypatch):
     from fusedattn import engine as engine_module
 
+    import gguf
+
     path = smollm2_path()
-    Engine.from_gguf(path, cache_dir=str(tmp_path))  # converts and writes the entry
+    opened, real = [], gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: opened.append(a) or real(*a, **k))
+    converted = Engine.from_gguf(path, cache_dir=str(tmp_path))  # converts and writes the entry
+    assert len(opened) == 1  # the weights and the tokenizer read one parse of the file
+    assert converted.chat_prompt("Hi") == engine.chat_prompt("Hi")
+    monkeypatch.undo()
     (entry,) = (tmp_path / "models").iterdir()
     assert (entry / "weights.pt").is_file() and (entry / "tokenizer").is_dir()
     monkeypatch.setattr(engine_module, "read_model", lambda *a, **k: pytest.fail("converted again"))

@@ -377,7 +377,11 @@ def test_the_serve_command_serves_and_stops_on_sigterm_mid_stream(tmp_path, mode
             rest = response.read()  # the stream ends: closed by the server, not left hanging
         except (http.client.IncompleteRead, ConnectionError) as e:
             rest = getattr(e, "partial", b"")
-        assert b"[DONE]" not in rest  # it did not run its 4000 tokens to the end
+        # Cancelled, not run to its 4000 tokens: an error event, then the end of the stream.
+        events = [line for line in rest.split(b"\n") if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]", rest[-300:]
+        assert "shutting down" in json.loads(events[-2].removeprefix(b"data: "))["error"]["message"]
+        assert not any(b'"finish_reason": "length"' in e for e in events)
         connection.close()
         assert f"http://127.0.0.1:{port}/v1" in process.stdout.read()
     finally:

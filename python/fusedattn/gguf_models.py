@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 from torch import Tensor
 
 from .gguf_blocks import FORMATS, BlockWeight
 
-__all__ = ["ARCHITECTURES", "ModelConfig", "describe", "fuse_weights", "gguf_metadata", "read_model"]
+__all__ = ["ARCHITECTURES", "ModelConfig", "describe", "fuse_weights", "gguf_metadata", "read_model", "read_tokenizer"]
 
 ARCHITECTURES = ("llama", "gemma3", "qwen2")
 
@@ -141,14 +142,16 @@ def describe(path: str) -> dict:
     return {"arch": arch, "head_dim": head_dim, "context": meta.get(f"{arch}.context_length")}
 
 
-def read_model(path: str, keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, Tensor | BlockWeight]]:
+def read_model(path: str, keep_blocks: bool = False,
+               reader=None) -> tuple[ModelConfig, dict[str, Tensor | BlockWeight]]:
     """The config and the weights (float32, fuse_weights' layout) of a GGUF file;
     with keep_blocks, the matrices of a format gguf_blocks.FORMATS lists stay
-    as the file's blocks (BlockWeight)."""
+    as the file's blocks (BlockWeight). reader: the file's gguf.GGUFReader, if
+    it is open already."""
     import gguf
     import numpy as np
 
-    reader = gguf.GGUFReader(path)
+    reader = reader or gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
     if arch not in ARCHITECTURES:
         raise _unsupported(path, arch)
@@ -182,6 +185,24 @@ def read_model(path: str, keep_blocks: bool = False) -> tuple[ModelConfig, dict[
     weights = {t.name: weight(t) for t in reader.tensors}
     config.vocab = weights["token_embd.weight"].shape[0]
     return config, fuse_weights(weights)
+
+
+def read_tokenizer(path: str, reader):
+    """transformers' tokenizer of a GGUF file, built from reader, the file's
+    open gguf.GGUFReader: transformers opens the file with gguf.GGUFReader
+    itself, a parse of seconds, so for this path it is handed this one."""
+    from unittest import mock
+
+    import gguf
+    from transformers import AutoTokenizer
+
+    own, real = os.path.realpath(path), gguf.GGUFReader
+
+    def reuse(p, *args, **kwargs):
+        return reader if os.path.realpath(p) == own and not args and not kwargs else real(p, *args, **kwargs)
+
+    with mock.patch.object(gguf, "GGUFReader", reuse):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 def _stack(parts: list[Tensor | BlockWeight]) -> Tensor | BlockWeight:

@@ -61,7 +61,10 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None, **batc
     async def close(app: web.Application) -> None:
         await asyncio.get_running_loop().run_in_executor(None, app[_SCHEDULER].close)
 
-    app.on_cleanup.append(close)
+    # On shutdown, before aiohttp waits for the handlers: every request still
+    # running ends with an error finish, so a stream sends its error event and
+    # [DONE] instead of being cut off.
+    app.on_shutdown.append(close)
     return app
 
 
