@@ -101,7 +101,7 @@ def test_rejected_calls_leave_the_cache_untouched():
 
 
 def test_narrowed_cache_view():
-    """A view of the positions in use (the README's advice for caches far
+    """A view of the positions in use (docs/semantics.md's advice for caches far
     longer than their lengths) answers as the whole cache does and appends
     into it."""
     q, k_cache, v_cache, _, k_new, v_new = make_cache(max_len=300)

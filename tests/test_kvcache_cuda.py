@@ -351,7 +351,7 @@ def test_cuda_kvcache_cache_far_longer_than_its_lengths(narrowed):
     """A cache of 64K positions holding a few hundred: the split count follows
     the capacity (more splits than for the narrowed view), and each split
     reads its share of the actual keys. A view narrowed to the positions in
-    use (the README's advice for such caches) reads and appends in place, and
+    use (docs/semantics.md's advice for such caches) reads and appends in place, and
     leaves the rest of the cache alone."""
     q, k_cache, v_cache, _, k_new, v_new = cuda_cache(B=2, Hq=8, Hkv=2, d=128, max_len=65536, nq=1, n_new=1,
                                                       dtype=torch.float16)
