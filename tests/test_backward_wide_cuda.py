@@ -126,7 +126,7 @@ def test_broadcast_operands_at_a_wide_head_dim_run_on_the_gemm_family():
     oracle, low = (torch.autograd.grad(fusedattn.reference.attention(*ts, is_causal=True), ts, dout)
                    for ts, dout in ((inputs64, grad_out.double()), (inputs_low, grad_out)))
     magnitude = max([1.0] + [o.abs().max().item() for o in oracle])
-    # What a fused backward cannot avoid: delta from the output as stored (none for dv).
+    # What a backward that reads the stored output cannot avoid, the gemm family's too (none for dv).
     extras = stored_output_error(*inputs64, grad_out.double(), (None, True, None, None, None, None), torch.float16)
     for name, got, o, lp, like, extra in zip(("dq", "dk", "dv"), grads, oracle, low, (q, k, v), extras):
         assert got.shape == like.shape and got.dtype == like.dtype

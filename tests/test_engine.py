@@ -185,9 +185,9 @@ def test_generate_draws_a_fresh_seed_and_says_which(capsys, cache_dir):
 
 
 def test_a_cached_model_loads_without_converting_and_decodes_the_same(engine, tmp_path, monkeypatch):
-    from fusedattn import engine as engine_module
-
     import gguf
+
+    from fusedattn import engine as engine_module
 
     path = smollm2_path()
     opened, real = [], gguf.GGUFReader

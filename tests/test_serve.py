@@ -1,6 +1,7 @@
 """fusedattn serve: the OpenAI-compatible server on SmolLM2 (CPU), driven by
 the openai client, against the engine's own greedy answers."""
 
+import asyncio
 import concurrent.futures
 import http.client
 import json
@@ -22,9 +23,10 @@ pytest.importorskip("aiohttp", reason="needs the serve extra: pip install .[serv
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install .[serve]")
 
 from fusedattn import bench_serve, cli  # noqa: E402
-from fusedattn.engine import Engine, smollm2_path  # noqa: E402
+from fusedattn.engine import Engine, SamplingParams, smollm2_path  # noqa: E402
 from fusedattn.serve import make_app, model_name  # noqa: E402
 from fusedattn.serve.running import Running  # noqa: E402
+from fusedattn.serve.scheduler import SHUTTING_DOWN, Job, Scheduler  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Attention is all you", "Red, orange, yellow,"]
 KEY = "sk-test-key"
@@ -233,8 +235,40 @@ def test_a_conversation_the_chat_template_refuses_is_a_bad_request(server, engin
                     json_body={"model": model, "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "messages"
+    assert response.json()["error"]["message"].startswith("the model's chat template refused the conversation")
     assert "roles must alternate" in response.json()["error"]["message"]
+    monkeypatch.setattr(engine.tokenizer, "chat_template", None)
+    response = post(server.url + "/v1/chat/completions",
+                    json_body={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400 and "use /v1/completions" in response.json()["error"]["message"]
     assert get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_a_job_submitted_after_the_scheduler_closed_fails_at_once(engine):
+    scheduler = Scheduler(engine, kv_positions=64)
+    scheduler.close()
+
+    async def submit():
+        job = Job([1, 2, 3], 4, SamplingParams(), [], asyncio.get_running_loop())
+        scheduler.submit(job)
+        return await asyncio.wait_for(job.events.get(), 10)
+
+    finish = asyncio.run(submit())
+    assert finish.reason == "error" and finish.error == SHUTTING_DOWN
+
+
+def test_a_request_still_running_when_the_server_stops_gets_a_503(engine, model):
+    running = Running(make_app(engine, model))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(post, running.url + "/v1/completions", json_body={
+            "model": model, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0})
+        deadline = time.monotonic() + 30
+        while get(running.url + "/health").json()["requests"]["running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        running.stop()
+        response = reply.result(60)
+    assert response.status_code == 503 and SHUTTING_DOWN in response.json()["error"]["message"]
 
 
 def test_a_thousand_malformed_requests_leave_it_healthy(server, client, model):

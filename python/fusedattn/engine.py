@@ -197,10 +197,12 @@ class Engine:
                              "give the text as a plain prompt")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        from jinja2.exceptions import TemplateError  # apply_chat_template renders with jinja2
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError  # apply_chat_template renders with jinja2
 
         try:
             rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateSyntaxError:  # the model's template is broken: not the conversation's fault
+            raise
         except TemplateError as e:  # the template's own raise_exception, e.g. roles out of order
             raise ValueError(f"fusedattn.engine: the model's chat template refused the conversation: {e}") from None
         return self.tokenizer.encode(rendered, add_special_tokens=False)

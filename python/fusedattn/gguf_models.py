@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 
 import torch
 from torch import Tensor
@@ -151,7 +152,8 @@ def read_model(path: str, keep_blocks: bool = False,
     import gguf
     import numpy as np
 
-    reader = reader or gguf.GGUFReader(path)
+    if reader is None:
+        reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
     if arch not in ARCHITECTURES:
         raise _unsupported(path, arch)
@@ -201,8 +203,12 @@ def read_tokenizer(path: str, reader):
     def reuse(p, *args, **kwargs):
         return reader if os.path.realpath(p) == own and not args and not kwargs else real(p, *args, **kwargs)
 
-    with mock.patch.object(gguf, "GGUFReader", reuse):
+    # The patch is process-wide: one load at a time holds it, so no thread keeps another's.
+    with _READER_PATCH, mock.patch.object(gguf, "GGUFReader", reuse):
         return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+_READER_PATCH = threading.Lock()
 
 
 def _stack(parts: list[Tensor | BlockWeight]) -> Tensor | BlockWeight:

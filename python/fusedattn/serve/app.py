@@ -19,7 +19,7 @@ from aiohttp import web
 
 from ..engine import Engine, SamplingParams
 from .protocol import ApiError, Request, error_body, parse_request
-from .scheduler import Finish, Job, Scheduler
+from .scheduler import SHUTTING_DOWN, Finish, Job, Scheduler
 
 __all__ = ["make_app"]
 
@@ -99,9 +99,11 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 def _prompt_ids(engine: Engine, req: Request) -> list[int]:
     if not req.chat:
         return engine.tokenizer.encode(req.prompt)
+    if not getattr(engine.tokenizer, "chat_template", None):
+        raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
     try:
         return engine.chat_prompt(req.messages)
-    except ValueError as e:  # no chat template, or the template refused the messages
+    except ValueError as e:  # the template refused the messages
         raise ApiError(400, str(e).removeprefix("fusedattn.engine: "), "messages") from None
 
 
@@ -160,6 +162,8 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 def _raise_failed(finish: Finish) -> None:
+    if finish.error == SHUTTING_DOWN:
+        raise ApiError(503, f"the request was cancelled: {SHUTTING_DOWN}")
     if finish.error is not None:
         raise ApiError(500, f"the generation failed: {finish.error}")
 

@@ -18,7 +18,9 @@ import threading
 from ..batching import Batcher, Sequence
 from ..engine import Engine, SamplingParams
 
-__all__ = ["Finish", "Job", "Scheduler"]
+__all__ = ["SHUTTING_DOWN", "Finish", "Job", "Scheduler"]
+
+SHUTTING_DOWN = "the server is shutting down"  # the error of the requests a close() ends
 
 
 @dataclasses.dataclass
@@ -79,11 +81,16 @@ class Scheduler:
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._jobs: dict[Sequence, tuple[Job, _Text]] = {}  # the worker thread's alone
         self._counts = self.batcher.counts()  # the worker's last snapshot, for /health
+        self._closing, self._closed = threading.Lock(), False
         self._thread = threading.Thread(target=self._run, name="fusedattn-serve-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        self._inbox.put(job)
+        with self._closing:  # a job after close() would wait for a worker that has gone
+            if self._closed:
+                job.emit(Finish("error", 0, SHUTTING_DOWN))
+            else:
+                self._inbox.put(job)
 
     def pool(self) -> dict:
         """What /health reports: requests running and waiting (the submitted
@@ -94,7 +101,9 @@ class Scheduler:
 
     def close(self) -> None:
         """Ends the worker; jobs still running or queued get an error finish."""
-        self._inbox.put(None)
+        with self._closing:
+            self._closed = True
+            self._inbox.put(None)
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
@@ -109,11 +118,11 @@ class Scheduler:
                         self._jobs.pop(seq, None)
             self._counts = self.batcher.counts()
         for seq in list(self._jobs):
-            self._end(seq, Finish("error", len(seq.tokens), "the server is shutting down"))
+            self._end(seq, Finish("error", len(seq.tokens), SHUTTING_DOWN))
         while not self._inbox.empty():
             job = self._inbox.get()
             if job is not None:
-                job.emit(Finish("error", 0, "the server is shutting down"))
+                job.emit(Finish("error", 0, SHUTTING_DOWN))
         self._counts = self.batcher.counts()
 
     def _step(self) -> None:
