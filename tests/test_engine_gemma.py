@@ -40,6 +40,25 @@ def test_the_config_comes_from_the_file(gemma):
     assert {c.rope_base_of(0), c.rope_base_of(5)} == {10000.0, 1e6}
 
 
+def test_gemma3_through_the_batcher_gives_the_engines_greedy_tokens(gemma):
+    """The serving path (fusedattn.batching: a paged cache, the long prompt's
+    prefill in chunks, both prompts in one step) decodes what the engine does
+    for each prompt alone; the long prompt passes the sliding window."""
+    from fusedattn.batching import Batcher
+
+    prompts = [gemma.tokenizer.encode(text) for text in ("The capital of France is", LONG)]
+    batcher = Batcher(gemma, max_running=2, kv_positions=2048, token_budget=256)
+    stop = {gemma.tokenizer.eos_token_id}
+    seqs = [batcher.add(ids, NEW_TOKENS, stop_tokens=stop) for ids in prompts]
+    steps = 0
+    while batcher.busy():
+        batcher.step()
+        steps += 1
+    assert steps > NEW_TOKENS  # the long prompt took several prefill steps
+    assert [s.tokens for s in seqs] == [greedy(gemma, ids) for ids in prompts]
+    assert batcher.pool.usage()["held"] == 0
+
+
 def test_gemma3_greedy_tokens_match_transformers(gemma, monkeypatch):
     windows = []
     real_attention = engine_module.attention
