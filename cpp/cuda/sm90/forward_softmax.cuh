@@ -57,24 +57,26 @@ struct Sm90ForwardSoftmax {
                                        const Sm90ForwardItem& it, int wg_row0, int entry) const {
     if constexpr (Capped) cap.apply(s);
     const int col0 = MaskTiles::tile_of(entry) * BlockN;
-    const Band band = Band::of(p, it.seqlen_q, it.seqlen_k);
-    const bool needs_masking = col0 + BlockN > it.key_end || (Banded && band.cuts(wg_row0, 64, col0, BlockN));
+    // Banded: whether the tile holds an entry outside the band (Band::cuts on
+    // the item's 32-bit bounds; every term below 2^31).
+    const bool needs_masking =
+        col0 + BlockN > it.key_end ||
+        (Banded && (col0 + BlockN - 1 - wg_row0 > it.band_hi || col0 - (wg_row0 + 63) < it.band_lo));
     if (needs_masking) {
-      // Row h of this thread sees tile columns [first[h], visible[h]): the
-      // keys before the end and (banded) inside the band. Subtracting the
+      // Row h of this thread sees tile columns [first[h], last[h]]: the keys
+      // before the end and (banded) inside the band. Subtracting the
       // thread's column 2t once leaves compile-time offsets in the loop.
-      int first[2], visible[2];
+      int first[2], last[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        visible[h] = it.key_end - col0;
+        const int row = wg_row0 + warp_row + g + 8 * h;
+        last[h] = it.key_end - col0 - 1;
         first[h] = 0;
         if (Banded) {
-          int lo, hi;
-          band.local(wg_row0 + warp_row + g + 8 * h, col0, 2 * BlockN, lo, hi);
-          visible[h] = min(visible[h], hi + 1);
-          first[h] = lo;
+          last[h] = min(last[h], row + it.band_hi - col0);
+          first[h] = row + it.band_lo - col0;
         }
-        visible[h] -= 2 * t;
+        last[h] -= 2 * t;
         first[h] -= 2 * t;
       }
 #pragma unroll
@@ -82,7 +84,7 @@ struct Sm90ForwardSoftmax {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = nt * 8 + (e & 1);
-          if (c >= visible[e >> 1] || (Banded && c < first[e >> 1])) s[nt][e] = -INFINITY;
+          if (c > last[e >> 1] || (Banded && c < first[e >> 1])) s[nt][e] = -INFINITY;
         }
     }
     bool reads_mask = false;
