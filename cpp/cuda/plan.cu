@@ -130,6 +130,9 @@ std::string sm90_backward_rule_refusal(const ForwardParams& p, bool deterministi
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31))
     return "the sm90 backward takes B x Hq x Nq and Nk below 2^31";
+  // Its softmax tests positions in int (Band32).
+  if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30))
+    return "the sm90 backward takes at most 2^30 keys and queries";
   return {};
 }
 

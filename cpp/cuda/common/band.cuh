@@ -78,4 +78,26 @@ struct Band {
   }
 };
 
+// The band of one sequence whose lengths are at most 2^30 (the sm90
+// kernels' planner refusals say so), in 32 bits: a kernel's per-tile tests
+// then hold no int64 registers (the sm90 kernels spilled for them). Open
+// sides are clamped to -+2^30, which no j - i inside a sequence reaches, and
+// every term of the tests below stays under 2^31.
+struct Band32 {
+  int lower = 0, upper = 0;
+
+  __host__ __device__ static Band32 of(const Band& b) {
+    constexpr int64_t kOpen = int64_t(1) << 30;
+    Band32 r;
+    r.lower = static_cast<int>(b.lower < -kOpen ? -kOpen : b.lower);
+    r.upper = static_cast<int>(b.upper > kOpen ? kOpen : b.upper);
+    return r;
+  }
+  __host__ __device__ bool sees(int i, int j) const { return j - i >= lower && j - i <= upper; }
+  // Band::cuts, for a tile of at most 2^30 rows and columns.
+  __host__ __device__ bool cuts(int i0, int rows, int j0, int cols) const {
+    return j0 + cols - 1 - i0 > upper || j0 - (i0 + rows - 1) < lower;
+  }
+};
+
 }  // namespace fusedattn::cuda

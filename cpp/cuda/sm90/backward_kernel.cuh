@@ -96,11 +96,11 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
                         walk.batch,
                         reinterpret_cast<typename Softmax::MaskEntry*>(smem.mask +
                                                                        (4 * consumer + warp) * Tr::kMaskStageBytes),
-                        my_key0,
+                        static_cast<int>(my_key0),
                         warp_row,
-                        walk.seq.seqlen_q,
-                        walk.seq.seqlen_k,
-                        Band::of(f, walk.seq.seqlen_q, walk.seq.seqlen_k),
+                        static_cast<int>(walk.seq.seqlen_q),
+                        static_cast<int>(walk.seq.seqlen_k),
+                        Band32::of(Band::of(f, walk.seq.seqlen_q, walk.seq.seqlen_k)),
                         SoftCap::of(f),
                         lane,
                         g,
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     fence_registers(st_flat);
     fence_registers(dpt_flat);
 
-    softmax(st, dpt, head, m0, kListed && step.reads_mask, lse, delta);
+    softmax(st, dpt, head, static_cast<int>(m0), kListed && step.reads_mask, lse, delta);
     uint32_t p_a[kBlockM / 16][4], ds_a[kBlockM / 16][4];
 #pragma unroll
     for (int kq = 0; kq < kBlockM / 16; ++kq) {

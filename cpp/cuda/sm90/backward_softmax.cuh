@@ -38,19 +38,20 @@ struct Sm90BackwardSoftmax {
   MaskEntry* mask_stage;  // this warp's
   // This warpgroup's 64 keys from my_key0; this warp's 16 from warp_row of
   // those (accumulator rows g, g + 8 of them).
-  int64_t my_key0;
+  int my_key0;
   int warp_row;
-  // The sequence's lengths (the call's, dense); banded: query i sees key j iff band.sees(i, j).
-  int64_t seqlen_q, seqlen_k;
-  Band band;
+  // The sequence's lengths (the call's, dense); banded: query i sees key j
+  // iff band.sees(i, j). In 32 bits (the planner holds lengths to 2^30).
+  int seqlen_q, seqlen_k;
+  Band32 band;
   SoftCap cap;  // its scale_log2 takes a raw (or, Capped, capped) score to base-2 units
   int lane, g, t;
 
   // Element (nt, e) (key row g + 8 (e / 2), query column nt * 8 + 2t + e % 2):
   // past the keys or queries, or outside the band. Bitwise, not
   // short-circuit: each || can become a branch.
-  __device__ __forceinline__ bool outside(int64_t m0, int nt, int e) const {
-    const int64_t key = my_key0 + warp_row + g + (e >> 1) * 8, query = m0 + nt * 8 + 2 * t + (e & 1);
+  __device__ __forceinline__ bool outside(int m0, int nt, int e) const {
+    const int key = my_key0 + warp_row + g + (e >> 1) * 8, query = m0 + nt * 8 + 2 * t + (e & 1);
     bool out = (key >= seqlen_k) | (query >= seqlen_q);
     if constexpr (Banded) out |= !band.sees(query, key);
     return out;
@@ -59,7 +60,7 @@ struct Sm90BackwardSoftmax {
   // P^T in place of st and dS^T in place of dpt, for the step at query m0 of
   // head `head`; lse and delta are the step's rows (natural log).
   __device__ __forceinline__ void operator()(float (&st)[kMTiles][4], float (&dpt)[kMTiles][4], int64_t head,
-                                             int64_t m0, bool reads_mask, const float* lse,
+                                             int m0, bool reads_mask, const float* lse,
                                              const float* delta) const {
     const bool needs_masking = reads_mask || my_key0 + 64 > seqlen_k || m0 + kBlockM > seqlen_q ||
                                (Banded && band.cuts(m0, kBlockM, my_key0, 64));

@@ -126,14 +126,15 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
   const int warp_row = warp * 16;  // this warp's accumulator rows: queries of S and dQ, columns of d in dK^T
   const int64_t my_key0 = walk.key0 + kKeys * consumer;
   const Sm90WideBackwardMma<HeadDim, T, Tr> mma{smem, consumer};
-  const Sm90WideBackwardSoftmax<kBlockM, kKeys, Banded> softmax{my_key0,
-                                                                warp_row,
-                                                                walk.seq.seqlen_q,
-                                                                walk.seq.seqlen_k,
-                                                                Band::of(f, walk.seq.seqlen_q, walk.seq.seqlen_k),
-                                                                SoftCap::of(f).scale_log2,
-                                                                g,
-                                                                t};
+  const Sm90WideBackwardSoftmax<kBlockM, kKeys, Banded> softmax{
+      static_cast<int>(my_key0),
+      warp_row,
+      static_cast<int>(walk.seq.seqlen_q),
+      static_cast<int>(walk.seq.seqlen_k),
+      Band32::of(Band::of(f, walk.seq.seqlen_q, walk.seq.seqlen_k)),
+      SoftCap::of(f).scale_log2,
+      g,
+      t};
   const int first_slab = consumer == 0 ? 0 : Tr::kDqSlabs0;  // of dQ's columns
   unsigned char* dq_stage = smem.dq + first_slab * Tr::kDqSlabBytes;
   unsigned char* pt_tile = smem.ds + Tr::kPtOffset;
@@ -162,7 +163,7 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
     wgmma_wait<0>();
     fence_registers(sc_flat);
     fence_registers(dp_flat);
-    softmax(sc, dp, m0, lse, delta);
+    softmax(sc, dp, static_cast<int>(m0), lse, delta);
 
     // P^T and dS^T, [key][query]: this consumer's keys are rows kKeys
     // consumer.. The A fragment of k-step kq holds the four 8x8 matrices

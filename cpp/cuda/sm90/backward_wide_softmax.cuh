@@ -18,16 +18,18 @@ struct Sm90WideBackwardSoftmax {
   static_assert(4 * kNTiles <= 32, "a bit per element");
   // This consumer's keys from my_key0; this warp's 16 queries from warp_row of
   // the step's (accumulator rows g, g + 8 of them).
-  int64_t my_key0;
+  int my_key0;
   int warp_row;
-  int64_t seqlen_q, seqlen_k;  // the sequence's; banded: query i sees key j iff band.sees(i, j)
-  Band band;
+  // The sequence's lengths; banded: query i sees key j iff band.sees(i, j).
+  // In 32 bits (the planner holds lengths to 2^30).
+  int seqlen_q, seqlen_k;
+  Band32 band;
   float scale_log2;  // takes a raw score to base-2 units
   int g, t;
 
   // Element (nt, e): query row g + 8 (e / 2), key column nt * 8 + 2t + e % 2.
-  __device__ __forceinline__ bool outside(int64_t m0, int nt, int e) const {
-    const int64_t query = m0 + warp_row + g + (e >> 1) * 8, key = my_key0 + nt * 8 + 2 * t + (e & 1);
+  __device__ __forceinline__ bool outside(int m0, int nt, int e) const {
+    const int query = m0 + warp_row + g + (e >> 1) * 8, key = my_key0 + nt * 8 + 2 * t + (e & 1);
     bool out = (key >= seqlen_k) | (query >= seqlen_q);
     if constexpr (Banded) out |= !band.sees(query, key);
     return out;
@@ -35,7 +37,7 @@ struct Sm90WideBackwardSoftmax {
 
   // P in place of s and dS in place of dp, for the step at query m0; lse and
   // delta are the step's rows (natural log).
-  __device__ __forceinline__ void operator()(float (&s)[kNTiles][4], float (&dp)[kNTiles][4], int64_t m0,
+  __device__ __forceinline__ void operator()(float (&s)[kNTiles][4], float (&dp)[kNTiles][4], int m0,
                                              const float* lse, const float* delta) const {
     const bool needs_masking = my_key0 + Keys > seqlen_k || m0 + BlockM > seqlen_q ||
                                (Banded && band.cuts(m0, BlockM, my_key0, Keys));

@@ -24,10 +24,7 @@ namespace fusedattn::cuda {
 // batch `batch`'s heads: 0 in a dense call.
 struct Sm90ForwardItem {
   int batch = 0, head = 0, head_kv = 0, row0 = 0, rows = 0, key_begin = 0, key_end = 0, tile0 = 0, n_tiles = 0;
-  // Banded: query i sees key j iff band_lo <= j - i <= band_hi (Band's bounds
-  // for this sequence, open sides clamped to -+2^30, which no j - i reaches),
-  // in 32 bits, so that a tile's tests cost the consumers no int64 registers.
-  int band_lo = 0, band_hi = 0;
+  Band32 band;  // banded: this sequence's
   int mask_list = 0;
   int q0 = 0, k0 = 0, seqlen_q = 0, seqlen_k = 0;
 };
@@ -82,9 +79,7 @@ struct Sm90ForwardScheduler {
       const Band band = Band::of(p, it.seqlen_q, it.seqlen_k);
       it.key_begin = static_cast<int>(band.key_begin(it.row0));
       it.key_end = static_cast<int>(band.key_end(it.row0 + it.rows - 1));
-      constexpr int64_t kOpen = int64_t(1) << 30;  // lengths are below 2^30 (the planner checks)
-      it.band_lo = static_cast<int>(max(band.lower, -kOpen));
-      it.band_hi = static_cast<int>(min(band.upper, kOpen));
+      it.band = Band32::of(band);
     } else {
       it.key_end = it.seqlen_k;
     }

@@ -57,11 +57,7 @@ struct Sm90ForwardSoftmax {
                                        const Sm90ForwardItem& it, int wg_row0, int entry) const {
     if constexpr (Capped) cap.apply(s);
     const int col0 = MaskTiles::tile_of(entry) * BlockN;
-    // Banded: whether the tile holds an entry outside the band (Band::cuts on
-    // the item's 32-bit bounds; every term below 2^31).
-    const bool needs_masking =
-        col0 + BlockN > it.key_end ||
-        (Banded && (col0 + BlockN - 1 - wg_row0 > it.band_hi || col0 - (wg_row0 + 63) < it.band_lo));
+    const bool needs_masking = col0 + BlockN > it.key_end || (Banded && it.band.cuts(wg_row0, 64, col0, BlockN));
     if (needs_masking) {
       // Row h of this thread sees tile columns [first[h], last[h]]: the keys
       // before the end and (banded) inside the band. Subtracting the
@@ -73,8 +69,8 @@ struct Sm90ForwardSoftmax {
         last[h] = it.key_end - col0 - 1;
         first[h] = 0;
         if (Banded) {
-          last[h] = min(last[h], row + it.band_hi - col0);
-          first[h] = row + it.band_lo - col0;
+          last[h] = min(last[h], row + it.band.upper - col0);
+          first[h] = row + it.band.lower - col0;
         }
         last[h] -= 2 * t;
         first[h] -= 2 * t;
