@@ -6,20 +6,26 @@
 # writes each git ref's tree into .ab/NN-<ref> (NN: the order given; the
 # first is the baseline; git-ignored, about 2 MB each: name .ab in the device
 # call's carry). There, on the CUDA machine:
-#   lab/ab_bench.sh run OUTDIR [bench arguments] [--and bench arguments]...
-# builds every tree under .ab in turn against that machine's torch and, with
-# each build, times `fusedattn bench --no-progress ARGS` once per argument set
-# (`--and` separates the sets, e.g. `--head-dim 128 --and --head-dim 64`, so
-# one build serves every table; a set holds bench arguments only: fusedattn
-# reads no environment variables, and a NAME=value word is refused, since the
-# versions before that change would read it and the others not, comparing two
-# settings under one name). It writes OUTDIR/<name>-<set>.json and
-# OUTDIR/ab.md: fusedattn's TFLOP/s (TB/s with --decode) per version and row,
-# the ratio to the first version, the first version's other columns (pass
-# --methods to keep them short; e.g. sdpa-cudnn gives the bar) and "best x
-# M": the best version's rate (the first included) over column M. The last
-# version stays installed. The lent machine sends back 8 files: with N
-# versions and S sets keep N*S <= 7. A build takes about 40 s on the H200.
+#   lab/ab_bench.sh run OUTDIR [--rounds R] [bench arguments] [--and bench arguments]...
+# installs every tree under .ab side by side (in a temporary folder, against
+# that machine's torch) and times `fusedattn bench --no-progress ARGS` of each
+# version per argument set (`--and` separates the sets, e.g. `--head-dim 128
+# --and --head-dim 64`, so one build serves every table; a set holds bench
+# arguments only: fusedattn reads no environment variables, and a NAME=value
+# word is refused, since the versions before that change would read it and the
+# others not, comparing two settings under one name). The versions alternate:
+# R rounds (default 2) per set, in the given order, then reversed, and so on,
+# and each row keeps the median time of its rounds; a version timed
+# right after another runs on a warmer GPU, which at N=1K-4K moved a single
+# order's ratios by 5-25% (docs/cuda-notes.md, "The band in 32 bits"). It
+# writes OUTDIR/<name>-<set>.json and OUTDIR/ab.md: fusedattn's TFLOP/s (TB/s
+# with --decode) per version and row, the ratio to the first version, the
+# first version's other columns (pass --methods to keep them short; e.g.
+# sdpa-cudnn gives the bar) and "best x M": the best version's rate (the
+# first included) over column M. It uninstalls fusedattn from the environment
+# (an installed one would be imported instead of the versions).
+# The lent machine sends back 8 files: with N versions and S sets keep
+# N*S <= 7. A build takes about 40 s on the H200.
 # Each version is timed by its own bench: `--decode` queues each interval's
 # calls while the GPU sleeps from 4b141e1 on, and timed the host's launches
 # too before it, so a decode A/B across that commit compares two measures.
@@ -29,7 +35,7 @@
 # version): OUTDIR/grid.txt, and grid.md with each version's ratio to the first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:?usage: lab/ab_bench.sh export REF... | run OUTDIR [bench args] [--and bench args]... | grid OUTDIR [args]}
+mode=${1:?usage: lab/ab_bench.sh export REF... | run OUTDIR [--rounds R] [bench args] [--and bench args]... | grid OUTDIR [args]}
 shift
 
 if [ "$mode" = export ]; then
@@ -51,15 +57,18 @@ if [ "$mode" = export ]; then
 fi
 [ "$mode" = run ] || [ "$mode" = grid ] || { echo "ab_bench: unknown mode '$mode' (export, run or grid)"; exit 2; }
 
-# Installs tree $1 (named $2) against this machine's torch; says how long it took.
+# Installs tree $1 (named $2) against this machine's torch (pip's further
+# arguments after them: --target DIR installs beside the environment); says
+# how long it took.
 build() {
-  local t0=$SECONDS
-  if ! python3 -m pip install --no-build-isolation --no-deps -q "$1" > "/tmp/ab-build-$2.log" 2>&1; then
-    tail -20 "/tmp/ab-build-$2.log"
-    echo "ab_bench: $2: BUILD FAILED"
+  local t0=$SECONDS tree=$1 name=$2
+  shift 2
+  if ! python3 -m pip install --no-build-isolation --no-deps -q "$@" "$tree" > "/tmp/ab-build-$name.log" 2>&1; then
+    tail -20 "/tmp/ab-build-$name.log"
+    echo "ab_bench: $name: BUILD FAILED"
     return 1
   fi
-  echo "ab_bench: $2 built in $((SECONDS - t0)) s"
+  echo "ab_bench: $name built in $((SECONDS - t0)) s"
 }
 
 if [ "$mode" = grid ]; then
@@ -96,8 +105,14 @@ PY
   exit 0
 fi
 
-out=${1:?usage: lab/ab_bench.sh run OUTDIR [bench args] [--and bench args]...}
+out=${1:?usage: lab/ab_bench.sh run OUTDIR [--rounds R] [bench args] [--and bench args]...}
 shift
+rounds=2
+if [ "${1:-}" = --rounds ]; then
+  rounds=${2:?--rounds needs a count}
+  [[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "ab_bench: --rounds must be a positive count, got '$rounds'"; exit 2; }
+  shift 2
+fi
 # The argument sets, one string each (bench arguments have no spaces).
 sets=("")
 for arg in "$@"; do
@@ -112,24 +127,78 @@ mkdir -p "$out"
 [ -d .ab ] || { echo "ab_bench: no .ab folder (lab/ab_bench.sh export REF... here, then carry .ab)"; exit 2; }
 status=0
 names=()
+installs=$(mktemp -d /tmp/ab-installs.XXXXXX)
+# An installed fusedattn (an editable one's import hook above all) would be
+# imported instead of the versions: out of the environment, as the versions
+# used to replace it.
+python3 -m pip uninstall -y -q fusedattn > /dev/null 2>&1
 for dir in .ab/*/; do
   name=$(basename "$dir")
-  build "$dir" "$name" || { status=1; continue; }
-  ok=1
-  for i in "${!sets[@]}"; do
-    json="$out/$name-$((i + 1)).json"
-    rm -f "$json"
-    # shellcheck disable=SC2206  # the set's arguments, split on purpose (they have no spaces)
-    args=(${sets[$i]})
-    if ! timeout "${FUSEDATTN_BENCH_TIMEOUT:-300}" fusedattn bench --no-progress --json "$json" "${args[@]}" > /dev/null; then
-      echo "ab_bench: $name: bench failed (set $((i + 1)): ${sets[$i]})"
-      ok=0
-      status=1
-    fi
-  done
-  [ $ok = 1 ] && names+=("$name")
+  build "$dir" "$name" --target "$installs/$name" || { status=1; continue; }
+  if ! (cd /tmp && PYTHONPATH="$installs/$name" python3 -c \
+        'import sys, fusedattn; assert fusedattn.__file__.startswith(sys.argv[1]), fusedattn.__file__' \
+        "$installs/$name"); then
+    echo "ab_bench: $name: another fusedattn is imported instead of this version"
+    status=1
+    continue
+  fi
+  names+=("$name")
 done
+[ ${#names[@]} -gt 0 ] || { echo "ab_bench: no version built"; exit 1; }
+rounds_dir=$(mktemp -d)
+failed=()
+for i in "${!sets[@]}"; do
+  # shellcheck disable=SC2206  # the set's arguments, split on purpose (they have no spaces)
+  args=(${sets[$i]})
+  for ((r = 1; r <= rounds; r++)); do
+    order=("${names[@]}")
+    if ((r % 2 == 0)); then
+      order=()
+      for ((j = ${#names[@]} - 1; j >= 0; j--)); do order+=("${names[$j]}"); done
+    fi
+    for name in "${order[@]}"; do
+      json="$rounds_dir/$name-$((i + 1))-$r.json"
+      # From /tmp, so that the checkout's python/ does not shadow the install.
+      if ! (cd /tmp && PYTHONPATH="$installs/$name" timeout "${FUSEDATTN_BENCH_TIMEOUT:-300}" \
+            python3 -m fusedattn bench --no-progress --json "$json" "${args[@]}" > /dev/null); then
+        echo "ab_bench: $name: bench failed (set $((i + 1)), round $r: ${sets[$i]})"
+        failed+=("$name")
+        status=1
+      fi
+    done
+  done
+done
+kept=()
+for name in "${names[@]}"; do
+  [[ " ${failed[*]} " == *" $name "* ]] || kept+=("$name")
+done
+names=("${kept[@]}")
 [ ${#names[@]} -gt 0 ] || { echo "ab_bench: no version ran"; exit 1; }
+# Each version's rounds of a set as one JSON: every method's time per row is
+# the median of its rounds (the rate follows it).
+python3 - "$rounds_dir" "$out" "${#sets[@]}" "$rounds" "${names[@]}" <<'PY' || status=1
+import json, pathlib, statistics, sys
+rounds_dir, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+n_sets, rounds, names = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+for name in names:
+    for i in range(1, n_sets + 1):
+        runs = [json.loads((rounds_dir / f"{name}-{i}-{r}.json").read_text()) for r in range(1, rounds + 1)]
+        merged = runs[0]
+        for row_index, row in enumerate(merged["rows"]):
+            for method, result in row["results"].items():
+                times = [run["rows"][row_index]["results"].get(method, {}) for run in runs]
+                times = [t["seconds"] for t in times if t.get("status", "ok") == "ok" and t.get("seconds")]
+                if result.get("status", "ok") != "ok" or not times:
+                    continue
+                median = statistics.median(times)
+                for rate in ("tflops", "tb_per_s"):
+                    if rate in result:
+                        result[rate] *= result["seconds"] / median
+                result["seconds"] = median
+        merged["ab_rounds"] = rounds
+        (out / f"{name}-{i}.json").write_text(json.dumps(merged, indent=1))
+PY
+rm -rf "$rounds_dir" "$installs"
 printf '%s\n' "${sets[@]}" > "$out/sets.txt"
 python3 - "$out" "${#sets[@]}" "${names[@]}" <<'PY' > "$out/ab.md" || status=1
 import json, pathlib, sys
