@@ -15,7 +15,8 @@
 # word is refused, since the versions before that change would read it and the
 # others not, comparing two settings under one name). The versions alternate:
 # R rounds (default 2) per set, in the given order, then reversed, and so on,
-# and each row keeps the median time of its rounds; a version timed
+# and each row keeps the median time of its rounds (of two: their mean), which
+# doubles the benches' time at the default; a version timed
 # right after another runs on a warmer GPU, which at N=1K-4K moved a single
 # order's ratios by 5-25% (docs/cuda-notes.md, "The band in 32 bits"). It
 # writes OUTDIR/<name>-<set>.json and OUTDIR/ab.md: fusedattn's TFLOP/s (TB/s
@@ -24,8 +25,8 @@
 # sdpa-cudnn gives the bar) and "best x M": the best version's rate (the
 # first included) over column M. It uninstalls fusedattn from the environment
 # (an installed one would be imported instead of the versions).
-# The lent machine sends back 8 files: with N versions and S sets keep
-# N*S <= 7. A build takes about 40 s on the H200.
+# The lent machine sends back 8 files (ab.md and sets.txt among them): with N
+# versions and S sets keep N*S <= 6. A build takes about 40 s on the H200.
 # Each version is timed by its own bench: `--decode` queues each interval's
 # calls while the GPU sleeps from 4b141e1 on, and timed the host's launches
 # too before it, so a decode A/B across that commit compares two measures.
@@ -128,6 +129,8 @@ mkdir -p "$out"
 status=0
 names=()
 installs=$(mktemp -d /tmp/ab-installs.XXXXXX)
+rounds_dir=$(mktemp -d)
+trap 'rm -rf "$installs" "$rounds_dir"' EXIT
 # An installed fusedattn (an editable one's import hook above all) would be
 # imported instead of the versions: out of the environment, as the versions
 # used to replace it.
@@ -145,7 +148,6 @@ for dir in .ab/*/; do
   names+=("$name")
 done
 [ ${#names[@]} -gt 0 ] || { echo "ab_bench: no version built"; exit 1; }
-rounds_dir=$(mktemp -d)
 failed=()
 for i in "${!sets[@]}"; do
   # shellcheck disable=SC2206  # the set's arguments, split on purpose (they have no spaces)
@@ -184,7 +186,10 @@ for name in names:
     for i in range(1, n_sets + 1):
         runs = [json.loads((rounds_dir / f"{name}-{i}-{r}.json").read_text()) for r in range(1, rounds + 1)]
         merged = runs[0]
+        ident = lambda row: {k: row.get(k) for k in ("dtype", "causal", "seqlen", "varlen")}  # noqa: E731
         for row_index, row in enumerate(merged["rows"]):
+            assert all(ident(run["rows"][row_index]) == ident(row) for run in runs), (name, i, row_index)
+            first_fused = row["results"].get("fusedattn", {}).get("seconds")
             for method, result in row["results"].items():
                 times = [run["rows"][row_index]["results"].get(method, {}) for run in runs]
                 times = [t["seconds"] for t in times if t.get("status", "ok") == "ok" and t.get("seconds")]
@@ -195,10 +200,16 @@ for name in names:
                     if rate in result:
                         result[rate] *= result["seconds"] / median
                 result["seconds"] = median
+            # What the bench derived from the times, again from the medians.
+            fused = row["results"].get("fusedattn", {})
+            if fused.get("status", "ok") == "ok" and first_fused:
+                if "fusedattn_pct_of_matmul" in row:
+                    row["fusedattn_pct_of_matmul"] *= first_fused / fused["seconds"]
+                row["fusedattn_speedup"] = {m: r["seconds"] / fused["seconds"] for m, r in row["results"].items()
+                                            if m != "fusedattn" and r.get("status", "ok") == "ok"}
         merged["ab_rounds"] = rounds
         (out / f"{name}-{i}.json").write_text(json.dumps(merged, indent=1))
 PY
-rm -rf "$rounds_dir" "$installs"
 printf '%s\n' "${sets[@]}" > "$out/sets.txt"
 python3 - "$out" "${#sets[@]}" "${names[@]}" <<'PY' > "$out/ab.md" || status=1
 import json, pathlib, sys

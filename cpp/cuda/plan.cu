@@ -99,9 +99,10 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
              std::to_string(lists.rows * lists.capacity);
   }
   if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return {};  // nothing is loaded
-  // The kernel does row arithmetic in int (and TMA coordinates are int).
-  if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30))
-    return "the sm90 forward takes at most 2^30 keys and queries";
+  // The kernel does row arithmetic in int (Band32; TMA coordinates are int).
+  // Packed calls' lengths are their totals here, which bound each sequence.
+  if (std::max(sh.seqlen_q, sh.seqlen_k) > kBand32MaxLength)
+    return "the sm90 forward takes at most 2^30 - 256 keys and queries (packed: in all)";
   CUtensorMap q_map, k_map, v_map;
   return tensor_map_refusal(encode_forward_operand_maps(
       p, &q_map, &k_map, &v_map, sm90_forward_block_m(static_cast<int>(sh.head_dim)),
@@ -130,9 +131,10 @@ std::string sm90_backward_rule_refusal(const ForwardParams& p, bool deterministi
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31))
     return "the sm90 backward takes B x Hq x Nq and Nk below 2^31";
-  // Its softmax tests positions in int (Band32).
-  if (std::max(sh.seqlen_q, sh.seqlen_k) > (int64_t(1) << 30))
-    return "the sm90 backward takes at most 2^30 keys and queries";
+  // Its softmax tests positions in int (Band32); packed calls' lengths are
+  // their totals here, which bound each sequence.
+  if (std::max(sh.seqlen_q, sh.seqlen_k) > kBand32MaxLength)
+    return "the sm90 backward takes at most 2^30 - 256 keys and queries (packed: in all)";
   return {};
 }
 

@@ -78,11 +78,16 @@ struct Band {
   }
 };
 
-// The band of one sequence whose lengths are at most 2^30 (the sm90
-// kernels' planner refusals say so), in 32 bits: a kernel's per-tile tests
-// then hold no int64 registers (the sm90 kernels spilled for them). Open
-// sides are clamped to -+2^30, which no j - i inside a sequence reaches, and
-// every term of the tests below stays under 2^31.
+// The longest sequence a kernel that tests its band in 32 bits (Band32)
+// takes: 256 short of 2^30, so that a row of a block's padding (up to a
+// tile past the end) plus an open bound still stays under 2^31.
+inline constexpr int64_t kBand32MaxLength = (int64_t(1) << 30) - 256;
+
+// The band of one sequence of at most kBand32MaxLength queries and keys (the
+// sm90 kernels' planner refusals say so), in 32 bits: a kernel's per-tile
+// tests then hold no int64 registers (the sm90 kernels spilled for them).
+// Open sides are clamped to -+2^30, which no j - i inside a sequence
+// reaches, and every term of the tests below stays under 2^31.
 struct Band32 {
   int lower = 0, upper = 0;
 

@@ -41,7 +41,7 @@ struct Sm90BackwardSoftmax {
   int my_key0;
   int warp_row;
   // The sequence's lengths (the call's, dense); banded: query i sees key j
-  // iff band.sees(i, j). In 32 bits (the planner holds lengths to 2^30).
+  // iff band.sees(i, j). In 32 bits (the planner holds lengths to kBand32MaxLength).
   int seqlen_q, seqlen_k;
   Band32 band;
   SoftCap cap;  // its scale_log2 takes a raw (or, Capped, capped) score to base-2 units

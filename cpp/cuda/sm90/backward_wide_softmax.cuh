@@ -21,7 +21,7 @@ struct Sm90WideBackwardSoftmax {
   int my_key0;
   int warp_row;
   // The sequence's lengths; banded: query i sees key j iff band.sees(i, j).
-  // In 32 bits (the planner holds lengths to 2^30).
+  // In 32 bits (the planner holds lengths to kBand32MaxLength).
   int seqlen_q, seqlen_k;
   Band32 band;
   float scale_log2;  // takes a raw score to base-2 units
