@@ -27,6 +27,7 @@ from fusedattn.engine import Engine, SamplingParams, smollm2_path  # noqa: E402
 from fusedattn.serve import make_app, model_name  # noqa: E402
 from fusedattn.serve.running import Running  # noqa: E402
 from fusedattn.serve.scheduler import SHUTTING_DOWN, Job, Scheduler  # noqa: E402
+from helpers import hf_models  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Attention is all you", "Red, orange, yellow,"]
 KEY = "sk-test-key"
@@ -449,7 +450,10 @@ def test_bench_serve_loads_a_running_server_at_each_rate(server, tmp_path, capsy
     assert idle(server)
 
 
-def test_bench_serve_offline_counts_each_requests_own_tokens(engine):
+def test_bench_serve_offline_counts_each_requests_own_tokens(engine, monkeypatch):
+    # transformers' model of the file as the bench loads it, from the session's cache.
+    monkeypatch.setattr(bench_serve, "_transformers_model",
+                        lambda engine, path: hf_models.causal_lm(path, "sdpa", str(engine.device), engine.dtype))
     cfg = bench_serve.ServeConfig(requests=3, prompt_words=[8, 20], output_tokens=[3, 6], max_running=2)
     # generate only: generate_batch's start-up takes half a minute on the CPU (it ran by hand).
     rows = bench_serve.offline(engine, smollm2_path(), cfg, ["generate"], progress=False)
