@@ -69,6 +69,14 @@ std::string tensor_map_refusal(const std::string& why) {
   return why.empty() ? why : "the tensor memory accelerator cannot describe " + why;
 }
 
+// The sm90 kernels test their band in 32 bits (Band32). Packed calls'
+// lengths are their totals here, which bound each sequence.
+std::string band32_length_refusal(const AttentionShape& sh, const char* kernel) {
+  if (std::max(sh.seqlen_q, sh.seqlen_k) > kBand32MaxLength)
+    return std::string("the sm90 ") + kernel + " takes at most 2^30 - 256 keys and queries (packed: in all)";
+  return {};
+}
+
 std::string sm90_forward_refusal(const ForwardParams& p) {
   const AttentionShape& sh = p.shape;
   const bool masked = p.mask.kind != MaskKind::None;
@@ -99,10 +107,8 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
              std::to_string(lists.rows * lists.capacity);
   }
   if (sh.batch * sh.heads_q * sh.seqlen_q == 0) return {};  // nothing is loaded
-  // The kernel does row arithmetic in int (Band32; TMA coordinates are int).
-  // Packed calls' lengths are their totals here, which bound each sequence.
-  if (std::max(sh.seqlen_q, sh.seqlen_k) > kBand32MaxLength)
-    return "the sm90 forward takes at most 2^30 - 256 keys and queries (packed: in all)";
+  // The kernel does row arithmetic in int (and TMA coordinates are int).
+  if (std::string why = band32_length_refusal(sh, "forward"); !why.empty()) return why;
   CUtensorMap q_map, k_map, v_map;
   return tensor_map_refusal(encode_forward_operand_maps(
       p, &q_map, &k_map, &v_map, sm90_forward_block_m(static_cast<int>(sh.head_dim)),
@@ -131,11 +137,7 @@ std::string sm90_backward_rule_refusal(const ForwardParams& p, bool deterministi
   const int64_t rows = sh.batch * sh.heads_q * sh.seqlen_q;
   if (rows >= (int64_t(1) << 31) || sh.seqlen_k >= (int64_t(1) << 31))
     return "the sm90 backward takes B x Hq x Nq and Nk below 2^31";
-  // Its softmax tests positions in int (Band32); packed calls' lengths are
-  // their totals here, which bound each sequence.
-  if (std::max(sh.seqlen_q, sh.seqlen_k) > kBand32MaxLength)
-    return "the sm90 backward takes at most 2^30 - 256 keys and queries (packed: in all)";
-  return {};
+  return band32_length_refusal(sh, "backward");  // its softmax tests positions in int
 }
 
 std::string sm90_backward_refusal(const BackwardParams& p) {
