@@ -119,11 +119,12 @@ def _job(request: web.Request, req: Request) -> Job:
         raise ApiError(400, f"the prompt is {len(ids)} tokens; the model's context is {context}", "messages"
                        if req.chat else "prompt", "context_length_exceeded")
     batcher = request.app[_SCHEDULER].batcher
-    if batcher.room(len(ids)) < 1:
+    kv_room = batcher.room(len(ids))
+    if kv_room < 1:
         raise ApiError(400, f"the prompt is {len(ids)} tokens, more than this server's KV cache holds",
                        "messages" if req.chat else "prompt", "context_length_exceeded")
     # Without max_tokens: as many as the context and the KV cache leave.
-    max_tokens = req.max_tokens if req.max_tokens is not None else min(room, batcher.room(len(ids)))
+    max_tokens = req.max_tokens if req.max_tokens is not None else min(room, kv_room)
     if max_tokens > room:
         raise ApiError(400, f"the prompt ({len(ids)} tokens) and max_tokens ({max_tokens}) exceed the model's "
                        f"context of {context} tokens", "max_tokens", "context_length_exceeded")
