@@ -1,6 +1,8 @@
 """forward_kvcache with cu_seqlens_q: packed queries of many lengths (prefill chunks beside
-single-token decodes) against KV caches at their own lengths, on the CPU, against the float64
-reference sequence by sequence (CUDA in test_varlen_cuda.py)."""
+single-token decodes) against KV caches at their own lengths, on the CPU and on CUDA (sm80's
+varlen forward over the caches' rows), against the float64 reference sequence by sequence."""
+
+import math
 
 import pytest
 import torch
@@ -8,23 +10,56 @@ import torch
 import fusedattn
 from helpers.kvcache_cases import check_packed_kvcache, packed_cache
 
-# A prefill from empty, decodes, a chunk onto a long cache, a sequence with no new query, one filling its cache.
-N_Q = [9, 1, 1, 17, 0, 1, 5]
-CACHED = [0, 40, 3, 30, 12, 0, 59]
+# A prefill from empty, decodes, a chunk onto a long cache, a sequence with no new query, one filling its cache:
+# (queries, cached positions, cache length) per device (on CUDA, several query tiles).
+CASES = {"cpu": ([9, 1, 1, 17, 0, 1, 5], [0, 40, 3, 30, 12, 0, 59], 64),
+         "cuda": ([300, 1, 1, 130, 0, 1, 64, 1], [0, 700, 3, 500, 12, 0, 959, 1023], 1024)}
+N_Q, CACHED, _ = CASES["cpu"]
+DTYPES = {"cpu": [torch.float32, torch.float16, torch.bfloat16], "cuda": [torch.float16, torch.bfloat16]}
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    return request.param
+
+
+def check_plan(device, n_q, cached, max_len, d, is_causal=True):
+    """The plan of the packed call: the CPU kernel, or sm80's varlen forward with one work item per
+    query tile, longest first."""
+    q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache(n_q, cached, d=d, max_len=max_len,
+                                                               dtype=DTYPES[device][-1], device=device)
+    plan = fusedattn.plan_kvcache(q, k_cache, v_cache, lens, k_new, v_new, is_causal=is_causal, cu_seqlens_q=cu)
+    if device == "cpu":
+        assert (plan["family"], plan["varlen"]) == ("cpu", True), plan
+    else:
+        assert (plan["family"], plan["varlen"], plan["schedule"]) == ("sm80", True, "longest-first"), plan
+        assert plan["work_items"] == sum(math.ceil(n / plan["block_m"]) for n in n_q), plan
 
 
 @pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [64, 128, 192], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3), (6, 1)], ids=["gqa", "mha", "mqa"])
-def test_packed_queries_append_and_match_the_reference(is_causal, dtype, heads):
-    check_packed_kvcache(N_Q, CACHED, is_causal=is_causal, dtype=dtype, Hq=heads[0], Hkv=heads[1])
+def test_packed_queries_append_and_match_the_reference(device, is_causal, dtype, d, heads):
+    """On CUDA at every head dim of sm80's forward (192 loads its rows' 24 chunks dealt over 128 threads)."""
+    if dtype not in DTYPES[device]:
+        pytest.skip(f"{device} takes {[str(t)[6:] for t in DTYPES[device]]}, not {str(dtype)[6:]}")
+    n_q, cached, max_len = CASES[device]
+    check_plan(device, n_q, cached, max_len, d, is_causal)
+    check_packed_kvcache(n_q, cached, is_causal=is_causal, dtype=dtype, Hq=heads[0], Hkv=heads[1], d=d,
+                         max_len=max_len, device=device, seed=d)
 
 
-def test_packed_queries_without_new_keys_windows_softcap_and_sinks():
+def test_packed_queries_without_new_keys_windows_softcap_and_sinks(device):
     """Without k_new the queries see the cached positions alone (L_b = cache_seqlens[b])."""
-    check_packed_kvcache([3, 1, 4], [10, 1, 20], appends=False)
-    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
-    check_packed_kvcache(N_Q, CACHED, window=(6, 0), softcap=3.0, sinks=sinks, seed=2)
+    n_q, cached, max_len = CASES[device]
+    dtype = DTYPES[device][-1]
+    check_packed_kvcache([5, 1, 40], [100, 1, 0], appends=False, Hq=4, Hkv=1, d=128, max_len=256, dtype=dtype,
+                         device=device, seed=4)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5], device=device)
+    window = (6, 0) if device == "cpu" else (100, 0)
+    check_packed_kvcache(n_q, cached, window=window, softcap=3.0, sinks=sinks, Hq=6, Hkv=2, d=64,
+                         max_len=max_len, dtype=dtype, device=device, seed=3)
 
 
 def test_packed_queries_through_the_python_wrapper_and_plan():
@@ -77,3 +112,20 @@ def test_packed_queries_bad_input_says_what_was_expected_and_leaves_the_caches()
     with pytest.raises(RuntimeError, match="merge_in_cluster and warps choose CUDA decode blocks"):
         op(q, k_cache, v_cache, lens, k_new, v_new, True, None, None, True, None, None, None, None, cu)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.gpu
+def test_packed_queries_cuda_refusals():
+    # A head dim the kernels are not built for (they read the caches in place): the gemm family.
+    q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache([3, 1], [4, 9], d=40, max_len=16, dtype=torch.float16,
+                                                               device="cuda")
+    assert fusedattn.plan_kvcache(q, k_cache, v_cache, lens, k_new, v_new, cu_seqlens_q=cu)["family"] == "gemm"
+    q, k_cache, v_cache, lens, cu, k_new, v_new = packed_cache([3, 1], [4, 9], d=64, max_len=16, dtype=torch.float16,
+                                                               device="cuda")
+    before, before_v = k_cache.clone(), v_cache.clone()
+    v_strided = torch.randn(2, 2, 32, 64, device="cuda", dtype=torch.float16)[:, :, :16]  # its batch stride is K's x 2
+    with pytest.raises(RuntimeError, match="batch strides that are the same multiple"):
+        fusedattn.attention_with_kvcache(q, k_cache, v_strided, lens, k_new, v_new, cu_seqlens_q=cu)
+    with pytest.raises(RuntimeError, match="packed queries \\(cu_seqlens_q\\) run the varlen forward, pass None"):
+        fusedattn.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, num_splits=2, cu_seqlens_q=cu)
+    assert torch.equal(k_cache, before) and torch.equal(v_cache, before_v)

@@ -1,6 +1,10 @@
-"""attention_varlen: packed sequences of different lengths, with causal and
-sliding windows per sequence, against the float64 reference, sequence by
-sequence (CPU; CUDA in test_varlen_cuda.py)."""
+"""attention_varlen: packed sequences of different lengths, causal and sliding
+windows per sequence, forward and backward, on every backend (the CPU kernel,
+sm80, sm90: the `backend` fixture), against the float64 reference sequence by
+sequence; each call's plan asserted (on CUDA: one work item per tile, longest
+first)."""
+
+import math
 
 import pytest
 import torch
@@ -8,70 +12,192 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fusedattn
-from fusedattn import reference
-from helpers.attention_cases import assert_within_rule
-from helpers.varlen_cases import check_varlen, packed, sequence
+from fusedattn.ops import cuda_head_dims
+from helpers.backends import Backend
+from helpers.cuda import poison_allocator, sm90_available
+from helpers.varlen_cases import check_varlen, check_varlen_backward, packed, sequence
+
+# Empty sequences on either side, one token, Nq != Nk both ways, several tiles, a long one (the
+# CPU's shorter: its kernel has no tiles to cross, and the float64 reference is the cost).
+LENGTHS_Q = [5, 0, 1, 200, 3, 130, 64, 700]
+LENGTHS_K = [5, 9, 1, 140, 0, 260, 64, 700]
+CPU_LENGTHS_Q = [5, 0, 1, 40, 3, 17]
+CPU_LENGTHS_K = [5, 9, 1, 33, 0, 70]
+# The mix the longest-first order is for: 96 short sequences and one of 2K.
+SHORT_AND_LONG = [2048] + [17, 64, 100, 250] * 24
+# Every form of window: left only, right only, both, 0 (each query its diagonal key), wider than
+# every sequence, one side open.
+WINDOWS = [(3, 0), (0, 2), (30, 0), (17, 40), (0, 0), (900, 900), (-1, 5), (5, -1)]
 
 
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_varlen_matches_reference(is_causal, dtype):
-    """Empty sequences on either side, one token, Nq != Nk both ways, a long one."""
-    check_varlen([5, 0, 1, 40, 3, 17], [5, 9, 1, 33, 0, 70], is_causal=is_causal, dtype=dtype)
+def tiles(lengths, tile):
+    return sum(math.ceil(n / tile) for n in lengths)
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-def test_varlen_grouped_heads_and_scale(heads):
-    check_varlen([7, 12], [9, 12], is_causal=True, hq=heads[0], hkv=heads[1], d=40, scale=0.3)
+def planned(backend, lengths_q, lengths_k, backward=False, head_dim=64, d_v=None, **options):
+    """The plan of the call on `backend`, asserted: its family, packed, and on CUDA one work item
+    per query (backward: key) tile, longest first. None where the forced CUDA family refuses the
+    call; then the call itself must raise."""
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, d=head_dim, d_v=d_v, dtype=backend.primary_dtype,
+                                 device=backend.device)
+    try:
+        if backward:  # the backward's call runs the forward first
+            fusedattn.plan_varlen(q, k, v, cu_q, cu_k, **options)
+        plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, backward=backward, **options)
+    except RuntimeError as e:
+        if backend.device != "cuda" or "was forced, but" not in str(e):
+            raise
+        q.requires_grad_(backward)
+        with pytest.raises(RuntimeError, match="was forced, but"):
+            out = fusedattn.attention_varlen(q, k, v, cu_q, cu_k, **options)
+            out.sum().backward()
+        return None
+    assert plan["family"] == backend.name and plan["varlen"], plan
+    if backend.device == "cuda":
+        tile, rows = (plan["block_n"], lengths_k) if backward else (plan["block_m"], lengths_q)
+        assert plan["schedule"] == "longest-first" and plan["work_items"] == tiles(rows, tile), plan
+    else:
+        assert "work_items" not in plan and "schedule" not in plan, plan
+    return plan
+
+
+def lengths(backend):
+    """The (query, key) lengths of the packed batch on this backend."""
+    return (CPU_LENGTHS_Q, CPU_LENGTHS_K) if backend.device == "cpu" else (LENGTHS_Q, LENGTHS_K)
+
+
+def require_dtype(backend, dtype):
+    if dtype not in backend.dtypes:
+        pytest.skip(f"{backend.device} takes {[str(d)[6:] for d in backend.dtypes]}, not {str(dtype)[6:]}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [16, 40, 64, 128, 192, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_varlen_forward_matches_reference(backend, dtype, d, is_causal):
+    require_dtype(backend, dtype)
+    lengths_q, lengths_k = lengths(backend)
+    if planned(backend, lengths_q, lengths_k, head_dim=d, is_causal=is_causal) is None:
+        return
+    if backend.device == "cuda":
+        poison_allocator(((sum(lengths_q), 4, d), dtype), ((4, sum(lengths_q)), torch.float32))
+    check_varlen(lengths_q, lengths_k, is_causal=is_causal, dtype=dtype, d=d, device=backend.device, seed=d)
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("window", [None] + WINDOWS, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_varlen_forward_grouped_heads_and_windows(backend, heads, window, is_causal):
+    """Each sequence's window aligned bottom-right on its own lengths, with and without
+    is_causal; rows that see no key give 0 and lse -inf."""
+    lengths_q, lengths_k = lengths(backend)
+    if planned(backend, lengths_q, lengths_k, is_causal=is_causal, window=window) is None:
+        return
+    check_varlen(lengths_q, lengths_k, is_causal=is_causal, window=window, dtype=torch.bfloat16, hq=heads[0],
+                 hkv=heads[1], d=64, scale=0.2, device=backend.device, seed=1)
+
+
+@pytest.mark.parametrize("d,d_v", [(64, 32), (128, 96)], ids=str)
+@pytest.mark.parametrize("softcap", [None, 2.5], ids=["sinks", "softcap-sinks"])
+def test_varlen_forward_softcap_sinks_and_value_head_dim(backend, softcap, d, d_v):
+    """Sinks and soft-capping where the backend takes them (sm90 soft-caps at its capped head
+    dims only: a forced sm90 refuses the others)."""
+    lengths_q, lengths_k = lengths(backend)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=backend.device)
+    if planned(backend, lengths_q, lengths_k, head_dim=d, d_v=d_v, is_causal=True, softcap=softcap,
+               sinks=sinks) is None:
+        return
+    check_varlen(lengths_q, lengths_k, is_causal=True, softcap=softcap, sinks=sinks, dtype=torch.float16, d=d,
+                 d_v=d_v, device=backend.device, seed=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+def test_varlen_forward_many_short_sequences_and_one_long(cuda_family, d):
+    """The longest-first work list of the CUDA kernels (sm90 at d=128: persistent blocks taking
+    items from it)."""
+    backend = Backend(cuda_family)
+    if planned(backend, SHORT_AND_LONG, SHORT_AND_LONG, head_dim=d, is_causal=True) is None:
+        return
+    check_varlen(SHORT_AND_LONG, SHORT_AND_LONG, is_causal=True, dtype=torch.bfloat16, hq=2, hkv=1, d=d,
+                 device=backend.device, seed=3)
 
 
 @given(st.lists(st.tuples(st.integers(0, 70), st.integers(0, 70)), min_size=1, max_size=6), st.booleans(),
-       st.sampled_from([1, 8, 24, 64]))
-def test_varlen_random_lengths(lengths, is_causal, d):
-    check_varlen([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, d=d, seed=len(lengths))
+       st.sampled_from([1, 8, 24, 64]), st.one_of(st.none(), st.tuples(st.integers(-1, 60), st.integers(-1, 60))))
+def test_varlen_random_lengths_and_windows_on_the_cpu(lengths, is_causal, d, window):
+    check_varlen([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, d=d, window=window,
+                 seed=len(lengths))
 
 
-# Every form of window: left only, right only, both, 0 (each query its diagonal key), wider than
-# every sequence, and one side open.
-WINDOWS = [(3, 0), (0, 2), (4, 6), (0, 0), (500, 500), (-1, 3), (5, -1)]
-
-
-@pytest.mark.parametrize("window", WINDOWS, ids=str)
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_varlen_windows(window, is_causal):
-    """Each sequence's window aligned bottom-right on its own lengths (Nq_b != Nk_b both
-    ways, empty and one-token sequences), with and without is_causal; rows that see no
-    key give 0 and lse -inf."""
-    check_varlen([5, 0, 1, 40, 3, 17], [5, 9, 1, 33, 0, 70], is_causal=is_causal, window=window)
-
-
-@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=5),
-       st.tuples(st.integers(-1, 60), st.integers(-1, 60)), st.booleans())
-def test_varlen_random_windows(lengths, window, is_causal):
-    check_varlen([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, window=window, d=8,
-          seed=len(lengths))
-
-
-@pytest.mark.parametrize("is_causal,window", [(False, None), (True, None), (False, (4, 2)), (True, (7, -1))],
+@pytest.mark.parametrize("d", [64, 128, 96], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("is_causal,window", [(False, None), (True, None), (False, (40, 3)), (True, (7, -1))],
                          ids=["full", "causal", "window", "causal-window"])
-def test_varlen_gradients(is_causal, window):
-    lengths_q, lengths_k = [6, 0, 19, 1, 4], [6, 5, 11, 0, 30]
-    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, requires_grad=True, seed=3)
-    out = fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=is_causal, window=window)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
-    grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    outs = [reference.attention(sequence(q64, cu_q, b), sequence(k64, cu_k, b), sequence(v64, cu_k, b),
-                                is_causal=is_causal, window=window)[0].transpose(0, 1)
-            for b in range(len(lengths_q))]
-    oracle = torch.autograd.grad(torch.cat(outs), (q64, k64, v64), grad_out.double())
-    for name, a, o in zip(("dq", "dk", "dv"), grads, oracle):
-        torch.testing.assert_close(a.double(), o, atol=1e-4, rtol=1e-4, msg=name)
+def test_varlen_backward_matches_reference(backend, d, is_causal, window):
+    lengths_q, lengths_k = lengths(backend)
+    if planned(backend, lengths_q, lengths_k, backward=True, head_dim=d, is_causal=is_causal,
+               window=window) is None:
+        return
+    check_varlen_backward(lengths_q, lengths_k, is_causal=is_causal, window=window, dtype=backend.primary_dtype,
+                          d=d, hq=4, hkv=2, device=backend.device, seed=d)
 
 
-def test_varlen_computes_max_seqlens_and_agrees_with_the_dense_call():
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("softcap", [None, 2.5], ids=["sinks", "softcap-sinks"])
+def test_varlen_backward_sinks_softcap_and_mqa(backend, d, softcap):
+    lengths_q, lengths_k = lengths(backend)
+    sinks = torch.tensor([0.3, -0.7, 1.1, 0.0, 2.0, -2.0])
+    if planned(backend, lengths_q, lengths_k, backward=True, head_dim=d, is_causal=True, softcap=softcap) is None:
+        return
+    check_varlen_backward(lengths_q, lengths_k, is_causal=True, sinks=sinks, softcap=softcap,
+                          dtype=torch.bfloat16, d=d, hq=6, hkv=1, device=backend.device, seed=4)
+
+
+@pytest.mark.gpu
+def test_varlen_backward_many_short_sequences_and_one_long(cuda_family):
+    backend = Backend(cuda_family)
+    if planned(backend, SHORT_AND_LONG, SHORT_AND_LONG, backward=True, head_dim=128, is_causal=True) is None:
+        return
+    check_varlen_backward(SHORT_AND_LONG, SHORT_AND_LONG, is_causal=True, dtype=torch.bfloat16, hq=2, hkv=1,
+                          d=128, device=backend.device, seed=6)
+
+
+@pytest.mark.gpu
+def test_varlen_backward_deterministic_is_bitwise_repeatable():
+    """torch.use_deterministic_algorithms on CUDA: grad_q from the dQ pass's own work list, the
+    same bits twice."""
+    q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, d=64, dtype=torch.float16, device="cuda", requires_grad=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, is_causal=True, backward=True)
+        assert plan["deterministic"] and plan["family"] == "sm80"
+        runs = []
+        for _ in range(2):
+            out = fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=True)
+            runs.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+        check_varlen_backward(LENGTHS_Q, LENGTHS_K, is_causal=True, dtype=torch.float16, d=64, device="cuda", seed=5)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 40], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_varlen_unforced_takes_sm90_where_it_serves_else_sm80(d, backward):
+    q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, d=d, dtype=torch.float16, device="cuda")
+    plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, is_causal=True, backward=backward)
+    # d=40 runs padded to the kernels' next head dim (plan["head_dim"]).
+    sm90 = sm90_available() and plan["head_dim"] in cuda_head_dims("sm90_backward" if backward else "sm90_forward")
+    assert plan["family"] == ("sm90" if sm90 else "sm80") and plan["varlen"], plan
+
+
+def test_varlen_computes_max_seqlens_and_agrees_with_the_dense_call(backend):
     """One sequence is the dense call; max_seqlen_* default from cu_seqlens."""
-    q, k, v, cu_q, cu_k = packed([37], [50], seed=5)
+    q, k, v, cu_q, cu_k = packed([37], [50], d=64, dtype=backend.primary_dtype, device=backend.device, seed=5)
+    if planned(backend, [37], [50], is_causal=True) is None:
+        return
     dense = fusedattn.attention(sequence(q, cu_q, 0), sequence(k, cu_k, 0), sequence(v, cu_k, 0), is_causal=True)
     torch.testing.assert_close(fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=True),
                                dense[0].transpose(0, 1), atol=0, rtol=0)
@@ -79,29 +205,33 @@ def test_varlen_computes_max_seqlens_and_agrees_with_the_dense_call():
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 def test_plan_varlen_on_the_cpu(backward):
-    """The CPU kernel serves packed calls; its plan says varlen and takes the options."""
+    """The CPU kernel's plan says varlen and takes the options; a bad offset is refused by the plan too."""
     q, k, v, cu_q, cu_k = packed([7, 0, 20], [7, 3, 25], seed=2)
     plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, is_causal=True, backward=backward, window=(4, 0))
     assert (plan["family"], plan["varlen"], "deterministic" in plan) == ("cpu", True, backward), plan
-    assert "work_items" not in plan and "schedule" not in plan
     with pytest.raises(RuntimeError, match="cu_seqlens_q must end at the 27 rows of q, got 7"):
         fusedattn.plan_varlen(q, k, v, cu_q[:-1], cu_k)
 
 
+@pytest.mark.parametrize("device,d,dtype", [("cpu", 16, torch.float32),
+                                            pytest.param("cuda", 64, torch.bfloat16, marks=pytest.mark.gpu)],
+                         ids=["cpu", "cuda"])
 @pytest.mark.parametrize("window", [None, [3, 1]], ids=["no-window", "window"])
-def test_varlen_opcheck_and_compile(window):
-    q, k, v, cu_q, cu_k = packed([4, 0, 9], [6, 3, 9], requires_grad=True, seed=6)
+def test_varlen_opcheck_and_compile(device, d, dtype, window):
+    q, k, v, cu_q, cu_k = packed([40, 0, 90], [60, 30, 90], d=d, dtype=dtype, device=device, requires_grad=True,
+                                 seed=6)
     torch.library.opcheck(torch.ops.fusedattn.forward_varlen.default,
-                          (q, k, v, cu_q, cu_k, 9, 9, True, None, None, window))
+                          (q, k, v, cu_q, cu_k, 90, 90, True, None, None, window))
     q0, k0, v0 = (t.detach() for t in (q, k, v))
-    out, lse = torch.ops.fusedattn.forward_varlen(q0, k0, v0, cu_q, cu_k, 9, 9, True, None, None, window)
+    out, lse = torch.ops.fusedattn.forward_varlen(q0, k0, v0, cu_q, cu_k, 90, 90, True, None, None, window)
     torch.library.opcheck(torch.ops.fusedattn.backward_varlen.default,
-                          (torch.randn_like(out), q0, k0, v0, out, lse, cu_q, cu_k, 9, 9, True, None, None, window))
+                          (torch.randn_like(out), q0, k0, v0, out, lse, cu_q, cu_k, 90, 90, True, None, None, window))
     torch._dynamo.reset()
     compiled = torch.compile(fusedattn.attention_varlen, fullgraph=True)
     window = None if window is None else tuple(window)
-    out = compiled(q, k, v, cu_q, cu_k, 9, 9, True, window=window)
-    torch.testing.assert_close(out, fusedattn.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, True, window=window))
+    out = compiled(q, k, v, cu_q, cu_k, 90, 90, True, window=window)
+    torch.testing.assert_close(out, fusedattn.attention_varlen(q, k, v, cu_q, cu_k, 90, 90, True, window=window),
+                               atol=0, rtol=0)
     out.sum().backward()
     assert q.grad is not None and q.grad.shape == q.shape
 
@@ -141,3 +271,27 @@ def test_varlen_max_seqlen_below_a_length_is_an_error():
     q, k, v, cu_q, cu_k = packed([3, 6], [4, 4])
     with pytest.raises(RuntimeError, match="sequence 1 has 6 rows, more than max_seqlen_q = 5"):
         fusedattn.attention_varlen(q, k, v, cu_q, cu_k, 5, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not sm90_available(), reason="needs the sm90 family (Hopper)")
+def test_varlen_forced_sm90_says_why_not():
+    q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], d=32, dtype=torch.float16, device="cuda")
+    with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="the sm90 forward has head dims"):
+        fusedattn.attention_varlen(q, k, v, cu_q, cu_k)
+
+
+@pytest.mark.gpu
+def test_varlen_cuda_refusals_name_the_limit():
+    q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], d=64, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must be on q's device"):
+        fusedattn.attention_varlen(q, k, v, cu_q.cpu(), cu_k)
+    with pytest.raises(RuntimeError, match="cu_seqlens_k must not decrease"):
+        fusedattn.attention_varlen(q, k, v, cu_q, torch.tensor([0, 25, 20], dtype=torch.int32, device="cuda"))
+    # Past the kernels' head dims: the gemm family (tests/test_gemm_family.py); soft-capped calls stay on the kernels.
+    big = max(cuda_head_dims("sm80_forward")) + 8
+    q, k, v, cu_q, cu_k = packed([10], [10], d=big, dtype=torch.float16, device="cuda")
+    assert fusedattn.plan_varlen(q, k, v, cu_q, cu_k)["family"] == "gemm"
+    q, k, v, cu_q, cu_k = packed([10], [10], d=64, dtype=torch.float16, device="cuda")
+    assert fusedattn.plan_varlen(q, k, v, cu_q, cu_k, softcap=3.0)["family"] in ("sm80", "sm90")
+    assert fusedattn.plan_varlen(q, k, v, cu_q, cu_k, softcap=3.0, backward=True)["family"] in ("sm80", "sm90")
