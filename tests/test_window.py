@@ -1,7 +1,7 @@
 """Sliding windows (window=(left, right), bottom-right aligned as is_causal) on
 every backend, forward, backward and decoding, against the float64 reference;
 on CUDA the banded kernels, which visit only the key tiles a window reaches
-(decoding with a window on CUDA: test_kvcache_cuda.py)."""
+(decoding with a window on CUDA: test_kvcache.py)."""
 
 import pytest
 import torch
