@@ -53,13 +53,14 @@ def test_packed_queries_append_and_match_the_reference(device, is_causal, dtype,
 def test_packed_queries_without_new_keys_windows_softcap_and_sinks(device):
     """Without k_new the queries see the cached positions alone (L_b = cache_seqlens[b])."""
     n_q, cached, max_len = CASES[device]
-    dtype = DTYPES[device][-1]
-    check_packed_kvcache([5, 1, 40], [100, 1, 0], appends=False, Hq=4, Hkv=1, d=128, max_len=256, dtype=dtype,
-                         device=device, seed=4)
+    check_packed_kvcache([5, 1, 40], [100, 1, 0], appends=False, Hq=4, Hkv=1, d=128, max_len=256,
+                         dtype=DTYPES[device][0], device=device, seed=4)
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5], device=device)
-    window = (6, 0) if device == "cpu" else (100, 0)
-    check_packed_kvcache(n_q, cached, window=window, softcap=3.0, sinks=sinks, Hq=6, Hkv=2, d=64,
-                         max_len=max_len, dtype=dtype, device=device, seed=3)
+    # float32 and soft-capped on the CPU; bfloat16 on CUDA.
+    cpu = device == "cpu"
+    check_packed_kvcache(n_q, cached, window=(6, 0) if cpu else (100, 0), softcap=3.0 if cpu else None, sinks=sinks,
+                         Hq=6, Hkv=2, d=64, max_len=max_len, dtype=torch.float32 if cpu else torch.bfloat16,
+                         device=device, seed=3)
 
 
 def test_packed_queries_through_the_python_wrapper_and_plan():

@@ -36,22 +36,25 @@ def tiles(lengths, tile):
 
 def planned(backend, lengths_q, lengths_k, backward=False, head_dim=64, d_v=None, **options):
     """The plan of the call on `backend`, asserted: its family, packed, and on CUDA one work item
-    per query (backward: key) tile, longest first. None where the forced CUDA family refuses the
-    call; then the call itself must raise."""
+    per query (backward: key) tile, longest first. None where a forced sm90 refuses the call
+    (its forward's, or with `backward` its backward's, head dims or options), which it may only
+    where the planner, left to itself, would not give the call to sm90; then the call itself
+    must raise."""
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, d=head_dim, d_v=d_v, dtype=backend.primary_dtype,
                                  device=backend.device)
-    try:
-        if backward:  # the backward's call runs the forward first
-            fusedattn.plan_varlen(q, k, v, cu_q, cu_k, **options)
-        plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, backward=backward, **options)
-    except RuntimeError as e:
-        if backend.device != "cuda" or "was forced, but" not in str(e):
-            raise
-        q.requires_grad_(backward)
-        with pytest.raises(RuntimeError, match="was forced, but"):
-            out = fusedattn.attention_varlen(q, k, v, cu_q, cu_k, **options)
-            out.sum().backward()
-        return None
+    for pass_backward in (False, True) if backward else (False,):  # a backward's call runs the forward first
+        try:
+            plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, backward=pass_backward, **options)
+        except RuntimeError as e:
+            if backend.name != "sm90" or "was forced, but" not in str(e):
+                raise
+            with fusedattn.backends.force("auto"):
+                unforced = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, backward=pass_backward, **options)
+            assert unforced["family"] != "sm90", f"a forced sm90 refused what the planner gives it: {e}; {unforced}"
+            q.requires_grad_(backward)
+            with pytest.raises(RuntimeError, match="was forced, but"):
+                fusedattn.attention_varlen(q, k, v, cu_q, cu_k, **options).sum().backward()
+            return None
     assert plan["family"] == backend.name and plan["varlen"], plan
     if backend.device == "cuda":
         tile, rows = (plan["block_n"], lengths_k) if backward else (plan["block_m"], lengths_q)
@@ -87,14 +90,16 @@ def test_varlen_forward_matches_reference(backend, dtype, d, is_causal):
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("window", [None] + WINDOWS, ids=str)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_varlen_forward_grouped_heads_and_windows(backend, heads, window, is_causal):
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+def test_varlen_forward_grouped_heads_and_windows(backend, heads, window, is_causal, d):
     """Each sequence's window aligned bottom-right on its own lengths, with and without
-    is_causal; rows that see no key give 0 and lse -inf."""
+    is_causal; rows that see no key give 0 and lse -inf (float32 on the CPU, the tightest)."""
     lengths_q, lengths_k = lengths(backend)
-    if planned(backend, lengths_q, lengths_k, is_causal=is_causal, window=window) is None:
+    if planned(backend, lengths_q, lengths_k, head_dim=d, is_causal=is_causal, window=window) is None:
         return
-    check_varlen(lengths_q, lengths_k, is_causal=is_causal, window=window, dtype=torch.bfloat16, hq=heads[0],
-                 hkv=heads[1], d=64, scale=0.2, device=backend.device, seed=1)
+    dtype = torch.float32 if backend.device == "cpu" else torch.bfloat16
+    check_varlen(lengths_q, lengths_k, is_causal=is_causal, window=window, dtype=dtype, hq=heads[0],
+                 hkv=heads[1], d=d, scale=0.2, device=backend.device, seed=1)
 
 
 @pytest.mark.parametrize("d,d_v", [(64, 32), (128, 96)], ids=str)
@@ -124,9 +129,15 @@ def test_varlen_forward_many_short_sequences_and_one_long(cuda_family, d):
 
 
 @given(st.lists(st.tuples(st.integers(0, 70), st.integers(0, 70)), min_size=1, max_size=6), st.booleans(),
-       st.sampled_from([1, 8, 24, 64]), st.one_of(st.none(), st.tuples(st.integers(-1, 60), st.integers(-1, 60))))
-def test_varlen_random_lengths_and_windows_on_the_cpu(lengths, is_causal, d, window):
-    check_varlen([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, d=d, window=window,
+       st.sampled_from([1, 8, 24, 64]))
+def test_varlen_random_lengths_on_the_cpu(lengths, is_causal, d):
+    check_varlen([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, d=d, seed=len(lengths))
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=5),
+       st.tuples(st.integers(-1, 60), st.integers(-1, 60)), st.booleans())
+def test_varlen_random_windows_on_the_cpu(lengths, window, is_causal):
+    check_varlen([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, window=window, d=8,
                  seed=len(lengths))
 
 
@@ -182,14 +193,29 @@ def test_varlen_backward_deterministic_is_bitwise_repeatable():
         torch.use_deterministic_algorithms(False)
 
 
+# The calls the planner, unforced, gives to sm90 where the GPU has it and it serves the (padded)
+# head dim and the options, else to sm80: (d, backward, options).
+UNFORCED = [(d, False, {"is_causal": True}) for d in (40, 64, 128, 192, 256)]
+UNFORCED += [(d, False, {"window": (17, 40)}) for d in (64, 128)]
+UNFORCED += [(d, False, {"is_causal": True, "softcap": 2.5, "sinks": "sinks"}) for d in (64, 128)]
+UNFORCED += [(d, True, {"is_causal": True}) for d in (40, 64, 96, 128)]
+UNFORCED += [(d, True, {"window": (40, 3)}) for d in (64, 128)]
+UNFORCED += [(d, True, {"is_causal": True, "softcap": 2.5}) for d in (64, 128)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128, 40], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_varlen_unforced_takes_sm90_where_it_serves_else_sm80(d, backward):
+@pytest.mark.parametrize("d,backward,options", UNFORCED, ids=[f"d{d}-{'backward' if b else 'forward'}-{'-'.join(o)}"
+                                                               for d, b, o in UNFORCED])
+def test_varlen_unforced_takes_sm90_where_it_serves_else_sm80(d, backward, options):
     q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, d=d, dtype=torch.float16, device="cuda")
-    plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, is_causal=True, backward=backward)
-    # d=40 runs padded to the kernels' next head dim (plan["head_dim"]).
-    sm90 = sm90_available() and plan["head_dim"] in cuda_head_dims("sm90_backward" if backward else "sm90_forward")
+    if options.get("sinks"):
+        options = {**options, "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0], device="cuda")}
+    plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, backward=backward, **options)
+    # d=40 runs padded to the kernels' next head dim (plan["head_dim"]); soft-capping at the capped ones.
+    dims = cuda_head_dims("sm90_backward" if backward else "sm90_forward")
+    capped = cuda_head_dims("sm90_backward" if backward else "sm90_forward_capped")
+    sm90 = sm90_available() and plan["head_dim"] in dims and (options.get("softcap") is None or
+                                                              plan["head_dim"] in capped)
     assert plan["family"] == ("sm90" if sm90 else "sm80") and plan["varlen"], plan
 
 
