@@ -3,6 +3,8 @@ decoders: a request's logits are the same bits alone, in any batch, in any
 chunking and from shared prefix pages; pages run out without a failure and
 all come back."""
 
+import gc
+
 import pytest
 import torch
 
@@ -280,6 +282,28 @@ def test_batched_requests_follow_a_float32_prefill_of_their_own_tokens(device, s
         expected = teacher_forced_logits(reference, prompt, toks)
         assert torch.allclose(rows.float().cpu(), expected, atol=0.02 * float(expected.abs().max()) + 1e-5)
     assert batcher.pool.usage()["held"] == 0
+
+
+@pytest.mark.gpu
+def test_no_garbage_collection_runs_inside_a_capture(run, monkeypatch):
+    """A collection inside a capture may destroy an unreachable earlier graph (a finished
+    Batcher's), which CUDA forbids while a stream captures: the capture failed now and then
+    in the GPU suite. The engine collects before each capture and lets none run during it."""
+    engine = tiny_engine(head_dim=64, device="cuda")
+    seen = []  # (capturing, collections enabled) at each decode()
+    decode = engine.decode
+
+    def recording(*args):
+        seen.append((torch.cuda.is_current_stream_capturing(), gc.isenabled()))
+        return decode(*args)
+
+    monkeypatch.setattr(engine, "decode", recording)
+    batcher = Batcher(engine, max_running=2, kv_positions=256)
+    captured = [enabled for capturing, enabled in seen if capturing]
+    assert captured and not any(captured), seen
+    assert gc.isenabled()
+    logits, _ = run(batcher, [(list(range(1, 9)), 3)])
+    assert all(torch.isfinite(rows).all() for rows in logits)
 
 
 def test_with_cuda_graphs_decoding_steps_run_at_a_few_row_counts_captured_up_front(run, monkeypatch):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import math
 import time
 from typing import Callable, Iterator
@@ -372,11 +373,21 @@ class Engine:
                         block_table: Tensor | None) -> Callable[[Tensor], Tensor]:
         static_tokens = tokens.clone()
         graph = torch.cuda.CUDAGraph()
-        # On the engine's GPU, whichever is current: a capture stream of
-        # another GPU would record nothing of decode()'s work.
-        with torch.cuda.device(self.device):
-            with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
-                static_logits = self.decode(static_tokens, lengths, caches, block_table)
+        # A garbage collection inside the capture may destroy an unreachable
+        # earlier graph (a finished Batcher's), which CUDA forbids while a
+        # stream captures: the capture fails. So collect first, and not during.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            # On the engine's GPU, whichever is current: a capture stream of
+            # another GPU would record nothing of decode()'s work.
+            with torch.cuda.device(self.device):
+                with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
+                    static_logits = self.decode(static_tokens, lengths, caches, block_table)
+        finally:
+            if collecting:
+                gc.enable()
 
         def replay(new_tokens: Tensor) -> Tensor:
             static_tokens.copy_(new_tokens)
