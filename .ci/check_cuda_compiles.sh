@@ -44,8 +44,9 @@ for src in "${sources[@]}"; do
     log="$reports/$name.log"
     reused=$((reused + 1))
     # The kernels include no PyTorch header (docs/architecture.md).
-    if sed -n '/^depends on:/,$p' "$log" | grep -qE "/torch/include/|/ATen/|/c10/"; then
-      sed -n '/^depends on:/,$p' "$log" | grep -oE "[^ ]*(/torch/include/|/ATen/|/c10/)[^ ]*" | head -3
+    torch_headers=$(sed -n '/^depends on:/,$p' "$log" | grep -oE "[^ ]*(/torch/include/|/ATen/|/c10/)[^ ]*" || true)
+    if [ -n "$torch_headers" ]; then
+      echo "$torch_headers" | head -3
       echo "check_cuda_compiles: $src includes a PyTorch header; kernels include none"
       exit 1
     fi

@@ -56,6 +56,13 @@ def backend(request):
             yield Backend(request.param)
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """The CPU and CUDA in turn, for a feature whose CUDA variants are parameters
+    of their own (the KV-cache tests)."""
+    return request.param
+
+
 @pytest.fixture(params=["sm80", "sm90"])
 def cuda_family(request):
     """Each CUDA kernel family in turn: a test that takes it runs on both, and

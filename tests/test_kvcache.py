@@ -13,15 +13,10 @@ import fusedattn
 from fusedattn import reference
 from fusedattn.ops import cuda_head_dims
 from helpers.cuda import GPU_DTYPES, at_odd_offset, poison_allocator
-from helpers.kvcache_cases import check_against_reference, make_cache
+from helpers.kvcache_cases import check_against_reference, make_cache, on_device
 
 op = torch.ops.fusedattn.forward_kvcache
 CPU_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    return request.param
 
 
 # Both ways the splits of a row tile merge: in a thread block cluster (True:
@@ -82,10 +77,6 @@ def check_plan(args, choices, **expected):
 
 def cuda_cache(**kwargs):
     return on_device("cuda", make_cache(**kwargs))
-
-
-def on_device(device, tensors):
-    return [t if t is None else t.to(device) for t in tensors]
 
 
 def run_checked(q, k_cache, v_cache, lens, k_new, v_new, is_causal, window=None, **choices):

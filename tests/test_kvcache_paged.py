@@ -8,18 +8,9 @@ import pytest
 import torch
 
 import fusedattn
-from helpers.kvcache_cases import make_cache, packed_cache, paged, unpaged
+from helpers.kvcache_cases import make_cache, on_device, packed_cache, paged, unpaged
 
 op = torch.ops.fusedattn.forward_kvcache
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    return request.param
-
-
-def on_device(device, tensors):
-    return [None if t is None else t.to(device) for t in tensors]
 
 
 def paged_variants():

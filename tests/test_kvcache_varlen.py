@@ -2,13 +2,12 @@
 single-token decodes) against KV caches at their own lengths, on the CPU and on CUDA (sm80's
 varlen forward over the caches' rows), against the float64 reference sequence by sequence."""
 
-import math
-
 import pytest
 import torch
 
 import fusedattn
 from helpers.kvcache_cases import check_packed_kvcache, packed_cache
+from helpers.varlen_cases import tiles
 
 # A prefill from empty, decodes, a chunk onto a long cache, a sequence with no new query, one filling its cache:
 # (queries, cached positions, cache length) per device (on CUDA, several query tiles).
@@ -16,11 +15,6 @@ CASES = {"cpu": ([9, 1, 1, 17, 0, 1, 5], [0, 40, 3, 30, 12, 0, 59], 64),
          "cuda": ([300, 1, 1, 130, 0, 1, 64, 1], [0, 700, 3, 500, 12, 0, 959, 1023], 1024)}
 N_Q, CACHED, _ = CASES["cpu"]
 DTYPES = {"cpu": [torch.float32, torch.float16, torch.bfloat16], "cuda": [torch.float16, torch.bfloat16]}
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    return request.param
 
 
 def check_plan(device, n_q, cached, max_len, d, is_causal=True):
@@ -33,7 +27,7 @@ def check_plan(device, n_q, cached, max_len, d, is_causal=True):
         assert (plan["family"], plan["varlen"]) == ("cpu", True), plan
     else:
         assert (plan["family"], plan["varlen"], plan["schedule"]) == ("sm80", True, "longest-first"), plan
-        assert plan["work_items"] == sum(math.ceil(n / plan["block_m"]) for n in n_q), plan
+        assert plan["work_items"] == tiles(n_q, plan["block_m"]), plan
 
 
 @pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])

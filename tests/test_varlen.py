@@ -4,8 +4,6 @@ sm80, sm90: the `backend` fixture), against the float64 reference sequence by
 sequence; each call's plan asserted (on CUDA: one work item per tile, longest
 first)."""
 
-import math
-
 import pytest
 import torch
 from hypothesis import given
@@ -15,7 +13,7 @@ import fusedattn
 from fusedattn.ops import cuda_head_dims
 from helpers.backends import Backend
 from helpers.cuda import poison_allocator, sm90_available
-from helpers.varlen_cases import check_varlen, check_varlen_backward, packed, sequence
+from helpers.varlen_cases import check_varlen, check_varlen_backward, packed, sequence, tiles
 
 # Empty sequences on either side, one token, Nq != Nk both ways, several tiles, a long one (the
 # CPU's shorter: its kernel has no tiles to cross, and the float64 reference is the cost).
@@ -28,10 +26,6 @@ SHORT_AND_LONG = [2048] + [17, 64, 100, 250] * 24
 # Every form of window: left only, right only, both, 0 (each query its diagonal key), wider than
 # every sequence, one side open.
 WINDOWS = [(3, 0), (0, 2), (30, 0), (17, 40), (0, 0), (900, 900), (-1, 5), (5, -1)]
-
-
-def tiles(lengths, tile):
-    return sum(math.ceil(n / tile) for n in lengths)
 
 
 def planned(backend, lengths_q, lengths_k, backward=False, head_dim=64, d_v=None, **options):
@@ -69,16 +63,11 @@ def lengths(backend):
     return (CPU_LENGTHS_Q, CPU_LENGTHS_K) if backend.device == "cpu" else (LENGTHS_Q, LENGTHS_K)
 
 
-def require_dtype(backend, dtype):
-    if dtype not in backend.dtypes:
-        pytest.skip(f"{backend.device} takes {[str(d)[6:] for d in backend.dtypes]}, not {str(dtype)[6:]}")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("d", [16, 40, 64, 128, 192, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_varlen_forward_matches_reference(backend, dtype, d, is_causal):
-    require_dtype(backend, dtype)
+    backend.require_dtype(dtype)
     lengths_q, lengths_k = lengths(backend)
     if planned(backend, lengths_q, lengths_k, head_dim=d, is_causal=is_causal) is None:
         return

@@ -35,11 +35,15 @@ class Backend:
         the CPU's in-place strided reads), float16 on CUDA."""
         return torch.float32 if self.name == "cpu" else torch.float16
 
+    def require_dtype(self, dtype: torch.dtype) -> None:
+        """Skips the test where this backend's device does not take `dtype`."""
+        if dtype not in self.dtypes:
+            pytest.skip(f"{self.device} takes {[str(d)[6:] for d in self.dtypes]}, not {str(dtype)[6:]}")
+
     def require(self, case: Case, backward: bool = False) -> None:
         """Skips the test where this backend's device does not take the case's
         dtype or head dims (in the forward, or with `backward` the backward too)."""
-        if case.dtype not in self.dtypes:
-            pytest.skip(f"{self.device} takes {[str(d)[6:] for d in self.dtypes]}, not {str(case.dtype)[6:]}")
+        self.require_dtype(case.dtype)
         if self.device == "cuda":
             from .cuda import kernel_head_dim
 

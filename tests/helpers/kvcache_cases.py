@@ -8,6 +8,11 @@ from .attention_cases import assert_within_rule
 from .varlen_cases import offsets
 
 
+def on_device(device, tensors):
+    """The tensors (None stays None) on `device`."""
+    return [t if t is None else t.to(device) for t in tensors]
+
+
 def make_cache(B=3, Hq=4, Hkv=2, d=32, max_len=300, nq=1, n_new=1, dtype=torch.float32, seed=0, d_v=None):
     """q, the caches, their lengths and k_new, v_new; d_v: v's head dim (None: d)."""
     d_v = d if d_v is None else d_v

@@ -1,5 +1,7 @@
 """Packed variable-length batches for the attention_varlen tests."""
 
+import math
+
 import torch
 
 import fusedattn
@@ -20,6 +22,11 @@ def packed(lengths_q, lengths_k, hq=4, hkv=2, d=16, dtype=torch.float32, seed=0,
 def offsets(lengths, device="cpu"):
     """cu_seqlens of sequences of these lengths: int32 [B + 1] on `device`."""
     return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+
+
+def tiles(lengths, tile):
+    """The work items of sequences of these lengths cut into tiles of `tile` rows."""
+    return sum(math.ceil(n / tile) for n in lengths)
 
 
 def sequence(t, cu, b):
