@@ -431,13 +431,13 @@ def test_cuda_kvcache_long_caches(lengths):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("window,is_causal", [((100, 0), True), ((0, 0), True), ((1000, -1), False),
-                                              ((300, 2), False), ((5000, 0), True)], ids=str)
+                                              ((300, 2), False), ((5000, 0), True), ((-1, 3), False)], ids=str)
 @pytest.mark.parametrize("splits", [1, None], ids=["one-split", "auto-splits"])
 @merge_paths
 def test_cuda_kvcache_window(window, is_causal, splits, merge):
     """Decoding with a window: each split reads only the window's tiles (the
     first ones skipped), with the cluster and the global merge; a window wider
-    than the cache bounds nothing."""
+    than the cache bounds nothing; one with no left side hides keys on the right only."""
     skip_unless_runnable(merge=merge)
     q, k_cache, v_cache, _, k_new, v_new = cuda_cache(B=3, Hq=8, Hkv=2, d=128, max_len=3000, nq=3, n_new=3,
                                                       dtype=torch.bfloat16, seed=11)

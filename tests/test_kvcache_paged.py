@@ -310,14 +310,18 @@ def test_a_paged_decoding_step_replays_from_a_cuda_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("window", [(100, 0), (700, 0)])
-def test_a_sliding_window_through_pages(window):
+@pytest.mark.parametrize("window, is_causal", [((100, 0), False), ((700, 0), False), ((-1, 3), False),
+                                               (None, False), (None, True)], ids=str)
+def test_every_band_through_pages(window, is_causal):
+    """Each of the decode kernel's band variants (both sides, the right only, none) reads pages
+    as it reads a contiguous cache."""
     q, k_cache, v_cache, lens, k_new, v_new = on_device("cuda", make_cache(B=3, Hq=8, Hkv=2, d=64, max_len=1024,
                                                                   dtype=torch.float16))
     k_pages, v_pages, table = paged(k_cache, v_cache, 16)
-    expected = op(q, k_cache, v_cache, lens, k_new, v_new, window=window)
-    got = op(q, k_pages, v_pages, lens, k_new, v_new, window=window, block_table=table)
+    expected = op(q, k_cache, v_cache, lens, k_new, v_new, is_causal, window=window)
+    got = op(q, k_pages, v_pages, lens, k_new, v_new, is_causal, window=window, block_table=table)
     for e, g in zip(expected, got):
         assert torch.equal(g, e)
-    unwindowed = op(q, k_cache.clone(), v_cache.clone(), lens, k_new, v_new)[0]
-    assert not torch.equal(unwindowed[1:], expected[0][1:])  # the window hides keys of the longer sequences
+    if window is not None and window[0] >= 0:
+        unwindowed = op(q, k_cache.clone(), v_cache.clone(), lens, k_new, v_new)[0]
+        assert not torch.equal(unwindowed[1:], expected[0][1:])  # the window hides keys of the longer sequences

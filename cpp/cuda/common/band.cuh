@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fusedattn/params.h"
 
@@ -78,6 +79,28 @@ struct Band {
   }
 };
 
+// Which sides of its band a kernel tests, fixed at compile time where the
+// tests sit in a per-tile loop: none (every key is seen), the right only
+// (is_causal, or a window without a left side: no key is hidden on the left),
+// or both.
+enum class BandSides { kNone, kRight, kBoth };
+
+inline BandSides band_sides(const ForwardParams& p) {
+  return !p.banded() ? BandSides::kNone : p.window_left >= 0 ? BandSides::kBoth : BandSides::kRight;
+}
+
+// f(std::integral_constant<BandSides, sides>{}): the call's sides as the
+// kernel's compile-time ones.
+template <typename F>
+decltype(auto) with_band_sides(BandSides sides, F&& f) {
+  using None = std::integral_constant<BandSides, BandSides::kNone>;
+  using Right = std::integral_constant<BandSides, BandSides::kRight>;
+  using Both = std::integral_constant<BandSides, BandSides::kBoth>;
+  if (sides == BandSides::kNone) return f(None{});
+  if (sides == BandSides::kRight) return f(Right{});
+  return f(Both{});
+}
+
 // The longest sequence a kernel that tests its band in 32 bits (Band32)
 // takes: 256 short of 2^30, so that a row of a block's padding (up to a
 // tile past the end) plus an open bound still stays under 2^31.
@@ -98,11 +121,34 @@ struct Band32 {
     r.upper = static_cast<int>(b.upper > kOpen ? kOpen : b.upper);
     return r;
   }
-  __host__ __device__ bool sees(int i, int j) const { return j - i >= lower && j - i <= upper; }
-  // Band::cuts, for a tile of at most 2^30 rows and columns.
-  __host__ __device__ bool cuts(int i0, int rows, int j0, int cols) const {
-    return j0 + cols - 1 - i0 > upper || j0 - (i0 + rows - 1) < lower;
+  // Band::of(p, seqlen_q, seqlen_k) in 32 bits, for lengths of at most
+  // kBand32MaxLength (a window wider than 2^30 is as open as none).
+  __host__ __device__ static Band32 of(const ForwardParams& p, int seqlen_q, int seqlen_k) {
+    constexpr int kOpen = 1 << 30;
+    const int offset = seqlen_k - seqlen_q;  // in (-2^30, 2^30): no sum below leaves int
+    const int64_t left = p.window_left, right = p.band_right();
+    Band32 r;
+    r.lower = left >= 0 ? offset - static_cast<int>(left < kOpen ? left : kOpen) : -kOpen;
+    r.upper = right >= 0 ? offset + static_cast<int>(right < kOpen ? right : kOpen) : kOpen;
+    if (r.lower < -kOpen) r.lower = -kOpen;
+    if (r.upper > kOpen) r.upper = kOpen;
+    return r;
   }
+  __host__ __device__ bool sees(int i, int j) const { return j - i >= lower && j - i <= upper; }
+  // Band::cuts, for a tile of at most 2^30 rows and columns, and its two
+  // sides apart: an entry right of the band (above the diagonal, causally),
+  // or left of it (a window's left side).
+  __host__ __device__ bool cuts(int i0, int rows, int j0, int cols) const {
+    return cuts_right(i0, j0, cols) || cuts_left(i0, rows, j0);
+  }
+  __host__ __device__ bool cuts_right(int i0, int j0, int cols) const { return j0 + cols - 1 - i0 > upper; }
+  __host__ __device__ bool cuts_left(int i0, int rows, int j0) const { return j0 - (i0 + rows - 1) < lower; }
+  // Band::key_begin and key_end of a sequence of seqlen_k keys.
+  __host__ __device__ int key_begin(int i, int seqlen_k) const { return clamp(i + lower, seqlen_k); }
+  __host__ __device__ int key_end(int i, int seqlen_k) const { return clamp(i + upper + 1, seqlen_k); }
+
+ private:
+  __host__ __device__ static int clamp(int x, int n) { return x < 0 ? 0 : x > n ? n : x; }
 };
 
 }  // namespace fusedattn::cuda

@@ -97,8 +97,9 @@ constexpr int decode_smem_bytes() {
 // As many blocks per SM as the ring's shared memory allows: 2 at d <= 64 and
 // with 4 warps at d=128, 1 with 8 warps at d=128. The hint of 2 keeps the
 // 4-warp kernel from spilling: without it ptxas holds that kernel to 168
-// registers on sm_90a.
-template <int HeadDim, int Warps, typename T, bool Banded>
+// registers on sm_90a. Sides (the band's tested sides) and Paged are fixed
+// at compile time, so a tile's loop holds only the tests its call needs.
+template <int HeadDim, int Warps, typename T, BandSides Sides, bool Paged>
 __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
                                   DecodeTraits<HeadDim, Warps>::kMinBlocksPerSm)
     decode_kernel(const __grid_constant__ KVCacheParams p) {
@@ -106,6 +107,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   using Layout = typename Tr::Layout;
   constexpr int kStages = Tr::kStages, kWarps = Tr::kWarps, kDTiles = HeadDim / 8;
+  constexpr bool kBanded = Sides != BandSides::kNone, kLeftSide = Sides == BandSides::kBoth;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];  // 128-byte lines (swizzled_offset)
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -147,18 +149,17 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
   // first query's first key, and keys in [unmasked_begin, unmasked_end) are
   // seen by every row, so only the tiles at the band's edges pay for masking.
   const Band band = Band::of(a, max(length, int64_t(0)));
-  const int64_t first_tile = Banded ? band.key_begin(0) / kBlockN : 0;
+  const int64_t first_tile = kLeftSide ? band.key_begin(0) / kBlockN : 0;
   const int64_t n_tiles = length > 0 ? (length + kBlockN - 1) / kBlockN : 0;
   const int64_t tiles_per_split = (n_tiles - first_tile + p.num_splits - 1) / p.num_splits;
   const int64_t tile_begin = min(n_tiles, first_tile + split * tiles_per_split);
   const int64_t tile_end = min(n_tiles, tile_begin + tiles_per_split);
-  const int64_t unmasked_begin = Banded ? band.key_begin(sh.seqlen_q - 1) : 0;
-  const int64_t unmasked_end = Banded ? band.key_end(0) : length;
+  const int64_t unmasked_begin = kLeftSide ? band.key_begin(sh.seqlen_q - 1) : 0;
+  const int64_t unmasked_end = kBanded ? band.key_end(0) : length;
 
   const T* q = static_cast<const T*>(a.q) + batch * a.q_strides.batch;
   // A paged cache's sequence starts nowhere: each tile finds its page (PageCursor).
-  const bool paged = p.block_table != nullptr;
-  const int64_t kv_batch = paged ? 0 : batch;
+  const int64_t kv_batch = Paged ? 0 : batch;
   const T* k = static_cast<const T*>(a.k) + kv_batch * a.k_strides.batch + head_kv * a.k_strides.head;
   const T* v = static_cast<const T*>(a.v) + kv_batch * a.v_strides.batch + head_kv * a.v_strides.head;
 
@@ -187,7 +188,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
   const int64_t k_tile_step = kBlockN * a.k_strides.row, v_tile_step = kBlockN * a.v_strides.row;
   // Paged, the warp's 16 keys of a tile lie in one page (pages hold a
   // multiple of 16 positions): its table entry is read one tile ahead.
-  PageCursor pages(p, batch, warp * 16, length, tile_begin < tile_end ? tile_begin * kBlockN : length);
+  PageCursor<Paged> pages(p, batch, warp * 16, length, tile_begin < tile_end ? tile_begin * kBlockN : length);
   int load_stage = 0;  // the stage the next load fills
   auto load_tile = [&](int64_t tile) {
     if (tile < tile_end) {
@@ -197,8 +198,8 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
       const T* k_rows = k;  // where row key_row of the warp's keys is key0
       const T* v_rows = v;
       int64_t key_row = key0;
-      if (paged) {
-        const PageCursor::Rows at = pages.next(tile + 1 < tile_end ? (tile + 1) * kBlockN : length);
+      if constexpr (Paged) {
+        const auto at = pages.next(tile + 1 < tile_end ? (tile + 1) * kBlockN : length);
         k_rows += at.page * a.k_strides.batch;
         v_rows += at.page * a.v_strides.batch;
         key_row = at.row;
@@ -268,12 +269,12 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
     const int64_t key0 = tile * kBlockN + warp * 16;
-    if (key0 < unmasked_begin || key0 + 16 > unmasked_end) {
+    if ((kLeftSide && key0 < unmasked_begin) || key0 + 16 > unmasked_end) {
       // Warp-local bounds as 32-bit ints: key column c is past the sequence
       // when c >= cols, and outside row h's band when c < lo[h] or c > hi[h].
       const int cols = static_cast<int>(min(int64_t(16), length - key0));
       int lo[2] = {0, 0}, hi[2] = {16, 16};
-      if constexpr (Banded) {
+      if constexpr (kBanded) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) band.local(query[h], key0, 17, lo[h], hi[h]);
       }
@@ -282,7 +283,7 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = nt * 8 + 2 * t + (e & 1);
-          if (c >= cols || c < lo[e >> 1] || c > hi[e >> 1]) s[nt][e] = -INFINITY;
+          if (c >= cols || (kLeftSide && c < lo[e >> 1]) || c > hi[e >> 1]) s[nt][e] = -INFINITY;
         }
     }
     online_softmax_step(s, m_i, l_i, acc);
@@ -419,12 +420,12 @@ __global__ void __launch_bounds__(DecodeTraits<HeadDim, Warps>::kThreads,
 // Raises the kernel's dynamic shared memory limit and asks whether it can be
 // a dependent launch, once per device (the attribute is per device; setting
 // it costs a driver call per launch otherwise). Returns that answer.
-template <int HeadDim, int Warps, typename T, bool Banded>
+template <int HeadDim, int Warps, typename T, BandSides Sides, bool Paged>
 bool configure_decode_kernel() {
   enum : int { kPlain = 1, kDependent = 2 };
   static std::atomic<int> configured[kMaxCachedDevices];
   return once_per_device(configured, [](int device) {
-           const auto kernel = decode_kernel<HeadDim, Warps, T, Banded>;
+           const auto kernel = decode_kernel<HeadDim, Warps, T, Sides, Paged>;
            FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                      decode_smem_bytes<HeadDim, Warps, T>()));
            return waits_for_previous_grid(reinterpret_cast<const void*>(kernel), device) ? kDependent : kPlain;
@@ -456,17 +457,17 @@ decltype(auto) with_decode_warps(int warps, F&& f) {
   throw_planner_bug("no decode block of " + std::to_string(warps) + " warps at head dim " + std::to_string(HeadDim));
 }
 
-template <int HeadDim, int Warps, typename T, bool Banded>
+template <int HeadDim, int Warps, typename T, BandSides Sides, bool Paged>
 void launch_decode_kernel(const KVCacheParams& p, const Plan& plan, cudaStream_t stream) {
   using Tr = DecodeTraits<HeadDim, Warps>;
   // Where the kernel's sm_90 code runs on this device, it may wait for the
   // kernel before it and run in clusters (where the plan says).
-  const bool hopper = configure_decode_kernel<HeadDim, Warps, T, Banded>();
+  const bool hopper = configure_decode_kernel<HeadDim, Warps, T, Sides, Paged>();
   const int64_t blocks = decode_items(p.attn.shape) * p.num_splits;
   if (blocks > kMaxDecodeGrid) throw_planner_bug("B x Hkv x splits x row tiles exceeds one launch (2^31 - 1)");
   if ((p.merge_in_cluster || plan.dependent_launch) && !hopper)
     throw_planner_bug("merge_in_cluster and a dependent launch need the decode kernel's sm_90 code");
-  launch_dependent(decode_kernel<HeadDim, Warps, T, Banded>, plan.dependent_launch,
+  launch_dependent(decode_kernel<HeadDim, Warps, T, Sides, Paged>, plan.dependent_launch,
                    p.merge_in_cluster ? p.num_splits : 1, dim3(static_cast<unsigned>(blocks)), dim3(Tr::kThreads),
                    decode_smem_bytes<HeadDim, Warps, T>(), stream, p);
 }
@@ -474,25 +475,29 @@ void launch_decode_kernel(const KVCacheParams& p, const Plan& plan, cudaStream_t
 template <int HeadDim, typename Element>
 void launch_decode(const KVCacheParams& p, const Plan& plan, cudaStream_t stream) {
   with_decode_warps<HeadDim>(plan.warps, [&](auto warps) {
-    if (p.attn.banded())
-      launch_decode_kernel<HeadDim, warps, Element, true>(p, plan, stream);
-    else
-      launch_decode_kernel<HeadDim, warps, Element, false>(p, plan, stream);
+    with_band_sides(band_sides(p.attn), [&](auto sides) {
+      if (p.block_table != nullptr)
+        launch_decode_kernel<HeadDim, warps, Element, sides, true>(p, plan, stream);
+      else
+        launch_decode_kernel<HeadDim, warps, Element, sides, false>(p, plan, stream);
+    });
   });
 }
 
 // Whether blocks of `warps` warps run the kernel's sm_90 code on the current
-// device, so that each may start while the kernel before it ends (both
-// causal variants give one answer).
+// device, so that each may start while the kernel before it ends (every
+// variant gives one answer).
 template <int HeadDim, typename Element>
 bool decode_dependent_launch(int warps) {
-  return with_decode_warps<HeadDim>(
-      warps, [](auto warps) { return configure_decode_kernel<HeadDim, decltype(warps)::value, Element, true>(); });
+  return with_decode_warps<HeadDim>(warps, [](auto warps) {
+    return configure_decode_kernel<HeadDim, decltype(warps)::value, Element, BandSides::kBoth, true>();
+  });
 }
 
-// Both causal variants share traits and registers closely enough that one
-// occupancy answer serves both. Asked of the driver once per device (at
-// least 1: once_per_device keeps no zero answer).
+// The variants (band sides, paging) share traits and registers closely
+// enough that one occupancy answer, the widest variant's, serves all. Asked
+// of the driver once per device (at least 1: once_per_device keeps no zero
+// answer).
 template <int HeadDim, typename Element>
 int decode_blocks_per_sm(int warps) {
   return with_decode_warps<HeadDim>(warps, [](auto warps) {
@@ -500,17 +505,17 @@ int decode_blocks_per_sm(int warps) {
     using Tr = DecodeTraits<HeadDim, kWarps>;
     static std::atomic<int> known[kMaxCachedDevices];
     return once_per_device(known, [](int) {
-      configure_decode_kernel<HeadDim, kWarps, Element, true>();
+      configure_decode_kernel<HeadDim, kWarps, Element, BandSides::kBoth, true>();
       int blocks = 0;
       FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &blocks, decode_kernel<HeadDim, kWarps, Element, true>, Tr::kThreads,
+          &blocks, decode_kernel<HeadDim, kWarps, Element, BandSides::kBoth, true>, Tr::kThreads,
           decode_smem_bytes<HeadDim, kWarps, Element>()));
       return std::max(blocks, 1);
     });
   });
 }
 
-// Both causal variants again share one answer (at d=128 with 8 warps 210
+// The variants again share one answer (at d=128 with 8 warps 210
 // and 215 registers: 1 block per SM either way). Cached per device and split
 // count (plus one: once_per_device keeps no zero answer).
 template <int HeadDim, typename Element>
@@ -518,7 +523,8 @@ int decode_max_active_clusters(int warps, int splits) {
   return with_decode_warps<HeadDim>(warps, [splits](auto warps) {
     constexpr int kWarps = decltype(warps)::value;
     using Tr = DecodeTraits<HeadDim, kWarps>;
-    if (splits < 2 || splits > kMaxClusterSplits || !configure_decode_kernel<HeadDim, kWarps, Element, true>())
+    if (splits < 2 || splits > kMaxClusterSplits ||
+        !configure_decode_kernel<HeadDim, kWarps, Element, BandSides::kBoth, true>())
       return 0;
     static std::atomic<int> known[kMaxClusterSplits + 1][kMaxCachedDevices];
     return once_per_device(known[splits], [splits](int) {
@@ -530,8 +536,8 @@ int decode_max_active_clusters(int warps, int splits) {
              config.attrs = &attribute;
              config.numAttrs = 1;
              int clusters = 0;
-             FUSEDATTN_CUDA_CHECK(
-                 cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<HeadDim, kWarps, Element, true>, &config));
+             FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveClusters(
+                 &clusters, decode_kernel<HeadDim, kWarps, Element, BandSides::kBoth, true>, &config));
              return clusters + 1;
            }) -
            1;

@@ -20,8 +20,16 @@ __device__ __forceinline__ int64_t kv_length(const KVCacheParams& p, int64_t b) 
 // never waits for its entry. Keys at or past the sequence's length read no
 // entry (page 0 stands in; their rows load as zeros). Only the key and the
 // entry read ahead live in registers; the rest is read from the kernel's
-// parameters.
+// parameters. PageCursor<false>, for a contiguous cache, holds nothing and
+// never meets a bad entry, so an unpaged kernel pays for no paging.
+template <bool Paged>
 struct PageCursor {
+  static constexpr bool bad = false;
+  __device__ PageCursor(const KVCacheParams&, int64_t, int64_t, int64_t, int64_t) {}
+};
+
+template <>
+struct PageCursor<true> {
   struct Rows {
     int64_t page, row;  // the cache's first index and the row there
   };
@@ -49,8 +57,7 @@ struct PageCursor {
  private:
   __device__ void read_ahead(int64_t tile_key) {
     key = tile_key + offset;
-    entry = p.block_table != nullptr && key < length ? __ldg(p.block_table + batch * p.max_blocks + key / p.page_size)
-                                                     : 0;
+    entry = key < length ? __ldg(p.block_table + batch * p.max_blocks + key / p.page_size) : 0;
   }
 };
 

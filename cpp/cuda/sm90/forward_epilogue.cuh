@@ -20,11 +20,13 @@ __device__ __forceinline__ void store_output(const ForwardParams& p, const Sm90F
   float* lse = p.lse + (int64_t(it.batch) * p.shape.heads_q + it.head) * p.shape.seqlen_q + it.q0;
   T* out = static_cast<T*>(p.out) + it.batch * p.out_strides.batch + it.head * p.out_strides.head +
            int64_t(it.q0) * p.out_strides.row;
-  const float sink = sink_in_log2(p.sinks, it.head);
+  // Without sinks (nearly every call) no row pays for the sink's term.
+  const bool has_sink = p.sinks != nullptr;
+  const float sink = has_sink ? sink_in_log2(p.sinks, it.head) : 0.0f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = quad_sum(l_i[h]), m = m_i[h];
-    const float acc_scale = add_valueless_logit(sink, m, l);
+    const float acc_scale = has_sink ? add_valueless_logit(sink, m, l) : 1.0f;
     const float inv = l > 0.0f ? acc_scale / l : 0.0f;
     const int r = row_base + h * 8;  // the thread's rows: row_base and row_base + 8
     if (r >= it.row0 + it.rows) continue;

@@ -76,10 +76,9 @@ struct Sm90ForwardScheduler {
     it.row0 = static_cast<int>(block.block) * BlockM;
     it.rows = min(BlockM, it.seqlen_q - it.row0);
     if constexpr (Banded) {
-      const Band band = Band::of(p, it.seqlen_q, it.seqlen_k);
-      it.key_begin = static_cast<int>(band.key_begin(it.row0));
-      it.key_end = static_cast<int>(band.key_end(it.row0 + it.rows - 1));
-      it.band = Band32::of(band);
+      it.band = Band32::of(p, it.seqlen_q, it.seqlen_k);
+      it.key_begin = it.band.key_begin(it.row0, it.seqlen_k);
+      it.key_end = it.band.key_end(it.row0 + it.rows - 1, it.seqlen_k);
     } else {
       it.key_end = it.seqlen_k;
     }

@@ -26,6 +26,20 @@ struct Sm90ForwardSoftmax {
   int warp_row, g, t;  // this warp's first row in its warpgroup's 64; the thread's MMA row and column groups
   int seqlen_q;
 
+  // Hides the entries of columns c (from this thread's first, 0) past
+  // last[h] or, Left, before first[h] of row h.
+  template <bool Left = true>
+  __device__ __forceinline__ static void hide_outside(float (&s)[kNTiles][4], const int (&first)[2],
+                                                      const int (&last)[2]) {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = nt * 8 + (e & 1);
+        if (c > last[e >> 1] || (Left && c < first[e >> 1])) s[nt][e] = -INFINITY;
+      }
+  }
+
   // attn_mask (base-2 units) added to the visible scores of the tile at col0
   // of rows from wg_row0: a hidden entry stays -inf whatever the mask holds
   // there, and rows past the queries read none of it.
@@ -57,8 +71,10 @@ struct Sm90ForwardSoftmax {
                                        const Sm90ForwardItem& it, int wg_row0, int entry) const {
     if constexpr (Capped) cap.apply(s);
     const int col0 = MaskTiles::tile_of(entry) * BlockN;
-    const bool needs_masking = col0 + BlockN > it.key_end || (Banded && it.band.cuts(wg_row0, 64, col0, BlockN));
-    if (needs_masking) {
+    // The band's left side cuts only a window's tiles: causal calls test
+    // their diagonal tiles on the right alone.
+    const bool cuts_left = Banded && it.band.cuts_left(wg_row0, 64, col0);
+    if (cuts_left || col0 + BlockN > it.key_end || (Banded && it.band.cuts_right(wg_row0, col0, BlockN))) {
       // Row h of this thread sees tile columns [first[h], last[h]]: the keys
       // before the end and (banded) inside the band. Subtracting the
       // thread's column 2t once leaves compile-time offsets in the loop.
@@ -75,13 +91,10 @@ struct Sm90ForwardSoftmax {
         last[h] -= 2 * t;
         first[h] -= 2 * t;
       }
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = nt * 8 + (e & 1);
-          if (c > last[e >> 1] || (Banded && c < first[e >> 1])) s[nt][e] = -INFINITY;
-        }
+      if (cuts_left)
+        hide_outside(s, first, last);
+      else
+        hide_outside<false>(s, first, last);
     }
     bool reads_mask = false;
     if constexpr (Mask != MaskKind::None) {
