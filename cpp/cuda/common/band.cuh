@@ -114,24 +114,16 @@ inline constexpr int64_t kBand32MaxLength = (int64_t(1) << 30) - 256;
 struct Band32 {
   int lower = 0, upper = 0;
 
-  __host__ __device__ static Band32 of(const Band& b) {
+  // Band::of(p, seqlen_q, seqlen_k), its sides clamped to -+2^30, without
+  // Band's 64-bit clamps of key_begin and key_end: a kernel computes it per
+  // work item.
+  __host__ __device__ static Band32 of(const ForwardParams& p, int64_t seqlen_q, int64_t seqlen_k) {
     constexpr int64_t kOpen = int64_t(1) << 30;
+    const int64_t offset = seqlen_k - seqlen_q, left = p.window_left, right = p.band_right();
+    const int64_t lower = left >= 0 ? offset - left : -kOpen, upper = right >= 0 ? offset + right : kOpen;
     Band32 r;
-    r.lower = static_cast<int>(b.lower < -kOpen ? -kOpen : b.lower);
-    r.upper = static_cast<int>(b.upper > kOpen ? kOpen : b.upper);
-    return r;
-  }
-  // Band::of(p, seqlen_q, seqlen_k) in 32 bits, for lengths of at most
-  // kBand32MaxLength (a window wider than 2^30 is as open as none).
-  __host__ __device__ static Band32 of(const ForwardParams& p, int seqlen_q, int seqlen_k) {
-    constexpr int kOpen = 1 << 30;
-    const int offset = seqlen_k - seqlen_q;  // in (-2^30, 2^30): no sum below leaves int
-    const int64_t left = p.window_left, right = p.band_right();
-    Band32 r;
-    r.lower = left >= 0 ? offset - static_cast<int>(left < kOpen ? left : kOpen) : -kOpen;
-    r.upper = right >= 0 ? offset + static_cast<int>(right < kOpen ? right : kOpen) : kOpen;
-    if (r.lower < -kOpen) r.lower = -kOpen;
-    if (r.upper > kOpen) r.upper = kOpen;
+    r.lower = static_cast<int>(lower < -kOpen ? -kOpen : lower);
+    r.upper = static_cast<int>(upper > kOpen ? kOpen : upper);
     return r;
   }
   __host__ __device__ bool sees(int i, int j) const { return j - i >= lower && j - i <= upper; }

@@ -494,10 +494,10 @@ bool decode_dependent_launch(int warps) {
   });
 }
 
-// The variants (band sides, paging) share traits and registers closely
-// enough that one occupancy answer, the widest variant's, serves all. Asked
-// of the driver once per device (at least 1: once_per_device keeps no zero
-// answer).
+// The variants (band sides, paging) differ in registers (186-224 at d=128 on
+// sm_90a), but the launch bounds and the ring's shared memory fix their
+// blocks per SM alike, so one variant's answer serves all. Asked of the
+// driver once per device (at least 1: once_per_device keeps no zero answer).
 template <int HeadDim, typename Element>
 int decode_blocks_per_sm(int warps) {
   return with_decode_warps<HeadDim>(warps, [](auto warps) {
@@ -515,8 +515,8 @@ int decode_blocks_per_sm(int warps) {
   });
 }
 
-// The variants again share one answer (at d=128 with 8 warps 210
-// and 215 registers: 1 block per SM either way). Cached per device and split
+// The variants again share one answer (at d=128 with 8 warps 186-224
+// registers: 1 block per SM either way). Cached per device and split
 // count (plus one: once_per_device keeps no zero answer).
 template <int HeadDim, typename Element>
 int decode_max_active_clusters(int warps, int splits) {

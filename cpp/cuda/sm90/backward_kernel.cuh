@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
                         warp_row,
                         static_cast<int>(walk.seq.seqlen_q),
                         static_cast<int>(walk.seq.seqlen_k),
-                        Band32::of(Band::of(f, walk.seq.seqlen_q, walk.seq.seqlen_k)),
+                        Band32::of(f, walk.seq.seqlen_q, walk.seq.seqlen_k),
                         SoftCap::of(f),
                         lane,
                         g,
