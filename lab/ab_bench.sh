@@ -34,9 +34,16 @@
 # builds every tree the same way and times the backward's key-block kernel
 # alone with this checkout's lab/backward_grid.py (the same tool for every
 # version): OUTDIR/grid.txt, and grid.md with each version's ratio to the first.
+#   lab/ab_bench.sh ncu OUTDIR SHAPE [SHAPE ...]
+# builds every tree the same way and times the forward kernel of each
+# lab/ab_ncu_case.py SHAPE (e.g. d=128,N=8192,causal=1,dtype=bfloat16) under
+# Nsight Compute at the GPU's base clock (--clock-control base), where boost
+# clocks that move a row's rate 5-10% between runs do not reach: OUTDIR/ncu.md,
+# each version's median kernel time and instructions per shape, and the ratio
+# to the first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:?usage: lab/ab_bench.sh export REF... | run OUTDIR [--rounds R] [bench args] [--and bench args]... | grid OUTDIR [args]}
+mode=${1:?usage: lab/ab_bench.sh export REF... | run OUTDIR [--rounds R] [bench args] [--and bench args]... | grid OUTDIR [args] | ncu OUTDIR SHAPE...}
 shift
 
 if [ "$mode" = export ]; then
@@ -56,7 +63,7 @@ if [ "$mode" = export ]; then
   done
   exit 0
 fi
-[ "$mode" = run ] || [ "$mode" = grid ] || { echo "ab_bench: unknown mode '$mode' (export, run or grid)"; exit 2; }
+[ "$mode" = run ] || [ "$mode" = grid ] || [ "$mode" = ncu ] || { echo "ab_bench: unknown mode '$mode' (export, run, grid or ncu)"; exit 2; }
 
 # Installs tree $1 (named $2) against this machine's torch (pip's further
 # arguments after them: --target DIR installs beside the environment); says
@@ -103,6 +110,32 @@ for key, r in rows.items():
     print(f"| {key} | " + " | ".join(cells + ratios) + " |")
 PY
   cat "$out/grid.md"
+  exit 0
+fi
+
+if [ "$mode" = ncu ]; then
+  out=${1:?usage: lab/ab_bench.sh ncu OUTDIR SHAPE [SHAPE ...]}
+  shift
+  [ $# -gt 0 ] || { echo "ab_bench: ncu needs at least one shape, e.g. d=128,N=8192,causal=1,dtype=bfloat16"; exit 2; }
+  mkdir -p "$out"
+  . lab/device_env.sh
+  command -v ncu > /dev/null 2>&1 || { echo "ab_bench: ncu not found"; exit 1; }
+  [ -d .ab ] || { echo "ab_bench: no .ab folder (lab/ab_bench.sh export REF... here, then carry .ab)"; exit 2; }
+  case_py="$PWD/lab/ab_ncu_case.py"
+  csv_dir=$(mktemp -d)
+  trap 'rm -rf "$csv_dir"' EXIT
+  python3 -m pip uninstall -y -q fusedattn > /dev/null 2>&1
+  for dir in .ab/*/; do
+    name=$(basename "$dir")
+    build "$dir" "$name" || continue
+    # Every launch of the forward kernels (sm90_forward_kernel, forward_kernel):
+    # the table keeps the profiled calls of each shape, the warm-up ones dropped.
+    (cd /tmp && timeout 300 ncu --clock-control base --print-units base --kernel-name regex:'forward_kernel' --csv \
+      --metrics gpu__time_duration.sum,smsp__inst_executed.sum python3 "$case_py" "$@") \
+      > "$csv_dir/$name.csv" 2> "$csv_dir/$name.err" || { tail -5 "$csv_dir/$name.err"; echo "ab_bench: $name: ncu failed"; }
+  done
+  python3 lab/ab_ncu_table.py "$csv_dir" "$@" > "$out/ncu.md"
+  cat "$out/ncu.md"
   exit 0
 fi
 
