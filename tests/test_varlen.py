@@ -251,6 +251,21 @@ def test_varlen_opcheck_and_compile(device, d, dtype, window):
     assert q.grad is not None and q.grad.shape == q.shape
 
 
+def test_max_seqlen_is_needed_under_compile_and_cu_seqlens_must_be_one_dimensional():
+    q, k, v, cu_q, cu_k = packed([4, 6], [5, 7], seed=3)
+    with pytest.raises(RuntimeError, match=r"fusedattn.attention_varlen: cu_seqlens_q must be int32 \[B \+ 1\], "
+                                           r"got shape \[1, 3\]"):
+        fusedattn.attention_varlen(q, k, v, cu_q[None], cu_k)
+    with pytest.raises(RuntimeError, match=r"fusedattn.plan_varlen: cu_seqlens_k must be int32 \[B \+ 1\]"):
+        fusedattn.plan_varlen(q, k, v, cu_q, cu_k[None])
+    torch._dynamo.reset()
+    compiled = torch.compile(fusedattn.attention_varlen, fullgraph=True)
+    with pytest.raises(Exception, match=r"under torch.compile pass max_seqlen_q as a Python int"):
+        compiled(q, k, v, cu_q, cu_k)
+    out = compiled(q, k, v, cu_q, cu_k, 6, 7)  # with the lengths given it compiles
+    torch.testing.assert_close(out, fusedattn.attention_varlen(q, k, v, cu_q, cu_k), atol=0, rtol=0)
+
+
 BAD = {
     "int64 offsets": (lambda q, k, v, cq, ck: (q, k, v, cq.long(), ck), "cu_seqlens_q must be int32 \\[B \\+ 1\\]"),
     "not from 0": (lambda q, k, v, cq, ck: (q, k, v, cq + 1, ck), "cu_seqlens_q must start at 0, got 1"),

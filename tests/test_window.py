@@ -3,6 +3,9 @@ every backend, forward, backward and decoding, against the float64 reference;
 on CUDA the banded kernels, which visit only the key tiles a window reaches
 (decoding with a window on CUDA: test_kvcache.py)."""
 
+import re
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -116,6 +119,30 @@ def test_bad_windows_are_refused(window, given):
     q, k_cache, v_cache, lens, _, _ = make_cache()
     with pytest.raises(RuntimeError, match=pattern):
         torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lens, window=window)
+
+
+@pytest.mark.parametrize("window", [(1.5, 2), ("a", 1), 3, (True, 1), (0, 2**70), (1, None)], ids=str)
+def test_windows_the_schema_would_refuse_unnamed_are_refused_with_their_value(window):
+    """A float, a bool, a lone number or an int past int64 reaches no operator: the Python
+    functions refuse it naming the value (the schema's own error would not)."""
+    q, k, v, _ = make_inputs(Case())
+    q_c, k_cache, v_cache, lens, _, _ = make_cache()
+    pattern = r"window must be two ints \[left, right\], each >= -1 .*got " + re.escape(repr(window))
+    calls = {"attention": lambda: fusedattn.attention(q, k, v, window=window),
+             "plan": lambda: fusedattn.plan(q, k, v, window=window),
+             "attention_with_kvcache": lambda: fusedattn.attention_with_kvcache(q_c, k_cache, v_cache, lens,
+                                                                               window=window),
+             "plan_kvcache": lambda: fusedattn.plan_kvcache(q_c, k_cache, v_cache, lens, window=window)}
+    for api, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"fusedattn.{api}: " + pattern):
+            call()
+
+
+def test_windows_as_lists_and_numpy_ints_are_taken():
+    q, k, v, _ = make_inputs(Case(seqlen_q=40, seqlen_k=40))
+    expected = fusedattn.attention(q, k, v, window=(5, 0))
+    for window in ([5, 0], (np.int64(5), np.int32(0))):
+        torch.testing.assert_close(fusedattn.attention(q, k, v, window=window), expected, atol=0, rtol=0)
 
 
 def test_huge_windows_bound_nothing():

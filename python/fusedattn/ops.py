@@ -9,6 +9,7 @@ adds what torch.library expects from Python.
 from __future__ import annotations
 
 import functools
+import numbers
 
 import torch
 from torch import Tensor
@@ -226,6 +227,7 @@ def attention(
     """
     if isinstance(attn_mask, BlockMask):
         attn_mask = attn_mask.for_call(q, k)
+    window = _window(window, "attention")
     routed = routed_attention(q, k, v, attn_mask, is_causal, scale, window, softcap, sinks)
     if routed is not None:
         return routed
@@ -234,8 +236,32 @@ def attention(
     return out
 
 
-def _longest(cu_seqlens: Tensor) -> int:
-    """The longest sequence that cu_seqlens describes (0 for none); reads it on the host."""
+def _window(window, api: str) -> tuple[int, int] | None:
+    """window as the operators take it: None or two ints, each >= -1. The operators check the
+    values; what their schema refuses without naming it (a float, a bool, one number, an int
+    past int64) is refused here, with the value given."""
+    if window is None:
+        return None
+    sides = tuple(window) if isinstance(window, (tuple, list)) else None
+    ints = sides is not None and len(sides) == 2 and all(
+        isinstance(side, (numbers.Integral, torch.SymInt)) and not isinstance(side, bool) for side in sides)
+    if not ints or any(isinstance(side, numbers.Integral) and not -1 <= side < 2**63 for side in sides):
+        raise RuntimeError(f"fusedattn.{api}: window must be two ints [left, right], each >= -1 (-1: no bound on "
+                           f"that side), got {window!r}")
+    return tuple(int(side) if isinstance(side, numbers.Integral) else side for side in sides)
+
+
+def _max_seqlen(max_seqlen: int | None, cu_seqlens: Tensor, name: str, api: str) -> int:
+    """max_seqlen as given, or the longest sequence cu_seqlens describes (0 for none), read on
+    the host; under torch.compile that read would break the graph, so it must be given."""
+    if max_seqlen is not None:
+        return max_seqlen
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"fusedattn.{api}: under torch.compile pass max_seqlen_{name} as a Python int (without "
+                           f"it the call reads cu_seqlens_{name} on the host)")
+    if cu_seqlens.dim() != 1:
+        raise RuntimeError(f"fusedattn.{api}: cu_seqlens_{name} must be int32 [B + 1], got shape "
+                           f"{list(cu_seqlens.shape)}")
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
 
@@ -286,10 +312,9 @@ def attention_varlen(
     if not torch.compiler.is_compiling() and not has_kernel("forward_varlen", q.device.type):
         raise NotImplementedError(f"fusedattn.attention_varlen: this build has no {q.device.type} kernel for packed "
                                   f"sequences")
-    if max_seqlen_q is None:
-        max_seqlen_q = _longest(cu_seqlens_q)
-    if max_seqlen_k is None:
-        max_seqlen_k = _longest(cu_seqlens_k)
+    max_seqlen_q = _max_seqlen(max_seqlen_q, cu_seqlens_q, "q", "attention_varlen")
+    max_seqlen_k = _max_seqlen(max_seqlen_k, cu_seqlens_k, "k", "attention_varlen")
+    window = _window(window, "attention_varlen")
     out, _ = torch.ops.fusedattn.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 is_causal, scale, backends.forced().family, window, softcap, sinks)
     return out
@@ -354,6 +379,7 @@ def attention_with_kvcache(
         differentiable (an inference operator).
     """
     forced = backends.forced()
+    window = _window(window, "attention_with_kvcache")
     out, _ = torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, is_causal, scale,
                                                  num_splits, forced.decode_merge_in_cluster, forced.decode_warps,
                                                  window, softcap, sinks, cu_seqlens_q, block_table)
@@ -393,6 +419,7 @@ def plan(
     call's are raised for bad arguments."""
     if isinstance(attn_mask, BlockMask):
         attn_mask = attn_mask.for_call(q, k)
+    window = _window(window, "plan")
     return _parse_plan(torch.ops.fusedattn.plan(q, k, v, attn_mask, is_causal, scale, backends.forced().family,
                                                 backward, window, softcap, sinks))
 
@@ -419,10 +446,9 @@ def plan_varlen(
     and ``"work_items"``, the (sequence, tile) items of its work list (query
     tiles; the backward's: key tiles). The CPU and the gemm family run a
     sequence at a time."""
-    if max_seqlen_q is None:
-        max_seqlen_q = _longest(cu_seqlens_q)
-    if max_seqlen_k is None:
-        max_seqlen_k = _longest(cu_seqlens_k)
+    max_seqlen_q = _max_seqlen(max_seqlen_q, cu_seqlens_q, "q", "plan_varlen")
+    max_seqlen_k = _max_seqlen(max_seqlen_k, cu_seqlens_k, "k", "plan_varlen")
+    window = _window(window, "plan_varlen")
     return _parse_plan(torch.ops.fusedattn.plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                        max_seqlen_k, is_causal, scale, backends.forced().family,
                                                        backward, window, softcap, sinks))
@@ -456,6 +482,7 @@ def plan_kvcache(
     built for, v's head dim of its own), ``"family": "gemm"``: a sequence at a
     time, the lengths read on the host."""
     forced = backends.forced()
+    window = _window(window, "plan_kvcache")
     seqused_k = None
     if cu_seqlens_q is not None:
         if cache_seqlens is None:
