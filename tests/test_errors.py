@@ -51,6 +51,27 @@ def test_devices_must_match():
         fwd(q, k.cuda(), v)
 
 
+META_MIXES = {
+    "forward attn_mask": lambda q, k, v: fwd(q, k, v, torch.ones(8, 10, dtype=torch.bool, device="meta")),
+    "forward sinks": lambda q, k, v: fusedattn.attention(q, k, v, sinks=torch.zeros(4, device="meta")),
+    "forward k": lambda q, k, v: fwd(q, k.to("meta"), v),
+    "backward lse": lambda q, k, v: torch.ops.fusedattn.backward(q, q, k, v, q, torch.zeros(2, 4, 8, device="meta")),
+    "kvcache cache_seqlens": lambda q, k, v: torch.ops.fusedattn.forward_kvcache(
+        q, k, v, torch.zeros(2, dtype=torch.int32, device="meta")),
+    "varlen cu_seqlens_k": lambda q, k, v: torch.ops.fusedattn.forward_varlen(
+        q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), torch.tensor([0, 8], dtype=torch.int32),
+        torch.tensor([0, 10], dtype=torch.int32, device="meta"), 8, 10),
+}
+
+
+@pytest.mark.parametrize("name", sorted(META_MIXES))
+def test_a_meta_tensor_among_real_ones_is_refused(name):
+    """One argument on meta makes the dispatcher run the fake function instead of the kernel;
+    it must refuse the mix, not return uninitialised memory as the result."""
+    with pytest.raises(RuntimeError, match=r"must be on the device of q \(cpu\), got meta"):
+        META_MIXES[name](*qkv())
+
+
 def test_bad_backward_input():
     q, k, v = qkv()
     out, lse = fwd(q, k, v)

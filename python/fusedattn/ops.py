@@ -103,6 +103,15 @@ def _planned_fused_cached(device, dtype, head_dim, value_head_dim, softcap, sink
     return plan["family"] != "gemm"
 
 
+def _on_q_device(op: str, q: Tensor, **tensors: Tensor | None) -> None:
+    """A fake function also runs, instead of the kernel, when one argument is on meta and the
+    others are not (the dispatcher then picks Meta), so it checks what the kernels' checks would
+    first: every tensor on q's device (else the call would return uninitialised memory)."""
+    for name, t in tensors.items():
+        if t is not None and t.device != q.device:
+            raise RuntimeError(f"fusedattn::{op}: {name} must be on the device of q ({q.device}), got {t.device}")
+
+
 def _grad_sinks_fake(q, sinks):
     """The backwards' grad_sinks: float32 [Hq] (q's dimension 1, dense and packed), or empty without sinks."""
     return q.new_empty((q.shape[1],) if sinks is not None else (0,), dtype=torch.float32)
@@ -111,6 +120,7 @@ def _grad_sinks_fake(q, sinks):
 @torch.library.register_fake("fusedattn::forward")
 def _forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, family=None, window=None, softcap=None,
                   sinks=None):
+    _on_q_device("forward", q, k=k, v=v, attn_mask=attn_mask, sinks=sinks)
     out = q.new_empty((*q.shape[:3], v.shape[3]))
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     return out, lse
@@ -119,6 +129,7 @@ def _forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, family=N
 @torch.library.register_fake("fusedattn::backward")
 def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, family=None,
                    window=None, softcap=None, sinks=None):
+    _on_q_device("backward", q, grad_out=grad_out, k=k, v=v, out=out, lse=lse, attn_mask=attn_mask, sinks=sinks)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _grad_sinks_fake(q, sinks)
 
 
@@ -126,6 +137,8 @@ def _backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_causal=False,
 def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, is_causal=True,
                           scale=None, num_splits=None, merge_in_cluster=None, warps=None, window=None,
                           softcap=None, sinks=None, cu_seqlens_q=None, block_table=None):
+    _on_q_device("forward_kvcache", q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
+                 v_new=v_new, sinks=sinks, cu_seqlens_q=cu_seqlens_q, block_table=block_table)
     if cu_seqlens_q is not None:  # packed: out [total_q, Hq, d_v], lse [Hq, total_q]
         return q.new_empty((*q.shape[:2], v_cache.shape[3])), q.new_empty((q.shape[1], q.shape[0]),
                                                                           dtype=torch.float32)
@@ -135,17 +148,21 @@ def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=
 @torch.library.register_fake("fusedattn::forward_varlen")
 def _forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,
                          scale=None, family=None, window=None, softcap=None, sinks=None):
+    _on_q_device("forward_varlen", q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks)
     return q.new_empty((*q.shape[:2], v.shape[2])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.register_fake("fusedattn::backward_varlen")
 def _backward_varlen_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           is_causal=False, scale=None, family=None, window=None, softcap=None, sinks=None):
+    _on_q_device("backward_varlen", q, grad_out=grad_out, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                 cu_seqlens_k=cu_seqlens_k, sinks=sinks)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _grad_sinks_fake(q, sinks)
 
 
 @torch.library.register_fake("fusedattn::naive_forward")
 def _naive_forward_fake(q, k, v, attn_mask=None, is_causal=False, scale=None):
+    _on_q_device("naive_forward", q, k=k, v=v, attn_mask=attn_mask)
     return q.new_empty((*q.shape[:3], v.shape[3]))
 
 
