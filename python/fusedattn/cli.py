@@ -17,6 +17,7 @@ import sys
 import torch
 
 from .ops import has_kernel
+from .text_stream import TextStream
 
 MODELS_EXTRA = 'pip install --no-build-isolation ".[models]" in the fusedattn checkout'
 
@@ -794,7 +795,7 @@ def _generate_one(args, engine, prompt: str, sampling) -> None:
     prompts = [ids] * args.batch
     tokens: list[list[int]] = [[] for _ in prompts]
     stats: dict = {}
-    shown = ""
+    shown = TextStream(engine.tokenizer)  # sequence 0's, streamed
     steps = engine.generate(prompts, args.max_new_tokens, sampling, stats=stats)
     try:
         first = next(steps, None)  # the prompt's checks (its tokens, the context) run here
@@ -805,10 +806,9 @@ def _generate_one(args, engine, prompt: str, sampling) -> None:
         for seq, token in zip(tokens, step):
             if token is not None:
                 seq.append(token)
-        text = engine.tokenizer.decode(tokens[0], skip_special_tokens=True)  # stream sequence 0
-        print(text[len(shown):], end="", flush=True)
-        shown = text
-    print()
+        if step[0] is not None:
+            print(shown.push(step[0]), end="", flush=True)
+    print(shown.rest())
     for i, seq in enumerate(tokens[1:], start=1):
         print(f"--- sequence {i}:", engine.tokenizer.decode(seq, skip_special_tokens=True))
     print(f"prefill: {stats['prefill_tokens'] / stats['prefill_s']:.1f} tokens/s, "

@@ -17,6 +17,7 @@ import threading
 
 from ..batching import Batcher, Sequence
 from ..engine import Engine, SamplingParams
+from ..text_stream import StopText
 
 __all__ = ["SHUTTING_DOWN", "Finish", "Job", "Scheduler"]
 
@@ -44,42 +45,13 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-class _Text:
-    """A request's text as its tokens arrive: what can be sent now. A stop
-    string ends it (and is not sent); text that may begin one, or that ends
-    inside a multi-byte character, is held back."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.tokens: list[int] = []
-        self.sent = 0
-
-    def push(self, token: int) -> tuple[str, bool]:
-        """The text now ready to send, and whether a stop string ended it."""
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            return text[self.sent:min(hits)], True
-        ready = len(text) - self.hold
-        while ready > self.sent and text[ready - 1] == "\ufffd":  # half of a multi-byte character
-            ready -= 1
-        delta, self.sent = text[self.sent:max(ready, self.sent)], max(ready, self.sent)
-        return delta, False
-
-    def rest(self) -> str:
-        """What is still held back, once the request has ended."""
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)[self.sent:]
-
-
 class Scheduler:
     def __init__(self, engine: Engine, **batching):
         """batching: fusedattn.batching.Batcher's options (max_running, kv_positions, ...)."""
         self.engine = engine
         self.batcher = Batcher(engine, **batching)
         self._inbox: queue.Queue[Job | None] = queue.Queue()
-        self._jobs: dict[Sequence, tuple[Job, _Text]] = {}  # the worker thread's alone
+        self._jobs: dict[Sequence, tuple[Job, StopText]] = {}  # the worker thread's alone
         self._counts = self.batcher.counts()  # the worker's last snapshot, for /health
         self._closing, self._closed = threading.Lock(), False
         self._thread = threading.Thread(target=self._run, name="fusedattn-serve-engine", daemon=True)
@@ -170,7 +142,7 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001  (the app checked the sizes: anything else fails this job)
                 job.emit(Finish("error", 0, f"{type(e).__name__}: {e}"))
                 continue
-            self._jobs[seq] = (job, _Text(self.engine.tokenizer, job.stop))
+            self._jobs[seq] = (job, StopText(self.engine.tokenizer, job.stop))
 
     def _end(self, seq: Sequence, finish: Finish | None = None) -> None:
         """Takes seq out of the batch (its pages go back) and sends finish, if
