@@ -787,7 +787,10 @@ def test_generate_user_errors(capsys, no_run, tmp_path):
     assert error("Hi", "--max-new-tokens", "0") == "--max-new-tokens must be at least 1, got 0"
     assert error("Hi", "--batch", "0") == "--batch must be at least 1, got 0"
     assert error("Hi", "--top-p", "0") == "--top-p must be in (0, 1] (1: off), got 0.0"
-    assert error("Hi", "--temperature", "-1") == "--temperature must be at least 0 (0: greedy), got -1.0"
+    for bad in ("-1", "nan", "inf"):
+        assert error("Hi", "--temperature", bad) == (
+            f"--temperature must be a finite number >= 0 (0: greedy), got {float(bad)}")
+    assert error("Hi", "--top-p", "nan") == "--top-p must be in (0, 1] (1: off), got nan"
     missing = tmp_path / "missing.gguf"
     assert error("Hi", "--gguf", str(missing)) == f"--gguf {missing}: no such file"
     assert error("Hi", "--gguf", str(tmp_path)) == f"--gguf {tmp_path}: not a file"

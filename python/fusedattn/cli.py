@@ -738,8 +738,8 @@ def _check_generate(args) -> tuple[torch.device, list[str]]:
     _check_cache_dir(args)
     _positive(args, ("max_new_tokens", "batch"))
     _positive(args, ("top_k",), least=0)
-    if args.temperature < 0:
-        raise UsageError(f"--temperature must be at least 0 (0: greedy), got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):  # NaN too
+        raise UsageError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (1: off), got {args.top_p}")
     device = _device(args.device, "forward_kvcache", default_cuda=False)
