@@ -95,3 +95,33 @@ def test_model_has_no_graph_breaks():
     torch.testing.assert_close(y, model(x), atol=1e-5, rtol=1e-5)
     y.sum().backward()
     assert x.grad is not None and not x.grad.isnan().any()
+
+
+def test_importing_fusedattn_leaves_dynamo_unloaded():
+    """Dynamo's import costs seconds (more than torch's on a small CPU); a process that never
+    compiles (the CLI, a server, eager inference) must not pay it for fusedattn."""
+    import subprocess
+    import sys
+
+    code = "import sys, fusedattn; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
+def test_the_constant_result_mark_is_torch_compilers_own():
+    """fusedattn._compile marks a function as torch.compiler.assume_constant_result would (which
+    it cannot call before Dynamo is loaded): a torch whose decorator does more fails here."""
+    from fusedattn import backends, ops
+
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    marked = torch.compiler.assume_constant_result(theirs)
+    assert marked is theirs and theirs.__dict__ == {"_dynamo_marked_constant": True}
+    ours._dynamo_marked_constant = True  # what _compile does without Dynamo
+    assert ours.__dict__ == theirs.__dict__
+    for fn in (backends._nothing_forced_while_tracing, ops._planned_fused):
+        assert fn.__dict__.get("_dynamo_marked_constant") is True

@@ -25,6 +25,8 @@ from typing import Iterator
 
 import torch
 
+from ._compile import assume_constant_result
+
 __all__ = ["FAMILIES", "Forced", "force", "forced"]
 
 # Families a caller may force on CUDA tensors ("cpu" names the CPU's tiled
@@ -51,7 +53,7 @@ _OPEN_FORCES = 0
 _OPEN_FORCES_LOCK = threading.Lock()
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _nothing_forced_while_tracing() -> bool:
     """Run once, eagerly, when torch.compile traces a call: a forced choice
     there would be dropped (Dynamo cannot guard on a context variable), so it

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import backends
+from ._compile import assume_constant_result
 from .blockmask import BlockMask
 from .distributed.routing import routed_attention
 
@@ -78,7 +79,7 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, value_head
                                                    sinks, backward, torch.are_deterministic_algorithms_enabled())
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _planned_fused(device: torch.device, dtype: torch.dtype, head_dim: int, value_head_dim: int, softcap: bool,
                    sinks: bool, backward: bool, deterministic: bool) -> bool:
     """supports(fused=True) on CUDA, asked of the planner once per argument set
