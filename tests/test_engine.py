@@ -74,6 +74,22 @@ def run(engine, prompts, **kwargs):
     return out
 
 
+def test_a_files_end_of_turn_ends_a_reply(engine, monkeypatch):
+    """The GGUF's end-of-turn and end-of-message ids (gguf_models.end_tokens) end a reply as end
+    of text does, in generate and so in the server's batcher (Engine.stop_tokens)."""
+    from fusedattn import gguf_models
+
+    class Reader:
+        fields = {"tokenizer.ggml.eot_token_id": type("F", (), {"contents": lambda self: 107})()}
+
+    assert gguf_models.end_tokens(Reader()) == (107,)
+    assert engine.stop_tokens() == {engine.tokenizer.eos_token_id}  # SmolLM2's file names neither
+    free = run(engine, PROMPTS[:1], max_new_tokens=8)[0]
+    monkeypatch.setattr(engine.config, "end_tokens", (free[2],))
+    assert engine.stop_tokens() == {engine.tokenizer.eos_token_id, free[2]}
+    assert run(engine, PROMPTS[:1], max_new_tokens=8)[0] == free[:free.index(free[2]) + 1]
+
+
 def test_greedy_tokens_match_transformers_generate(engine):
     expected, _, eos = transformers_greedy(engine.tokenizer)
     ours = run(engine, PROMPTS, max_new_tokens=NEW_TOKENS)

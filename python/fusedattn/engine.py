@@ -307,13 +307,19 @@ class Engine:
             x = self._layer_rest(layer, x, attn.transpose(0, 1)[None])
         return self._logits(x[0, rows])
 
+    def stop_tokens(self) -> set[int]:
+        """The ids that end a reply: the tokenizer's end of text and the file's end of turn and of
+        message (gguf_models.end_tokens)."""
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        return set(self.config.end_tokens) | ({eos} if eos is not None else set())
+
     def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, stop_tokens: set[int] | None = None,
                  stats: dict | None = None) -> Iterator[list[int | None]]:
         """Yields, per step, the new token of every sequence (None once it stopped)."""
         sampling = sampling or SamplingParams()
         if stop_tokens is None:
-            stop_tokens = {self.tokenizer.eos_token_id} if self.tokenizer is not None else set()
+            stop_tokens = self.stop_tokens()
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         if not ids or any(len(p) == 0 for p in ids):
             raise ValueError("fusedattn.engine: generate needs at least one prompt, each at least one token")

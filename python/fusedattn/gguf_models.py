@@ -48,6 +48,7 @@ class ModelConfig:
     local_rope_base: float = 0.0  # the sliding layers' rotary base
     gelu: bool = False  # GeGLU (tanh GELU) where llama has SwiGLU
     embed_scale: float = 1.0
+    end_tokens: tuple[int, ...] = ()  # ids besides end of text that end a reply (end_tokens())
 
     def sliding(self, layer: int) -> bool:
         return self.sliding_window > 0 and (layer + 1) % self.global_every != 0
@@ -171,6 +172,7 @@ def read_model(path: str, keep_blocks: bool = False,
         kv_heads=field("attention.head_count_kv"), head_dim=optional("attention.key_length") or hidden // heads,
         vocab=0, rope_base=field("rope.freq_base"), norm_eps=field("attention.layer_norm_rms_epsilon"),
         context=field("context_length"))
+    config = dataclasses.replace(config, end_tokens=end_tokens(reader))
     if arch == "qwen2":  # llama.cpp converts Qwen2 without permuting Q and K: its pairs are halves
         config = dataclasses.replace(config, rope_halves=True)
     if arch == "gemma3":
@@ -187,6 +189,13 @@ def read_model(path: str, keep_blocks: bool = False,
     weights = {t.name: weight(t) for t in reader.tensors}
     config.vocab = weights["token_embd.weight"].shape[0]
     return config, fuse_weights(weights)
+
+
+def end_tokens(reader) -> tuple[int, ...]:
+    """The file's end-of-turn and end-of-message ids, where it names them: chat models whose
+    turn ends on a token other than end of text (Llama 3's <|eot_id|>) stop there."""
+    keys = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return tuple(int(reader.fields[k].contents()) for k in keys if k in reader.fields)
 
 
 def read_tokenizer(path: str, reader):

@@ -138,7 +138,7 @@ class Scheduler:
             if job.cancelled.is_set():
                 continue
             try:
-                seq = self.batcher.add(job.ids, job.max_tokens, job.sampling, {self.engine.tokenizer.eos_token_id})
+                seq = self.batcher.add(job.ids, job.max_tokens, job.sampling, self.engine.stop_tokens())
             except Exception as e:  # noqa: BLE001  (the app checked the sizes: anything else fails this job)
                 job.emit(Finish("error", 0, f"{type(e).__name__}: {e}"))
                 continue
