@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai", reason="needs the serve extra: pip instal
 from fusedattn import bench_serve, cli  # noqa: E402
 from fusedattn.engine import Engine, SamplingParams, smollm2_path  # noqa: E402
 from fusedattn.serve import make_app, model_name  # noqa: E402
+from fusedattn.serve.protocol import ApiError, parse_request  # noqa: E402
 from fusedattn.serve.running import Running  # noqa: E402
 from fusedattn.serve.scheduler import SHUTTING_DOWN, Job, Scheduler  # noqa: E402
 from helpers import hf_models  # noqa: E402
@@ -171,6 +172,8 @@ def test_sampling_follows_the_seed(client, model):
     (json.dumps({"model": "M", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop"),
     (json.dumps({"model": "M", "prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404, "model"),
+    (json.dumps({"model": "M", "prompt": "hi", "logprobs": 2}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "M", "prompt": "hi", "presence_penalty": 0.5}).encode(), 400, "presence_penalty"),
 ])
 def test_bad_requests_get_an_openai_error_and_the_server_serves_on(server, model, body, status, param):
     response = post(server.url + "/v1/completions", body.replace(b'"M"', json.dumps(model).encode()))
@@ -178,6 +181,26 @@ def test_bad_requests_get_an_openai_error_and_the_server_serves_on(server, model
     error = response.json()["error"]
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
     assert get(server.url + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_fields_that_would_change_the_reply_are_refused_unless_they_are_no_ops(chat):
+    """What this server does not implement (logprobs, echo, penalties, logit_bias, tools, a JSON
+    response format, ...) is a 400 naming the field, never silently ignored; the same fields at
+    their no-op values (as some clients send them) are taken."""
+    base = {"model": "M", **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    refused = {"logprobs": True if chat else 3, "top_logprobs": 2, "echo": True, "best_of": 2, "suffix": "x",
+               "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"50256": -100},
+               "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+               "response_format": {"type": "json_object"}}
+    for name, value in refused.items():
+        with pytest.raises(ApiError) as e:
+            parse_request(json.dumps({**base, name: value}).encode(), chat)
+        assert (e.value.status, e.value.param) == (400, name) and "not supported" in e.value.message
+    taken = {"logprobs": False if chat else 0, "echo": False, "best_of": 1, "presence_penalty": 0.0,
+             "frequency_penalty": 0, "logit_bias": {}, "tools": [], "tool_choice": "none",
+             "response_format": {"type": "text"}, "top_logprobs": None, "user": "someone"}
+    assert parse_request(json.dumps({**base, **taken}).encode(), chat).model == "M"
 
 
 def test_chat_requests_are_checked_too(server, model):

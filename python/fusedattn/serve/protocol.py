@@ -116,6 +116,28 @@ def _stop(body: dict) -> list[str]:
     return stops
 
 
+# OpenAI fields that would change what a reply holds and that this server does not implement:
+# refused unless they hold their no-op value, never ignored (a client that asks for logprobs
+# must not get a reply without them as if it had).
+_NO_OP_VALUES = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "audio": (None,), "prediction": (None,),
+}
+
+
+def _refuse_unimplemented(body: dict) -> None:
+    for name, no_op in _NO_OP_VALUES.items():
+        value = body.get(name)
+        # == with bools apart from numbers (True == 1): 0.0 is 0, true is not 1
+        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in no_op):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise ApiError(400, f"'{name}' is not supported by this server (it would change the reply), got {shown}; "
+                           "leave it out", name)
+
+
 def parse_request(raw: bytes, chat: bool) -> Request:
     try:
         body = json.loads(raw)
@@ -126,6 +148,7 @@ def parse_request(raw: bytes, chat: bool) -> Request:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' must name the model (GET /v1/models lists it)", "model")
+    _refuse_unimplemented(body)
     if _integer(body, "n", 1, 1, 1) != 1:
         raise ApiError(400, "'n' must be 1", "n")
     max_tokens = _integer(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
