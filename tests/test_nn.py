@@ -93,6 +93,35 @@ def test_constructor_options_forward_and_backward(kwargs, batch_first):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("mask_case", ["none", "kpm_bool+attn_float"])
+def test_self_attention_projects_q_k_and_v_in_one_product(batch_first, mask_case, monkeypatch):
+    """query is key is value: one in-projection (and the out-projection), the same outputs and
+    gradients as PyTorch's; distinct tensors take three in-projections."""
+    ours, theirs = pair(batch_first=batch_first)
+    kpm, attn = masks(mask_case, s=7)
+    linear, products = torch.nn.functional.linear, []
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **kw: products.append(1) or linear(*a, **kw))
+    results = []
+    for module in (ours, theirs):
+        x = inputs(batch_first, s=7, self_attention=True, requires_grad=True)[0]
+        products.clear()
+        out, _ = module(x, x, x, key_padding_mask=kpm, need_weights=False, attn_mask=attn)
+        if module is ours:
+            assert len(products) == 2, products
+        out.square().sum().backward()
+        results.append((out, x.grad, [p.grad for p in module.parameters()]))
+    (out, gx, gp), (ref, ref_gx, ref_gp) = results
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gx, ref_gx, atol=1e-4, rtol=1e-4)
+    for a, b in zip(gp, ref_gp):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    q, k, v = inputs(batch_first, s=7)
+    products.clear()
+    ours(q, k, v, need_weights=False)
+    assert len(products) == 4
+
+
 @pytest.mark.parametrize("average", [False, True])
 def test_attention_weights_returned(average):
     ours, theirs = pair(batch_first=True)

@@ -74,8 +74,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         # gradients flow into a mask.
         if any(m.dtype != torch.bool and not m.is_floating_point() or m.requires_grad for m in masks):
             return False
-        return supports(query.device, query.dtype, self.head_dim,
-                        backward=needs_gradients(query, key, value, *self.parameters()), fused=True)
+        # The parameters are walked only where autograd is on (the walk costs a tiny call's time).
+        backward = torch.is_grad_enabled() and needs_gradients(query, key, value, *self.parameters())
+        return supports(query.device, query.dtype, self.head_dim, backward=backward, fused=True)
 
     def forward(
         self,
@@ -95,6 +96,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             raise RuntimeError(
                 "Need attn_mask if specifying the is_causal hint (as torch.nn.MultiheadAttention)")
 
+        self_attention = query is key and key is value  # before the layout changes make three tensors
         batched = query.dim() == 3
         if not batched:  # (L, E) -> (1, L, E) in batch-first layout
             query, key, value = (x.unsqueeze(0) for x in (query, key, value))
@@ -106,14 +108,19 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         n, l, _ = query.shape
         s = key.shape[1]
         h, d = self.num_heads, self.head_dim
-        if self._qkv_same_embed_dim:
-            w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        if self._qkv_same_embed_dim and self_attention:
+            # Self-attention: one projection into q, k and v side by side (strided views).
+            q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).view(n, l, 3, h, d).unbind(2)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         else:
-            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-        b_q, b_k, b_v = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None,) * 3
-        q = F.linear(query, w_q, b_q).view(n, l, h, d).transpose(1, 2)
-        k = F.linear(key, w_k, b_k).view(n, s, h, d).transpose(1, 2)
-        v = F.linear(value, w_v, b_v).view(n, s, h, d).transpose(1, 2)
+            if self._qkv_same_embed_dim:
+                w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+            else:
+                w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            b_q, b_k, b_v = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None,) * 3
+            q = F.linear(query, w_q, b_q).view(n, l, h, d).transpose(1, 2)
+            k = F.linear(key, w_k, b_k).view(n, s, h, d).transpose(1, 2)
+            v = F.linear(value, w_v, b_v).view(n, s, h, d).transpose(1, 2)
 
         # With the causal hint, no padding mask and no weights, PyTorch ignores
         # attn_mask and applies SDPA's top-left causal rule; do the same.
