@@ -424,6 +424,11 @@ def test_the_serve_command_serves_and_stops_on_sigterm_mid_stream(tmp_path, mode
             assert process.poll() is None, process.communicate()[1]
             assert time.monotonic() < deadline
             time.sleep(0.5)
+        # Started without --model: the short name "smollm2" names the served file too.
+        aliased = post(f"http://127.0.0.1:{port}/v1/completions",
+                       json_body={"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0})
+        assert aliased.status_code == 200 and aliased.json()["model"] == model, aliased.raw
+        assert get(f"http://127.0.0.1:{port}/v1/models/smollm2").json()["id"] == model
         body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 4000, "temperature": 0, "stream": True}
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         connection.request("POST", "/v1/completions", body=json.dumps(body))

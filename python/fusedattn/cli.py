@@ -816,6 +816,9 @@ def _generate_one(args, engine, prompt: str, sampling) -> None:
           f"(batch {args.batch}, {engine.device})")
 
 
+_SERVED_MODELS = ("smollm2", "gemma3", "qwen2.5-coder")  # serve --model's short names (_serve_model's)
+
+
 def _serve_model(args) -> tuple[str, str]:
     """(path, flag) of --model: a name the engine knows, or a GGUF file."""
     if args.model in (None, "smollm2"):
@@ -868,7 +871,10 @@ def _serve(args) -> int:
     print(f"fusedattn serve: {name} on {engine.device}, http://{args.host}:{args.port}/v1 "
           f"({'an API key is needed' if args.api_key else 'no API key'}); Ctrl-C or SIGTERM stops it", flush=True)
     try:
-        web.run_app(make_app(engine, name, args.api_key, max_running=args.max_running,
+        # The short name it was started with (smollm2 without --model) serves requests too.
+        alias = args.model or "smollm2"
+        aliases = (alias,) if alias in _SERVED_MODELS else ()
+        web.run_app(make_app(engine, name, args.api_key, aliases, max_running=args.max_running,
                              kv_positions=args.kv_cache_tokens), host=args.host, port=args.port, print=None,
                     handler_cancellation=True, shutdown_timeout=5)
     except OSError as e:

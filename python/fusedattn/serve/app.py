@@ -25,16 +25,19 @@ __all__ = ["make_app"]
 
 _SCHEDULER = web.AppKey("scheduler", Scheduler)
 _MODEL = web.AppKey("model", str)
+_ALIASES = web.AppKey("aliases", frozenset)
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
     return web.json_response(body, status=status)
 
 
-def make_app(engine: Engine, model_name: str, api_key: str | None = None, **batching) -> web.Application:
-    """The application serving engine under model_name; api_key: the bearer
-    key every /v1 request needs; batching: fusedattn.batching.Batcher's
-    options (max_running, kv_positions, page_size, token_budget, prefix_caching)."""
+def make_app(engine: Engine, model_name: str, api_key: str | None = None, aliases: tuple[str, ...] = (),
+             **batching) -> web.Application:
+    """The application serving engine under model_name (requests may name it by aliases too,
+    e.g. the short name it was started with); api_key: the bearer key every /v1 request
+    needs; batching: fusedattn.batching.Batcher's options (max_running, kv_positions,
+    page_size, token_budget, prefix_caching)."""
 
     @web.middleware
     async def errors_and_key(request: web.Request, handler):
@@ -52,6 +55,7 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None, **batc
     app = web.Application(middlewares=[errors_and_key])
     app[_SCHEDULER] = Scheduler(engine, **batching)
     app[_MODEL] = model_name
+    app[_ALIASES] = frozenset(aliases) | {model_name}
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
@@ -80,12 +84,15 @@ async def _models(request: web.Request) -> web.Response:
     return _json({"object": "list", "data": [_model_card(request.app[_MODEL])]})
 
 
-async def _model(request: web.Request) -> web.Response:
-    name = request.match_info["model"]
-    if name != request.app[_MODEL]:
+def _served(request: web.Request, name: str) -> None:
+    if name not in request.app[_ALIASES]:
         raise ApiError(404, f"the model '{name}' does not exist (this server has '{request.app[_MODEL]}')", "model",
                        "model_not_found")
-    return _json(_model_card(name))
+
+
+async def _model(request: web.Request) -> web.Response:
+    _served(request, request.match_info["model"])
+    return _json(_model_card(request.app[_MODEL]))
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -109,9 +116,7 @@ def _prompt_ids(engine: Engine, req: Request) -> list[int]:
 
 def _job(request: web.Request, req: Request) -> Job:
     engine = request.app[_SCHEDULER].engine
-    if req.model != request.app[_MODEL]:
-        raise ApiError(404, f"the model '{req.model}' does not exist (this server has '{request.app[_MODEL]}')",
-                       "model", "model_not_found")
+    _served(request, req.model)
     ids = _prompt_ids(engine, req)
     context = engine.config.context
     room = context - len(ids)
@@ -142,7 +147,7 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     job = _job(request, req)
     scheduler = request.app[_SCHEDULER]
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-            "model": req.model}
+            "model": request.app[_MODEL]}  # the served id, also where the request named an alias
     usage = lambda finish: {"prompt_tokens": len(job.ids), "completion_tokens": finish.completion_tokens,  # noqa: E731
                             "total_tokens": len(job.ids) + finish.completion_tokens}
     scheduler.submit(job)
