@@ -41,6 +41,14 @@ def test_the_config_comes_from_the_file(gemma):
     assert {c.rope_base_of(0), c.rope_base_of(5)} == {10000.0, 1e6}
 
 
+def test_gemma3_replies_end_at_end_of_turn(gemma):
+    """The file names no end-of-turn id; its vocabulary's <end_of_turn> (106) ends a reply as
+    its end of text (1) does."""
+    assert gemma.config.end_tokens == ()
+    assert gemma.stop_tokens() == {gemma.tokenizer.eos_token_id, gemma.tokenizer.convert_tokens_to_ids("<end_of_turn>")}
+    assert gemma.stop_tokens() == {1, 106}
+
+
 def test_gemma3_through_the_batcher_gives_the_engines_greedy_tokens(gemma):
     """The serving path (fusedattn.batching: a paged cache, the long prompt's
     prefill in chunks, both prompts in one step) decodes what the engine does

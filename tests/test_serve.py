@@ -189,16 +189,16 @@ def test_fields_that_would_change_the_reply_are_refused_unless_they_are_no_ops(c
     response format, ...) is a 400 naming the field, never silently ignored; the same fields at
     their no-op values (as some clients send them) are taken."""
     base = {"model": "M", **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
-    refused = {"logprobs": True if chat else 3, "top_logprobs": 2, "echo": True, "best_of": 2, "suffix": "x",
+    refused = {"logprobs": True if chat else 0, "top_logprobs": 2, "echo": True, "best_of": 2, "suffix": "x",
                "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"50256": -100},
-               "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+               "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
                "response_format": {"type": "json_object"}}
     for name, value in refused.items():
         with pytest.raises(ApiError) as e:
             parse_request(json.dumps({**base, name: value}).encode(), chat)
         assert (e.value.status, e.value.param) == (400, name) and "not supported" in e.value.message
-    taken = {"logprobs": False if chat else 0, "echo": False, "best_of": 1, "presence_penalty": 0.0,
-             "frequency_penalty": 0, "logit_bias": {}, "tools": [], "tool_choice": "none",
+    taken = {"logprobs": False if chat else None, "echo": False, "best_of": 1, "presence_penalty": 0.0,
+             "frequency_penalty": 0, "logit_bias": {}, "tools": [], "tool_choice": "auto",
              "response_format": {"type": "text"}, "top_logprobs": None, "user": "someone"}
     assert parse_request(json.dumps({**base, **taken}).encode(), chat).model == "M"
 

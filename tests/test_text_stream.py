@@ -77,3 +77,31 @@ def test_stop_strings_end_the_text_where_the_whole_text_says(tokenizer, stop):
         assert stopped and sent == whole[:min(hits)]
     else:
         assert not stopped and sent + stream.rest() == whole
+
+
+@pytest.mark.parametrize("text, stop", [("Q: 東京 and more", [": "]), (TEXTS[0], ["す 🇫🇷"]), (TEXTS[0], [" 東"]),
+                                        (TEXTS[2], ["テキスト日"]), (TEXTS[0], ["zz", "€ —"])], ids=str)
+def test_a_stop_string_is_seen_at_the_token_that_completes_it(tokenizer, text, stop):
+    """Even where that token also starts a multi-byte character the stream holds back (with
+    SmolLM2's byte-level pieces a space and the first byte of a CJK character are one token):
+    the step a search of the whole decoded text would stop at, with the same text sent."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stream = StopText(tokenizer, stop)
+    sent = ""
+    for n in range(1, len(ids) + 1):
+        whole = tokenizer.decode(ids[:n], skip_special_tokens=True).rstrip("\ufffd")
+        hits = [i for i in (whole.find(s) for s in stop) if i >= 0]
+        delta, stopped = stream.push(ids[n - 1])
+        sent += delta
+        assert stopped == bool(hits), (n, whole)
+        if stopped:
+            assert sent == whole[:min(hits)]
+            return
+    pytest.fail("no stop string was met")
+
+
+def test_the_rest_of_a_reply_stops_at_a_stop_string_too(tokenizer):
+    ids = tokenizer.encode("Q: 東", add_special_tokens=False)
+    stream = StopText(tokenizer, [": 東"])
+    sent = "".join(stream.push(t)[0] for t in ids[:-1])  # the reply ends a token short of the stop's end
+    assert sent + stream.rest() == tokenizer.decode(ids[:-1])

@@ -141,7 +141,7 @@ def test_windows_the_schema_would_refuse_unnamed_are_refused_with_their_value(wi
 def test_windows_as_lists_and_numpy_ints_are_taken():
     q, k, v, _ = make_inputs(Case(seqlen_q=40, seqlen_k=40))
     expected = fusedattn.attention(q, k, v, window=(5, 0))
-    for window in ([5, 0], (np.int64(5), np.int32(0))):
+    for window in ([5, 0], (np.int64(5), np.int32(0)), np.array([5, 0]), range(5, -1, -5), (torch.tensor(5), 0)):
         torch.testing.assert_close(fusedattn.attention(q, k, v, window=window), expected, atol=0, rtol=0)
 
 

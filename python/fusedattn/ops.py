@@ -9,7 +9,7 @@ adds what torch.library expects from Python.
 from __future__ import annotations
 
 import functools
-import numbers
+import operator
 
 import torch
 from torch import Tensor
@@ -255,18 +255,26 @@ def attention(
 
 
 def _window(window, api: str) -> tuple[int, int] | None:
-    """window as the operators take it: None or two ints, each >= -1. The operators check the
-    values; what their schema refuses without naming it (a float, a bool, one number, an int
-    past int64) is refused here, with the value given."""
+    """window as the operators take it: None or two ints, each >= -1, from any sequence of two
+    integers (a tuple, a list, a numpy array, SymInts under torch.compile). The operators check
+    the values; a float, a lone number or an int past int64 their schema refuses without
+    naming it, and a bool it takes as 0 or 1: each is refused here, with the value given."""
     if window is None:
         return None
-    sides = tuple(window) if isinstance(window, (tuple, list)) else None
-    ints = sides is not None and len(sides) == 2 and all(
-        isinstance(side, (numbers.Integral, torch.SymInt)) and not isinstance(side, bool) for side in sides)
-    if not ints or any(isinstance(side, numbers.Integral) and not -1 <= side < 2**63 for side in sides):
+    try:
+        sides = list(window)
+    except TypeError:
+        sides = []
+    try:
+        if len(sides) != 2 or any(isinstance(side, bool) for side in sides):
+            raise TypeError
+        sides = [side if isinstance(side, torch.SymInt) else operator.index(side) for side in sides]
+        if any(isinstance(side, int) and not -1 <= side < 2**63 for side in sides):
+            raise TypeError
+    except TypeError:
         raise RuntimeError(f"fusedattn.{api}: window must be two ints [left, right], each >= -1 (-1: no bound on "
-                           f"that side), got {window!r}")
-    return tuple(int(side) if isinstance(side, numbers.Integral) else side for side in sides)
+                           f"that side), got {window!r}") from None
+    return tuple(sides)
 
 
 def _max_seqlen(max_seqlen: int | None, cu_seqlens: Tensor, name: str, api: str) -> int:

@@ -19,29 +19,31 @@ class TextStream:
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self.text = ""  # the text of the tokens up to `read`
+        # The text of the tokens after `read`, which ends inside a multi-byte character (in
+        # U+FFFD); the characters before that are whole already.
+        self.pending = ""
         self._prefix = self._read = 0
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def _new(self) -> str:
-        before = self._decode(self.tokens[self._prefix:self._read])
-        return self._decode(self.tokens[self._prefix:])[len(before):]
-
     def push(self, token: int) -> str:
         """The text that token completes ("" while it ends inside a multi-byte character)."""
         self.tokens.append(token)
-        new = self._new()
+        before = self._decode(self.tokens[self._prefix:self._read])
+        new = self._decode(self.tokens[self._prefix:])[len(before):]
         if not new or new.endswith("\ufffd"):
+            self.pending = new
             return ""
         self.text += new
+        self.pending = ""
         self._prefix, self._read = self._read, len(self.tokens)
         return new
 
     def rest(self) -> str:
         """The text of the tokens after the last whole character (a character the stream
         ended inside of decodes as U+FFFD), once no token follows."""
-        return self._new()
+        return self.pending
 
 
 class StopText:
@@ -53,21 +55,29 @@ class StopText:
         self.stream, self.stop = TextStream(tokenizer), stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.sent = 0
+        self.searched = 0  # the length of the text searched at the last step
+
+    def _stop_in(self, text: str) -> int | None:
+        """Where the first stop string in text begins, searching from where one could end now."""
+        start = max(0, self.searched - self.hold)
+        self.searched = len(text)
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
 
     def push(self, token: int) -> tuple[str, bool]:
         """The text now ready to send, and whether a stop string ended it."""
-        old = len(self.stream.text)
-        if not self.stream.push(token):
-            return "", False
-        text = self.stream.text
-        start = max(0, old - self.hold)
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-        if hits:
-            return text[self.sent:min(hits)], True
+        self.stream.push(token)
+        # The whole characters so far, a half one's bytes still pending left out.
+        text = self.stream.text + self.stream.pending.rstrip("\ufffd")
+        stop = self._stop_in(text)
+        if stop is not None:
+            return text[self.sent:stop], True
         ready = max(len(text) - self.hold, self.sent)
         delta, self.sent = text[self.sent:ready], ready
         return delta, False
 
     def rest(self) -> str:
-        """What is still held back, once the request has ended."""
-        return self.stream.text[self.sent:] + self.stream.rest()
+        """What is still held back, once the request has ended (up to a stop string in it)."""
+        text = self.stream.text + self.stream.rest()
+        stop = self._stop_in(text)
+        return text[self.sent:stop]

@@ -2,7 +2,9 @@
 
 A request body becomes a ``Request`` or raises ``ApiError`` (a 4xx status and
 an OpenAI-style ``{"error": {...}}`` body naming the field at fault). Fields
-the server does not use are ignored, as OpenAI's clients send many.
+that do not change a reply (user, metadata, store, ...) are ignored, as OpenAI's
+clients send many; those that would and that the server does not implement are
+refused unless they hold their no-op value (_NO_OP_VALUES).
 """
 
 from __future__ import annotations
@@ -120,9 +122,11 @@ def _stop(body: dict) -> list[str]:
 # refused unless they hold their no-op value, never ignored (a client that asks for logprobs
 # must not get a reply without them as if it had).
 _NO_OP_VALUES = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "logprobs": (None, False),  # not 0: a completion's logprobs 0 asks for the sampled token's
+    "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"),  # "auto" with no tools offered calls none
     "response_format": (None, {"type": "text"}), "audio": (None,), "prediction": (None,),
 }
 
