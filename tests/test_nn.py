@@ -48,6 +48,15 @@ def masks(kind, n=3, l=7, s=11):
     return kpm, attn
 
 
+def assert_same_results(ours, theirs):
+    """(output, the input's gradient, the parameters' gradients) of our module and PyTorch's."""
+    (out, g_in, g_params), (ref, ref_g_in, ref_g_params) = ours, theirs
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_in, ref_g_in, atol=1e-4, rtol=1e-4)
+    for a, b in zip(g_params, ref_g_params):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 MASK_CASES = ["none", "kpm_bool", "kpm_float", "attn_bool", "attn_float", "attn_3d",
               "kpm_bool+attn_bool", "kpm_bool+attn_float", "kpm_float+attn_3d"]
 
@@ -86,11 +95,7 @@ def test_constructor_options_forward_and_backward(kwargs, batch_first):
         out, _ = module(q, k, v, key_padding_mask=kpm, need_weights=False, attn_mask=attn)
         out.square().sum().backward()
         grads.append((out, q.grad, [p.grad for p in module.parameters()]))
-    (out, gq, gp), (ref, ref_gq, ref_gp) = grads
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(gq, ref_gq, atol=1e-4, rtol=1e-4)
-    for a, b in zip(gp, ref_gp):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert_same_results(*grads)
 
 
 @pytest.mark.parametrize("batch_first", [False, True])
@@ -111,11 +116,7 @@ def test_self_attention_projects_q_k_and_v_in_one_product(batch_first, mask_case
             assert len(products) == 2, products
         out.square().sum().backward()
         results.append((out, x.grad, [p.grad for p in module.parameters()]))
-    (out, gx, gp), (ref, ref_gx, ref_gp) = results
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(gx, ref_gx, atol=1e-4, rtol=1e-4)
-    for a, b in zip(gp, ref_gp):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert_same_results(*results)
     q, k, v = inputs(batch_first, s=7)
     products.clear()
     ours(q, k, v, need_weights=False)
