@@ -114,17 +114,17 @@ inline constexpr int64_t kBand32MaxLength = (int64_t(1) << 30) - 256;
 struct Band32 {
   int lower = 0, upper = 0;
 
-  // Band::of(p, seqlen_q, seqlen_k), its sides clamped to -+2^30, without
-  // Band's 64-bit clamps of key_begin and key_end: a kernel computes it per
-  // work item.
-  __host__ __device__ static Band32 of(const ForwardParams& p, int64_t seqlen_q, int64_t seqlen_k) {
+  __host__ __device__ static Band32 of(const Band& b) {
     constexpr int64_t kOpen = int64_t(1) << 30;
-    const int64_t offset = seqlen_k - seqlen_q, left = p.window_left, right = p.band_right();
-    const int64_t lower = left >= 0 ? offset - left : -kOpen, upper = right >= 0 ? offset + right : kOpen;
     Band32 r;
-    r.lower = static_cast<int>(lower < -kOpen ? -kOpen : lower);
-    r.upper = static_cast<int>(upper > kOpen ? kOpen : upper);
+    r.lower = static_cast<int>(b.lower < -kOpen ? -kOpen : b.lower);
+    r.upper = static_cast<int>(b.upper > kOpen ? kOpen : b.upper);
     return r;
+  }
+  // Band::of(p, seqlen_q, seqlen_k) narrowed: a kernel takes it per work item
+  // and then asks key_begin and key_end of it in 32 bits.
+  __host__ __device__ static Band32 of(const ForwardParams& p, int64_t seqlen_q, int64_t seqlen_k) {
+    return of(Band::of(p, seqlen_q, seqlen_k));
   }
   __host__ __device__ bool sees(int i, int j) const { return j - i >= lower && j - i <= upper; }
   // Band::cuts, for a tile of at most 2^30 rows and columns, and its two
