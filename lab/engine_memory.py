@@ -33,7 +33,11 @@ if stage != "imports":
 if stage == "requests":
     from fusedattn.batching import Batcher
     batcher = Batcher(engine, max_running=requests)
-    prompt = engine.chat_prompt("Write a short story about a lighthouse keeper.")
+    text = "Write a short story about a lighthouse keeper."
+    try:
+        prompt = engine.chat_prompt(text)
+    except ValueError:  # a base model (Gemma-3-270M): no chat template
+        prompt = engine.tokenizer.encode(text)
     seqs = [batcher.add(prompt, tokens) for _ in range(requests)]
     while batcher.busy():
         batcher.step()

@@ -6,16 +6,32 @@ import pytest
 import torch
 
 from fusedattn.gguf_blocks import BlockWeight
-from helpers.gguf_blocks import BLOCK_BYTES, FORMATS, dequantize_reference, quantize, random_blocks
+from helpers.gguf_blocks import BLOCKS, FORMATS, QUANTIZER_FORMATS, dequantize_reference, quantize, random_blocks
+
+
+def values(fmt: str, blocks: int) -> int:
+    """The values in a row of that many blocks of fmt."""
+    return blocks * BLOCKS[fmt][1]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_is_exact(fmt):
     g = torch.Generator().manual_seed(0)
-    blocks = random_blocks(70, 96, fmt, g)
+    k = values(fmt, 3)
+    blocks = random_blocks(70, k, fmt, g)
     got = BlockWeight(blocks, fmt).dequantize()
-    assert got.dtype == torch.float32 and got.shape == (70, 96)
+    assert got.dtype == torch.float32 and got.shape == (70, k)
     assert torch.equal(got.double(), dequantize_reference(blocks, fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_is_gguf_pys(fmt):
+    """Bit for bit what gguf-py (the models extra) makes of the same bytes."""
+    gguf = pytest.importorskip("gguf")
+    g = torch.Generator().manual_seed(7)
+    blocks = random_blocks(9, values(fmt, 4), fmt, g)
+    theirs = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[fmt.upper()])
+    assert torch.equal(BlockWeight(blocks, fmt).dequantize(), torch.from_numpy(theirs))
 
 
 def test_dequantize_keeps_float16_subnormals_infinities_and_nan():
@@ -31,19 +47,20 @@ def test_dequantize_keeps_float16_subnormals_infinities_and_nan():
 @pytest.mark.parametrize("rows", [1, 5, 8, 67])
 def test_linear_is_within_float32s_error_bound(fmt, rows):
     g = torch.Generator().manual_seed(rows)
-    blocks = random_blocks(130, 160, fmt, g)  # 130 outputs: two full tiles of 64 and a partial one
-    x = torch.randn(3, rows, 160, generator=g)
+    k = values(fmt, 5)
+    blocks = random_blocks(130, k, fmt, g)  # 130 outputs: two full tiles of 64 and a partial one
+    x = torch.randn(3, rows, k, generator=g)
     got = BlockWeight(blocks, fmt).linear(x)
     w = dequantize_reference(blocks, fmt)
     exact = x.double() @ w.T
     # |fl(x . w) - x . w| <= k u |x| . |w| for any order of summation (u = 2^-24).
-    bound = 160 * 2.0**-24 * (x.double().abs() @ w.abs().T)
+    bound = k * 2.0**-24 * (x.double().abs() @ w.abs().T)
     assert got.shape == (3, rows, 130) and got.dtype == torch.float32
     assert ((got.double() - exact).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("k", [64, 1536])
+@pytest.mark.parametrize("k", [512, 1536])
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(fmt, k):
     """Among rows padded to a multiple of 8 (the engine's _linear pads so; oneDNN's
     GEMM needs no padding, other BLAS do), across the kernel's slices of 256 rows."""
@@ -68,7 +85,7 @@ def test_rows_are_an_embedding_lookup():
     assert torch.equal(weight.rows(ids), weight.dequantize()[ids])
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", QUANTIZER_FORMATS)
 def test_quantised_weights_are_near_the_original(fmt):
     """The tests' quantiser (it builds the engine's block models) rounds to the nearest level."""
     w = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
@@ -90,13 +107,15 @@ def test_stacked_rows_keep_their_blocks_and_mixed_formats_do_not_stack():
 def test_bad_arguments_are_refused():
     g = torch.Generator().manual_seed(5)
     blocks = random_blocks(4, 64, "q4_1", g)
-    with pytest.raises(ValueError, match="format must be one of"):
-        BlockWeight(blocks, "q5_k")
     with pytest.raises(ValueError, match=r"blocks must be a 2-D uint8 tensor \[rows, row bytes\], got torch.float32"):
         BlockWeight(blocks.float(), "q4_1")
     with pytest.raises(ValueError, match="a row of blocks must be a positive multiple of 20 bytes, got 30"):
         BlockWeight(blocks[:, :30], "q4_1")
-    with pytest.raises(RuntimeError, match="format must be one of q4_0, q4_1, q8_0, got 'q2'"):
+    with pytest.raises(ValueError, match="format must be one of q4_0, q4_1, q5_0, q8_0, q4_K, q5_K, q6_K, got 'q5_k'"):
+        BlockWeight(random_blocks(4, 256, "q5_K", g), "q5_k")
+    with pytest.raises(ValueError, match="a row of blocks must be a positive multiple of 210 bytes, got 144"):
+        BlockWeight(random_blocks(4, 256, "q4_K", g), "q6_K")
+    with pytest.raises(RuntimeError, match="format must be one of q4_0, q4_1, q5_0, q8_0, q4_K, q5_K, q6_K, got 'q2'"):
         torch.ops.fusedattn.block_dequantize(blocks, "q2")
     with pytest.raises(RuntimeError, match="a row of blocks must be a positive multiple of 20 bytes, got 39"):
         torch.ops.fusedattn.block_dequantize(blocks[:, :39], "q4_1")
@@ -111,7 +130,8 @@ def test_bad_arguments_are_refused():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_operators_pass_opcheck(fmt):
     g = torch.Generator().manual_seed(6)
-    blocks = random_blocks(66, 64, fmt, g)
-    torch.library.opcheck(torch.ops.fusedattn.block_linear.default, (torch.randn(2, 3, 64, generator=g), blocks, fmt))
+    k = values(fmt, 2)
+    blocks = random_blocks(66, k, fmt, g)
+    torch.library.opcheck(torch.ops.fusedattn.block_linear.default, (torch.randn(2, 3, k, generator=g), blocks, fmt))
     torch.library.opcheck(torch.ops.fusedattn.block_dequantize.default, (blocks, fmt))
-    assert BLOCK_BYTES[fmt] * 2 == blocks.shape[1]
+    assert BLOCKS[fmt][0] * 2 == blocks.shape[1]

@@ -1,22 +1,26 @@
-// Weights kept as a GGUF file stores them: rows of blocks of 32 values, each
-// block a float16 scale (and for q4_1 a float16 minimum) and its 32 quantised
-// values. The engine multiplies by them without ever holding them in float32:
-// a quarter to an eighth of the memory, and of the bytes a decoding step reads.
+// Weights kept as a GGUF file stores them: rows of blocks, each block its
+// scales and quantised values (32 values a block; 256 in the k-quants'
+// super-blocks, with a 6- or 8-bit scale per sub-block of 32 or 16). The
+// engine multiplies by them without ever holding them in float32: a quarter
+// to an eighth of the memory, and of the bytes a decoding step reads.
 #pragma once
 
 #include <cstdint>
 
 namespace fusedattn::cpu {
 
-enum class BlockFormat { q4_0, q4_1, q8_0 };
+enum class BlockFormat { q4_0, q4_1, q5_0, q8_0, q4_K, q5_K, q6_K };
 
-constexpr int64_t kBlockValues = 32;
+// Values one block holds: 32, or 256 for q4_K, q5_K and q6_K.
+int64_t block_values(BlockFormat format);
 
-// Bytes of one block of 32 values.
+// Bytes of one block.
 int64_t block_bytes(BlockFormat format);
 
 // out[r, :] = the float32 values of row r: rows of `row_bytes` bytes each, k
-// values. Exactly gguf-py's dequantisation (every product is exact in float32).
+// values. Exactly gguf-py's dequantisation: the same float32 operations in
+// the same order (a scale times a sub-block scale, times the value, minus
+// the minimum's product).
 void dequantize_rows(const uint8_t* blocks, int64_t rows, int64_t row_bytes, BlockFormat format, int64_t k,
                      float* out);
 

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include <string_view>
+#include <utility>
 
 #include "../cpu/gguf_blocks.h"
 
@@ -10,11 +11,15 @@ namespace {
 
 using fusedattn::cpu::BlockFormat;
 
+constexpr std::pair<std::string_view, BlockFormat> kFormats[] = {
+    {"q4_0", BlockFormat::q4_0}, {"q4_1", BlockFormat::q4_1}, {"q5_0", BlockFormat::q5_0},
+    {"q8_0", BlockFormat::q8_0}, {"q4_K", BlockFormat::q4_K}, {"q5_K", BlockFormat::q5_K},
+    {"q6_K", BlockFormat::q6_K}};
+
 BlockFormat parse_format(const char* op, std::string_view format) {
-  if (format == "q4_0") return BlockFormat::q4_0;
-  if (format == "q4_1") return BlockFormat::q4_1;
-  if (format == "q8_0") return BlockFormat::q8_0;
-  TORCH_CHECK(false, op, ": format must be one of q4_0, q4_1, q8_0, got '", format, "'");
+  for (const auto& [name, value] : kFormats)
+    if (format == name) return value;
+  TORCH_CHECK(false, op, ": format must be one of q4_0, q4_1, q5_0, q8_0, q4_K, q5_K, q6_K, got '", format, "'");
 }
 
 // k, the values per row, after checking blocks.
@@ -25,7 +30,7 @@ int64_t check_blocks(const char* op, const at::Tensor& blocks, BlockFormat forma
   const int64_t bytes = fusedattn::cpu::block_bytes(format);
   TORCH_CHECK(blocks.size(1) % bytes == 0 && blocks.size(1) > 0, op, ": a row of blocks must be a positive multiple of ",
               bytes, " bytes, got ", blocks.size(1));
-  return blocks.size(1) / bytes * fusedattn::cpu::kBlockValues;
+  return blocks.size(1) / bytes * fusedattn::cpu::block_values(format);
 }
 
 at::Tensor block_dequantize_cpu(const at::Tensor& blocks, c10::string_view format_name) {

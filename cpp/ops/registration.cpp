@@ -80,7 +80,8 @@ TORCH_LIBRARY(fusedattn, m) {
   // serve natively; others up to the largest run padded to the next (the planner's table).
   m.def("served_head_dims(bool backward) -> int[]");
   // Weights as a GGUF file stores them (cpp/cpu/gguf_blocks.h): blocks uint8
-  // [n, k / 32 * block bytes] in format q4_0, q4_1 or q8_0. The engine's
+  // [n, k / block values * block bytes] in format q4_0, q4_1, q5_0, q8_0,
+  // q4_K, q5_K or q6_K. The engine's
   // linear layers on the CPU: x [..., k] float32 times W^T, and W's rows in
   // float32. CPU only.
   m.def("block_linear(Tensor x, Tensor blocks, str format) -> Tensor");

@@ -28,7 +28,7 @@ from .gguf_blocks import BlockWeight
 
 __all__ = ["default_cache_dir", "load", "save"]
 
-FORMAT = 4  # bump when what an entry holds changes
+FORMAT = 5  # bump when what an entry holds changes
 _STALE_STAGING_S = 3600  # a staging folder this old was left by a run that died
 
 

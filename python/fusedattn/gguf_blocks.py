@@ -1,6 +1,7 @@
-"""Weights kept as a GGUF file stores them (blocks of 32 quantised values and
-their scales), for the engine on the CPU: SmolLM2's 98 MB file stays 98 MB in
-memory instead of 540 MB of float32, and a decoding step reads that much less.
+"""Weights kept as a GGUF file stores them (blocks of 32 quantised values, or
+the k-quants' super-blocks of 256, and their scales), for the engine on the
+CPU: SmolLM2's 98 MB file stays 98 MB in memory instead of 540 MB of float32,
+and a decoding step reads that much less.
 The products run in float32 on the values gguf-py's dequantisation gives
 (``torch.ops.fusedattn.block_linear``, ``block_dequantize``)."""
 
@@ -13,9 +14,10 @@ from torch import Tensor
 
 __all__ = ["FORMATS", "BlockWeight"]
 
-# GGUF tensor type name -> (the operators' format, bytes per block of 32 values)
-FORMATS = {"Q4_0": ("q4_0", 18), "Q4_1": ("q4_1", 20), "Q8_0": ("q8_0", 34)}
-_BLOCK_BYTES = {fmt: size for fmt, size in FORMATS.values()}
+# GGUF tensor type name -> (the operators' format, bytes per block, values per block)
+FORMATS = {"Q4_0": ("q4_0", 18, 32), "Q4_1": ("q4_1", 20, 32), "Q5_0": ("q5_0", 22, 32), "Q8_0": ("q8_0", 34, 32),
+           "Q4_K": ("q4_K", 144, 256), "Q5_K": ("q5_K", 176, 256), "Q6_K": ("q6_K", 210, 256)}
+_BLOCKS = {fmt: (size, values) for fmt, size, values in FORMATS.values()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,16 +25,14 @@ class BlockWeight:
     """A weight [out_features, in_features] as rows of blocks: uint8 [out_features, row bytes]."""
 
     blocks: Tensor
-    format: str  # q4_0, q4_1 or q8_0
+    format: str  # one of the operators' formats in FORMATS
 
     def __post_init__(self):
-        if self.format not in _BLOCK_BYTES:
-            raise ValueError(f"BlockWeight: format must be one of {sorted(_BLOCK_BYTES)}, got {self.format!r}")
         _check_blocks("BlockWeight", self.blocks, self.format)
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size([self.blocks.shape[0], self.blocks.shape[1] // _BLOCK_BYTES[self.format] * 32])
+        return torch.Size([self.blocks.shape[0], _check_blocks("BlockWeight", self.blocks, self.format)])
 
     @property
     def nbytes(self) -> int:
@@ -60,15 +60,15 @@ class BlockWeight:
 
 def _check_blocks(op: str, blocks: Tensor, format: str) -> int:
     """The values per row of blocks; raises ValueError as the operators' checks do."""
-    if format not in _BLOCK_BYTES:
-        raise ValueError(f"{op}: format must be one of q4_0, q4_1, q8_0, got {format!r}")
+    if format not in _BLOCKS:
+        raise ValueError(f"{op}: format must be one of {', '.join(_BLOCKS)}, got {format!r}")
+    size, values = _BLOCKS[format]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2:
         raise ValueError(f"{op}: blocks must be a 2-D uint8 tensor [rows, row bytes], got {blocks.dtype} "
                          f"{list(blocks.shape)}")
-    if blocks.shape[1] == 0 or blocks.shape[1] % _BLOCK_BYTES[format]:
-        raise ValueError(f"{op}: a row of blocks must be a positive multiple of {_BLOCK_BYTES[format]} bytes, "
-                         f"got {blocks.shape[1]}")
-    return blocks.shape[1] // _BLOCK_BYTES[format] * 32
+    if blocks.shape[1] == 0 or blocks.shape[1] % size:
+        raise ValueError(f"{op}: a row of blocks must be a positive multiple of {size} bytes, got {blocks.shape[1]}")
+    return blocks.shape[1] // size * values
 
 
 @torch.library.register_fake("fusedattn::block_linear")
