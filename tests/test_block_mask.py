@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fusedattn
@@ -166,6 +166,16 @@ def test_block_mask_documents_property_cpu(lengths, left, per_batch):
             return inner(b, h, q_idx, kv_idx) & ((b == 0) | (kv_idx > 0))
     bm = fusedattn.block_mask(mod, B, None, n, n)
     check_block_mask_call(fusedattn_cpu_backend(), bm, 2, 2, 1, n, n, d=32, window=(left, -1) if left >= 0 else None)
+
+
+@settings(max_examples=20)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=4), st.integers(-1, 30))
+def test_block_mask_gradients_property_cpu(lengths, left):
+    """dq, dk, dv under random packed documents (and a window) against float64 autograd."""
+    n = sum(lengths)
+    bm = fusedattn.block_mask(documents(lengths), None, None, n, n)
+    check_block_mask_call(fusedattn_cpu_backend(), bm, 1, 2, 1, n, n, d=16, backward=True,
+                          window=(left, -1) if left >= 0 else None)
 
 
 def fusedattn_cpu_backend():

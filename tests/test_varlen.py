@@ -6,7 +6,7 @@ first)."""
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fusedattn
@@ -128,6 +128,16 @@ def test_varlen_random_lengths_on_the_cpu(lengths, is_causal, d):
 def test_varlen_random_windows_on_the_cpu(lengths, window, is_causal):
     check_varlen([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, window=window, d=8,
                  seed=len(lengths))
+
+
+@settings(max_examples=20)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
+       st.tuples(st.integers(-1, 30), st.integers(-1, 30)), st.booleans())
+def test_varlen_random_gradients_on_the_cpu(lengths, window, is_causal):
+    """dq, dk, dv over random length lists (empty sequences, Nq_b != Nk_b, windows) against autograd
+    of the reference per sequence."""
+    check_varlen_backward([n for n, _ in lengths], [n for _, n in lengths], is_causal=is_causal, window=window,
+                          dtype=torch.float32, d=8, seed=len(lengths))
 
 
 @pytest.mark.parametrize("d", [64, 128, 96], ids=lambda d: f"d{d}")
