@@ -34,9 +34,10 @@ if stage == "requests":
     from fusedattn.batching import Batcher
     batcher = Batcher(engine, max_running=requests)
     text = "Write a short story about a lighthouse keeper."
-    try:
+    # A base model (Gemma-3-270M) has no chat template: its plain text.
+    if getattr(engine.tokenizer, "chat_template", None):
         prompt = engine.chat_prompt(text)
-    except ValueError:  # a base model (Gemma-3-270M): no chat template
+    else:
         prompt = engine.tokenizer.encode(text)
     seqs = [batcher.add(prompt, tokens) for _ in range(requests)]
     while batcher.busy():

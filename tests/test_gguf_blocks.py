@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fusedattn.gguf_blocks import BlockWeight
-from helpers.gguf_blocks import BLOCKS, FORMATS, QUANTIZER_FORMATS, dequantize_reference, quantize, random_blocks
+from helpers.gguf_blocks import (BLOCKS, FORMATS, HALF_FIELDS, QUANTIZER_FORMATS, dequantize_reference, quantize,
+                                 random_blocks)
 
 
 def values(fmt: str, blocks: int) -> int:
@@ -22,6 +23,24 @@ def test_dequantize_is_exact(fmt):
     got = BlockWeight(blocks, fmt).dequantize()
     assert got.dtype == torch.float32 and got.shape == (70, k)
     assert torch.equal(got.double(), dequantize_reference(blocks, fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_float16_scale_dequantizes_as_gguf_pys(fmt):
+    """Scales and minimums over all 65536 float16 bit patterns (subnormals, 65504, infinities,
+    NaN) give gguf-py's values bit for bit, NaN where it has NaN."""
+    gguf = pytest.importorskip("gguf")
+    g = torch.Generator().manual_seed(8)
+    size, values = BLOCKS[fmt]
+    blocks = random_blocks(1024, 64 * values, fmt, g).reshape(-1, size)  # 65536 blocks
+    patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.uint8).reshape(-1, 2)
+    for offset in HALF_FIELDS[fmt]:
+        blocks[:, offset:offset + 2] = patterns[torch.randperm(65536, generator=g)]
+    blocks = blocks.reshape(1024, -1)
+    ours = BlockWeight(blocks, fmt).dequantize()
+    theirs = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[fmt.upper()]))
+    assert torch.equal(ours.isnan(), theirs.isnan())
+    assert torch.equal(ours.nan_to_num(0.0).view(torch.int32), theirs.nan_to_num(0.0).view(torch.int32))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -134,4 +153,4 @@ def test_operators_pass_opcheck(fmt):
     blocks = random_blocks(66, k, fmt, g)
     torch.library.opcheck(torch.ops.fusedattn.block_linear.default, (torch.randn(2, 3, k, generator=g), blocks, fmt))
     torch.library.opcheck(torch.ops.fusedattn.block_dequantize.default, (blocks, fmt))
-    assert BLOCKS[fmt][0] * 2 == blocks.shape[1]
+    assert torch.ops.fusedattn.block_dequantize(blocks, fmt).shape == (66, k)

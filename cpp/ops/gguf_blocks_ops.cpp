@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -17,9 +18,12 @@ constexpr std::pair<std::string_view, BlockFormat> kFormats[] = {
     {"q6_K", BlockFormat::q6_K}};
 
 BlockFormat parse_format(const char* op, std::string_view format) {
-  for (const auto& [name, value] : kFormats)
+  std::string names;
+  for (const auto& [name, value] : kFormats) {
     if (format == name) return value;
-  TORCH_CHECK(false, op, ": format must be one of q4_0, q4_1, q5_0, q8_0, q4_K, q5_K, q6_K, got '", format, "'");
+    names += (names.empty() ? "" : ", ") + std::string(name);
+  }
+  TORCH_CHECK(false, op, ": format must be one of ", names, ", got '", format, "'");
 }
 
 // k, the values per row, after checking blocks.

@@ -81,9 +81,8 @@ TORCH_LIBRARY(fusedattn, m) {
   m.def("served_head_dims(bool backward) -> int[]");
   // Weights as a GGUF file stores them (cpp/cpu/gguf_blocks.h): blocks uint8
   // [n, k / block values * block bytes] in format q4_0, q4_1, q5_0, q8_0,
-  // q4_K, q5_K or q6_K. The engine's
-  // linear layers on the CPU: x [..., k] float32 times W^T, and W's rows in
-  // float32. CPU only.
+  // q4_K, q5_K or q6_K. The engine's linear layers on the CPU: x [..., k]
+  // float32 times W^T, and W's rows in float32. CPU only.
   m.def("block_linear(Tensor x, Tensor blocks, str format) -> Tensor");
   m.def("block_dequantize(Tensor blocks, str format) -> Tensor");
   // Seed 2's naive path (materialises S), the baseline of the GPU benchmark. CUDA only.

@@ -32,7 +32,8 @@ class BlockWeight:
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size([self.blocks.shape[0], _check_blocks("BlockWeight", self.blocks, self.format)])
+        size, values = _BLOCKS[self.format]
+        return torch.Size([self.blocks.shape[0], self.blocks.shape[1] // size * values])
 
     @property
     def nbytes(self) -> int:

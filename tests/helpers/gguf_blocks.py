@@ -5,15 +5,17 @@ written from the formats' definitions (ggml's block_q4_0 ... block_q6_K):
   float16 minimum m); 4-bit values are the low nibbles of 16 bytes followed by
   their high nibbles, q5_0's fifth bit of value i bit i of a 32-bit word.
 - q4_K, q5_K: super-blocks of 256 values, float16 d and dmin, 12 bytes packing
-  a 6-bit scale and minimum per sub-block of 32, then (q5_K) 32 bytes of fifth
-  bits and 128 bytes of nibbles, sub-blocks 2i and 2i + 1 the low and high
-  nibbles of bytes 32i .. 32i + 31; value (d * scale) * q - dmin * min.
+  a 6-bit scale and minimum per sub-block j of 32 (j < 4: the low 6 bits of
+  bytes j and j + 4; j >= 4: the low and high nibbles of byte j + 4 below the
+  top 2 bits of bytes j - 4 and j), then (q5_K) 32 bytes whose bit j is
+  sub-block j's fifth bit and 128 bytes of nibbles, sub-blocks 2i and 2i + 1
+  the low and high nibbles of bytes 32i .. 32i + 31; value (d * scale) * q - dmin * min.
 - q6_K: super-blocks of 256: 128 bytes of low nibbles, 64 of 2-bit high parts,
   16 signed 8-bit scales (one per 16 values), float16 d; value (d * scale) * (q - 32).
 
-Every product is exact in float64; where gguf-py and ggml round (q4_1's sum,
-the k-quants' difference, q6_K's product of three factors), the reference
-rounds the exact value to float32 once, as one float32 operation does."""
+Every product is exact in float64 and in float32; where gguf-py and ggml
+round (q4_1's sum, q4_K's and q5_K's difference), the reference rounds the
+exact value to float32 once, as one float32 operation does."""
 
 import torch
 
@@ -25,7 +27,7 @@ BLOCKS = {"q4_0": (18, 32), "q4_1": (20, 32), "q5_0": (22, 32), "q8_0": (34, 32)
 FORMATS = tuple(BLOCKS)
 QUANTIZER_FORMATS = ("q4_0", "q4_1", "q8_0")  # those quantize() writes
 # Byte offsets of each format's float16 fields (scales, minimums).
-_HALF_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q8_0": (0,), "q4_K": (0, 2), "q5_K": (0, 2),
+HALF_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q8_0": (0,), "q4_K": (0, 2), "q5_K": (0, 2),
                 "q6_K": (208,)}
 
 
@@ -96,7 +98,7 @@ def random_blocks(n: int, k: int, fmt: str, generator: torch.Generator) -> torch
     either sign (minimums too), every float16 field finite."""
     size, values = BLOCKS[fmt]
     blocks = torch.randint(0, 256, (n, k // values, size), dtype=torch.uint8, generator=generator)
-    for offset in _HALF_FIELDS[fmt]:
+    for offset in HALF_FIELDS[fmt]:
         scale = (torch.randn(n, k // values, 1, generator=generator) * 0.05).half()
         blocks[..., offset:offset + 2] = scale.view(torch.uint8)
     return blocks.reshape(n, -1)

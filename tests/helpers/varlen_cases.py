@@ -78,7 +78,7 @@ def check_varlen_backward(lengths_q, lengths_k, is_causal=False, dtype=torch.flo
         outs = [reference.attention(sequence(ts[0], cu_q, b), sequence(ts[1], cu_k, b), sequence(ts[2], cu_k, b),
                                     None, is_causal, scale, window, softcap, ts[3] if len(ts) > 3 else None)[0]
                 .transpose(0, 1) for b in range(len(lengths_q))]
-        if not torch.cat(outs).requires_grad:  # no query sees a key (every sequence empty): no gradient
+        if not torch.cat(outs).requires_grad:  # no sequence has keys: the outputs are constant zeros
             return tuple(torch.zeros_like(t) for t in ts)
         return torch.autograd.grad(torch.cat(outs), ts, dout, allow_unused=True, materialize_grads=True)
 
