@@ -117,6 +117,34 @@ def test_varlen_forward_many_short_sequences_and_one_long(cuda_family, d):
                  device=backend.device, seed=3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("is_causal,window,softcap", [(False, None, None), (True, None, None), (True, (40, -1), 5.0),
+                                                      (False, (3, 300), None)])
+def test_cpu_packed_call_is_each_sequences_dense_call(dtype, is_causal, window, softcap):
+    """The CPU's one pass over a packed batch (tasks narrowed to their sequence) gives each
+    sequence's dense call bit for bit, out, lse and gradients: sequences of one row, none, past a
+    tile (forward 256 rows, backward 64 and 128), fewer keys than queries, GQA."""
+    lengths_q, lengths_k = [1, 0, 300, 57, 130, 9], [5, 12, 300, 20, 0, 9]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, hq=4, hkv=2, d=24, dtype=dtype, seed=11, requires_grad=True)
+    args = (is_causal, None, None, window, softcap, None)
+    out, lse = torch.ops.fusedattn.forward_varlen(q, k, v, cu_q, cu_k, 300, 300, *args)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(12)).to(dtype)
+    grads = torch.autograd.grad(fusedattn.attention_varlen(q, k, v, cu_q, cu_k, 300, 300, is_causal=is_causal,
+                                                           window=window, softcap=softcap), (q, k, v), grad_out)
+    for b in range(len(lengths_q)):
+        if lengths_q[b] == 0:
+            continue
+        qb, kb, vb = sequence(q, cu_q, b), sequence(k, cu_k, b), sequence(v, cu_k, b)
+        out_b, lse_b = torch.ops.fusedattn.forward(qb, kb, vb, None, *args)
+        assert torch.equal(sequence(out, cu_q, b), out_b) and torch.equal(lse[:, cu_q[b]:cu_q[b + 1]], lse_b[0])
+        mine = [sequence(g, cu, b) for g, cu in zip(grads, (cu_q, cu_k, cu_k))]
+        theirs = torch.autograd.grad(fusedattn.attention(qb, kb, vb, is_causal=is_causal, window=window,
+                                                         softcap=softcap), (q, k, v), sequence(grad_out, cu_q, b))
+        if lengths_k[b]:
+            for name, a, t, cu in zip("qkv", mine, theirs, (cu_q, cu_k, cu_k)):
+                assert torch.equal(a, sequence(t, cu, b)), f"d{name} of sequence {b}"
+
+
 @given(st.lists(st.tuples(st.integers(0, 70), st.integers(0, 70)), min_size=1, max_size=6), st.booleans(),
        st.sampled_from([1, 8, 24, 64]))
 def test_varlen_random_lengths_on_the_cpu(lengths, is_causal, d):

@@ -1,5 +1,5 @@
 // CPU backward, FlashAttention 2's recomputation in three parts (as in
-// Triton's fused-attention tutorial):
+// Triton's fused-attention tutorial), parts 2 and 3 per sequence (sequences.h):
 //   1. D_i = rowsum(dO_i * O_i)
 //   2. per key block j (owns dK_j, dV_j, so no two tasks write the same rows):
 //        P = 2^(S - lse log2 e), dV_j += P^T dO_i, dP = dO_i V_j^T,
@@ -15,6 +15,7 @@
 
 #include "attention_cpu.h"
 #include "row_math.h"
+#include "sequences.h"
 #include "tile.h"
 
 namespace fusedattn::cpu {
@@ -32,16 +33,19 @@ struct TileBuffers {
         slope(softcap ? kBlockQ * kBlockK : 0), transposed(kBlockK * kBlockQ) {}
 };
 
+// The call's p, f and sh; parts 2 and 3 take a sequence's narrowed params
+// (sp, sf: its lengths, its rows) and index lse and delta through the call's layout.
 template <typename scalar_t>
 struct Backward {
   const BackwardParams& p;
   const ForwardParams& f;
   const AttentionShape& sh;
   std::vector<float> delta;  // D, [B, Hq, Nq]
+  std::vector<SequenceRows> seqs;
 
   explicit Backward(const BackwardParams& params)
       : p(params), f(params.fwd), sh(params.fwd.shape),
-        delta(sh.batch * sh.heads_q * sh.seqlen_q) {}
+        delta(sh.batch * sh.heads_q * sh.seqlen_q), seqs(sequences(params.fwd)) {}
 
   int64_t row_index(int64_t batch, int64_t head) const {
     return (batch * sh.heads_q + head) * sh.seqlen_q;
@@ -68,20 +72,22 @@ struct Backward {
   // before soft-capping) into buf.dp, from
   // Qs = scale log2(e) Q, K^T, dO and V^T. Returns false when attn_mask hides
   // the whole tile.
-  bool probabilities_and_grad(int64_t batch, int64_t head, const Tile& t, Matrix Qs, Matrix Kt,
-                              Matrix dO, Matrix Vt, TileBuffers& buf) {
-    const MaskTile mask_tile = classify_mask_tile<scalar_t>(f.mask, batch, head, t);
+  bool probabilities_and_grad(const ForwardParams& sf, const SequenceRows& seq, int64_t head, const Tile& t,
+                              Matrix Qs, Matrix Kt, Matrix dO, Matrix Vt, TileBuffers& buf) {
+    const int64_t batch = seq.batch;
+    const MaskTile mask_tile = classify_mask_tile<scalar_t>(sf.mask, batch, head, t);
     if (mask_tile == MaskTile::Hidden) return false;
     matmul(t.rows, t.cols, sh.head_dim, Qs, Kt, buf.p.data(), kBlockK, /*accumulate=*/false);
     const bool softcap = f.softcap > 0.0f;
     if (softcap)
       for (int64_t r = 0; r < t.rows; ++r)
         softcap_row(buf.p.data() + r * kBlockK, t.cols, f.softcap * kLog2e, buf.slope.data() + r * kBlockK);
-    if (tile_needs_masking(f, t, mask_tile)) mask_scores<scalar_t>(buf.p.data(), kBlockK, f, batch, head, t, mask_tile);
+    if (tile_needs_masking(sf, t, mask_tile))
+      mask_scores<scalar_t>(buf.p.data(), kBlockK, sf, batch, head, t, mask_tile);
     matmul(t.rows, t.cols, sh.head_dim_v, dO, Vt, buf.dp.data(), kBlockK, /*accumulate=*/false);
 
-    const float* lse = f.lse + row_index(batch, head) + t.row0;
-    const float* D = delta.data() + row_index(batch, head) + t.row0;
+    const float* lse = f.lse + seq.lse_index(sh, head, t.row0);
+    const float* D = delta.data() + seq.lse_index(sh, head, t.row0);
     for (int64_t r = 0; r < t.rows; ++r) {
       float* p_row = buf.p.data() + r * kBlockK;
       if (lse[r] == kNegInf) {
@@ -98,29 +104,31 @@ struct Backward {
   }
 
   // Part 2: dK and dV for one block of keys of one key/value head.
-  void key_block(int64_t batch, int64_t head_kv, int64_t col0, TileBuffers& buf,
+  void key_block(const SequenceRows& seq, int64_t head_kv, int64_t col0, TileBuffers& buf,
                  std::vector<float>& dk, std::vector<float>& dv) {
-    const int64_t d = sh.head_dim, d_v = sh.head_dim_v;
-    const int64_t cols = std::min(kBlockK, sh.seqlen_k - col0);
-    const Matrix Kt = copy_rows_transposed(head_ptr<const scalar_t>(f.k, f.k_strides, batch, head_kv),
-                                           f.k_strides.row, col0, cols, d, kBlockK, buf.kt);
-    const Matrix Vt = copy_rows_transposed(head_ptr<const scalar_t>(f.v, f.v_strides, batch, head_kv),
-                                           f.v_strides.row, col0, cols, d_v, kBlockK, buf.vt);
+    const BackwardParams sp = narrowed<scalar_t>(p, seq);
+    const ForwardParams& sf = sp.fwd;
+    const int64_t batch = seq.batch, d = sh.head_dim, d_v = sh.head_dim_v;
+    const int64_t cols = std::min(kBlockK, seq.seqlen_k - col0);
+    const Matrix Kt = copy_rows_transposed(head_ptr<const scalar_t>(sf.k, sf.k_strides, batch, head_kv),
+                                           sf.k_strides.row, col0, cols, d, kBlockK, buf.kt);
+    const Matrix Vt = copy_rows_transposed(head_ptr<const scalar_t>(sf.v, sf.v_strides, batch, head_kv),
+                                           sf.v_strides.row, col0, cols, d_v, kBlockK, buf.vt);
     std::fill(dk.begin(), dk.end(), 0.0f);
     std::fill(dv.begin(), dv.end(), 0.0f);
 
     // Queries outside the band (is_causal, the window) see none of these keys.
-    const auto [first_row, row_end] = visible_queries(f, col0, cols);
+    const auto [first_row, row_end] = visible_queries(sf, col0, cols);
     for (int64_t g = 0; g < sh.group_size(); ++g) {
       const int64_t head = head_kv * sh.group_size() + g;
-      const auto* q = head_ptr<const scalar_t>(f.q, f.q_strides, batch, head);
-      const auto* dout = head_ptr<const scalar_t>(p.grad_out, p.grad_out_strides, batch, head);
+      const auto* q = head_ptr<const scalar_t>(sf.q, sf.q_strides, batch, head);
+      const auto* dout = head_ptr<const scalar_t>(sp.grad_out, sp.grad_out_strides, batch, head);
       for (int64_t row0 = first_row / kBlockQ * kBlockQ; row0 < row_end; row0 += kBlockQ) {
-        const Tile t{row0, std::min(kBlockQ, sh.seqlen_q - row0), col0, cols};
-        const Matrix Qs = copy_rows(q, f.q_strides.row, row0, t.rows, d, f.scale * kLog2e, buf.q_scores);
-        const Matrix dO = view_rows(dout, p.grad_out_strides.row, row0, t.rows, d_v, buf.dout);
-        if (!probabilities_and_grad(batch, head, t, Qs, Kt, dO, Vt, buf)) continue;
-        const Matrix Q = view_rows(q, f.q_strides.row, row0, t.rows, d, buf.q);
+        const Tile t{row0, std::min(kBlockQ, seq.seqlen_q - row0), col0, cols};
+        const Matrix Qs = copy_rows(q, sf.q_strides.row, row0, t.rows, d, sf.scale * kLog2e, buf.q_scores);
+        const Matrix dO = view_rows(dout, sp.grad_out_strides.row, row0, t.rows, d_v, buf.dout);
+        if (!probabilities_and_grad(sf, seq, head, t, Qs, Kt, dO, Vt, buf)) continue;
+        const Matrix Q = view_rows(q, sf.q_strides.row, row0, t.rows, d, buf.q);
         const Matrix Pt = transpose(buf.p.data(), t.rows, cols, kBlockK, buf.transposed, kBlockQ);
         matmul(cols, d_v, t.rows, Pt, dO, dv.data(), d_v, /*accumulate=*/true);
         const Matrix dSt = transpose(buf.dp.data(), t.rows, cols, kBlockK, buf.transposed, kBlockQ);
@@ -128,37 +136,39 @@ struct Backward {
       }
     }
     scale_row(dk.data(), cols * d, f.scale);  // dK = scale dS^T Q
-    store_rows(head_ptr<scalar_t>(p.grad_k, p.grad_k_strides, batch, head_kv),
-               p.grad_k_strides.row, col0, cols, d, dk.data());
-    store_rows(head_ptr<scalar_t>(p.grad_v, p.grad_v_strides, batch, head_kv),
-               p.grad_v_strides.row, col0, cols, d_v, dv.data());
+    store_rows(head_ptr<scalar_t>(sp.grad_k, sp.grad_k_strides, batch, head_kv),
+               sp.grad_k_strides.row, col0, cols, d, dk.data());
+    store_rows(head_ptr<scalar_t>(sp.grad_v, sp.grad_v_strides, batch, head_kv),
+               sp.grad_v_strides.row, col0, cols, d_v, dv.data());
   }
 
   // Part 3: dQ for one block of queries of one query head.
-  void query_block(int64_t batch, int64_t head, int64_t row0, TileBuffers& buf,
+  void query_block(const SequenceRows& seq, int64_t head, int64_t row0, TileBuffers& buf,
                    std::vector<float>& dq) {
-    const int64_t d = sh.head_dim;
-    const int64_t rows = std::min(kBlockQ, sh.seqlen_q - row0);
+    const BackwardParams sp = narrowed<scalar_t>(p, seq);
+    const ForwardParams& sf = sp.fwd;
+    const int64_t batch = seq.batch, d = sh.head_dim;
+    const int64_t rows = std::min(kBlockQ, seq.seqlen_q - row0);
     const int64_t head_kv = head / sh.group_size();
-    const Matrix Qs = copy_rows(head_ptr<const scalar_t>(f.q, f.q_strides, batch, head),
-                                f.q_strides.row, row0, rows, d, f.scale * kLog2e, buf.q_scores);
-    const Matrix dO = view_rows(head_ptr<const scalar_t>(p.grad_out, p.grad_out_strides, batch, head),
-                                p.grad_out_strides.row, row0, rows, sh.head_dim_v, buf.dout);
-    const auto* k = head_ptr<const scalar_t>(f.k, f.k_strides, batch, head_kv);
-    const auto* v = head_ptr<const scalar_t>(f.v, f.v_strides, batch, head_kv);
+    const Matrix Qs = copy_rows(head_ptr<const scalar_t>(sf.q, sf.q_strides, batch, head),
+                                sf.q_strides.row, row0, rows, d, f.scale * kLog2e, buf.q_scores);
+    const Matrix dO = view_rows(head_ptr<const scalar_t>(sp.grad_out, sp.grad_out_strides, batch, head),
+                                sp.grad_out_strides.row, row0, rows, sh.head_dim_v, buf.dout);
+    const auto* k = head_ptr<const scalar_t>(sf.k, sf.k_strides, batch, head_kv);
+    const auto* v = head_ptr<const scalar_t>(sf.v, sf.v_strides, batch, head_kv);
     std::fill(dq.begin(), dq.end(), 0.0f);
 
-    const int64_t key_end = visible_key_end(f, row0, rows);
-    for (int64_t col0 = visible_key_begin(f, row0); col0 < key_end; col0 += kBlockK) {
+    const int64_t key_end = visible_key_end(sf, row0, rows);
+    for (int64_t col0 = visible_key_begin(sf, row0); col0 < key_end; col0 += kBlockK) {
       const Tile t{row0, rows, col0, std::min(kBlockK, key_end - col0)};
-      const Matrix Kt = copy_rows_transposed(k, f.k_strides.row, col0, t.cols, d, kBlockK, buf.kt);
-      const Matrix Vt = copy_rows_transposed(v, f.v_strides.row, col0, t.cols, sh.head_dim_v, kBlockK, buf.vt);
-      if (!probabilities_and_grad(batch, head, t, Qs, Kt, dO, Vt, buf)) continue;
-      const Matrix K = view_rows(k, f.k_strides.row, col0, t.cols, d, buf.k);
+      const Matrix Kt = copy_rows_transposed(k, sf.k_strides.row, col0, t.cols, d, kBlockK, buf.kt);
+      const Matrix Vt = copy_rows_transposed(v, sf.v_strides.row, col0, t.cols, sh.head_dim_v, kBlockK, buf.vt);
+      if (!probabilities_and_grad(sf, seq, head, t, Qs, Kt, dO, Vt, buf)) continue;
+      const Matrix K = view_rows(k, sf.k_strides.row, col0, t.cols, d, buf.k);
       matmul(rows, d, t.cols, {buf.dp.data(), kBlockK}, K, dq.data(), d, /*accumulate=*/true);
     }
     scale_row(dq.data(), rows * d, f.scale);  // dQ = scale dS K
-    store_rows(head_ptr<scalar_t>(p.grad_q, p.grad_q_strides, batch, head), p.grad_q_strides.row,
+    store_rows(head_ptr<scalar_t>(sp.grad_q, sp.grad_q_strides, batch, head), sp.grad_q_strides.row,
                row0, rows, d, dq.data());
   }
 
@@ -166,23 +176,23 @@ struct Backward {
     const int64_t d = sh.head_dim, d_v = sh.head_dim_v;
     compute_delta();
 
-    const int64_t k_blocks = (sh.seqlen_k + kBlockK - 1) / kBlockK;
-    at::parallel_for(0, sh.batch * sh.heads_kv * k_blocks, 1, [&](int64_t begin, int64_t end) {
+    const BlockTasks key_tasks(seqs, sh.heads_kv, kBlockK, /*over_keys=*/true);
+    at::parallel_for(0, key_tasks.count(), 1, [&](int64_t begin, int64_t end) {
       TileBuffers buf(d, d_v, f.softcap > 0.0f);
       std::vector<float> dk(kBlockK * d), dv(kBlockK * d_v);
-      for (int64_t task = begin; task < end; ++task) {
-        key_block(task / (sh.heads_kv * k_blocks), task / k_blocks % sh.heads_kv,
-                  task % k_blocks * kBlockK, buf, dk, dv);
+      for (int64_t index = begin; index < end; ++index) {
+        const BlockTasks::Task task = key_tasks[index];
+        key_block(seqs[task.sequence], task.head, task.row0, buf, dk, dv);
       }
     });
 
-    const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
-    at::parallel_for(0, sh.batch * sh.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    const BlockTasks query_tasks(seqs, sh.heads_q, kBlockQ, /*over_keys=*/false);
+    at::parallel_for(0, query_tasks.count(), 1, [&](int64_t begin, int64_t end) {
       TileBuffers buf(d, d_v, f.softcap > 0.0f);
       std::vector<float> dq(kBlockQ * d);
-      for (int64_t task = begin; task < end; ++task) {
-        query_block(task / (sh.heads_q * q_blocks), task / q_blocks % sh.heads_q,
-                    task % q_blocks * kBlockQ, buf, dq);
+      for (int64_t index = begin; index < end; ++index) {
+        const BlockTasks::Task task = query_tasks[index];
+        query_block(seqs[task.sequence], task.head, task.row0, buf, dq);
       }
     });
   }

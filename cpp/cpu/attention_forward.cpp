@@ -1,4 +1,4 @@
-// CPU forward: one task per (batch, query head, block of kBlockQ queries),
+// CPU forward: one task per (sequence, query head, block of kBlockQ queries),
 // streaming blocks of kBlockK keys with the online softmax:
 //   S   = (scale * log2 e) Q K^T          (base-2 scores, GEMM)
 //   m'  = max(m, rowmax S);  P = 2^(S - m')
@@ -10,6 +10,7 @@
 
 #include "attention_cpu.h"
 #include "row_math.h"
+#include "sequences.h"
 #include "tile.h"
 
 namespace fusedattn::cpu {
@@ -21,25 +22,29 @@ constexpr int64_t kBlockK = kForwardBlockK;
 constexpr int64_t kDotRows = 16;
 
 template <typename scalar_t>
-void forward_typed(const ForwardParams& p) {
-  const AttentionShape& sh = p.shape;
+void forward_typed(const ForwardParams& call) {
+  const AttentionShape& sh = call.shape;
   const int64_t d = sh.head_dim, dv = sh.head_dim_v;
-  const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
-  const float score_scale = p.scale * kLog2e;
+  const float score_scale = call.scale * kLog2e;
+  const std::vector<SequenceRows> seqs = sequences(call);
+  const BlockTasks tasks(seqs, sh.heads_q, kBlockQ, /*over_keys=*/false);
 
   // Buffers hold at most max_rows query rows: decoding (Nq = 1) then clears
   // a few KB per task instead of a 256 x 256 tile.
-  const int64_t max_rows = std::min(kBlockQ, sh.seqlen_q);
-  at::parallel_for(0, sh.batch * sh.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
+  int64_t longest = 0;
+  for (const SequenceRows& s : seqs) longest = std::max(longest, s.seqlen_q);
+  const int64_t max_rows = std::min(kBlockQ, longest);
+  at::parallel_for(0, tasks.count(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_buf(max_rows * d), kt_buf(d * kBlockK), v_buf(kBlockK * dv);
     std::vector<float> s(max_rows * kBlockK), acc(max_rows * dv), m_i(max_rows), l_i(max_rows);
 
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t batch = task / (sh.heads_q * q_blocks);
-      const int64_t head = task / q_blocks % sh.heads_q;
+    for (int64_t index = begin; index < end; ++index) {
+      const BlockTasks::Task task = tasks[index];
+      const SequenceRows& seq = seqs[task.sequence];
+      const ForwardParams p = narrowed<scalar_t>(call, seq);
+      const int64_t batch = seq.batch, head = task.head, row0 = task.row0;
       const int64_t head_kv = head / sh.group_size();
-      const int64_t row0 = task % q_blocks * kBlockQ;
-      const int64_t rows = std::min(kBlockQ, sh.seqlen_q - row0);
+      const int64_t rows = std::min(kBlockQ, seq.seqlen_q - row0);
 
       const auto* q = head_ptr<const scalar_t>(p.q, p.q_strides, batch, head);
       const auto* k = head_ptr<const scalar_t>(p.k, p.k_strides, batch, head_kv);
@@ -89,7 +94,7 @@ void forward_typed(const ForwardParams& p) {
 
       // The sink joins each row's normaliser last. Rows that see nothing
       // (l = 0) give out = 0 and lse = -inf (with a sink: lse = sink).
-      float* lse = p.lse + (batch * sh.heads_q + head) * sh.seqlen_q + row0;
+      float* lse = call.lse + seq.lse_index(sh, head, row0);
       for (int64_t r = 0; r < rows; ++r) {
         const float acc_scale = p.sinks ? add_valueless_logit(p.sinks[head] * kLog2e, m_i[r], l_i[r]) : 1.0f;
         const bool empty = l_i[r] == 0.0f;

@@ -88,9 +88,22 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
                                        block_table, forward);
 }
 
-// Packed sequences, one dense problem per sequence (on the tiled kernels, or
-// the gemm family where forced), written into the packed outputs through
-// [1, H, n, d] views; lse is [Hq, total_q].
+// A packed [total, H, d] tensor as the [1, H, total, d] view the kernels take.
+at::Tensor as_one_batch(const at::Tensor& packed) { return sequence_view(packed, 0, packed.size(0)); }
+
+// The kernels' view of a packed call's sequences (host cu_seqlens, which `lengths` holds).
+VarlenParams host_varlen(const VarlenLengths& lengths) {
+  VarlenParams v;
+  v.cu_seqlens_q = lengths.cu_q.data_ptr<int32_t>();
+  v.cu_seqlens_k = lengths.cu_k.data_ptr<int32_t>();
+  v.batch = lengths.batch;
+  return v;
+}
+
+// Packed sequences: the tiled kernels take the whole batch as one [1, H,
+// total, d] call whose tasks each lie in one sequence (cpu/sequences.h); the
+// gemm family, where forced, runs one dense problem per sequence. lse is
+// [Hq, total_q].
 std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
@@ -102,18 +115,24 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const
   const bool gemm = parse_family(op, family, q) == PlanRequest::FamilyChoice::Gemm;
   check_window(op, window);  // also when no sequence has queries
   check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
-  const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  return forward_by_sequence(q, k, v, seq, [&](const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
-                                               const at::Tensor& out_b, const at::Tensor& lse_b) {
-    PreparedInputs in =
-        prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cpu_support(), window, softcap, sinks);
-    if (gemm) {
+  const VarlenLengths lengths =
+      check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  if (gemm)
+    return forward_by_sequence(q, k, v, lengths, [&](const at::Tensor& q_b, const at::Tensor& k_b,
+                                                     const at::Tensor& v_b, const at::Tensor& out_b,
+                                                     const at::Tensor& lse_b) {
+      PreparedInputs in =
+          prepare_forward(op, q_b, k_b, v_b, std::nullopt, is_causal, scale, cpu_support(), window, softcap, sinks);
       gemm_forward(in, cpu::plan_gemm(in.params, /*backward=*/false), out_b, lse_b);
-      return;
-    }
-    set_forward_outputs(in.params, out_b, lse_b);
-    cpu::forward(in.params);
-  });
+    });
+  PreparedInputs in = prepare_forward(op, as_one_batch(q), as_one_batch(k), as_one_batch(v), std::nullopt, is_causal,
+                                      scale, cpu_support(), window, softcap, sinks);
+  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  set_forward_outputs(in.params, as_one_batch(out), lse.unsqueeze(0));
+  in.params.varlen = host_varlen(lengths);
+  cpu::forward(in.params);
+  return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
@@ -125,21 +144,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
   const bool gemm = parse_family(op, family, q) == PlanRequest::FamilyChoice::Gemm;
   check_window(op, window);
   check_softcap_and_sinks(op, q, softcap, sinks, cpu_support());
-  const VarlenLengths seq = check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  const VarlenLengths lengths =
+      check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   check_varlen_outputs(op, q, v, grad_out, out, lse);
-  const auto [grad_q, grad_k, grad_v] = backward_by_sequence(
-      grad_out, q, k, v, out, lse, seq,
-      [&](const at::Tensor& grad_out_b, const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
-          const at::Tensor& out_b, const at::Tensor& lse_b) {
-        PreparedBackward pb = prepare_backward(op, grad_out_b, q_b, k_b, v_b, out_b, lse_b, std::nullopt, is_causal,
-                                               scale, cpu_support(), window, softcap, sinks);
-        if (gemm)
+  const at::Tensor grad_sinks = sinks_gradient_from_output(sinks, lse.t(), grad_out, out);
+  if (gemm) {
+    const auto [grad_q, grad_k, grad_v] = backward_by_sequence(
+        grad_out, q, k, v, out, lse, lengths,
+        [&](const at::Tensor& grad_out_b, const at::Tensor& q_b, const at::Tensor& k_b, const at::Tensor& v_b,
+            const at::Tensor& out_b, const at::Tensor& lse_b) {
+          PreparedBackward pb = prepare_backward(op, grad_out_b, q_b, k_b, v_b, out_b, lse_b, std::nullopt,
+                                                 is_causal, scale, cpu_support(), window, softcap, sinks);
           gemm_backward(pb, cpu::plan_gemm(pb.params.fwd, /*backward=*/true));
-        else
-          cpu::backward(pb.params);
-        return std::make_tuple(pb.grad_q, pb.grad_k, pb.grad_v);
-      });
-  return {grad_q, grad_k, grad_v, sinks_gradient_from_output(sinks, lse.t(), grad_out, out)};
+          return std::make_tuple(pb.grad_q, pb.grad_k, pb.grad_v);
+        });
+    return {grad_q, grad_k, grad_v, grad_sinks};
+  }
+  PreparedBackward b = prepare_backward(op, as_one_batch(grad_out), as_one_batch(q), as_one_batch(k), as_one_batch(v),
+                                        as_one_batch(out), lse.unsqueeze(0), std::nullopt, is_causal, scale,
+                                        cpu_support(), window, softcap, sinks);
+  allocate_gradients_like_operands(b);  // packed, as the inputs are
+  b.params.fwd.varlen = host_varlen(lengths);
+  cpu::backward(b.params);
+  const auto packed = [](const at::Tensor& t) { return t[0].transpose(0, 1); };
+  return {packed(b.grad_q), packed(b.grad_k), packed(b.grad_v), grad_sinks};
 }
 
 std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -154,7 +182,6 @@ std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return (gemm ? cpu::plan_gemm(in.params, backward) : cpu::plan(backward)).describe();
 }
 
-// The CPU runs a packed batch as one forward (backward) per sequence.
 std::string plan_varlen_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                             int64_t max_seqlen_k, bool is_causal, std::optional<double> scale,

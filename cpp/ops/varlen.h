@@ -53,8 +53,8 @@ using SequenceBackward = std::function<std::tuple<at::Tensor, at::Tensor, at::Te
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse)>;
 
-// A packed call as one dense call per sequence with queries (the CPU's, and
-// CUDA's gemm family): (out [total_q, Hq, d_v], lse [Hq, total_q]).
+// A packed call as one dense call per sequence with queries (the gemm
+// family's, on either device): (out [total_q, Hq, d_v], lse [Hq, total_q]).
 std::tuple<at::Tensor, at::Tensor> forward_by_sequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const VarlenLengths& seq, const SequenceForward& forward);
 // The same for the backward: (grad_q, grad_k, grad_v), zero for a sequence

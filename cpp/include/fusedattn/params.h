@@ -96,8 +96,9 @@ struct AttentionShape {
 // b x cache_rows of the [1, Hkv, rows, d] view of the cache (its batch
 // stride over its row stride; the operators check that K's and V's agree).
 struct VarlenParams {
-  const int32_t* cu_seqlens_q = nullptr;  // [B + 1], device memory
+  const int32_t* cu_seqlens_q = nullptr;  // [B + 1], device memory (host memory on the CPU)
   const int32_t* cu_seqlens_k = nullptr;
+  int64_t batch = 0;                      // B: the CPU kernels walk the sequences
   const int32_t* seqused_k = nullptr;     // [B]: a KV cache's lengths, or null
   int64_t cache_rows = 0;
   const int32_t* query_tiles = nullptr;   // [query_items][2]: the forward's and the dQ pass's
