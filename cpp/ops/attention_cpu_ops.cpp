@@ -88,9 +88,6 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cpu(
                                        block_table, forward);
 }
 
-// A packed [total, H, d] tensor as the [1, H, total, d] view the kernels take.
-at::Tensor as_one_batch(const at::Tensor& packed) { return sequence_view(packed, 0, packed.size(0)); }
-
 // The kernels' view of a packed call's sequences (host cu_seqlens, which `lengths` holds).
 VarlenParams host_varlen(const VarlenLengths& lengths) {
   VarlenParams v;
@@ -166,8 +163,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
   allocate_gradients_like_operands(b);  // packed, as the inputs are
   b.params.fwd.varlen = host_varlen(lengths);
   cpu::backward(b.params);
-  const auto packed = [](const at::Tensor& t) { return t[0].transpose(0, 1); };
-  return {packed(b.grad_q), packed(b.grad_k), packed(b.grad_v), grad_sinks};
+  return {as_packed(b.grad_q, q.size(2)), as_packed(b.grad_k, k.size(2)), as_packed(b.grad_v, v.size(2)), grad_sinks};
 }
 
 std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

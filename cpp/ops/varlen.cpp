@@ -5,6 +5,8 @@
 
 #include <vector>
 
+#include "checks.h"
+
 namespace fusedattn::ops {
 
 at::Tensor check_cu_seqlens(const char* op, const at::Tensor& cu, const char* name, const at::Tensor& packed,
@@ -67,6 +69,12 @@ void check_varlen_outputs(const char* op, const at::Tensor& q, const at::Tensor&
 
 at::Tensor sequence_view(const at::Tensor& packed, int64_t start, int64_t n) {
   return packed.narrow(0, start, n).transpose(0, 1).unsqueeze(0);
+}
+
+at::Tensor as_one_batch(const at::Tensor& packed) { return sequence_view(packed, 0, packed.size(0)); }
+
+at::Tensor as_packed(const at::Tensor& batch, int64_t head_dim) {
+  return unpadded(batch[0].transpose(0, 1), head_dim);
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_by_sequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -42,6 +42,10 @@ void check_varlen_outputs(const char* op, const at::Tensor& q, const at::Tensor&
 // Rows [start, start + n) of a packed [total, H, d] tensor as [1, H, n, d]
 // (a view: strides H x d, d, 1 and the last dimension contiguous).
 at::Tensor sequence_view(const at::Tensor& packed, int64_t start, int64_t n);
+// The whole packed tensor as the [1, H, total, d] view the kernels take.
+at::Tensor as_one_batch(const at::Tensor& packed);
+// That view back: [1, H, total, d] -> [total, H, head_dim], cut to the call's head dim.
+at::Tensor as_packed(const at::Tensor& batch, int64_t head_dim);
 
 // One sequence's dense forward: q, k, v [1, H, n, d] views; writes out (a
 // [1, Hq, n, d_v] view) and lse (contiguous float32 [1, Hq, n]).

@@ -26,13 +26,6 @@
 namespace fusedattn::ops {
 namespace {
 
-// A packed [total, H, d] tensor as the [1, H, total, d] view the kernels take, and back
-// ([1, H, total, d] -> [total, H, head_dim], cut to the call's head dim).
-at::Tensor as_one_batch(const at::Tensor& packed) { return sequence_view(packed, 0, packed.size(0)); }
-at::Tensor as_packed(const at::Tensor& batch, int64_t head_dim) {
-  return unpadded(batch[0].transpose(0, 1), head_dim);
-}
-
 // The device memory a packed call's kernels read besides the operands:
 // cu_seqlens (or a KV cache's lengths) and the work lists, which `p` points at.
 struct VarlenOperands {
