@@ -118,31 +118,56 @@ def test_varlen_forward_many_short_sequences_and_one_long(cuda_family, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("is_causal,window,softcap", [(False, None, None), (True, None, None), (True, (40, -1), 5.0),
-                                                      (False, (3, 300), None)])
-def test_cpu_packed_call_is_each_sequences_dense_call(dtype, is_causal, window, softcap):
+@pytest.mark.parametrize("is_causal,window,softcap,sinks,d_v", [
+    (False, None, None, False, 24), (True, None, None, True, 24), (True, (40, -1), 5.0, False, 10),
+    (False, (3, 300), None, True, 10)], ids=["full", "causal-sinks", "window-capped-dv", "window-sinks-dv"])
+def test_cpu_packed_call_is_each_sequences_dense_call(dtype, is_causal, window, softcap, sinks, d_v):
     """The CPU's one pass over a packed batch (tasks narrowed to their sequence) gives each
     sequence's dense call bit for bit, out, lse and gradients: sequences of one row, none, past a
-    tile (forward 256 rows, backward 64 and 128), fewer keys than queries, GQA."""
+    tile (forward 256 rows, backward 64 and 128), fewer keys than queries, GQA; the gradient rows of
+    a sequence without queries or keys are zeros (the kernels write every row of uninitialised memory)."""
     lengths_q, lengths_k = [1, 0, 300, 57, 130, 9], [5, 12, 300, 20, 0, 9]
-    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, hq=4, hkv=2, d=24, dtype=dtype, seed=11, requires_grad=True)
-    args = (is_causal, None, None, window, softcap, None)
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, hq=4, hkv=2, d=24, d_v=d_v, dtype=dtype, seed=11,
+                                 requires_grad=True)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(13)) if sinks else None
+    args = (is_causal, None, None, window, softcap, sinks)
     out, lse = torch.ops.fusedattn.forward_varlen(q, k, v, cu_q, cu_k, 300, 300, *args)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(12)).to(dtype)
-    grads = torch.autograd.grad(fusedattn.attention_varlen(q, k, v, cu_q, cu_k, 300, 300, is_causal=is_causal,
-                                                           window=window, softcap=softcap), (q, k, v), grad_out)
+    options = dict(is_causal=is_causal, window=window, softcap=softcap, sinks=sinks)
+    grads = torch.autograd.grad(fusedattn.attention_varlen(q, k, v, cu_q, cu_k, 300, 300, **options), (q, k, v),
+                                grad_out)
     for b in range(len(lengths_q)):
-        if lengths_q[b] == 0:
+        mine = [sequence(g, cu, b) for g, cu in zip(grads, (cu_q, cu_k, cu_k))]
+        if lengths_q[b] == 0 or lengths_k[b] == 0:  # out is 0 (or nothing): no gradient
+            assert all(not g.any() for g in mine), f"sequence {b}"
             continue
         qb, kb, vb = sequence(q, cu_q, b), sequence(k, cu_k, b), sequence(v, cu_k, b)
         out_b, lse_b = torch.ops.fusedattn.forward(qb, kb, vb, None, *args)
         assert torch.equal(sequence(out, cu_q, b), out_b) and torch.equal(lse[:, cu_q[b]:cu_q[b + 1]], lse_b[0])
-        mine = [sequence(g, cu, b) for g, cu in zip(grads, (cu_q, cu_k, cu_k))]
-        theirs = torch.autograd.grad(fusedattn.attention(qb, kb, vb, is_causal=is_causal, window=window,
-                                                         softcap=softcap), (q, k, v), sequence(grad_out, cu_q, b))
-        if lengths_k[b]:
-            for name, a, t, cu in zip("qkv", mine, theirs, (cu_q, cu_k, cu_k)):
-                assert torch.equal(a, sequence(t, cu, b)), f"d{name} of sequence {b}"
+        theirs = torch.autograd.grad(fusedattn.attention(qb, kb, vb, **options), (q, k, v), sequence(grad_out, cu_q, b))
+        for name, a, t, cu in zip("qkv", mine, theirs, (cu_q, cu_k, cu_k)):
+            assert torch.equal(a, sequence(t, cu, b)), f"d{name} of sequence {b}"
+
+
+def test_cpu_packed_gradients_are_contiguous_whatever_the_operands_layouts():
+    """Head-major q and k, v expanded over their heads: the gradients are packed and contiguous,
+    as the fake function says (opcheck compares the two), and right."""
+    cu = torch.tensor([0, 7, 7, 77], dtype=torch.int32)  # lengths 7, 0 and 70
+    g = torch.Generator().manual_seed(14)
+    q = torch.randn(4, 77, 16, generator=g).transpose(0, 1).requires_grad_()
+    k, v = (torch.randn(77, 1, 16, generator=g).expand(77, 2, 16).requires_grad_() for _ in range(2))
+    out, lse = torch.ops.fusedattn.forward_varlen(q, k, v, cu, cu, 70, 70, True)
+    grad_out = torch.randn(out.shape, generator=g)
+    torch.library.opcheck(torch.ops.fusedattn.backward_varlen.default,
+                          (grad_out, q.detach(), k.detach(), v.detach(), out, lse, cu, cu, 70, 70, True))
+    grads = torch.ops.fusedattn.backward_varlen(grad_out, q, k, v, out, lse, cu, cu, 70, 70, True)[:3]
+    assert all(gr.is_contiguous() and gr.shape == t.shape for gr, t in zip(grads, (q, k, v)))
+    for b in (0, 2):  # sequence 1 is empty
+        qb, kb, vb = (sequence(t.detach(), cu, b).requires_grad_() for t in (q, k, v))
+        theirs = torch.autograd.grad(fusedattn.attention(qb, kb, vb, is_causal=True), (qb, kb, vb),
+                                     sequence(grad_out, cu, b))
+        for mine, their in zip(grads, theirs):
+            assert torch.equal(sequence(mine, cu, b), their)
 
 
 @given(st.lists(st.tuples(st.integers(0, 70), st.integers(0, 70)), min_size=1, max_size=6), st.booleans(),

@@ -125,7 +125,7 @@ struct Backward {
       const auto* dout = head_ptr<const scalar_t>(sp.grad_out, sp.grad_out_strides, batch, head);
       for (int64_t row0 = first_row / kBlockQ * kBlockQ; row0 < row_end; row0 += kBlockQ) {
         const Tile t{row0, std::min(kBlockQ, seq.seqlen_q - row0), col0, cols};
-        const Matrix Qs = copy_rows(q, sf.q_strides.row, row0, t.rows, d, sf.scale * kLog2e, buf.q_scores);
+        const Matrix Qs = copy_rows(q, sf.q_strides.row, row0, t.rows, d, f.scale * kLog2e, buf.q_scores);
         const Matrix dO = view_rows(dout, sp.grad_out_strides.row, row0, t.rows, d_v, buf.dout);
         if (!probabilities_and_grad(sf, seq, head, t, Qs, Kt, dO, Vt, buf)) continue;
         const Matrix Q = view_rows(q, sf.q_strides.row, row0, t.rows, d, buf.q);

@@ -24,6 +24,8 @@ struct SequenceRows {
   }
 };
 
+// A packed call here is attention_varlen's: batch 1, keys from cu_seqlens_k
+// (not a KV cache's seqused_k), no attn_mask (narrowed moves no mask).
 inline std::vector<SequenceRows> sequences(const ForwardParams& p) {
   std::vector<SequenceRows> out;
   if (!p.varlen.on()) {

@@ -144,7 +144,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
   const VarlenLengths lengths =
       check_varlen_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   check_varlen_outputs(op, q, v, grad_out, out, lse);
-  const at::Tensor grad_sinks = sinks_gradient_from_output(sinks, lse.t(), grad_out, out);
   if (gemm) {
     const auto [grad_q, grad_k, grad_v] = backward_by_sequence(
         grad_out, q, k, v, out, lse, lengths,
@@ -155,15 +154,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
           gemm_backward(pb, cpu::plan_gemm(pb.params.fwd, /*backward=*/true));
           return std::make_tuple(pb.grad_q, pb.grad_k, pb.grad_v);
         });
-    return {grad_q, grad_k, grad_v, grad_sinks};
+    return {grad_q, grad_k, grad_v, sinks_gradient_from_output(sinks, lse.t(), grad_out, out)};
   }
   PreparedBackward b = prepare_backward(op, as_one_batch(grad_out), as_one_batch(q), as_one_batch(k), as_one_batch(v),
                                         as_one_batch(out), lse.unsqueeze(0), std::nullopt, is_causal, scale,
                                         cpu_support(), window, softcap, sinks);
-  allocate_gradients_like_operands(b);  // packed, as the inputs are
+  // Packed and contiguous whatever the operands' layouts, as the fake function says.
+  const at::Tensor grad_q = at::empty(q.sizes(), q.options()), grad_k = at::empty(k.sizes(), k.options()),
+                   grad_v = at::empty(v.sizes(), v.options());
+  use_gradients(b, as_one_batch(grad_q), as_one_batch(grad_k), as_one_batch(grad_v));
   b.params.fwd.varlen = host_varlen(lengths);
   cpu::backward(b.params);
-  return {as_packed(b.grad_q, q.size(2)), as_packed(b.grad_k, k.size(2)), as_packed(b.grad_v, v.size(2)), grad_sinks};
+  return {grad_q, grad_k, grad_v, sinks_gradient_from_output(sinks, lse.t(), grad_out, out)};
 }
 
 std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -360,9 +360,14 @@ void pad_head_dims(PreparedBackward& b, int64_t head_dim) {
 }
 
 void allocate_gradients_like_operands(PreparedBackward& b) {
-  b.grad_q = at::empty_like(b.fwd.q);
-  b.grad_k = at::empty_like(b.fwd.k);
-  b.grad_v = at::empty_like(b.fwd.v);
+  use_gradients(b, at::empty_like(b.fwd.q), at::empty_like(b.fwd.k), at::empty_like(b.fwd.v));
+}
+
+void use_gradients(PreparedBackward& b, const at::Tensor& grad_q, const at::Tensor& grad_k,
+                   const at::Tensor& grad_v) {
+  b.grad_q = grad_q;
+  b.grad_k = grad_k;
+  b.grad_v = grad_v;
   point_backward_params(b);
 }
 

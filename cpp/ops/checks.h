@@ -125,6 +125,10 @@ void pad_head_dims(PreparedBackward& b, int64_t head_dim);
 // q, k and v (a packed batch's [1, H, total, d] views stay packed), the
 // params following.
 void allocate_gradients_like_operands(PreparedBackward& b);
+// b.grad_q, grad_k and grad_v set to these (the kernels' views of gradients
+// allocated elsewhere), the params following.
+void use_gradients(PreparedBackward& b, const at::Tensor& grad_q, const at::Tensor& grad_k,
+                   const at::Tensor& grad_v);
 
 // t's first `head_dim` columns (its last dimension), contiguous: a padded
 // output cut back to the call's head dim (t itself where nothing was padded).

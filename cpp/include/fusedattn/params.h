@@ -84,13 +84,14 @@ struct AttentionShape {
   int64_t causal_offset() const { return seqlen_k - seqlen_q; }
 };
 
-// Packed sequences of different lengths (forward_varlen, backward_varlen) on
-// CUDA: the operands are one [1, H, total, d] batch whose rows cu_seqlens cut
+// Packed sequences of different lengths (forward_varlen, backward_varlen): the
+// operands are one [1, H, total, d] batch whose rows cu_seqlens cut
 // into sequences, each attending to its own keys, causal and windows aligned
 // on its own lengths (shape.seqlen_q and seqlen_k hold the totals). The
 // kernels take their blocks from a work list of (sequence, tile) pairs in
 // launch order, longest first (cpp/cuda/plan.h): block index = item x heads
-// + head. cu_seqlens_q null: a dense call. Packed queries against a KV
+// + head; the CPU kernels read only cu_seqlens (host memory there) and batch
+// (cpu/sequences.h). cu_seqlens_q null: a dense call. Packed queries against a KV
 // cache (forward_kvcache with cu_seqlens_q) have seqused_k instead of
 // cu_seqlens_k: sequence b's keys are the first seqused_k[b] rows from row
 // b x cache_rows of the [1, Hkv, rows, d] view of the cache (its batch
