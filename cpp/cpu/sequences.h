@@ -11,31 +11,17 @@
 #include <vector>
 
 #include "fusedattn/params.h"
+#include "fusedattn/sequence_rows.h"
 
 namespace fusedattn::cpu {
 
-// Queries rows [q0, q0 + seqlen_q) of batch item `batch`, keys rows [k0, k0 + seqlen_k).
-struct SequenceRows {
-  int64_t batch, q0, k0, seqlen_q, seqlen_k;
-
-  // Where row `row` of the sequence's head `head` lies in lse-shaped arrays of the call.
-  int64_t lse_index(const AttentionShape& call, int64_t head, int64_t row) const {
-    return (batch * call.heads_q + head) * call.seqlen_q + q0 + row;
-  }
-};
-
-// A packed call here is attention_varlen's: batch 1, keys from cu_seqlens_k
-// (not a KV cache's seqused_k), no attn_mask (narrowed moves no mask).
+// A packed call here is attention_varlen's: batch 1, no attn_mask (narrowed
+// moves no mask).
 inline std::vector<SequenceRows> sequences(const ForwardParams& p) {
+  const bool packed = p.varlen.on();
   std::vector<SequenceRows> out;
-  if (!p.varlen.on()) {
-    for (int64_t b = 0; b < p.shape.batch; ++b) out.push_back({b, 0, 0, p.shape.seqlen_q, p.shape.seqlen_k});
-    return out;
-  }
-  const int32_t* cu_q = p.varlen.cu_seqlens_q;
-  const int32_t* cu_k = p.varlen.cu_seqlens_k;
-  for (int64_t b = 0; b < p.varlen.batch; ++b)
-    out.push_back({0, cu_q[b], cu_k[b], cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]});
+  for (int64_t b = 0; b < (packed ? p.varlen.batch : p.shape.batch); ++b)
+    out.push_back(SequenceRows::of(p, static_cast<unsigned>(b), packed));
   return out;
 }
 
