@@ -233,3 +233,29 @@ def test_on_the_cpu_the_engine_keeps_the_files_blocks_and_they_are_gguf_pys_valu
                                                                       tensors[f"{n}.weight"].tensor_type).copy())
                               for n in names])
         assert torch.equal(weight.dequantize(), expected), names
+
+
+def test_rotary_tables_grow_with_the_positions_and_keep_their_bits(engine):
+    """On the CPU a rotary table covers the positions used so far, in whole
+    chunks, and a position's rotation has the same bits whether the table grew
+    step by step or at once; the angles are position * base^(-2j/d)."""
+    saved = engine.rotations
+    try:
+        engine.rotations = {}
+        engine._rotations(torch.tensor([[3]]))
+        assert {t.shape[0] for t in engine.rotations.values()} == {1024}
+        engine._rotations(torch.tensor([[2999, 5]]))
+        assert {t.shape[0] for t in engine.rotations.values()} == {3072}
+        grown = dict(engine.rotations)
+        engine.rotations = {}
+        engine._cover_positions(3072)
+        assert all(torch.equal(grown[base], engine.rotations[base]) for base in grown)
+        c = engine.config
+        base = c.rope_base_of(0)
+        angles = torch.arange(3072, dtype=torch.float64)[:, None] * base ** (
+            -torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+        torch.testing.assert_close(grown[base].to(torch.complex128), torch.polar(torch.ones_like(angles), angles),
+                                   rtol=0, atol=3e-4)  # float32 angles of positions up to 3K
+        assert 3072 < c.context
+    finally:
+        engine.rotations = saved

@@ -43,14 +43,15 @@ def test_the_config_comes_from_the_file(gemma):
 
 def test_gemma3_keeps_the_files_blocks(gemma):
     """Its q5_0, q4_K, q6_K and q8_0 matrices stay as the file's blocks on the CPU in float32;
-    only a fused Q|K|V whose parts differ in format (q5_0 Q and K, q8_0 V) is converted to float32."""
+    a fused Q|K|V whose parts differ in format (q5_0 Q and K, q8_0 V) stays a stack of both."""
     def formats(name):
-        return {getattr(layer[name], "format", None) for layer in gemma.layers}
+        return {getattr(layer[name], "format", None) or getattr(layer[name], "formats", None) for layer in gemma.layers}
 
-    assert formats("qkv") == {None, "q5_0"} and formats("gate_up") == {"q5_0"}
+    assert formats("qkv") == {("q5_0", "q8_0"), "q5_0"} and formats("gate_up") == {"q5_0"}
     assert formats("out") == {"q4_K"} and formats("down") == {"q4_K", "q6_K"}
     assert gemma.embed.format == "q8_0"
-    assert gemma.weight_bytes < 270 * 2**20  # 553 MiB with the q5_0, q4_K and q6_K matrices in float32
+    assert all(not isinstance(t, torch.Tensor) or t.dim() == 1 for layer in gemma.layers for t in layer.values())
+    assert gemma.weight_bytes < 240 * 2**20  # 263 MiB with the mixed Q|K|V in float32, 553 with every q5_0, q4_K, q6_K
 
 
 def test_gemma3_replies_end_at_end_of_turn(gemma):
@@ -106,3 +107,22 @@ def test_gemma3_greedy_tokens_match_transformers(gemma, monkeypatch):
         expected = model(torch.tensor([prompts[1]])).logits[0, -1]
     assert (logits - expected).abs().max() < 1e-2 * expected.abs().max()
     assert_greedy_matches(gemma, model, prompts, ours, NEW_TOKENS)
+
+
+def test_gemma3_from_the_cache_keeps_its_stacks_and_decodes_the_same(gemma, tmp_path, monkeypatch):
+    """The converted-model cache keeps a Q|K|V of two formats as its two
+    parts' blocks (block_formats.json lists both), and decodes as the file does."""
+    Engine.from_gguf(gemma3_path(), cache_dir=str(tmp_path))  # converts and writes the entry
+    monkeypatch.setattr(engine_module, "read_model", lambda *a, **k: pytest.fail("converted again"))
+    cached = Engine.from_gguf(gemma3_path(), cache_dir=str(tmp_path))
+    stacks = 0
+    for ours, theirs in zip(gemma.layers, cached.layers):
+        for name, weight in ours.items():
+            assert type(theirs[name]) is type(weight), name
+            if hasattr(weight, "formats"):
+                stacks += 1
+                assert theirs[name].formats == weight.formats
+                assert torch.equal(theirs[name].dequantize(), weight.dequantize())
+    assert stacks > 0
+    ids = gemma.tokenizer.encode("The capital of France is")
+    assert greedy(cached, ids) == greedy(gemma, ids)

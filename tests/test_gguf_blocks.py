@@ -5,7 +5,7 @@ on the rows beside them, and clear errors."""
 import pytest
 import torch
 
-from fusedattn.gguf_blocks import BlockWeight
+from fusedattn.gguf_blocks import BlockStack, BlockWeight, stack_blocks
 from helpers.gguf_blocks import (BLOCKS, FORMATS, HALF_FIELDS, QUANTIZER_FORMATS, dequantize_reference, quantize,
                                  random_blocks)
 
@@ -115,12 +115,25 @@ def test_quantised_weights_are_near_the_original(fmt):
     assert (error <= (1.01 if fmt == "q4_0" else 0.51) * d + 1e-3).all()
 
 
-def test_stacked_rows_keep_their_blocks_and_mixed_formats_do_not_stack():
+def test_stacked_rows_keep_their_blocks_of_every_format():
+    """Equal formats stack into one BlockWeight; a run of another format makes a
+    BlockStack whose product and values are the parts' side by side, each part's
+    bits those of its own product."""
     g = torch.Generator().manual_seed(4)
     a, b = (BlockWeight(random_blocks(n, 64, "q4_1", g), "q4_1") for n in (3, 5))
-    stacked = BlockWeight.cat([a, b])
+    c = BlockWeight(random_blocks(2, 64, "q8_0", g), "q8_0")
+    stacked = stack_blocks([a, b])
+    assert isinstance(stacked, BlockWeight) and stacked.format == "q4_1"
     assert torch.equal(stacked.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    assert BlockWeight.cat([a, BlockWeight(random_blocks(2, 64, "q8_0", g), "q8_0")]) is None
+    mixed = stack_blocks([a, b, c])
+    assert isinstance(mixed, BlockStack) and mixed.formats == ("q4_1", "q8_0")
+    assert mixed.shape == (10, 64) and mixed.nbytes == a.nbytes + b.nbytes + c.nbytes
+    assert torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), b.dequantize(), c.dequantize()]))
+    x = torch.randn(3, 64, generator=g)
+    assert torch.equal(mixed.linear(x), torch.cat([stacked.linear(x), c.linear(x)], dim=-1))
+    torch.testing.assert_close(mixed.linear(x), x @ mixed.dequantize().T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"the parts' rows must be equally long, got \[64, 32\]"):
+        BlockStack((a, BlockWeight(random_blocks(2, 32, "q8_0", g), "q8_0")))
 
 
 def test_bad_arguments_are_refused():

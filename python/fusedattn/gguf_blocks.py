@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-__all__ = ["FORMATS", "BlockWeight"]
+__all__ = ["FORMATS", "BlockStack", "BlockWeight", "stack_blocks"]
 
 # GGUF tensor type name -> (the operators' format, bytes per block, values per block)
 FORMATS = {"Q4_0": ("q4_0", 18, 32), "Q4_1": ("q4_1", 20, 32), "Q5_0": ("q5_0", 22, 32), "Q8_0": ("q8_0", 34, 32),
@@ -51,12 +51,52 @@ class BlockWeight:
         """x [..., in_features] float32 times the weight's transpose."""
         return torch.ops.fusedattn.block_linear(x, self.blocks, self.format)
 
-    @staticmethod
-    def cat(parts: list[BlockWeight]) -> BlockWeight | None:
-        """The parts' rows stacked, or None where their formats differ."""
-        if len({p.format for p in parts}) != 1:
-            return None
-        return BlockWeight(torch.cat([p.blocks for p in parts]), parts[0].format)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStack:
+    """Weights of different block formats with their rows stacked (Gemma's
+    Q|K|V: q5_0 Q and K, q8_0 V): [sum of the parts' rows, in_features]; each
+    part keeps its blocks and its own product."""
+
+    parts: tuple[BlockWeight, ...]
+
+    def __post_init__(self):
+        if len({p.shape[1] for p in self.parts}) != 1:
+            raise ValueError(f"BlockStack: the parts' rows must be equally long, got {[p.shape[1] for p in self.parts]}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(p.format for p in self.parts)
+
+    def dequantize(self) -> Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def linear(self, x: Tensor) -> Tensor:
+        """x [..., in_features] float32 times the stack's transpose: the parts' products side by side."""
+        return torch.cat([p.linear(x) for p in self.parts], dim=-1)
+
+
+def stack_blocks(parts: list[BlockWeight]) -> BlockWeight | BlockStack:
+    """The parts' rows in one weight: one BlockWeight where they share a
+    format, else a BlockStack of runs of equal formats."""
+    runs: list[list[BlockWeight]] = []
+    for p in parts:
+        if runs and runs[-1][0].format == p.format:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    merged = [BlockWeight(torch.cat([p.blocks for p in run]), run[0].format) if len(run) > 1 else run[0]
+              for run in runs]
+    return merged[0] if len(merged) == 1 else BlockStack(tuple(merged))
 
 
 def _check_blocks(op: str, blocks: Tensor, format: str) -> int:

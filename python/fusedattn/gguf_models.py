@@ -21,7 +21,7 @@ import threading
 import torch
 from torch import Tensor
 
-from .gguf_blocks import FORMATS, BlockWeight
+from .gguf_blocks import FORMATS, BlockStack, BlockWeight, stack_blocks
 
 __all__ = ["ARCHITECTURES", "ModelConfig", "describe", "fuse_weights", "gguf_metadata", "read_model", "read_tokenizer"]
 
@@ -220,16 +220,14 @@ def read_tokenizer(path: str, reader):
 _READER_PATCH = threading.Lock()
 
 
-def _stack(parts: list[Tensor | BlockWeight]) -> Tensor | BlockWeight:
-    """The parts' rows in one matrix: blocks where they all share a format, else float32."""
+def _stack(parts: list[Tensor | BlockWeight]) -> Tensor | BlockWeight | BlockStack:
+    """The parts' rows in one matrix: blocks where every part is blocks, else float32."""
     if all(isinstance(p, BlockWeight) for p in parts):
-        stacked = BlockWeight.cat(parts)
-        if stacked is not None:
-            return stacked
+        return stack_blocks(parts)
     return torch.cat([p.dequantize() if isinstance(p, BlockWeight) else p for p in parts])
 
 
-def fuse_weights(gguf_weights: dict[str, Tensor | BlockWeight]) -> dict[str, Tensor | BlockWeight]:
+def fuse_weights(gguf_weights: dict[str, Tensor | BlockWeight]) -> dict[str, Tensor | BlockWeight | BlockStack]:
     """The engine's weights from a GGUF file's tensors: per layer, the
     projections that read the same input fused into one matrix each (Q|K|V
     and gate|up: fewer, larger GEMMs per token), and Q|K|V's biases where the

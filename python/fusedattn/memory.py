@@ -17,7 +17,7 @@ def _proc_status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _release_freed_cpu_memory() -> None:
+def release_freed_cpu_memory() -> None:
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back to the OS
@@ -33,7 +33,7 @@ def cpu_peak_bytes(fn: Callable[[], object]) -> int | None:
     None where /proc does not allow it.
     """
     try:
-        _release_freed_cpu_memory()
+        release_freed_cpu_memory()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         before = _proc_status_kib("VmRSS")
