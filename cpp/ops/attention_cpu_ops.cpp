@@ -159,13 +159,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
   PreparedBackward b = prepare_backward(op, as_one_batch(grad_out), as_one_batch(q), as_one_batch(k), as_one_batch(v),
                                         as_one_batch(out), lse.unsqueeze(0), std::nullopt, is_causal, scale,
                                         cpu_support(), window, softcap, sinks);
-  // Packed and contiguous whatever the operands' layouts, as the fake function says.
-  const at::Tensor grad_q = at::empty(q.sizes(), q.options()), grad_k = at::empty(k.sizes(), k.options()),
-                   grad_v = at::empty(v.sizes(), v.options());
-  use_gradients(b, as_one_batch(grad_q), as_one_batch(grad_k), as_one_batch(grad_v));
+  use_packed_gradients(b, q, k, v);
   b.params.fwd.varlen = host_varlen(lengths);
   cpu::backward(b.params);
-  return {grad_q, grad_k, grad_v, sinks_gradient_from_output(sinks, lse.t(), grad_out, out)};
+  return {as_packed(b.grad_q, q.size(2)), as_packed(b.grad_k, k.size(2)), as_packed(b.grad_v, v.size(2)),
+          sinks_gradient_from_output(sinks, lse.t(), grad_out, out)};
 }
 
 std::string plan_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -359,10 +359,6 @@ void pad_head_dims(PreparedBackward& b, int64_t head_dim) {
   point_backward_params(b);
 }
 
-void allocate_gradients_like_operands(PreparedBackward& b) {
-  use_gradients(b, at::empty_like(b.fwd.q), at::empty_like(b.fwd.k), at::empty_like(b.fwd.v));
-}
-
 void use_gradients(PreparedBackward& b, const at::Tensor& grad_q, const at::Tensor& grad_k,
                    const at::Tensor& grad_v) {
   b.grad_q = grad_q;

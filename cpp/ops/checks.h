@@ -121,10 +121,6 @@ void pad_head_dims(PreparedInputs& in, int64_t head_dim);
 // grad_k and grad_v allocated at the padded head dim.
 void pad_head_dims(PreparedBackward& b, int64_t head_dim);
 
-// b.grad_q, grad_k and grad_v reallocated in the layouts of the kernels'
-// q, k and v (a packed batch's [1, H, total, d] views stay packed), the
-// params following.
-void allocate_gradients_like_operands(PreparedBackward& b);
 // b.grad_q, grad_k and grad_v set to these (the kernels' views of gradients
 // allocated elsewhere), the params following.
 void use_gradients(PreparedBackward& b, const at::Tensor& grad_q, const at::Tensor& grad_k,

@@ -77,6 +77,11 @@ at::Tensor as_packed(const at::Tensor& batch, int64_t head_dim) {
   return unpadded(batch[0].transpose(0, 1), head_dim);
 }
 
+void use_packed_gradients(PreparedBackward& b, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  use_gradients(b, as_one_batch(at::empty(q.sizes(), q.options())), as_one_batch(at::empty(k.sizes(), k.options())),
+                as_one_batch(at::empty(v.sizes(), v.options())));
+}
+
 std::tuple<at::Tensor, at::Tensor> forward_by_sequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const VarlenLengths& seq, const SequenceForward& forward) {
   at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
