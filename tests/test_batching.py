@@ -11,13 +11,17 @@ import torch
 import fusedattn.batching as batching
 from fusedattn.batching import Batcher
 from fusedattn.engine import SamplingParams, _linear
+from fusedattn.gguf_blocks import BlockStack
 from helpers.tiny_engine import tiny_engine
 
 
-@pytest.fixture(scope="module", params=[(0, None), (100, None), (0, "q4_1")], ids=["llama", "sliding", "llama-q4_1"])
+@pytest.fixture(scope="module", params=[(0, None, None), (100, None, None), (0, "q4_1", None), (0, "q4_1", "q8_0")],
+                ids=["llama", "sliding", "llama-q4_1", "llama-q4_1-v-q8_0"])
 def engine(request):
-    sliding, blocks = request.param
-    return tiny_engine(sliding_window=sliding, blocks=blocks)
+    sliding, blocks, value_blocks = request.param
+    engine = tiny_engine(sliding_window=sliding, blocks=blocks, value_blocks=value_blocks)
+    assert isinstance(engine.layers[0]["qkv"], BlockStack) == (value_blocks is not None)
+    return engine
 
 
 @pytest.fixture

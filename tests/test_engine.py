@@ -239,6 +239,7 @@ def test_rotary_tables_grow_with_the_positions_and_keep_their_bits(engine):
     """On the CPU a rotary table covers the positions used so far, in whole
     chunks, and a position's rotation has the same bits whether the table grew
     step by step or at once; the angles are position * base^(-2j/d)."""
+    assert 3072 < engine.config.context
     saved = engine.rotations
     try:
         engine.rotations = {}
@@ -256,6 +257,5 @@ def test_rotary_tables_grow_with_the_positions_and_keep_their_bits(engine):
             -torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
         torch.testing.assert_close(grown[base].to(torch.complex128), torch.polar(torch.ones_like(angles), angles),
                                    rtol=0, atol=3e-4)  # float32 angles of positions up to 3K
-        assert 3072 < c.context
     finally:
         engine.rotations = saved

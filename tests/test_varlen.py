@@ -149,29 +149,47 @@ def test_cpu_packed_call_is_each_sequences_dense_call(dtype, is_causal, window, 
             assert torch.equal(a, sequence(t, cu, b)), f"d{name} of sequence {b}"
 
 
+@pytest.mark.parametrize("layout", ["head-major", "expanded"])
 @pytest.mark.parametrize("d", [16, 64], ids=lambda d: f"d{d}")
-def test_packed_gradients_are_contiguous_whatever_the_operands_layouts(backend, d):
-    """Head-major q and k, v expanded over their heads: the gradients are packed and contiguous,
-    as the fake function says (opcheck compares the two), and each sequence's are its dense
-    call's (bit for bit on the CPU; on CUDA within the dtype's rounding); d=16 runs padded on CUDA."""
-    dtype = backend.primary_dtype
+def test_packed_gradients_are_contiguous_whatever_the_operands_layouts(backend, d, layout):
+    """Head-major q, and k, v head-major or expanded over their heads (stride 0): the gradients
+    are packed and contiguous, as the fake function says (opcheck compares the two), and each
+    sequence's are its dense call's (bit for bit on the CPU; on CUDA within the dtype's rounding).
+    d=16 runs padded on CUDA. A forced sm90 refuses expanded heads (a tensor map's stride 0) and
+    d=16's backward; then the planner, left to itself, gives the call to another family."""
+    dtype, family = backend.primary_dtype, None if backend.name == "cpu" else backend.name
     cu = torch.tensor([0, 7, 7, 77], dtype=torch.int32, device=backend.device)  # lengths 7, 0 and 70
     g = torch.Generator().manual_seed(14)
-    q = torch.randn(4, 77, d, generator=g).to(backend.device, dtype).transpose(0, 1).requires_grad_()
-    k, v = (torch.randn(77, 1, d, generator=g).to(backend.device, dtype).expand(77, 2, d).requires_grad_()
-            for _ in range(2))
-    plan = fusedattn.plan_varlen(q, k, v, cu, cu, 70, 70, is_causal=True, backward=True)
+
+    def head_major(heads):
+        return torch.randn(heads, 77, d, generator=g).to(backend.device, dtype).transpose(0, 1).requires_grad_()
+
+    q = head_major(4)
+    if layout == "head-major":
+        k, v = head_major(2), head_major(2)
+    else:
+        k, v = (torch.randn(77, 1, d, generator=g).to(backend.device, dtype).expand(77, 2, d).requires_grad_()
+                for _ in range(2))
+    try:
+        plan = fusedattn.plan_varlen(q, k, v, cu, cu, 70, 70, is_causal=True, backward=True)
+    except RuntimeError as e:
+        assert backend.name == "sm90" and "was forced, but" in str(e), e
+        assert layout == "expanded" or d == 16, e
+        with fusedattn.backends.force("auto"):
+            assert fusedattn.plan_varlen(q, k, v, cu, cu, 70, 70, is_causal=True, backward=True)["family"] != "sm90"
+        return
     assert plan["family"] == backend.name and plan["varlen"], plan
-    out, lse = torch.ops.fusedattn.forward_varlen(q, k, v, cu, cu, 70, 70, True)
+    out, lse = torch.ops.fusedattn.forward_varlen(q, k, v, cu, cu, 70, 70, True, None, family)
     grad_out = torch.randn(out.shape, generator=g).to(backend.device, dtype)
-    torch.library.opcheck(torch.ops.fusedattn.backward_varlen.default,
-                          (grad_out, q.detach(), k.detach(), v.detach(), out, lse, cu, cu, 70, 70, True))
-    grads = torch.ops.fusedattn.backward_varlen(grad_out, q, k, v, out, lse, cu, cu, 70, 70, True)[:3]
+    args = (grad_out, q.detach(), k.detach(), v.detach(), out, lse, cu, cu, 70, 70, True, None, family)
+    torch.library.opcheck(torch.ops.fusedattn.backward_varlen.default, args)
+    grads = torch.ops.fusedattn.backward_varlen(*args)[:3]
     assert all(gr.is_contiguous() and gr.shape == t.shape for gr, t in zip(grads, (q, k, v)))
     for b in (0, 2):  # sequence 1 is empty
         qb, kb, vb = (sequence(t.detach(), cu, b).requires_grad_() for t in (q, k, v))
-        theirs = torch.autograd.grad(fusedattn.attention(qb, kb, vb, is_causal=True), (qb, kb, vb),
-                                     sequence(grad_out, cu, b))
+        with fusedattn.backends.force("auto"):  # the dense call in whichever family takes these strides
+            theirs = torch.autograd.grad(fusedattn.attention(qb, kb, vb, is_causal=True), (qb, kb, vb),
+                                         sequence(grad_out, cu, b))
         for name, mine, their in zip("qkv", grads, theirs):
             if backend.device == "cpu":
                 assert torch.equal(sequence(mine, cu, b), their), f"d{name} of sequence {b}"

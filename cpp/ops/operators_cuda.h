@@ -27,12 +27,14 @@ const DeviceSupport& cuda_support(bool backward = false);
 const DeviceSupport& cuda_dense_support();
 
 // Pads `prepared` (PreparedInputs or PreparedBackward, of shape sh) to the
-// head dim the forward's (or backward's) kernels run it at.
+// head dim the forward's (or backward's) kernels run it at; says whether it did.
 template <typename Prepared>
-void pad_to_kernel_head_dim(Prepared& prepared, const AttentionShape sh, bool backward) {
+bool pad_to_kernel_head_dim(Prepared& prepared, const AttentionShape sh, bool backward) {
   const int64_t head_dim =
       with_torch_errors([&] { return cuda::kernel_head_dim(sh.head_dim, sh.head_dim_v, backward); });
-  if (head_dim != sh.head_dim || head_dim != sh.head_dim_v) pad_head_dims(prepared, head_dim);
+  if (head_dim == sh.head_dim && head_dim == sh.head_dim_v) return false;
+  pad_head_dims(prepared, head_dim);
+  return true;
 }
 
 PlanRequest family_request(const char* op, const std::optional<c10::string_view>& family, const at::Tensor& q);

@@ -156,9 +156,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cuda(
   PreparedBackward b = prepare_backward(op, as_one_batch(grad_out), as_one_batch(q), as_one_batch(k), as_one_batch(v),
                                         as_one_batch(out), lse.unsqueeze(0), std::nullopt, is_causal, scale,
                                         cuda_dense_support(), window, softcap, sinks);
-  pad_to_kernel_head_dim(b, b.params.fwd.shape, /*backward=*/true);
   // Padded, the gradients are pad_head_dims' (as_packed copies them out cut to the call's head dims).
-  if (b.fwd.q.size(3) == q.size(2) && b.fwd.v.size(3) == v.size(2)) use_packed_gradients(b, q, k, v);
+  if (!pad_to_kernel_head_dim(b, b.params.fwd.shape, /*backward=*/true)) use_packed_gradients(b, q, k, v);
   b.params.deterministic = at::globalContext().deterministicAlgorithms();
   VarlenOperands operands(b.params.fwd.varlen, cu_seqlens_q, cu_seqlens_k);
   Plan plan = with_torch_errors([&] { return cuda::plan_backward(b.params, request); });

@@ -60,8 +60,8 @@ def load(cache_dir: str, path: str, dtype: torch.dtype, config_type):
         weights = torch.load(os.path.join(entry, "weights.pt"), mmap=True, weights_only=True)
         with open(os.path.join(entry, "block_formats.json")) as f:
             for name, fmt in json.load(f).items():  # a BlockStack's parts are name.0, name.1, ...
-                weights[name] = (BlockWeight(weights[name], fmt) if isinstance(fmt, str) else
-                                 BlockStack(tuple(BlockWeight(weights.pop(f"{name}.{i}"), f) for i, f in enumerate(fmt))))
+                weights[name] = (BlockWeight(weights[name], fmt) if isinstance(fmt, str) else BlockStack(
+                    tuple(BlockWeight(weights.pop(f"{name}.{i}"), part) for i, part in enumerate(fmt))))
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(entry, "tokenizer"))
     except Exception as e:  # noqa: BLE001  (any fault of the entry: convert again)
         warnings.warn(f"fusedattn.engine_cache: removing the unreadable entry {entry} ({e})", stacklevel=2)
@@ -94,7 +94,11 @@ def save(cache_dir: str, path: str, dtype: torch.dtype, config, weights: dict, t
                 formats[name], tensors[name] = w.format, w.blocks
             elif isinstance(w, BlockStack):
                 formats[name] = w.formats
-                tensors.update({f"{name}.{i}": part.blocks for i, part in enumerate(w.parts)})
+                parts = {f"{name}.{i}": part.blocks for i, part in enumerate(w.parts)}
+                if parts.keys() & weights.keys():  # a weight named like a part would be lost
+                    raise ValueError(f"fusedattn.engine_cache: the weights hold both {name} and one of its parts' "
+                                     f"names {sorted(parts.keys() & weights.keys())}")
+                tensors.update(parts)
             else:
                 tensors[name] = w.to(dtype)
         with open(os.path.join(staging, "block_formats.json"), "w") as f:

@@ -52,7 +52,6 @@ class BlockWeight:
         return torch.ops.fusedattn.block_linear(x, self.blocks, self.format)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class BlockStack:
     """Weights of different block formats with their rows stacked (Gemma's
@@ -62,8 +61,9 @@ class BlockStack:
     parts: tuple[BlockWeight, ...]
 
     def __post_init__(self):
-        if len({p.shape[1] for p in self.parts}) != 1:
-            raise ValueError(f"BlockStack: the parts' rows must be equally long, got {[p.shape[1] for p in self.parts]}")
+        lengths = [p.shape[1] for p in self.parts]
+        if len(set(lengths)) != 1:
+            raise ValueError(f"BlockStack: the parts' rows must be equally long, got {lengths}")
 
     @property
     def shape(self) -> torch.Size:

@@ -145,10 +145,11 @@ def describe(path: str) -> dict:
 
 
 def read_model(path: str, keep_blocks: bool = False,
-               reader=None) -> tuple[ModelConfig, dict[str, Tensor | BlockWeight]]:
+               reader=None) -> tuple[ModelConfig, dict[str, Tensor | BlockWeight | BlockStack]]:
     """The config and the weights (float32, fuse_weights' layout) of a GGUF file;
     with keep_blocks, the matrices of a format gguf_blocks.FORMATS lists stay
-    as the file's blocks (BlockWeight). reader: the file's gguf.GGUFReader, if
+    as the file's blocks (BlockWeight; a fused matrix of several such formats,
+    BlockStack). reader: the file's gguf.GGUFReader, if
     it is open already."""
     import gguf
     import numpy as np

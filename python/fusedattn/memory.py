@@ -1,4 +1,5 @@
-"""Peak memory of one call beyond what was allocated before it, on CPU or CUDA."""
+"""Peak memory of one call beyond what was allocated before it, on CPU or CUDA,
+and handing the CPU heap that Python and C libraries freed back to the OS."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ def _proc_status_kib(field: str) -> int:
 
 
 def release_freed_cpu_memory() -> None:
+    """Collects garbage, then returns the heap's free pages to the OS (glibc's
+    malloc_trim; elsewhere nothing). Not during a CUDA graph capture on another
+    thread: the collection may free tensors the capture uses."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back to the OS

@@ -4,16 +4,18 @@ engine's batching tests: llama-shaped, or with Gemma 3's sliding-window layers."
 import torch
 
 from fusedattn.engine import Engine
+from fusedattn.gguf_blocks import stack_blocks
 from fusedattn.gguf_models import ModelConfig
 from helpers.gguf_blocks import quantize
 
 
 def tiny_engine(sliding_window: int = 0, context: int = 2048, seed: int = 0, head_dim: int = 16,
-                device: str = "cpu", blocks: str | None = None) -> Engine:
+                device: str = "cpu", blocks: str | None = None, value_blocks: str | None = None) -> Engine:
     """2 layers (the first sliding where sliding_window > 0), 4 query and 2 KV
     heads of head_dim, a 256-token vocabulary; float32 on the CPU, the engine's
     default dtype elsewhere. The weights do not depend on the device. blocks:
-    the matrices (the embedding too) quantised to that GGUF format."""
+    the matrices (the embedding too) quantised to that GGUF format; value_blocks:
+    Q|K|V's V rows in this other one (a BlockStack, as Gemma 3's file has it)."""
     config = ModelConfig(arch="gemma3" if sliding_window else "llama", layers=2, hidden=64, ffn=96, heads=4,
                          kv_heads=2, head_dim=head_dim, vocab=256, rope_base=10000.0, norm_eps=1e-6, context=context,
                          sliding_window=sliding_window, global_every=2 if sliding_window else 0,
@@ -34,4 +36,10 @@ def tiny_engine(sliding_window: int = 0, context: int = 2048, seed: int = 0, hea
             f"{b}.down": rand(c.hidden, c.ffn)})
     if blocks:
         weights = {name: quantize(w, blocks) if w.dim() == 2 else w for name, w in weights.items()}
+    if value_blocks:
+        for i in range(c.layers):
+            qk_rows = (c.heads + c.kv_heads) * c.head_dim
+            qkv = weights[f"blk.{i}.qkv"].dequantize() if blocks else weights[f"blk.{i}.qkv"]
+            weights[f"blk.{i}.qkv"] = stack_blocks([quantize(qkv[:qk_rows], blocks or "q8_0"),
+                                                   quantize(qkv[qk_rows:], value_blocks)])
     return Engine(config, weights, device=device)
