@@ -22,8 +22,14 @@ LONG = "Count with me: " + ", ".join(str(i) for i in range(1, 260)) + ","
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    return Engine.from_gguf(gemma3_path())
+def gemma_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("gemma-cache"))
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_cache):
+    """Converted from the file, and the converted-model cache written."""
+    return Engine.from_gguf(gemma3_path(), cache_dir=gemma_cache)
 
 
 def greedy(engine, ids):
@@ -109,12 +115,11 @@ def test_gemma3_greedy_tokens_match_transformers(gemma, monkeypatch):
     assert_greedy_matches(gemma, model, prompts, ours, NEW_TOKENS)
 
 
-def test_gemma3_from_the_cache_keeps_its_stacks_and_decodes_the_same(gemma, tmp_path, monkeypatch):
+def test_gemma3_from_the_cache_keeps_its_stacks_and_decodes_the_same(gemma, gemma_cache, monkeypatch):
     """The converted-model cache keeps a Q|K|V of two formats as its two
     parts' blocks (block_formats.json lists both), and decodes as the file does."""
-    Engine.from_gguf(gemma3_path(), cache_dir=str(tmp_path))  # converts and writes the entry
     monkeypatch.setattr(engine_module, "read_model", lambda *a, **k: pytest.fail("converted again"))
-    cached = Engine.from_gguf(gemma3_path(), cache_dir=str(tmp_path))
+    cached = Engine.from_gguf(gemma3_path(), cache_dir=gemma_cache)
     stacks = 0
     for ours, theirs in zip(gemma.layers, cached.layers):
         for name, weight in ours.items():
