@@ -259,3 +259,25 @@ def test_rotary_tables_grow_with_the_positions_and_keep_their_bits(engine):
                                    rtol=0, atol=3e-4)  # float32 angles of positions up to 3K
     finally:
         engine.rotations = saved
+
+
+def test_the_cache_loads_the_tokenizer_as_transformers_would(engine, tmp_path):
+    """A tokenizer saved as transformers' generic tokenizers-backed class is loaded as that
+    class without AutoTokenizer (whose import of every model's module costs a start 0.4 s),
+    and it is AutoTokenizer's tokenizer: same class, ids, text and chat template."""
+    from transformers import AutoTokenizer
+
+    from fusedattn.engine_cache import _load_tokenizer
+
+    folder = tmp_path / "tokenizer"
+    engine.tokenizer.save_pretrained(folder)
+    ours, theirs = _load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder)
+    assert type(ours).__name__ == "TokenizersBackend" and type(ours) is type(theirs)
+    text = "<|im_start|>user\nWhat is the capital of France? Paris, ünïcödé 🙂<|im_end|>"
+    assert ours.encode(text) == theirs.encode(text) == engine.tokenizer.encode(text)
+    ids = theirs.encode(text)
+    assert ours.decode(ids) == theirs.decode(ids)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
+        theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    assert (ours.eos_token_id, ours.unk_token_id) == (theirs.eos_token_id, theirs.unk_token_id)

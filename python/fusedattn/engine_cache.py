@@ -53,8 +53,6 @@ def load(cache_dir: str, path: str, dtype: torch.dtype, config_type):
     if not os.path.isfile(os.path.join(entry, "weights.pt")):
         return None
     try:
-        from transformers import AutoTokenizer
-
         with open(os.path.join(entry, "config.json")) as f:
             config = config_type(**json.load(f))
         weights = torch.load(os.path.join(entry, "weights.pt"), mmap=True, weights_only=True)
@@ -62,12 +60,28 @@ def load(cache_dir: str, path: str, dtype: torch.dtype, config_type):
             for name, fmt in json.load(f).items():  # a BlockStack's parts are name.0, name.1, ...
                 weights[name] = (BlockWeight(weights[name], fmt) if isinstance(fmt, str) else BlockStack(
                     tuple(BlockWeight(weights.pop(f"{name}.{i}"), part) for i, part in enumerate(fmt))))
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(entry, "tokenizer"))
+        tokenizer = _load_tokenizer(os.path.join(entry, "tokenizer"))
     except Exception as e:  # noqa: BLE001  (any fault of the entry: convert again)
         warnings.warn(f"fusedattn.engine_cache: removing the unreadable entry {entry} ({e})", stacklevel=2)
         shutil.rmtree(entry, ignore_errors=True)
         return None
     return config, weights, tokenizer
+
+
+def _load_tokenizer(folder: str):
+    """The tokenizer save_pretrained wrote to folder. transformers' generic
+    tokenizers-backed class is loaded as itself: AutoTokenizer would give the
+    same class after importing transformers' registry of every model (0.4 s of
+    a command's start)."""
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        name = json.load(f).get("tokenizer_class")
+    if name == "TokenizersBackend":
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def _remove_stale_staging(folder: str) -> None:
