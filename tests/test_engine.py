@@ -261,18 +261,27 @@ def test_rotary_tables_grow_with_the_positions_and_keep_their_bits(engine):
         engine.rotations = saved
 
 
-def test_the_cache_loads_the_tokenizer_as_transformers_would(engine, tmp_path):
+def test_the_cache_loads_the_tokenizer_as_transformers_would(engine, tmp_path, monkeypatch):
     """A tokenizer saved as transformers' generic tokenizers-backed class is loaded as that
     class without AutoTokenizer (whose import of every model's module costs a start 0.4 s),
     and it is AutoTokenizer's tokenizer: same class, ids, text and chat template."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers.tokenization_utils_tokenizers") is None:
+        pytest.skip("transformers 4.x saves each tokenizer's own class: AutoTokenizer loads it")
     from transformers import AutoTokenizer
 
     from fusedattn.engine_cache import _load_tokenizer
 
     folder = tmp_path / "tokenizer"
     engine.tokenizer.save_pretrained(folder)
-    ours, theirs = _load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder)
+    with monkeypatch.context() as m:
+        m.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("went through AutoTokenizer"))
+        ours = _load_tokenizer(str(folder))
+    theirs = AutoTokenizer.from_pretrained(folder)
     assert type(ours).__name__ == "TokenizersBackend" and type(ours) is type(theirs)
+    (folder / "tokenizer_config.json").unlink()  # tokenizer.json alone: through AutoTokenizer
+    assert _load_tokenizer(str(folder)).encode("Hi there") == theirs.encode("Hi there")
     text = "<|im_start|>user\nWhat is the capital of France? Paris, ünïcödé 🙂<|im_end|>"
     assert ours.encode(text) == theirs.encode(text) == engine.tokenizer.encode(text)
     ids = theirs.encode(text)

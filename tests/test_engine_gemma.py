@@ -121,6 +121,7 @@ def test_gemma3_from_the_cache_keeps_its_stacks_and_decodes_the_same(gemma, gemm
     monkeypatch.setattr(engine_module, "read_model", lambda *a, **k: pytest.fail("converted again"))
     cached = Engine.from_gguf(gemma3_path(), cache_dir=gemma_cache)
     stacks = 0
+    assert len(cached.layers) == len(gemma.layers)
     for ours, theirs in zip(gemma.layers, cached.layers):
         for name, weight in ours.items():
             assert type(theirs[name]) is type(weight), name

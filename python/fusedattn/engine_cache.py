@@ -73,8 +73,11 @@ def _load_tokenizer(folder: str):
     tokenizers-backed class is loaded as itself: AutoTokenizer would give the
     same class after importing transformers' registry of every model (0.4 s of
     a command's start)."""
-    with open(os.path.join(folder, "tokenizer_config.json")) as f:
-        name = json.load(f).get("tokenizer_class")
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class")
+    except FileNotFoundError:  # tokenizer.json alone: AutoTokenizer reads it
+        name = None
     if name == "TokenizersBackend":
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
