@@ -14,8 +14,9 @@ def tiny_engine(sliding_window: int = 0, context: int = 2048, seed: int = 0, hea
     """2 layers (the first sliding where sliding_window > 0), 4 query and 2 KV
     heads of head_dim, a 256-token vocabulary; float32 on the CPU, the engine's
     default dtype elsewhere. The weights do not depend on the device. blocks:
-    the matrices (the embedding too) quantised to that GGUF format; value_blocks:
-    Q|K|V's V rows in this other one (a BlockStack, as Gemma 3's file has it)."""
+    the matrices (the embedding too) quantised to that GGUF format; value_blocks
+    (with blocks): Q|K|V's V rows in this other one (a BlockStack, as Gemma 3's
+    file has it)."""
     config = ModelConfig(arch="gemma3" if sliding_window else "llama", layers=2, hidden=64, ffn=96, heads=4,
                          kv_heads=2, head_dim=head_dim, vocab=256, rope_base=10000.0, norm_eps=1e-6, context=context,
                          sliding_window=sliding_window, global_every=2 if sliding_window else 0,
@@ -34,12 +35,15 @@ def tiny_engine(sliding_window: int = 0, context: int = 2048, seed: int = 0, hea
             f"{b}.qkv": rand((c.heads + 2 * c.kv_heads) * c.head_dim, c.hidden),
             f"{b}.out": rand(c.hidden, c.heads * c.head_dim), f"{b}.gate_up": rand(2 * c.ffn, c.hidden),
             f"{b}.down": rand(c.hidden, c.ffn)})
+    qk_rows = (c.heads + c.kv_heads) * c.head_dim
+
+    def quantized(name, w):
+        if w.dim() != 2:
+            return w
+        if value_blocks and name.endswith(".qkv"):  # Q's and K's rows in `blocks`, V's in `value_blocks`
+            return stack_blocks([quantize(w[:qk_rows], blocks), quantize(w[qk_rows:], value_blocks)])
+        return quantize(w, blocks)
+
     if blocks:
-        weights = {name: quantize(w, blocks) if w.dim() == 2 else w for name, w in weights.items()}
-    if value_blocks:
-        for i in range(c.layers):
-            qk_rows = (c.heads + c.kv_heads) * c.head_dim
-            qkv = weights[f"blk.{i}.qkv"].dequantize() if blocks else weights[f"blk.{i}.qkv"]
-            weights[f"blk.{i}.qkv"] = stack_blocks([quantize(qkv[:qk_rows], blocks or "q8_0"),
-                                                   quantize(qkv[qk_rows:], value_blocks)])
+        weights = {name: quantized(name, w) for name, w in weights.items()}
     return Engine(config, weights, device=device)
