@@ -39,8 +39,8 @@
 # lab/ab_ncu_case.py SHAPE (e.g. d=128,N=8192,causal=1,dtype=bfloat16) under
 # Nsight Compute at the GPU's base clock (--clock-control base), where boost
 # clocks that move a row's rate 5-10% between runs do not reach: OUTDIR/ncu.md,
-# each version's median kernel time and instructions per shape, and the ratio
-# to the first.
+# each version's median kernel time and instructions per shape, the ratio to
+# the first, and where its warps stalled (cycles per issued instruction).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: lab/ab_bench.sh export REF... | run OUTDIR [--rounds R] [bench args] [--and bench args]... | grid OUTDIR [args] | ncu OUTDIR SHAPE...}
@@ -131,7 +131,7 @@ if [ "$mode" = ncu ]; then
     # Every launch of the forward kernels (sm90_forward_kernel, forward_kernel):
     # the table keeps the profiled calls of each shape, the warm-up ones dropped.
     (cd /tmp && timeout 300 ncu --clock-control base --print-units base --kernel-name regex:'forward_kernel' --csv \
-      --metrics gpu__time_duration.sum,smsp__inst_executed.sum python3 "$case_py" "$@") \
+      --metrics "$(python3 lab/ab_ncu_table.py --metrics)" python3 "$case_py" "$@") \
       > "$csv_dir/$name.csv" 2> "$csv_dir/$name.err" || { tail -5 "$csv_dir/$name.err"; echo "ab_bench: $name: ncu failed"; }
   done
   python3 lab/ab_ncu_table.py "$csv_dir" "$@" > "$out/ncu.md"
