@@ -43,20 +43,21 @@
 
 namespace fusedattn::cuda {
 
-template <int HeadDim, int BlockN, typename T, bool Banded, MaskKind Mask, bool Capped>
+template <int HeadDim, int BlockN, typename T, BandSides Sides, MaskKind Mask, bool Capped>
 __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 1)
     sm90_forward_kernel(const __grid_constant__ Sm90ForwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and setmaxnreg exist only in sm_90a code
   using Tr = Sm90ForwardTraits<HeadDim, BlockN>;
+  constexpr bool kBanded = Sides != BandSides::kNone;
   using Ring = RingPhases<Tr::kStages>;
   constexpr int kBlockN = Tr::kBlockN, kNTiles = kBlockN / 8, kDTiles = HeadDim / 8;
-  constexpr bool kPersistent = sm90_forward_persistent(HeadDim, Banded);
+  constexpr bool kPersistent = sm90_forward_persistent(HeadDim, kBanded);
   constexpr bool kHasMask = Mask != MaskKind::None;
 
   extern __shared__ unsigned char smem_raw[];
   const Sm90ForwardSmem<Tr> smem(smem_raw);
   const ForwardParams& p = args.p;
-  const Sm90ForwardScheduler<Tr::kBlockM, kBlockN, Banded, kHasMask> scheduler(args.order, p);
+  const Sm90ForwardScheduler<Tr::kBlockM, kBlockN, kBanded, kHasMask> scheduler(args.order, p);
   Ring ring;
 
   if (threadIdx.x == 0) smem.init_barriers();
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
   const int g = lane / 4, t = lane % 4;
   const int warp_row = warp * 16;  // this warp's rows within the warpgroup's 64
   const Sm90ForwardMma<HeadDim, T, Tr> mma{smem, consumer};
-  const Sm90ForwardSoftmax<kBlockN, T, Banded, Mask, Capped> softmax{
+  const Sm90ForwardSoftmax<kBlockN, T, Sides, Mask, Capped> softmax{
       p, SoftCap::of(p), warp_row, g, t, scheduler.seqlen_q};
 
   float acc[kDTiles][4];
@@ -198,19 +199,20 @@ __global__ void __launch_bounds__(Sm90ForwardTraits<HeadDim, BlockN>::kThreads, 
 #endif
 }
 
-template <int HeadDim, int BlockN, typename T, bool Banded, MaskKind Mask, bool Capped>
+template <int HeadDim, int BlockN, typename T, BandSides Sides, MaskKind Mask, bool Capped>
 void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
   using Tr = Sm90ForwardTraits<HeadDim, BlockN>;
-  auto kernel = sm90_forward_kernel<HeadDim, BlockN, T, Banded, Mask, Capped>;
+  constexpr bool kBanded = Sides != BandSides::kNone;
+  auto kernel = sm90_forward_kernel<HeadDim, BlockN, T, Sides, Mask, Capped>;
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   Sm90ForwardArgs launch_args = args;
-  launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), Banded);
+  launch_args.order = make_query_block_order(args.p.shape, Tr::kBlockM, sizeof(T), kBanded);
   if constexpr (Mask != MaskKind::None) sort_mask_into_tiles(args.p, Tr::kBlockM, Tr::kBlockN, stream);
   // Persistent: the plan's resident blocks at most (one per SM), each taking
   // items from the counter, zeroed here; else a block per item.
   const VarlenParams& varlen = args.p.varlen;
   int64_t blocks = grid_blocks(launch_args.order, varlen.on(), varlen.query_items, args.p.shape.heads_q);
-  if constexpr (sm90_forward_persistent(HeadDim, Banded)) {
+  if constexpr (sm90_forward_persistent(HeadDim, kBanded)) {
     if (blocks > plan.resident_blocks) {
       blocks = plan.resident_blocks;
       FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(args.p.work_counter, 0, sizeof(unsigned), stream));
@@ -223,32 +225,39 @@ void launch_sm90_forward_kernel(const Sm90ForwardArgs& args, const Plan& plan, c
 // The plan's tile width and persistence (plan.cu chose them with tile_size.h,
 // and encoded the K/V tensor maps' boxes for that width); a plan with no
 // instantiation here is a planner bug.
-template <int HeadDim, typename Element, bool Banded, MaskKind Mask, bool Capped>
+template <int HeadDim, typename Element, BandSides Sides, MaskKind Mask, bool Capped>
 void launch_planned_sm90_forward(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
-  constexpr int kShortN = sm90_forward_block_n(HeadDim, Banded, Mask != MaskKind::None, 0);
-  constexpr int kLongN = sm90_forward_block_n(HeadDim, Banded, Mask != MaskKind::None, kSm90CausalWideTileKeys);
-  if (plan.persistent != sm90_forward_persistent(HeadDim, Banded) || (plan.persistent && plan.resident_blocks < 1))
+  constexpr bool kBanded = Sides != BandSides::kNone;
+  constexpr int kShortN = sm90_forward_block_n(HeadDim, kBanded, Mask != MaskKind::None, 0);
+  constexpr int kLongN = sm90_forward_block_n(HeadDim, kBanded, Mask != MaskKind::None, kSm90CausalWideTileKeys);
+  if (plan.persistent != sm90_forward_persistent(HeadDim, kBanded) || (plan.persistent && plan.resident_blocks < 1))
     throw_planner_bug("the sm90 forward's persistence is fixed per head dim and band, with resident blocks");
   if (plan.block_n == kLongN)
-    launch_sm90_forward_kernel<HeadDim, kLongN, Element, Banded, Mask, Capped>(args, plan, stream);
+    launch_sm90_forward_kernel<HeadDim, kLongN, Element, Sides, Mask, Capped>(args, plan, stream);
   else if (plan.block_n == kShortN)
-    launch_sm90_forward_kernel<HeadDim, kShortN, Element, Banded, Mask, Capped>(args, plan, stream);
+    launch_sm90_forward_kernel<HeadDim, kShortN, Element, Sides, Mask, Capped>(args, plan, stream);
   else
     throw_planner_bug("no sm90 forward of " + std::to_string(plan.block_n) + "-key tiles");
 }
 
 // Soft-capped calls have their own kernels, without attn_mask, at the capped
-// head dims (the planner sends the others to sm80).
+// head dims (the planner sends the others to sm80). Without attn_mask a causal
+// call runs a kernel that tests the band's right side alone: the left side's
+// code in the tile loop cost the d=128 causal rows 2-6%. Under attn_mask one
+// kernel tests both sides (the masked variants stay one per band).
 template <int HeadDim, typename Element>
 void launch_forward_sm90(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
   const ForwardParams& p = args.p;
   auto with_band = [&](auto mask, auto capped) {
     constexpr MaskKind kMask = decltype(mask)::value;
     constexpr bool kCapped = decltype(capped)::value;
-    if (p.banded())
-      launch_planned_sm90_forward<HeadDim, Element, true, kMask, kCapped>(args, plan, stream);
-    else
-      launch_planned_sm90_forward<HeadDim, Element, false, kMask, kCapped>(args, plan, stream);
+    BandSides sides = band_sides(p);
+    if (kMask != MaskKind::None && sides == BandSides::kRight) sides = BandSides::kBoth;
+    with_band_sides(sides, [&](auto s) {
+      constexpr BandSides kSides = decltype(s)::value;
+      if constexpr (kMask == MaskKind::None || kSides != BandSides::kRight)
+        launch_planned_sm90_forward<HeadDim, Element, kSides, kMask, kCapped>(args, plan, stream);
+    });
   };
   using Unmasked = std::integral_constant<MaskKind, MaskKind::None>;
   if (p.softcap > 0.0f) {

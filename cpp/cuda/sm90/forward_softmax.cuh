@@ -16,11 +16,13 @@
 
 namespace fusedattn::cuda {
 
-// Mask: attn_mask's kind; Capped: soft-capping on (SoftCap); both fixed at
-// compile time (a run-time choice of either made the consumers spill).
-template <int BlockN, typename T, bool Banded, MaskKind Mask, bool Capped>
+// Sides: the band's sides the kernel tests; Mask: attn_mask's kind; Capped:
+// soft-capping on (SoftCap); all fixed at compile time (a run-time choice of
+// the mask or the cap made the consumers spill).
+template <int BlockN, typename T, BandSides Sides, MaskKind Mask, bool Capped>
 struct Sm90ForwardSoftmax {
   static constexpr int kNTiles = BlockN / 8;
+  static constexpr bool kBanded = Sides != BandSides::kNone, kLeftSide = Sides == BandSides::kBoth;
   const ForwardParams& p;
   SoftCap cap;  // its scale_log2 takes a raw (or, Capped, capped) score to base-2 units
   int warp_row, g, t;  // this warp's first row in its warpgroup's 64; the thread's MMA row and column groups
@@ -73,8 +75,8 @@ struct Sm90ForwardSoftmax {
     const int col0 = MaskTiles::tile_of(entry) * BlockN;
     // The band's left side cuts only a window's tiles: causal calls test
     // their diagonal tiles on the right alone.
-    const bool cuts_left = Banded && it.band.cuts_left(wg_row0, 64, col0);
-    if (cuts_left || col0 + BlockN > it.key_end || (Banded && it.band.cuts_right(wg_row0, col0, BlockN))) {
+    const bool cuts_left = kLeftSide && it.band.cuts_left(wg_row0, 64, col0);
+    if (cuts_left || col0 + BlockN > it.key_end || (kBanded && it.band.cuts_right(wg_row0, col0, BlockN))) {
       // Row h of this thread sees tile columns [first[h], last[h]]: the keys
       // before the end and (banded) inside the band. Subtracting the
       // thread's column 2t once leaves compile-time offsets in the loop.
@@ -84,10 +86,8 @@ struct Sm90ForwardSoftmax {
         const int row = wg_row0 + warp_row + g + 8 * h;
         last[h] = it.key_end - col0 - 1;
         first[h] = 0;
-        if (Banded) {
-          last[h] = min(last[h], row + it.band.upper - col0);
-          first[h] = row + it.band.lower - col0;
-        }
+        if (kBanded) last[h] = min(last[h], row + it.band.upper - col0);
+        if (kLeftSide) first[h] = row + it.band.lower - col0;
         last[h] -= 2 * t;
         first[h] -= 2 * t;
       }
