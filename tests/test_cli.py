@@ -747,14 +747,24 @@ def test_plot_layout():
     plt.close(alone)
 
 
-def _write_gguf(path, fields: dict) -> None:
-    """A GGUF file (version 3) of string or uint32 metadata and no tensors."""
+def _gguf_value(v) -> bytes:
+    """A metadata value's type and bytes: a string, a uint32, or an array of either (or of arrays)."""
     def string(text):
         data = text.encode()
         return struct.pack("<Q", len(data)) + data
 
-    body = b"".join(string(k) + (struct.pack("<I", 8) + string(v) if isinstance(v, str)
-                                 else struct.pack("<II", 4, v)) for k, v in fields.items())
+    if isinstance(v, str):
+        return struct.pack("<I", 8) + string(v)
+    if isinstance(v, int):
+        return struct.pack("<II", 4, v)
+    items = [_gguf_value(x) for x in v]
+    kind = items[0][:4] if items else struct.pack("<I", 4)
+    return struct.pack("<I", 9) + kind + struct.pack("<Q", len(v)) + b"".join(x[4:] for x in items)
+
+
+def _write_gguf(path, fields: dict) -> None:
+    """A GGUF file (version 3) of string, uint32 or array metadata and no tensors."""
+    body = b"".join(_gguf_value(k)[4:] + _gguf_value(v) for k, v in fields.items())
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields)) + body)
 
 
@@ -769,6 +779,27 @@ def test_gguf_metadata_reads_the_header(tmp_path):
     (tmp_path / "no.gguf").write_bytes(b"not a model")
     with pytest.raises(ValueError, match="not a GGUF file"):
         gguf_metadata(str(tmp_path / "no.gguf"))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 13, 1 << 22])
+def test_gguf_metadata_walks_past_arrays_in_any_chunk(tmp_path, monkeypatch, chunk):
+    """The header is read in chunks and parsed from memory: a value wanted after a tokenizer's
+    string arrays (and arrays of arrays, and of integers) is found whatever chunk boundary the
+    walk crosses, and a header cut short says so."""
+    from fusedattn import gguf_models
+
+    monkeypatch.setattr(gguf_models._Header, "_CHUNK", chunk)
+    tokens = [f"tok{i}" * (i % 7) for i in range(3000)]
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, {"general.architecture": "llama", "tokenizer.ggml.tokens": tokens,
+                       "tokenizer.ggml.token_type": list(range(3000)), "nested": [["a", "bc"], [], ["d"]],
+                       "llama.context_length": 8192, "general.name": "ünï"})
+    assert gguf_models.gguf_metadata(str(path), ("llama.context_length", "general.name")) == {
+        "llama.context_length": 8192, "general.name": "ünï"}
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(ValueError, match="the GGUF header ends early"):
+        gguf_models.gguf_metadata(str(cut), ("general.name",))
 
 
 def test_generate_user_errors(capsys, no_run, tmp_path):

@@ -3,6 +3,8 @@
 import io
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -217,6 +219,13 @@ def test_a_cached_model_loads_without_converting_and_decodes_the_same(engine, tm
     assert isinstance(cached.layers[0]["qkv"], BlockWeight) and cached.lm_head is cached.embed
     assert run(cached, PROMPTS, max_new_tokens=8) == run(engine, PROMPTS, max_new_tokens=8)
     assert cached.chat_prompt("Hi") == engine.chat_prompt("Hi")
+    # A fresh process's cached start imports no transformers (whose import costs a start ~0.5 s).
+    code = ("import sys; from fusedattn.engine import Engine, smollm2_path; e = Engine.from_gguf(smollm2_path(), "
+            "cache_dir=sys.argv[1]); print(e.chat_prompt('Hi there'), 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         check=True).stdout
+    ids, imported = out.strip().rsplit(" ", 1)
+    assert imported == "False" and ids == str(engine.chat_prompt("Hi there"))
 
 
 def test_on_the_cpu_the_engine_keeps_the_files_blocks_and_they_are_gguf_pys_values(engine):
@@ -261,32 +270,52 @@ def test_rotary_tables_grow_with_the_positions_and_keep_their_bits(engine):
         engine.rotations = saved
 
 
-def test_the_cache_loads_the_tokenizer_as_transformers_would(engine, tmp_path, monkeypatch):
-    """A tokenizer saved as transformers' generic tokenizers-backed class is loaded as that
-    class without AutoTokenizer (whose import of every model's module costs a start 0.4 s),
-    and it is AutoTokenizer's tokenizer: same class, ids, text and chat template."""
-    import importlib.util
+def test_the_cache_loads_the_tokenizer_without_transformers_and_as_transformers_would(engine, tmp_path):
+    """A tokenizer transformers saved as its generic tokenizers-backed class loads as
+    fusedattn.tokenizer.SavedTokenizer, and it is AutoTokenizer's tokenizer of the same folder:
+    ids, text, chat template renderings and special tokens; another class, or a configuration it
+    does not reproduce, goes to transformers."""
+    import json
 
-    if importlib.util.find_spec("transformers.tokenization_utils_tokenizers") is None:
-        pytest.skip("transformers 4.x saves each tokenizer's own class: AutoTokenizer loads it")
     from transformers import AutoTokenizer
 
     from fusedattn.engine_cache import _load_tokenizer
+    from fusedattn.tokenizer import SavedTokenizer
 
     folder = tmp_path / "tokenizer"
     engine.tokenizer.save_pretrained(folder)
-    with monkeypatch.context() as m:
-        m.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("went through AutoTokenizer"))
-        ours = _load_tokenizer(str(folder))
-    theirs = AutoTokenizer.from_pretrained(folder)
-    assert type(ours).__name__ == "TokenizersBackend" and type(ours) is type(theirs)
-    (folder / "tokenizer_config.json").unlink()  # tokenizer.json alone: through AutoTokenizer
-    assert _load_tokenizer(str(folder)).encode("Hi there") == theirs.encode("Hi there")
-    text = "<|im_start|>user\nWhat is the capital of France? Paris, ünïcödé 🙂<|im_end|>"
-    assert ours.encode(text) == theirs.encode(text) == engine.tokenizer.encode(text)
-    ids = theirs.encode(text)
-    assert ours.decode(ids) == theirs.decode(ids)
-    messages = [{"role": "user", "content": "Hi"}]
-    assert ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
-        theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-    assert (ours.eos_token_id, ours.unk_token_id) == (theirs.eos_token_id, theirs.unk_token_id)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    if config.get("tokenizer_class") != "TokenizersBackend":
+        pytest.skip("transformers 4.x saves each tokenizer's own class: AutoTokenizer loads it")
+    ours, theirs = _load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder)
+    assert isinstance(ours, SavedTokenizer)
+    texts = ["Hi there", "", "  two  spaces\n\nand lines\t", "<|im_start|>user\nWhat is the capital of France? "
+             "Paris, ünïcödé 🙂<|im_end|>", "<|endoftext|>x<|im_end|>", "1234567 + 0.5e-3 = ?"]
+    for text in texts:
+        for special in (True, False):
+            ids = theirs.encode(text, add_special_tokens=special)
+            assert ours.encode(text, add_special_tokens=special) == ids, (text, special)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    conversations = [[{"role": "user", "content": "Hi"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                      {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3? ünï"}]]
+    for messages in conversations:
+        for prompt in (True, False):
+            assert ours.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False) == (
+                theirs.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False))
+    for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id", "eos_token", "pad_token"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.convert_tokens_to_ids(["<|im_end|>", "no-such-token"]) == (
+        theirs.convert_tokens_to_ids(["<|im_end|>", "no-such-token"]))
+    again = tmp_path / "again"
+    ours.save_pretrained(again)
+    assert isinstance(_load_tokenizer(str(again)), SavedTokenizer)
+    assert _load_tokenizer(str(again)).encode(texts[3]) == theirs.encode(texts[3])
+    for change in ({"tokenizer_class": "GemmaTokenizer"}, {"add_bos_token": True},
+                   {"clean_up_tokenization_spaces": True}):
+        (again / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
+        assert not isinstance(_load_tokenizer(str(again)), SavedTokenizer), change
+    (again / "tokenizer_config.json").unlink()  # tokenizer.json alone: through AutoTokenizer
+    assert _load_tokenizer(str(again)).encode("Hi there") == theirs.encode("Hi there")
+

@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from .tokenizer import load as load_saved_tokenizer
 from .gguf_blocks import BlockStack, BlockWeight
 
 __all__ = ["default_cache_dir", "load", "save"]
@@ -70,18 +71,12 @@ def load(cache_dir: str, path: str, dtype: torch.dtype, config_type):
 
 def _load_tokenizer(folder: str):
     """The tokenizer save_pretrained wrote to folder. transformers' generic
-    tokenizers-backed class is loaded as itself: AutoTokenizer would give the
-    same class after importing transformers' registry of every model (0.4 s of
-    a command's start)."""
-    try:
-        with open(os.path.join(folder, "tokenizer_config.json")) as f:
-            name = json.load(f).get("tokenizer_class")
-    except FileNotFoundError:  # tokenizer.json alone: AutoTokenizer reads it
-        name = None
-    if name == "TokenizersBackend":
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-        return TokenizersBackend.from_pretrained(folder)
+    tokenizers-backed class loads without transformers (fusedattn.tokenizer:
+    its import costs a command's start about 0.5 s); any other through
+    AutoTokenizer."""
+    saved = load_saved_tokenizer(folder)
+    if saved is not None:
+        return saved
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)

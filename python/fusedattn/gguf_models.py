@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import struct
 import threading
 
 import torch
@@ -66,13 +67,79 @@ _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
+class _Header:
+    """A GGUF file's header read in large chunks and parsed from memory: walking
+    past a tokenizer's 100K-string arrays costs milliseconds, not a read and a
+    seek per string."""
+
+    _CHUNK = 1 << 22
+
+    def __init__(self, f, path: str, order: str, count: str):
+        self.f, self.path, self.order = f, path, order
+        self.buf, self.pos = b"", 0
+        self.count = struct.Struct(order + count)
+
+    def need(self, n: int) -> None:
+        """Makes buf[pos:pos + n] hold the next n bytes."""
+        if self.pos + n <= len(self.buf):
+            return
+        if self.pos > len(self.buf):  # a skip went past what was read
+            self.f.seek(self.pos - len(self.buf), 1)
+            self.buf = b""
+        else:
+            self.buf = self.buf[self.pos:]
+        self.pos = 0
+        self.buf += self.f.read(max(n - len(self.buf), self._CHUNK))
+        if n > len(self.buf):
+            raise ValueError(f"{self.path}: the GGUF header ends early")
+
+    def value(self, fmt: str):
+        size = struct.calcsize(fmt)
+        self.need(size)
+        (v,) = struct.unpack_from(self.order + fmt, self.buf, self.pos)
+        self.pos += size
+        return v
+
+    def length(self) -> int:
+        self.need(self.count.size)
+        (n,) = self.count.unpack_from(self.buf, self.pos)
+        self.pos += self.count.size
+        return n
+
+    def string(self) -> str:
+        n = self.length()
+        self.need(n)
+        self.pos += n
+        return self.buf[self.pos - n:self.pos].decode("utf-8", "replace")
+
+    def skip(self, kind: int) -> None:
+        if kind in _GGUF_SCALARS:
+            self.pos += struct.calcsize(_GGUF_SCALARS[kind])
+        elif kind == _GGUF_STRING:
+            n = self.length()  # read before pos is: length() moves it
+            self.pos += n
+        elif kind == _GGUF_ARRAY:
+            item, n = self.value("I"), self.length()
+            if item in _GGUF_SCALARS:
+                self.pos += n * struct.calcsize(_GGUF_SCALARS[item])
+            elif item == _GGUF_STRING:  # a tokenizer's vocabulary and merges: the loop kept tight
+                size, unpack = self.count.size, self.count.unpack_from
+                for _ in range(n):
+                    if self.pos + size > len(self.buf):
+                        self.need(size)
+                    self.pos += size + unpack(self.buf, self.pos)[0]
+            else:
+                for _ in range(n):
+                    self.skip(item)
+        else:
+            raise ValueError(f"{self.path}: unknown GGUF value type {kind}")
+
+
 def gguf_metadata(path: str, keys: tuple[str, ...] = ("general.architecture",)) -> dict:
     """The scalar and string metadata values named by ``keys`` that the GGUF
     file at ``path`` holds, read from its header without loading the tensors
     (the check that runs before a load). Raises ValueError when the file is not
     a GGUF file."""
-    import struct
-
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8 or head[:4] != b"GGUF":
@@ -81,43 +148,17 @@ def gguf_metadata(path: str, keys: tuple[str, ...] = ("general.architecture",)) 
         # reads its version byte-swapped.
         order = "<" if struct.unpack("<I", head[4:])[0] < 0x10000 else ">"
         version = struct.unpack(order + "I", head[4:])[0]
-        count = "I" if version == 1 else "Q"
-
-        def read(fmt: str):
-            fmt = order + fmt
-            data = f.read(struct.calcsize(fmt))
-            if len(data) < struct.calcsize(fmt):
-                raise ValueError(f"{path}: the GGUF header ends early")
-            return struct.unpack(fmt, data)[0]
-
-        def string() -> str:
-            return f.read(read(count)).decode("utf-8", "replace")
-
-        def skip(kind: int) -> None:
-            if kind in _GGUF_SCALARS:
-                f.seek(struct.calcsize(_GGUF_SCALARS[kind]), 1)
-            elif kind == _GGUF_STRING:
-                f.seek(read(count), 1)
-            elif kind == _GGUF_ARRAY:
-                item, n = read("I"), read(count)
-                if item in _GGUF_SCALARS:
-                    f.seek(n * struct.calcsize(_GGUF_SCALARS[item]), 1)
-                else:
-                    for _ in range(n):
-                        skip(item)
-            else:
-                raise ValueError(f"{path}: unknown GGUF value type {kind}")
-
-        read(count)  # tensor count
+        header = _Header(f, path, order, "I" if version == 1 else "Q")
+        header.length()  # tensor count
         found: dict = {}
-        for _ in range(read(count)):
-            key, kind = string(), read("I")
+        for _ in range(header.length()):
+            key, kind = header.string(), header.value("I")
             if key in keys and kind in _GGUF_SCALARS:
-                found[key] = read(_GGUF_SCALARS[kind])
+                found[key] = header.value(_GGUF_SCALARS[kind])
             elif key in keys and kind == _GGUF_STRING:
-                found[key] = string()
+                found[key] = header.string()
             else:
-                skip(kind)
+                header.skip(kind)
             if len(found) == len(keys):
                 break
     return found
