@@ -122,8 +122,11 @@ if [ "$mode" = ncu ]; then
   command -v ncu > /dev/null 2>&1 || { echo "ab_bench: ncu not found"; exit 1; }
   [ -d .ab ] || { echo "ab_bench: no .ab folder (lab/ab_bench.sh export REF... here, then carry .ab)"; exit 2; }
   case_py="$PWD/lab/ab_ncu_case.py"
-  csv_dir=$(mktemp -d)
-  trap 'rm -rf "$csv_dir"' EXIT
+  csv_dir="$out/csv"  # kept: a table that reads wrong is checked against them
+  mkdir -p "$csv_dir"
+  # Named here, not in the subshell below: from /tmp the relative path finds
+  # nothing, and ncu given no metrics collects its default sections instead.
+  metrics=$(python3 lab/ab_ncu_table.py --metrics) || exit 1
   python3 -m pip uninstall -y -q fusedattn > /dev/null 2>&1
   for dir in .ab/*/; do
     name=$(basename "$dir")
@@ -131,7 +134,7 @@ if [ "$mode" = ncu ]; then
     # Every launch of the forward kernels (sm90_forward_kernel, forward_kernel):
     # the table keeps the profiled calls of each shape, the warm-up ones dropped.
     (cd /tmp && timeout 300 ncu --clock-control base --print-units base --kernel-name regex:'forward_kernel' --csv \
-      --metrics "$(python3 lab/ab_ncu_table.py --metrics)" python3 "$case_py" "$@") \
+      --metrics "$metrics" python3 "$case_py" "$@") \
       > "$csv_dir/$name.csv" 2> "$csv_dir/$name.err" || { tail -5 "$csv_dir/$name.err"; echo "ab_bench: $name: ncu failed"; }
   done
   python3 lab/ab_ncu_table.py "$csv_dir" "$@" > "$out/ncu.md"

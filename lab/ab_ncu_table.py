@@ -40,7 +40,11 @@ def launches(text):
         return []
     by_id = {}
     for row in csv.DictReader(io.StringIO(text[start:])):
-        by_id.setdefault(int(row["ID"]), {})[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+        value = row["Metric Value"].replace(",", "")
+        try:  # a metric this GPU or ncu does not collect reads "" or "n/a": left out
+            by_id.setdefault(int(row["ID"]), {})[row["Metric Name"]] = float(value)
+        except ValueError:
+            by_id.setdefault(int(row["ID"]), {})
     return [by_id[i] for i in sorted(by_id)]
 
 
@@ -52,6 +56,9 @@ def table(csv_dir, shapes, calls):
         found = launches(path.read_text())
         if not found or len(found) % len(shapes):
             problems.append(f"{path.stem}: {len(found)} launches for {len(shapes)} shape(s)")
+            continue
+        if not all(TIME in m and INSTRUCTIONS in m for m in found):
+            problems.append(f"{path.stem}: launches without {TIME} or {INSTRUCTIONS} (were the metrics passed?)")
             continue
         per_shape = len(found) // len(shapes)
         for s, shape in enumerate(shapes):

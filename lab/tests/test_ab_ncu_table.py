@@ -52,3 +52,16 @@ def test_stalls_median_per_reason_largest_first(tmp_path):
     first = lines.index("| reason | 01-base | 02-new |")
     assert lines[first + 2] == "| no_instruction | 2.200 | 0.500 |"  # the base's largest first
     assert lines[first + 3] == "| wait | 1.100 | 1.500 |"
+
+
+def test_a_csv_of_other_metrics_is_reported(tmp_path):
+    # ncu run without --metrics writes its default sections: no time to read.
+    lines = ["==PROF== Connected to process 1", HEADER]
+    for i in range(3):
+        lines.append(f'"{i}","1","python3","host","sm90_forward_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0",'
+                     f'"GPU Speed Of Light Throughput","Duration","ns","1,000"')
+    (tmp_path / "01-base.csv").write_text("\n".join(lines) + "\n")
+    rows, _, problems = ab_ncu_table.table(tmp_path, ["d=128,N=8192"], calls=3)
+    assert rows == {"d=128,N=8192": {}}
+    assert problems == ["01-base: launches without gpu__time_duration.sum or smsp__inst_executed.sum "
+                        "(were the metrics passed?)"]
