@@ -124,6 +124,7 @@ if [ "$mode" = ncu ]; then
   case_py="$PWD/lab/ab_ncu_case.py"
   csv_dir="$out/csv"  # kept: a table that reads wrong is checked against them
   mkdir -p "$csv_dir"
+  rm -f "$csv_dir"/*.csv "$csv_dir"/*.err  # a version that fails to build leaves no older run's behind
   # Named here, not in the subshell below: from /tmp the relative path finds
   # nothing, and ncu given no metrics collects its default sections instead.
   metrics=$(python3 lab/ab_ncu_table.py --metrics) || exit 1

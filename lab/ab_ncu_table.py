@@ -30,7 +30,7 @@ def stall_metric(reason):
     return f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio"
 
 
-METRICS = (TIME, INSTRUCTIONS, "smsp__cycles_active.avg") + tuple(stall_metric(r) for r in STALLS)
+METRICS = (TIME, INSTRUCTIONS) + tuple(stall_metric(r) for r in STALLS)
 
 
 def launches(text):

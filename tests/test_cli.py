@@ -747,25 +747,27 @@ def test_plot_layout():
     plt.close(alone)
 
 
-def _gguf_value(v) -> bytes:
-    """A metadata value's type and bytes: a string, a uint32, or an array of either (or of arrays)."""
+def _gguf_value(v, order="<", count="Q") -> bytes:
+    """A metadata value's type and bytes: a string, a uint32, or an array of either (or of arrays);
+    `order` the byte order, `count` the format of lengths (32-bit in version 1)."""
     def string(text):
         data = text.encode()
-        return struct.pack("<Q", len(data)) + data
+        return struct.pack(order + count, len(data)) + data
 
     if isinstance(v, str):
-        return struct.pack("<I", 8) + string(v)
+        return struct.pack(order + "I", 8) + string(v)
     if isinstance(v, int):
-        return struct.pack("<II", 4, v)
-    items = [_gguf_value(x) for x in v]
-    kind = items[0][:4] if items else struct.pack("<I", 4)
-    return struct.pack("<I", 9) + kind + struct.pack("<Q", len(v)) + b"".join(x[4:] for x in items)
+        return struct.pack(order + "II", 4, v)
+    items = [_gguf_value(x, order, count) for x in v]
+    kind = items[0][:4] if items else struct.pack(order + "I", 4)
+    return struct.pack(order + "I", 9) + kind + struct.pack(order + count, len(v)) + b"".join(x[4:] for x in items)
 
 
-def _write_gguf(path, fields: dict) -> None:
-    """A GGUF file (version 3) of string, uint32 or array metadata and no tensors."""
-    body = b"".join(_gguf_value(k)[4:] + _gguf_value(v) for k, v in fields.items())
-    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields)) + body)
+def _write_gguf(path, fields: dict, order="<", version=3) -> None:
+    """A GGUF file of string, uint32 or array metadata and no tensors."""
+    count = "I" if version == 1 else "Q"
+    body = b"".join(_gguf_value(k, order, count)[4:] + _gguf_value(v, order, count) for k, v in fields.items())
+    path.write_bytes(b"GGUF" + struct.pack(order + "I" + 2 * count, version, 0, len(fields)) + body)
 
 
 def test_gguf_metadata_reads_the_header(tmp_path):
@@ -781,11 +783,13 @@ def test_gguf_metadata_reads_the_header(tmp_path):
         gguf_metadata(str(tmp_path / "no.gguf"))
 
 
+@pytest.mark.parametrize("order,version", [("<", 3), (">", 3), ("<", 1)])
 @pytest.mark.parametrize("chunk", [1, 5, 13, 1 << 22])
-def test_gguf_metadata_walks_past_arrays_in_any_chunk(tmp_path, monkeypatch, chunk):
+def test_gguf_metadata_walks_past_arrays_in_any_chunk(tmp_path, monkeypatch, chunk, order, version):
     """The header is read in chunks and parsed from memory: a value wanted after a tokenizer's
     string arrays (and arrays of arrays, and of integers) is found whatever chunk boundary the
-    walk crosses, and a header cut short says so."""
+    walk crosses, in either byte order and with version 1's 32-bit lengths, and a header cut
+    short says so."""
     from fusedattn import gguf_models
 
     monkeypatch.setattr(gguf_models._Header, "_CHUNK", chunk)
@@ -793,7 +797,7 @@ def test_gguf_metadata_walks_past_arrays_in_any_chunk(tmp_path, monkeypatch, chu
     path = tmp_path / "m.gguf"
     _write_gguf(path, {"general.architecture": "llama", "tokenizer.ggml.tokens": tokens,
                        "tokenizer.ggml.token_type": list(range(3000)), "nested": [["a", "bc"], [], ["d"]],
-                       "llama.context_length": 8192, "general.name": "ünï"})
+                       "llama.context_length": 8192, "general.name": "ünï"}, order, version)
     assert gguf_models.gguf_metadata(str(path), ("llama.context_length", "general.name")) == {
         "llama.context_length": 8192, "general.name": "ünï"}
     cut = tmp_path / "cut.gguf"

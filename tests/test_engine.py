@@ -319,3 +319,90 @@ def test_the_cache_loads_the_tokenizer_without_transformers_and_as_transformers_
     (again / "tokenizer_config.json").unlink()  # tokenizer.json alone: through AutoTokenizer
     assert _load_tokenizer(str(again)).encode("Hi there") == theirs.encode("Hi there")
 
+
+
+def test_the_saved_tokenizer_matches_transformers_on_templates_and_special_tokens(engine, tmp_path):
+    """Beyond SmolLM2's own files: a template using the sandbox's globals and filters, a
+    post-processor that adds a BOS token, conversations it hands to transformers (extra keys,
+    None content, empty, tokenize=True), a namespace attribute the sandbox refuses, and folders
+    it must leave to transformers (truncation or padding set, a special token not marked
+    special, one given as a dict, the older special-token files)."""
+    import json
+
+    import jinja2
+    from transformers import AutoTokenizer
+
+    from fusedattn.tokenizer import SavedTokenizer, load
+
+    folder = tmp_path / "tokenizer"
+    engine.tokenizer.save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    if config.get("tokenizer_class") != "TokenizersBackend":
+        pytest.skip("transformers 4.x saves each tokenizer's own class: AutoTokenizer loads it")
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["post_processor"] = {"type": "TemplateProcessing",
+                              "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1],
+                                                                  "tokens": ["<|im_start|>"]}}}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    (folder / "chat_template.jinja").write_text(
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'bad' %}"
+        "{{ raise_exception('no bad roles') }}{% endif %}{% if loop.index > 3 %}{% break %}{% endif %}"
+        "{% set ns.n = ns.n + 1 %}{{ bos_token }}{{ m.role }}:{% generation %}{{ m.content | tojson }}"
+        "{% endgeneration %}{{ eos_token }}\n{% endfor %}{{ dict(a=1) | tojson }} {{ ns.n }}"
+        "{% if add_generation_prompt %}assistant:{% endif %}")
+    ours, theirs = load(str(folder)), AutoTokenizer.from_pretrained(folder)
+    assert isinstance(ours, SavedTokenizer)
+    for special in (True, False):
+        assert ours.encode("Hi there", add_special_tokens=special) == theirs.encode("Hi there",
+                                                                                  add_special_tokens=special)
+    assert ours.encode("Hi", add_special_tokens=True)[0] == 1 != ours.encode("Hi", add_special_tokens=False)[0]
+    talk = [{"role": r, "content": f'say "{r}" ünï'} for r in ("system", "user", "assistant", "user", "user")]
+    for prompt in (True, False):
+        assert ours.apply_chat_template(talk, add_generation_prompt=prompt, tokenize=False) == (
+            theirs.apply_chat_template(talk, add_generation_prompt=prompt, tokenize=False))
+    for bad in ([{"role": "bad", "content": "x"}], [{"role": "user", "content": "x", "name": "y"}],
+                [{"role": "user", "content": None}], []):
+        try:
+            expected = theirs.apply_chat_template(bad, tokenize=False)
+        except Exception as e:  # the same error, from the same place
+            with pytest.raises(type(e)):
+                ours.apply_chat_template(bad, tokenize=False)
+        else:
+            assert ours.apply_chat_template(bad, tokenize=False) == expected
+    assert ours.apply_chat_template(talk) == theirs.apply_chat_template(talk)  # tokenize=True
+    (folder / "chat_template.jinja").write_text("{% set ns = namespace() %}{% set ns._x = 1 %}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        load(str(folder)).apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+
+    def refused(edit_spec=None, edit_config=None, extra_file=None):
+        case = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        engine.tokenizer.save_pretrained(case)
+        s, c = json.loads((case / "tokenizer.json").read_text()), dict(config)
+        if edit_spec:
+            edit_spec(s)
+        if edit_config:
+            edit_config(c)
+        (case / "tokenizer.json").write_text(json.dumps(s))
+        (case / "tokenizer_config.json").write_text(json.dumps(c))
+        if extra_file:
+            (case / extra_file).write_text("{}")
+        return load(str(case)) is None
+
+    def unmark(s):
+        for t in s["added_tokens"]:
+            if t["content"] == config["eos_token"]:
+                t["special"] = False
+
+    assert not refused()
+    assert refused(edit_spec=lambda s: s.update(truncation={"direction": "Right", "max_length": 5, "strategy":
+                                                            "LongestFirst", "stride": 0}))
+    assert refused(edit_spec=lambda s: s.update(padding={"strategy": "BatchLongest", "direction": "Right",
+                                                         "pad_to_multiple_of": None, "pad_id": 2, "pad_type_id": 0,
+                                                         "pad_token": "<|im_end|>"}))
+    assert refused(edit_spec=unmark)
+    assert refused(edit_config=lambda c: c.update(pad_token="<pad>"))  # not in the vocabulary
+    assert refused(edit_config=lambda c: c.update(eos_token={"__type": "AddedToken", "content": "<|im_end|>"}))
+    assert refused(extra_file="special_tokens_map.json") and refused(extra_file="added_tokens.json")

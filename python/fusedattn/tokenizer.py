@@ -5,10 +5,15 @@ jinja2 alone. Importing transformers costs a command's start about 0.5 s on a
 small CPU; the engine's cached models (engine_cache) load this instead.
 
 It gives what the engine and its server use of transformers' tokenizer, with
-the same results (tests/test_tokenizer.py compares them): ``encode``,
-``decode``, ``apply_chat_template`` of {role, content} messages, the special
-tokens' ids and ``save_pretrained``. ``load`` answers None for a folder whose
-configuration asks for anything more, and the caller goes to transformers.
+the same results (tests/test_engine.py compares them): ``encode``, ``decode``,
+``apply_chat_template`` of {role, content} string messages rendered to text,
+the special tokens' ids and ``save_pretrained``. Any other conversation, or
+tokenize=True, goes to transformers' tokenizer of the same folder, loaded then.
+``load`` answers None for a folder it would not read as transformers does
+(truncation or padding set, special tokens it does not mark as special, the
+older special-token files, a configuration key it does not know, jinja2 older
+than 3.1.6, whose sandbox has known escapes), and the caller goes to
+transformers.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import shutil
 from datetime import datetime
 
 _CONFIG, _TOKENIZER, _TEMPLATE = "tokenizer_config.json", "tokenizer.json", "chat_template.jinja"
+_OLDER_FILES = ("special_tokens_map.json", "added_tokens.json")  # transformers reads them; this class does not
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
 # The configuration keys whose meaning this class reproduces; any other key
 # (a normaliser flag, an added BOS, cleaning up spaces) sends the folder to
@@ -42,6 +48,7 @@ class SavedTokenizer:
             with open(template, encoding="utf-8") as f:
                 self.chat_template = f.read()
         self._compiled = None
+        self._transformers = None
 
     def __getattr__(self, name: str):
         # bos_token_id, eos_token_id, unk_token_id, pad_token_id, mask_token_id
@@ -70,14 +77,28 @@ class SavedTokenizer:
                             tokenize: bool = True):
         """The conversation rendered by the model's template as transformers
         renders it (jinja2's sandbox, blocks trimmed, loop controls,
-        raise_exception, strftime_now, tojson); its ids where tokenize."""
+        raise_exception, strftime_now, tojson, guarded dict and namespace).
+        Messages other than {role, content} strings, an empty conversation or
+        tokenize=True: transformers' own apply_chat_template."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
+        plain = bool(messages) and all(
+            type(m) is dict and set(m) == {"role", "content"} and all(type(x) is str for x in m.values())
+            for m in messages)
+        if not plain or tokenize:
+            return self._transformers_tokenizer().apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize)
         if self._compiled is None:
             self._compiled = _compile(self.chat_template)
-        text = self._compiled.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+        return self._compiled.render(messages=[dict(m) for m in messages], tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self._special)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _transformers_tokenizer(self):
+        if self._transformers is None:
+            from transformers import AutoTokenizer
+
+            self._transformers = AutoTokenizer.from_pretrained(self.folder)
+        return self._transformers
 
     def save_pretrained(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
@@ -89,18 +110,31 @@ class SavedTokenizer:
 
 def load(folder: str) -> SavedTokenizer | None:
     """The tokenizer transformers saved in folder as TokenizersBackend, or None
-    where it saved another class or a configuration this class does not
-    reproduce."""
+    where it saved another class or anything this class would read otherwise
+    than transformers does (the module's docstring lists what)."""
     try:
         with open(os.path.join(folder, _CONFIG), encoding="utf-8") as f:
             config = json.load(f)
+        with open(os.path.join(folder, _TOKENIZER), encoding="utf-8") as f:
+            spec = json.load(f)
     except FileNotFoundError:
         return None
+    special = {t.get("content") for t in spec.get("added_tokens", []) if t.get("special")}
+    named = [config.get(name) for name in _SPECIAL]
     if (config.get("tokenizer_class") != "TokenizersBackend" or set(config) - _UNDERSTOOD
             or config.get("clean_up_tokenization_spaces", False) or config.get("backend", "tokenizers") != "tokenizers"
-            or not os.path.exists(os.path.join(folder, _TOKENIZER))):
+            or any(t is not None and (type(t) is not str or t not in special) for t in named)
+            or spec.get("truncation") is not None or spec.get("padding") is not None
+            or any(os.path.exists(os.path.join(folder, name)) for name in _OLDER_FILES)
+            or not _sandbox_is_safe()):
         return None
     return SavedTokenizer(folder, config)
+
+
+def _sandbox_is_safe() -> bool:
+    import jinja2
+
+    return tuple(int(x) for x in jinja2.__version__.split(".")[:3] if x.isdigit()) >= (3, 1, 6)
 
 
 def _compile(template: str):
@@ -127,8 +161,36 @@ def _compile(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
+    class GuardedNamespace(jinja2.utils.Namespace):
+        """namespace() that takes no name starting with an underscore (a way
+        to CPython's internals from a template)."""
+
+        def __init__(*args, **kwargs):  # no named self: namespace(self=1) must work as in jinja2
+            names = dict(*args[1:], **kwargs)
+            for name in names:
+                GuardedNamespace.check(name)
+            jinja2.utils.Namespace.__init__(args[0], names)
+
+        def __setitem__(self, name, value):
+            GuardedNamespace.check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a chat template may not set {name!r} on a namespace")
+
+    class PlainDict:
+        """dict() and dict.fromkeys() for templates, without the type itself."""
+
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       dict=PlainDict(), namespace=GuardedNamespace)
     return env.from_string(template)

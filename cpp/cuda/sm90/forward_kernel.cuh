@@ -241,10 +241,11 @@ void launch_planned_sm90_forward(const Sm90ForwardArgs& args, const Plan& plan, 
 }
 
 // Soft-capped calls have their own kernels, without attn_mask, at the capped
-// head dims (the planner sends the others to sm80). Without attn_mask a causal
-// call runs a kernel that tests the band's right side alone: the left side's
-// code in the tile loop cost the d=128 causal rows 2-6%. Under attn_mask one
-// kernel tests both sides (the masked variants stay one per band).
+// head dims (the planner sends the others to sm80). Without attn_mask a call
+// whose band is open on the left (is_causal, or a window without a left side)
+// runs a kernel that tests the band's right side alone, keeping the left
+// side's code out of its tile loop. Under attn_mask one kernel tests both
+// sides (the masked variants stay one per band).
 template <int HeadDim, typename Element>
 void launch_forward_sm90(const Sm90ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
   const ForwardParams& p = args.p;
@@ -257,6 +258,8 @@ void launch_forward_sm90(const Sm90ForwardArgs& args, const Plan& plan, cudaStre
       constexpr BandSides kSides = decltype(s)::value;
       if constexpr (kMask == MaskKind::None || kSides != BandSides::kRight)
         launch_planned_sm90_forward<HeadDim, Element, kSides, kMask, kCapped>(args, plan, stream);
+      else
+        throw_planner_bug("the sm90 forward's attn_mask kernels test both sides of the band");
     });
   };
   using Unmasked = std::integral_constant<MaskKind, MaskKind::None>;
