@@ -40,11 +40,11 @@ def launches(text):
         return []
     by_id = {}
     for row in csv.DictReader(io.StringIO(text[start:])):
-        value = row["Metric Value"].replace(",", "")
-        try:  # a metric this GPU or ncu does not collect reads "" or "n/a": left out
-            by_id.setdefault(int(row["ID"]), {})[row["Metric Name"]] = float(value)
-        except ValueError:
-            by_id.setdefault(int(row["ID"]), {})
+        metrics = by_id.setdefault(int(row["ID"]), {})
+        try:
+            metrics[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+        except ValueError:  # a metric this GPU or ncu does not collect reads "" or "n/a": left out
+            pass
     return [by_id[i] for i in sorted(by_id)]
 
 

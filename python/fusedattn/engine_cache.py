@@ -24,8 +24,8 @@ import warnings
 
 import torch
 
-from .tokenizer import load as load_saved_tokenizer
 from .gguf_blocks import BlockStack, BlockWeight
+from .tokenizer import load as load_saved_tokenizer
 
 __all__ = ["default_cache_dir", "load", "save"]
 

@@ -36,11 +36,9 @@ _UNDERSTOOD = {"backend", "tokenizer_class", "is_local", "local_files_only", "mo
 class SavedTokenizer:
     """The tokenizer in ``folder``, as transformers' TokenizersBackend reads it."""
 
-    def __init__(self, folder: str, config: dict):
-        from tokenizers import Tokenizer
-
+    def __init__(self, folder: str, config: dict, tokenizer):
         self.folder = folder
-        self._tokenizer = Tokenizer.from_file(os.path.join(folder, _TOKENIZER))
+        self._tokenizer = tokenizer  # tokenizers.Tokenizer of folder's tokenizer.json
         self._special = {name: config[name] for name in _SPECIAL if isinstance(config.get(name), str)}
         template = os.path.join(folder, _TEMPLATE)
         self.chat_template = None
@@ -115,20 +113,22 @@ def load(folder: str) -> SavedTokenizer | None:
     try:
         with open(os.path.join(folder, _CONFIG), encoding="utf-8") as f:
             config = json.load(f)
-        with open(os.path.join(folder, _TOKENIZER), encoding="utf-8") as f:
-            spec = json.load(f)
     except FileNotFoundError:
         return None
-    special = {t.get("content") for t in spec.get("added_tokens", []) if t.get("special")}
-    named = [config.get(name) for name in _SPECIAL]
     if (config.get("tokenizer_class") != "TokenizersBackend" or set(config) - _UNDERSTOOD
             or config.get("clean_up_tokenization_spaces", False) or config.get("backend", "tokenizers") != "tokenizers"
-            or any(t is not None and (type(t) is not str or t not in special) for t in named)
-            or spec.get("truncation") is not None or spec.get("padding") is not None
             or any(os.path.exists(os.path.join(folder, name)) for name in _OLDER_FILES)
-            or not _sandbox_is_safe()):
+            or not os.path.exists(os.path.join(folder, _TOKENIZER)) or not _sandbox_is_safe()):
         return None
-    return SavedTokenizer(folder, config)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(folder, _TOKENIZER))  # parsed once, checked and kept
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    named = [config.get(name) for name in _SPECIAL]
+    if (tokenizer.truncation is not None or tokenizer.padding is not None
+            or any(t is not None and (type(t) is not str or t not in special) for t in named)):
+        return None
+    return SavedTokenizer(folder, config, tokenizer)
 
 
 def _sandbox_is_safe() -> bool:
