@@ -58,20 +58,13 @@ struct Sm90BackwardSoftmax {
   }
 
   // P^T in place of st and dS^T in place of dpt, for the step at query m0 of
-  // head `head`; lse and delta are the step's rows (natural log).
+  // head `head`; lse and delta are the step's rows (natural log). The
+  // kernel may run the pieces apart (hidden_entries and probabilities while
+  // dP^T is still on the tensor cores, then score_gradients): this is them
+  // in order.
   __device__ __forceinline__ void operator()(float (&st)[kMTiles][4], float (&dpt)[kMTiles][4], int64_t head,
                                              int m0, bool reads_mask, const float* lse,
                                              const float* delta) const {
-    const bool needs_masking = reads_mask || my_key0 + 64 > seqlen_k || m0 + kBlockM > seqlen_q ||
-                               (Banded && band.cuts(m0, kBlockM, my_key0, 64));
-    // A hidden entry is 0 in P^T and dS^T outright: past the keys or the
-    // queries (where lse and delta are the next head's, and a NaN there must
-    // not reach dK), outside the band, or hidden by attn_mask (whose row's lse
-    // may be -inf). On the steps that need it, a first pass marks those (bit
-    // 4 nt + e) and, under attn_mask, turns S^T into base-2 scores with the
-    // mask added; the exponentials stay one straight run the compiler
-    // interleaves. A test per element in their loop became a branch per
-    // element, which serialised them (docs/cuda-notes.md, rung 4).
     // Capped, S^T becomes tanh(S^T scale / cap) first and dP^T - delta takes
     // tanh's slope there, so that nothing below needs the raw score again.
     if constexpr (Capped) {
@@ -82,49 +75,88 @@ struct Sm90BackwardSoftmax {
         for (int e = 0; e < 4; ++e)
           dpt[nt][e] = (dpt[nt][e] - delta[nt * 8 + 2 * t + (e & 1)]) * SoftCap::slope(st[nt][e]);
     }
-    uint64_t hidden = 0;
-    float score_scale = cap.scale_log2;  // S^T to base-2 scores
+    const Hidden hidden = hidden_entries(st, head, m0, reads_mask);
+    probabilities(st, hidden, lse);
+    score_gradients(st, dpt, hidden, delta);
+  }
+
+  // A step's hidden entries: past the keys or the queries (where lse and
+  // delta are the next head's, and a NaN there must not reach dK), outside
+  // the band, or hidden by attn_mask (whose row's lse may be -inf), as bit
+  // 4 nt + e, on the steps that can have any (none elsewhere). Under
+  // attn_mask it turns S^T into base-2 scores with the mask added (then
+  // score_scale is 1).
+  struct Hidden {
+    uint64_t bits;
+    float score_scale;  // S^T to base-2 scores
+    bool any;           // the step can hide entries: bits is to be applied
+  };
+  __device__ __forceinline__ Hidden hidden_entries(float (&st)[kMTiles][4], int64_t head, int m0,
+                                                   bool reads_mask) const {
+    Hidden hidden{0, cap.scale_log2,
+                  reads_mask || my_key0 + 64 > seqlen_k || m0 + kBlockM > seqlen_q ||
+                      (Banded && band.cuts(m0, kBlockM, my_key0, 64))};
+    if (!hidden.any) return hidden;
     if constexpr (kListed) {
-      if (needs_masking) {
-        const int64_t mask_base = batch * f.mask.batch_stride + head * f.mask.head_stride;
+      const int64_t mask_base = batch * f.mask.batch_stride + head * f.mask.head_stride;
 #pragma unroll
-        for (int round = 0; round < kMaskRounds; ++round) {
-          if (reads_mask) stage_mask_round(mask_base, m0 + round * kRoundRows);
+      for (int round = 0; round < kMaskRounds; ++round) {
+        if (reads_mask) stage_mask_round(mask_base, m0 + round * kRoundRows);
 #pragma unroll
-          for (int j = 0; j < kRoundTiles; ++j) {
-            const int nt = round * kRoundTiles + j;
+        for (int j = 0; j < kRoundTiles; ++j) {
+          const int nt = round * kRoundTiles + j;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int key_row = g + (e >> 1) * 8, query_col = nt * 8 + 2 * t + (e & 1);
-              bool is_outside = outside(m0, nt, e);
-              float added = 0.0f;
-              if (reads_mask && !is_outside)
-                added = mask_entry<Mask, T>(mask_stage, (query_col - round * kRoundRows) * 16 + key_row);
-              is_outside |= added == -INFINITY;
-              st[nt][e] = st[nt][e] * cap.scale_log2 + added;
-              hidden |= uint64_t(is_outside) << (4 * nt + e);
-            }
+          for (int e = 0; e < 4; ++e) {
+            const int key_row = g + (e >> 1) * 8, query_col = nt * 8 + 2 * t + (e & 1);
+            bool is_outside = outside(m0, nt, e);
+            float added = 0.0f;
+            if (reads_mask && !is_outside)
+              added = mask_entry<Mask, T>(mask_stage, (query_col - round * kRoundRows) * 16 + key_row);
+            is_outside |= added == -INFINITY;
+            st[nt][e] = st[nt][e] * cap.scale_log2 + added;
+            hidden.bits |= uint64_t(is_outside) << (4 * nt + e);
           }
         }
-        score_scale = 1.0f;
       }
-    } else if (needs_masking) {
+      hidden.score_scale = 1.0f;
+    } else {
 #pragma unroll
       for (int nt = 0; nt < kMTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) hidden |= uint64_t(outside(m0, nt, e)) << (4 * nt + e);
+        for (int e = 0; e < 4; ++e) hidden.bits |= uint64_t(outside(m0, nt, e)) << (4 * nt + e);
     }
+    return hidden;
+  }
+
+  // P^T in place of st. Every entry is computed, hidden ones too (they may be
+  // NaN): score_gradients zeroes them after. The exponentials are one
+  // straight run with no test per element; a test per element there became
+  // predication or a branch per element, which serialised them and cost
+  // instructions on every step (docs/cuda-notes.md, rungs 4 and 6).
+  __device__ __forceinline__ void probabilities(float (&st)[kMTiles][4], const Hidden& hidden,
+                                                const float* lse) const {
 #pragma unroll
-    for (int nt = 0; nt < kMTiles; ++nt) {
+    for (int nt = 0; nt < kMTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = nt * 8 + 2 * t + (e & 1);
-        const bool is_hidden = (hidden >> (4 * nt + e)) & 1u;
-        const float prob = is_hidden ? 0.0f : exp2f(st[nt][e] * score_scale - lse_in_log2(lse[c]));
-        st[nt][e] = prob;
-        dpt[nt][e] = is_hidden ? 0.0f : prob * (Capped ? dpt[nt][e] : dpt[nt][e] - delta[c]);
-      }
-    }
+      for (int e = 0; e < 4; ++e)
+        st[nt][e] = exp2f(st[nt][e] * hidden.score_scale - lse_in_log2(lse[nt * 8 + 2 * t + (e & 1)]));
+  }
+
+  // dS^T = P^T (dP^T - delta) in place of dpt (capped: dpt already holds
+  // (dP^T - delta) tanh's slope), then the hidden entries 0 in both.
+  __device__ __forceinline__ void score_gradients(float (&st)[kMTiles][4], float (&dpt)[kMTiles][4],
+                                                  const Hidden& hidden, const float* delta) const {
+#pragma unroll
+    for (int nt = 0; nt < kMTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dpt[nt][e] = st[nt][e] * (Capped ? dpt[nt][e] : dpt[nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
+    if (!hidden.any) return;
+#pragma unroll
+    for (int nt = 0; nt < kMTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if ((hidden.bits >> (4 * nt + e)) & 1u) st[nt][e] = dpt[nt][e] = 0.0f;
   }
 
   // The mask entries of this warp's 16 keys by a round's kRoundRows queries
