@@ -134,13 +134,26 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     float st[kMTiles][4], dpt[kMTiles][4];
     float (&st_flat)[kMTiles * 4] = reinterpret_cast<float (&)[kMTiles * 4]>(st);
     float (&dpt_flat)[kMTiles * 4] = reinterpret_cast<float (&)[kMTiles * 4]>(dpt);
-    mma.scores(st_flat, dpt_flat, q_tile, do_tile);
+    mma.scores(st_flat, q_tile);
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(st_flat);
-    fence_registers(dpt_flat);
-
-    softmax(st, dpt, head, static_cast<int>(m0), kListed && step.reads_mask, lse, delta);
+    mma.probability_gradients(dpt_flat, do_tile);
+    wgmma_commit();
+    if constexpr (Tr::kExponentialsUnderDp && !Capped) {
+      // P^T while dP^T's products run.
+      wgmma_wait<1>();
+      fence_registers(st_flat);
+      const typename Softmax::Hidden hidden =
+          softmax.hidden_entries(st, head, static_cast<int>(m0), kListed && step.reads_mask);
+      softmax.probabilities(st, hidden, lse);
+      wgmma_wait<0>();
+      fence_registers(dpt_flat);
+      softmax.score_gradients(st, dpt, hidden, delta);
+    } else {
+      wgmma_wait<0>();
+      fence_registers(st_flat);
+      fence_registers(dpt_flat);
+      softmax(st, dpt, head, static_cast<int>(m0), kListed && step.reads_mask, lse, delta);
+    }
     uint32_t p_a[kBlockM / 16][4], ds_a[kBlockM / 16][4];
 #pragma unroll
     for (int kq = 0; kq < kBlockM / 16; ++kq) {

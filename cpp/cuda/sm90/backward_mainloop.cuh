@@ -107,22 +107,15 @@ struct Sm90BackwardMma {
   const Sm90BackwardSmem<Tr>& smem;
   int consumer;  // its 64 keys are rows 64 consumer.. of every K and V slab
 
-  // S^T = K Q^T and dP^T = V dO^T: rows = this warpgroup's keys, columns = the step's queries.
-  __device__ __forceinline__ void scores(float (&st_flat)[kMTiles * 4], float (&dpt_flat)[kMTiles * 4],
-                                         const unsigned char* q_tile, const unsigned char* do_tile) const {
-    const unsigned char* k_mine = smem.k + consumer * 64 * 128;
-    const unsigned char* v_mine = smem.v + consumer * 64 * 128;
-    fence_registers(st_flat);
-    fence_registers(dpt_flat);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HeadDim / 16; ++kk)
-      wgmma_ss<T, kBlockM>(st_flat, k_major_descriptor(k_mine, kBlockN, kk), k_major_descriptor(q_tile, kBlockM, kk),
-                           kk > 0);
-#pragma unroll
-    for (int kk = 0; kk < HeadDim / 16; ++kk)
-      wgmma_ss<T, kBlockM>(dpt_flat, k_major_descriptor(v_mine, kBlockN, kk), k_major_descriptor(do_tile, kBlockM, kk),
-                           kk > 0);
+  // S^T = K Q^T: rows = this warpgroup's keys, columns = the step's queries.
+  __device__ __forceinline__ void scores(float (&st_flat)[kMTiles * 4], const unsigned char* q_tile) const {
+    key_rows_by_queries(st_flat, smem.k + consumer * 64 * 128, q_tile);
+  }
+
+  // dP^T = V dO^T, the same way.
+  __device__ __forceinline__ void probability_gradients(float (&dpt_flat)[kMTiles * 4],
+                                                        const unsigned char* do_tile) const {
+    key_rows_by_queries(dpt_flat, smem.v + consumer * 64 * 128, do_tile);
   }
 
   // acc += A B over the step's queries, A (P^T or dS^T) from registers, B (dO
@@ -153,6 +146,16 @@ struct Sm90BackwardMma {
     for (int kk = 0; kk < kBlockN / 16; ++kk)
       wgmma_ss<T, 64, true>(dq_flat, k_major_descriptor(ds_a_tile, kBlockM, kk),
                             mn_major_descriptor(k_b_tile, kBlockN, kk), kk > 0);
+  }
+  // acc = A B^T, A this warpgroup's 64 rows of a K or V slab set, B a step tile.
+  __device__ __forceinline__ void key_rows_by_queries(float (&acc_flat)[kMTiles * 4], const unsigned char* a_mine,
+                                                      const unsigned char* b_tile) const {
+    fence_registers(acc_flat);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HeadDim / 16; ++kk)
+      wgmma_ss<T, kBlockM>(acc_flat, k_major_descriptor(a_mine, kBlockN, kk), k_major_descriptor(b_tile, kBlockM, kk),
+                           kk > 0);
   }
 };
 

@@ -61,6 +61,10 @@ struct Sm90BackwardTraits {
   // at d=64 (128-query steps) ptxas spilled the consumers that way and the
   // kernel ran 2% slower, so dK runs beside dV (not re-measured since rung 5).
   static constexpr bool kDkBehindDq = HeadDim == 128;
+  // S^T's and dP^T's products committed apart, and P^T's exponentials run
+  // while dP^T's are still on the tensor cores (not soft-capped: the cap
+  // needs dP^T first).
+  static constexpr bool kExponentialsUnderDp = HeadDim == 128;
   static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of 64-column slabs");
   // dQ = dS K, [kBlockM queries][d] per step, is two 64 x 64 quarters, one
   // per consumer: at d=128 64 columns each, at d=64 64 queries each.
