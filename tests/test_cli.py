@@ -806,6 +806,31 @@ def test_gguf_metadata_walks_past_arrays_in_any_chunk(tmp_path, monkeypatch, chu
         gguf_models.gguf_metadata(str(cut), ("general.name",))
 
 
+def test_describe_reads_an_unchanged_file_once(tmp_path, monkeypatch):
+    """`fusedattn generate` describes its model in the CLI's check and again in the engine's load:
+    the second reads nothing while the file is unchanged, and a changed file is read again."""
+    import os
+
+    from fusedattn import gguf_models
+
+    reads = []
+    real = gguf_models.gguf_metadata
+    monkeypatch.setattr(gguf_models, "gguf_metadata", lambda *a: reads.append(a) or real(*a))
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, {"general.architecture": "llama", "llama.embedding_length": 64,
+                       "llama.attention.head_count": 4, "llama.context_length": 512})
+    first = gguf_models.describe(str(path))
+    assert first == {"arch": "llama", "head_dim": 16, "context": 512} and reads
+    count = len(reads)
+    first["context"] = 0  # a caller's change does not reach the next caller
+    assert gguf_models.describe(str(path)) == {"arch": "llama", "head_dim": 16, "context": 512}
+    assert len(reads) == count
+    _write_gguf(path, {"general.architecture": "llama", "llama.embedding_length": 64,
+                       "llama.attention.head_count": 4, "llama.context_length": 2048})
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    assert gguf_models.describe(str(path))["context"] == 2048 and len(reads) > count
+
+
 def test_generate_user_errors(capsys, no_run, tmp_path):
     def error(*argv):
         return usage_error(capsys, ["generate", *argv, "--device", "cpu"])

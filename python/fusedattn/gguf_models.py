@@ -14,6 +14,7 @@ transformers also hard-code it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import struct
@@ -174,7 +175,15 @@ def _unsupported(path: str, arch) -> ValueError:
 
 def describe(path: str) -> dict:
     """From the header alone: the architecture, head dim and context of a file
-    the engine runs. Raises ValueError (starting with path) for any other file."""
+    the engine runs. Raises ValueError (starting with path) for any other file.
+    A file unchanged since the last call (same size and modification time) is
+    not read again: the CLI's check and the engine's load both ask."""
+    stat = os.stat(path)
+    return dict(_describe(path, stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _describe(path: str, _size: int, _mtime_ns: int) -> dict:
     arch = gguf_metadata(path).get("general.architecture")
     if arch not in ARCHITECTURES:
         raise _unsupported(path, arch)
