@@ -159,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cpu(
   PreparedBackward b = prepare_backward(op, as_one_batch(grad_out), as_one_batch(q), as_one_batch(k), as_one_batch(v),
                                         as_one_batch(out), lse.unsqueeze(0), std::nullopt, is_causal, scale,
                                         cpu_support(), window, softcap, sinks);
-  use_packed_gradients(b, q, k, v);
+  use_packed_gradients(b);
   b.params.fwd.varlen = host_varlen(lengths);
   cpu::backward(b.params);
   return {as_packed(b.grad_q, q.size(2)), as_packed(b.grad_k, k.size(2)), as_packed(b.grad_v, v.size(2)),

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <sstream>
 
@@ -353,17 +354,16 @@ void pad_head_dims(PreparedBackward& b, int64_t head_dim) {
   pad_head_dims(b.fwd, head_dim);
   b.grad_out = padded_to(b.grad_out, head_dim);
   b.out = padded_to(b.out, head_dim);
-  b.grad_q = at::empty(b.fwd.q.sizes(), b.grad_q.options());
-  b.grad_k = at::empty(b.fwd.k.sizes(), b.grad_k.options());
-  b.grad_v = at::empty(b.fwd.v.sizes(), b.grad_v.options());
-  point_backward_params(b);
+  use_gradients(b, [&](const at::Tensor& like) { return at::empty(like.sizes(), like.options()); });
 }
 
-void use_gradients(PreparedBackward& b, const at::Tensor& grad_q, const at::Tensor& grad_k,
-                   const at::Tensor& grad_v) {
-  b.grad_q = grad_q;
-  b.grad_k = grad_k;
-  b.grad_v = grad_v;
+void use_gradients(PreparedBackward& b, const std::function<at::Tensor(const at::Tensor&)>& allocate) {
+  // The unused gradients go first, so that the allocator can hand their
+  // memory to the new ones instead of holding both at once.
+  b.grad_q = b.grad_k = b.grad_v = at::Tensor();
+  b.grad_q = allocate(b.fwd.q);
+  b.grad_k = allocate(b.fwd.k);
+  b.grad_v = allocate(b.fwd.v);
   point_backward_params(b);
 }
 

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -121,10 +122,10 @@ void pad_head_dims(PreparedInputs& in, int64_t head_dim);
 // grad_k and grad_v allocated at the padded head dim.
 void pad_head_dims(PreparedBackward& b, int64_t head_dim);
 
-// b.grad_q, grad_k and grad_v set to these (the kernels' views of gradients
-// allocated elsewhere), the params following.
-void use_gradients(PreparedBackward& b, const at::Tensor& grad_q, const at::Tensor& grad_k,
-                   const at::Tensor& grad_v);
+// b.grad_q, grad_k and grad_v replaced by allocate(b.fwd.q), (.k), (.v)
+// (the kernels' views of gradients laid out otherwise), the params following;
+// the old ones are dropped first.
+void use_gradients(PreparedBackward& b, const std::function<at::Tensor(const at::Tensor&)>& allocate);
 
 // t's first `head_dim` columns (its last dimension), contiguous: a padded
 // output cut back to the call's head dim (t itself where nothing was padded).

@@ -77,9 +77,11 @@ at::Tensor as_packed(const at::Tensor& batch, int64_t head_dim) {
   return unpadded(batch[0].transpose(0, 1), head_dim);
 }
 
-void use_packed_gradients(PreparedBackward& b, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  use_gradients(b, as_one_batch(at::empty(q.sizes(), q.options())), as_one_batch(at::empty(k.sizes(), k.options())),
-                as_one_batch(at::empty(v.sizes(), v.options())));
+void use_packed_gradients(PreparedBackward& b) {
+  // A [1, H, total, d] view of packed [total, H, d] memory.
+  use_gradients(b, [](const at::Tensor& view) {
+    return as_one_batch(at::empty({view.size(2), view.size(1), view.size(3)}, view.options()));
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_by_sequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -48,10 +48,11 @@ at::Tensor as_one_batch(const at::Tensor& packed);
 at::Tensor as_packed(const at::Tensor& batch, int64_t head_dim);
 
 struct PreparedBackward;
-// b's gradients allocated packed like q, k and v ([total, H, d]) and
-// contiguous whatever their layouts (head-major, expanded heads), as the fake
-// function says; b's kernels write them through as_one_batch's views.
-void use_packed_gradients(PreparedBackward& b, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+// b's gradients allocated packed ([total, H, d], the shape of the call's q,
+// k and v) and contiguous whatever the operands' layouts (head-major,
+// expanded heads), as the fake function says; b's kernels write them through
+// as_one_batch's views.
+void use_packed_gradients(PreparedBackward& b);
 
 // One sequence's dense forward: q, k, v [1, H, n, d] views; writes out (a
 // [1, Hq, n, d_v] view) and lse (contiguous float32 [1, Hq, n]).

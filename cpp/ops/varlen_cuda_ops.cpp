@@ -157,7 +157,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_varlen_cuda(
                                         as_one_batch(out), lse.unsqueeze(0), std::nullopt, is_causal, scale,
                                         cuda_dense_support(), window, softcap, sinks);
   // Padded, the gradients are pad_head_dims' (as_packed copies them out cut to the call's head dims).
-  if (!pad_to_kernel_head_dim(b, b.params.fwd.shape, /*backward=*/true)) use_packed_gradients(b, q, k, v);
+  if (!pad_to_kernel_head_dim(b, b.params.fwd.shape, /*backward=*/true)) use_packed_gradients(b);
   b.params.deterministic = at::globalContext().deterministicAlgorithms();
   VarlenOperands operands(b.params.fwd.varlen, cu_seqlens_q, cu_seqlens_k);
   Plan plan = with_torch_errors([&] { return cuda::plan_backward(b.params, request); });
