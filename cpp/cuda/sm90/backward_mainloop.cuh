@@ -147,6 +147,7 @@ struct Sm90BackwardMma {
       wgmma_ss<T, 64, true>(dq_flat, k_major_descriptor(ds_a_tile, kBlockM, kk),
                             mn_major_descriptor(k_b_tile, kBlockN, kk), kk > 0);
   }
+
   // acc = A B^T, A this warpgroup's 64 rows of a K or V slab set, B a step tile.
   __device__ __forceinline__ void key_rows_by_queries(float (&acc_flat)[kMTiles * 4], const unsigned char* a_mine,
                                                       const unsigned char* b_tile) const {
