@@ -30,10 +30,12 @@
 # Each version is timed by its own bench: `--decode` queues each interval's
 # calls while the GPU sleeps from 4b141e1 on, and timed the host's launches
 # too before it, so a decode A/B across that commit compares two measures.
-#   lab/ab_bench.sh grid OUTDIR [backward_grid.py args]
-# builds every tree the same way and times the backward's key-block kernel
+#   lab/ab_bench.sh grid OUTDIR [--rounds R] [backward_grid.py args]
+# installs every tree the same way and times the backward's key-block kernel
 # alone with this checkout's lab/backward_grid.py (the same tool for every
-# version): OUTDIR/grid.txt, and grid.md with each version's ratio to the first.
+# version), R rounds (default 2) alternating the order as above:
+# OUTDIR/grid.txt, and grid.md (lab/ab_grid_table.py) with each version's
+# median and its ratio to the first.
 #   lab/ab_bench.sh ncu OUTDIR SHAPE [SHAPE ...]
 # builds every tree the same way and times the forward kernel of each
 # lab/ab_ncu_case.py SHAPE (e.g. d=128,N=8192,causal=1,dtype=bfloat16) under
@@ -43,7 +45,7 @@
 # the first, and where its warps stalled (cycles per issued instruction).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:?usage: lab/ab_bench.sh export REF... | run OUTDIR [--rounds R] [bench args] [--and bench args]... | grid OUTDIR [args] | ncu OUTDIR SHAPE...}
+mode=${1:?usage: lab/ab_bench.sh export REF... | run OUTDIR [--rounds R] [bench args] [--and bench args]... | grid OUTDIR [--rounds R] [args] | ncu OUTDIR SHAPE...}
 shift
 
 if [ "$mode" = export ]; then
@@ -79,38 +81,67 @@ build() {
   echo "ab_bench: $name built in $((SECONDS - t0)) s"
 }
 
+# Installs every tree under .ab side by side under $1 (against this machine's
+# torch), after taking an installed fusedattn out of the environment (an
+# editable one's import hook above all would be imported instead); sets
+# `names` to the versions that built and import from their own folder.
+install_versions() {
+  local installs=$1 dir name
+  names=()
+  python3 -m pip uninstall -y -q fusedattn > /dev/null 2>&1
+  for dir in .ab/*/; do
+    name=$(basename "$dir")
+    build "$dir" "$name" --target "$installs/$name" || { status=1; continue; }
+    if ! (cd /tmp && PYTHONPATH="$installs/$name" python3 -c \
+          'import sys, fusedattn; assert fusedattn.__file__.startswith(sys.argv[1]), fusedattn.__file__' \
+          "$installs/$name"); then
+      echo "ab_bench: $name: another fusedattn is imported instead of this version"
+      status=1
+      continue
+    fi
+    names+=("$name")
+  done
+  [ ${#names[@]} -gt 0 ] || { echo "ab_bench: no version built"; exit 1; }
+}
+
+# The versions in round r's order: as given on odd rounds, reversed on even ones.
+round_order() {
+  local r=$1 j
+  order=("${names[@]}")
+  if ((r % 2 == 0)); then
+    order=()
+    for ((j = ${#names[@]} - 1; j >= 0; j--)); do order+=("${names[$j]}"); done
+  fi
+}
+
+status=0
 if [ "$mode" = grid ]; then
-  out=${1:?usage: lab/ab_bench.sh grid OUTDIR [backward_grid.py args]}
+  out=${1:?usage: lab/ab_bench.sh grid OUTDIR [--rounds R] [backward_grid.py args]}
   shift
+  rounds=2
+  if [ "${1:-}" = --rounds ]; then
+    rounds=${2:?--rounds needs a count}
+    [[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "ab_bench: --rounds must be a positive count, got '$rounds'"; exit 2; }
+    shift 2
+  fi
   mkdir -p "$out"
   . lab/device_env.sh
   [ -d .ab ] || { echo "ab_bench: no .ab folder (lab/ab_bench.sh export REF... here, then carry .ab)"; exit 2; }
   tool="$PWD/lab/backward_grid.py"
+  installs=$(mktemp -d /tmp/ab-installs.XXXXXX)
+  trap 'rm -rf "$installs"' EXIT
+  install_versions "$installs"
   : > "$out/grid.txt"
-  for dir in .ab/*/; do
-    name=$(basename "$dir")
-    build "$dir" "$name" || continue
-    (cd /tmp && python3 "$tool" --tag "$name" "$@") | tee -a "$out/grid.txt"
+  for ((r = 1; r <= rounds; r++)); do
+    round_order "$r"
+    for name in "${order[@]}"; do
+      (cd /tmp && PYTHONPATH="$installs/$name" python3 "$tool" --tag "$name" "$@") | tee -a "$out/grid.txt" ||
+        status=1
+    done
   done
-  python3 - "$out/grid.txt" <<'PY' > "$out/grid.md"
-import collections, sys
-rows = collections.OrderedDict()
-for line in open(sys.argv[1]):
-    tag, *fields = line.split()
-    kv = dict(f.split("=", 1) for f in fields)
-    key = " ".join(f"{k}={kv[k]}" for k in ("d", "N", "B", "H", "causal", "mask") if k in kv)
-    rows.setdefault(key, {})[tag] = float(kv["kernel_us"])
-names = list(dict.fromkeys(t for r in rows.values() for t in r))
-print("| shape | " + " | ".join(f"{n} us" for n in names) + " | " + " | ".join(f"x {n}" for n in names[1:]) + " |")
-print("|" + "---|" * (2 * len(names)))
-for key, r in rows.items():
-    base = r.get(names[0])
-    cells = [f"{r[n]:.0f}" if n in r else "-" for n in names]
-    ratios = [f"{r[n] / base:.3f}" if n in r and base else "-" for n in names[1:]]
-    print(f"| {key} | " + " | ".join(cells + ratios) + " |")
-PY
+  python3 lab/ab_grid_table.py "$out/grid.txt" > "$out/grid.md" || status=1
   cat "$out/grid.md"
-  exit 0
+  exit $status
 fi
 
 if [ "$mode" = ncu ]; then
@@ -163,38 +194,16 @@ done
 mkdir -p "$out"
 . lab/device_env.sh
 [ -d .ab ] || { echo "ab_bench: no .ab folder (lab/ab_bench.sh export REF... here, then carry .ab)"; exit 2; }
-status=0
-names=()
 installs=$(mktemp -d /tmp/ab-installs.XXXXXX)
 rounds_dir=$(mktemp -d)
 trap 'rm -rf "$installs" "$rounds_dir"' EXIT
-# An installed fusedattn (an editable one's import hook above all) would be
-# imported instead of the versions: out of the environment, as the versions
-# used to replace it.
-python3 -m pip uninstall -y -q fusedattn > /dev/null 2>&1
-for dir in .ab/*/; do
-  name=$(basename "$dir")
-  build "$dir" "$name" --target "$installs/$name" || { status=1; continue; }
-  if ! (cd /tmp && PYTHONPATH="$installs/$name" python3 -c \
-        'import sys, fusedattn; assert fusedattn.__file__.startswith(sys.argv[1]), fusedattn.__file__' \
-        "$installs/$name"); then
-    echo "ab_bench: $name: another fusedattn is imported instead of this version"
-    status=1
-    continue
-  fi
-  names+=("$name")
-done
-[ ${#names[@]} -gt 0 ] || { echo "ab_bench: no version built"; exit 1; }
+install_versions "$installs"
 failed=()
 for i in "${!sets[@]}"; do
   # shellcheck disable=SC2206  # the set's arguments, split on purpose (they have no spaces)
   args=(${sets[$i]})
   for ((r = 1; r <= rounds; r++)); do
-    order=("${names[@]}")
-    if ((r % 2 == 0)); then
-      order=()
-      for ((j = ${#names[@]} - 1; j >= 0; j--)); do order+=("${names[$j]}"); done
-    fi
+    round_order "$r"
     for name in "${order[@]}"; do
       json="$rounds_dir/$name-$((i + 1))-$r.json"
       # From /tmp, so that the checkout's python/ does not shadow the install.
