@@ -35,7 +35,8 @@
 # alone with this checkout's lab/backward_grid.py (the same tool for every
 # version), R rounds (default 2) alternating the order as above:
 # OUTDIR/grid.txt, and grid.md (lab/ab_grid_table.py) with each version's
-# median and its ratio to the first.
+# median and its ratio to the first. Like run, it leaves no fusedattn
+# installed in the environment: a test run after it builds again.
 #   lab/ab_bench.sh ncu OUTDIR SHAPE [SHAPE ...]
 # builds every tree the same way and times the forward kernel of each
 # lab/ab_ncu_case.py SHAPE (e.g. d=128,N=8192,causal=1,dtype=bfloat16) under
