@@ -354,7 +354,7 @@ void pad_head_dims(PreparedBackward& b, int64_t head_dim) {
   pad_head_dims(b.fwd, head_dim);
   b.grad_out = padded_to(b.grad_out, head_dim);
   b.out = padded_to(b.out, head_dim);
-  use_gradients(b, [&](const at::Tensor& like) { return at::empty(like.sizes(), like.options()); });
+  use_gradients(b, [](const at::Tensor& like) { return at::empty(like.sizes(), like.options()); });
 }
 
 void use_gradients(PreparedBackward& b, const std::function<at::Tensor(const at::Tensor&)>& allocate) {

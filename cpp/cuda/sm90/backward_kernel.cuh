@@ -16,9 +16,10 @@
 //     quarter (64 columns of d at d=128, 64 queries at d=64) over all 128
 //     keys, which the epilogue (backward_epilogue.cuh) stages and adds to the
 //     float32 accumulator by tensor reduces.
-// The last three products of a step are asynchronous groups the consumers
-// wait on only where they need a result: at d=128 (traits' kDkBehindDq) dV's
-// run while they meet and dK's while dQ is added.
+// A step's products are asynchronous groups the consumers wait on only where
+// they need a result: at d=128 P^T's exponentials run under dP^T's products
+// (traits' kExponentialsUnderDp), dV's while the consumers meet and dK's
+// while dQ is added (kDkBehindDq).
 // dK and dV stay in registers across the walk (GQA's sum costs nothing).
 // Under attn_mask (its kind a template argument) a block walks its key
 // tile's lists (common/mask_tiles.h) and reads the mask on the steps they mark.

@@ -62,8 +62,9 @@ struct Sm90BackwardTraits {
   // kernel ran 2% slower, so dK runs beside dV (not re-measured since rung 5).
   static constexpr bool kDkBehindDq = HeadDim == 128;
   // S^T's and dP^T's products committed apart, and P^T's exponentials run
-  // while dP^T's are still on the tensor cores (not soft-capped: the cap
-  // needs dP^T first).
+  // while dP^T's are still on the tensor cores. Not soft-capped: dS^T takes
+  // tanh's slope at the capped S^T, which P^T overwrites, and keeping it
+  // would cost 32-64 more registers.
   static constexpr bool kExponentialsUnderDp = HeadDim == 128;
   static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of 64-column slabs");
   // dQ = dS K, [kBlockM queries][d] per step, is two 64 x 64 quarters, one
