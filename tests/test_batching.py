@@ -3,6 +3,7 @@ decoders: a request's logits are the same bits alone, in any batch, in any
 chunking and from shared prefix pages; pages run out without a failure and
 all come back."""
 
+import collections
 import gc
 
 import pytest
@@ -144,6 +145,37 @@ def test_sampled_requests_follow_their_own_seed_in_any_batch(engine, run):
     alone = [run(Batcher(engine), [r], sampling=sampled)[1][0] for r in requests]
     together = run(Batcher(engine), requests, arrivals=[0, 2, 3], sampling=sampled)[1]
     assert together == alone and len({tuple(t) for t in alone}) == 3
+
+
+def apply_penalties(rows, tokens, presence, frequency):
+    """The OpenAI formula, row by row: the logits each token was chosen from,
+    less frequency per earlier time a token was chosen and presence once."""
+    out = rows.clone()
+    for step in range(len(rows)):
+        for token, count in collections.Counter(tokens[:step]).items():
+            out[step, token] -= frequency * count + presence
+    return out
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.0, 1.5), (2.0, 0.0), (-0.5, 1.5)])
+def test_penalties_take_each_earlier_token_off_its_logit_alone_and_in_any_batch(engine, run, presence, frequency):
+    requests = list(zip(prompts(9, 17, 30), [16] * 3))
+    penalized = lambda: SamplingParams(presence_penalty=presence, frequency_penalty=frequency)  # noqa: E731
+    rows, alone = zip(*[(r[0], t[0]) for r, t in (run(Batcher(engine), [q], sampling=penalized) for q in requests)])
+    together = run(Batcher(engine), requests, arrivals=[0, 2, 3], sampling=penalized)[1]
+    plain = run(Batcher(engine), requests, arrivals=[0, 2, 3])[1]
+    assert list(alone) == together
+    assert together != plain  # the penalties changed some tokens
+    for logits, tokens in zip(rows, alone):  # greedy over the penalized logits
+        assert apply_penalties(logits, tokens, presence, frequency).argmax(-1).tolist() == tokens
+
+
+def test_generate_applies_the_penalties_as_the_batcher_does(engine, run):
+    sampling = SamplingParams(presence_penalty=0.5, frequency_penalty=1.0)
+    requests = list(zip(prompts(9, 17), [12] * 2))
+    batched = run(Batcher(engine), requests, sampling=lambda: sampling)[1]
+    steps = list(engine.generate([p for p, _ in requests], 12, sampling, stop_tokens=set()))
+    assert [list(column) for column in zip(*steps)] == batched
 
 
 def test_stop_tokens_and_cancellation_end_requests_and_give_pages_back(engine):

@@ -851,6 +851,8 @@ def test_generate_user_errors(capsys, no_run, tmp_path):
         assert error("Hi", "--temperature", bad) == (
             f"--temperature must be a finite number >= 0 (0: greedy), got {float(bad)}")
     assert error("Hi", "--top-p", "nan") == "--top-p must be in (0, 1] (1: off), got nan"
+    for option, bad in (("--presence-penalty", "2.5"), ("--frequency-penalty", "-3"), ("--frequency-penalty", "nan")):
+        assert error("Hi", option, bad) == f"{option} must be in [-2, 2] (0: off), got {float(bad)}"
     missing = tmp_path / "missing.gguf"
     assert error("Hi", "--gguf", str(missing)) == f"--gguf {missing}: no such file"
     assert error("Hi", "--gguf", str(tmp_path)) == f"--gguf {tmp_path}: not a file"

@@ -85,9 +85,9 @@ def post(url: str, content: bytes | None = None, json_body=None, headers: dict |
         return Reply(e.code, e.read())
 
 
-def engine_greedy(engine, ids, max_tokens):
+def engine_greedy(engine, ids, max_tokens, sampling=None):
     out = []
-    for step in engine.generate([ids], max_tokens):
+    for step in engine.generate([ids], max_tokens, sampling):
         if step[0] is not None:
             out.append(step[0])
     return engine.tokenizer.decode(out, skip_special_tokens=True)
@@ -151,6 +151,14 @@ def test_a_stop_string_ends_the_text_before_it(client, model):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
 
 
+def test_penalties_give_the_engines_penalized_greedy_text(client, model, engine):
+    penalties = {"presence_penalty": 0.8, "frequency_penalty": 1.2}
+    penalized = complete(client, model, PROMPTS[0], max_tokens=24, **penalties).choices[0].text
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    assert penalized == engine_greedy(engine, ids, 24, SamplingParams(**penalties))
+    assert penalized != engine_greedy(engine, ids, 24)
+
+
 def test_sampling_follows_the_seed(client, model):
     def sample(seed):
         return client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=12, temperature=1.3,
@@ -173,7 +181,8 @@ def test_sampling_follows_the_seed(client, model):
     (json.dumps({"model": "M", "prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404, "model"),
     (json.dumps({"model": "M", "prompt": "hi", "logprobs": 2}).encode(), 400, "logprobs"),
-    (json.dumps({"model": "M", "prompt": "hi", "presence_penalty": 0.5}).encode(), 400, "presence_penalty"),
+    (json.dumps({"model": "M", "prompt": "hi", "presence_penalty": 2.5}).encode(), 400, "presence_penalty"),
+    (json.dumps({"model": "M", "prompt": "hi", "frequency_penalty": "1"}).encode(), 400, "frequency_penalty"),
 ])
 def test_bad_requests_get_an_openai_error_and_the_server_serves_on(server, model, body, status, param):
     response = post(server.url + "/v1/completions", body.replace(b'"M"', json.dumps(model).encode()))
@@ -185,20 +194,20 @@ def test_bad_requests_get_an_openai_error_and_the_server_serves_on(server, model
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_fields_that_would_change_the_reply_are_refused_unless_they_are_no_ops(chat):
-    """What this server does not implement (logprobs, echo, penalties, logit_bias, tools, a JSON
+    """What this server does not implement (logprobs, echo, logit_bias, tools, a JSON
     response format, ...) is a 400 naming the field, never silently ignored; the same fields at
     their no-op values (as some clients send them) are taken."""
     base = {"model": "M", **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
     refused = {"logprobs": True if chat else 0, "top_logprobs": 2, "echo": True, "best_of": 2, "suffix": "x",
-               "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"50256": -100},
+               "logit_bias": {"50256": -100},
                "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
                "response_format": {"type": "json_object"}}
     for name, value in refused.items():
         with pytest.raises(ApiError) as e:
             parse_request(json.dumps({**base, name: value}).encode(), chat)
         assert (e.value.status, e.value.param) == (400, name) and "not supported" in e.value.message
-    taken = {"logprobs": False if chat else None, "echo": False, "best_of": 1, "presence_penalty": 0.0,
-             "frequency_penalty": 0, "logit_bias": {}, "tools": [], "tool_choice": "auto",
+    taken = {"logprobs": False if chat else None, "echo": False, "best_of": 1, "logit_bias": {}, "tools": [],
+             "tool_choice": "auto",
              "response_format": {"type": "text"}, "top_logprobs": None, "user": "someone"}
     assert parse_request(json.dumps({**base, **taken}).encode(), chat).model == "M"
 

@@ -40,7 +40,7 @@ import math
 import torch
 from torch import Tensor
 
-from .engine import Engine, SamplingParams, sample
+from .engine import Engine, SamplingParams, penalize, sample
 from .kv_pages import PagePool, page_keys
 from .ops import plan_kvcache
 
@@ -56,6 +56,7 @@ class Sequence:
     sampling: SamplingParams
     stop_tokens: frozenset[int]
     generator: torch.Generator | None  # None: greedy
+    counts: Tensor | None  # [vocab]: how many times each token was sampled, where sampling penalizes
     tokens: list[int] = dataclasses.field(default_factory=list)  # sampled so far
     pages: list[int] = dataclasses.field(default_factory=list)
     cached: int = 0  # positions whose keys and values are in its pages
@@ -161,7 +162,9 @@ class Batcher:
         generator = None
         if sampling.temperature > 0:
             generator = torch.Generator(device=self.engine.device).manual_seed(sampling.seed)
-        seq = Sequence(list(prompt), max_tokens, sampling, frozenset(stop_tokens), generator)
+        counts = (torch.zeros(self.engine.config.vocab, device=self.engine.device) if sampling.penalizes()
+                  else None)
+        seq = Sequence(list(prompt), max_tokens, sampling, frozenset(stop_tokens), generator, counts)
         self._waiting.append(seq)
         return seq
 
@@ -230,6 +233,8 @@ class Batcher:
                 events.append(Event(seq, None, "error", f"{type(token).__name__}: {token}"))
                 continue
             seq.tokens.append(token)
+            if seq.counts is not None:
+                seq.counts[token] += 1
             finish = ("stop" if token in seq.stop_tokens else
                       "length" if len(seq.tokens) == seq.max_tokens else None)
             if finish is not None:
@@ -238,11 +243,12 @@ class Batcher:
         return events
 
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[int | Exception]:
-        """seqs[i]'s token from logits row i: the greedy ones from one argmax
-        (one copy to the host), the others each with its own generator; an
-        exception in place of a token where sampling fails."""
+        """seqs[i]'s token from logits row i: the plain greedy ones from one
+        argmax (one copy to the host), the others each from its row less its
+        penalties, drawn with its own generator; an exception in place of a
+        token where sampling fails."""
         tokens: list[int | Exception] = [0] * len(seqs)
-        greedy = [i for i, seq in enumerate(seqs) if seq.generator is None]
+        greedy = [i for i, seq in enumerate(seqs) if seq.generator is None and seq.counts is None]
         if greedy:
             try:
                 rows = logits if len(greedy) == len(seqs) else logits[greedy]
@@ -252,9 +258,12 @@ class Batcher:
             for i, token in zip(greedy, chosen):
                 tokens[i] = token
         for i, seq in enumerate(seqs):
-            if seq.generator is not None:
+            if seq.generator is not None or seq.counts is not None:
                 try:
-                    tokens[i] = int(sample(logits[i:i + 1], seq.sampling, seq.generator)[0])
+                    row = logits[i:i + 1]
+                    if seq.counts is not None:
+                        row = penalize(row, seq.sampling, seq.counts)
+                    tokens[i] = int(sample(row, seq.sampling, seq.generator)[0])
                 except Exception as e:  # noqa: BLE001  (this request's failure, returned)
                     tokens[i] = e
         return tokens

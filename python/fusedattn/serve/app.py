@@ -138,8 +138,8 @@ def _job(request: web.Request, req: Request) -> Job:
     except ValueError as e:  # more than the whole KV cache holds
         raise ApiError(400, str(e).removeprefix("fusedattn.batching: "), "max_tokens") from None
     seed = req.seed if req.seed is not None else random.SystemRandom().randrange(2**63)
-    return Job(ids, max_tokens, SamplingParams(req.temperature, req.top_k, req.top_p, seed), req.stop,
-               asyncio.get_running_loop())
+    sampling = SamplingParams(req.temperature, req.top_k, req.top_p, seed, req.presence_penalty, req.frequency_penalty)
+    return Job(ids, max_tokens, sampling, req.stop, asyncio.get_running_loop())
 
 
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:

@@ -44,6 +44,8 @@ class Request:
     top_p: float
     top_k: int
     seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
     stop: list[str]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage counts
@@ -124,7 +126,7 @@ def _stop(body: dict) -> list[str]:
 _NO_OP_VALUES = {
     "logprobs": (None, False),  # not 0: a completion's logprobs 0 asks for the sampled token's
     "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "suffix": (None, ""), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"),  # "auto" with no tools offered calls none
     "response_format": (None, {"type": "text"}), "audio": (None,), "prediction": (None,),
@@ -167,5 +169,7 @@ def parse_request(raw: bytes, chat: bool) -> Request:
         chat=chat, model=model, prompt=None if chat else _prompt(body), messages=_messages(body) if chat else None,
         max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=_integer(body, "top_k", 0, 0),
-        seed=_integer(body, "seed", None, -(2**63), 2**63 - 1), stop=_stop(body), stream=stream,
+        seed=_integer(body, "seed", None, -(2**63), 2**63 - 1),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0), stop=_stop(body), stream=stream,
         include_usage=bool(options.get("include_usage")))
