@@ -178,6 +178,29 @@ def test_generate_applies_the_penalties_as_the_batcher_does(engine, run):
     assert [list(column) for column in zip(*steps)] == batched
 
 
+def test_logprobs_are_the_log_softmax_of_the_logits_each_token_came_from(engine, run, monkeypatch):
+    events = []
+    step = Batcher.step
+    monkeypatch.setattr(Batcher, "step", lambda self: events.extend(e := step(self)) or e)
+    requests = list(zip(prompts(9, 17), [8, 8]))
+    sampling = iter([SamplingParams(), SamplingParams(temperature=1.0, seed=3, frequency_penalty=0.5)])
+    batcher = Batcher(engine)
+    add = batcher.add
+    batcher.add = lambda *args: add(*args, logprobs=4)
+    rows, tokens = run(batcher, requests, sampling=lambda: next(sampling))
+    for logits, toks in zip(rows, tokens):
+        mine = [e for e in events if e.sequence.tokens is toks]
+        assert [e.token for e in mine] == toks
+        expected = logits.double().log_softmax(-1)
+        for e, row in zip(mine, expected):
+            assert e.logprob == pytest.approx(float(row[e.token]), abs=1e-5)
+            best = row.topk(4)
+            assert [t for t, _ in e.top] == best.indices.tolist()
+            assert [p for _, p in e.top] == pytest.approx(best.values.tolist(), abs=1e-5)
+    plain = [e for e in events if e.sequence.tokens is tokens[0]]
+    assert all(e.token == e.top[0][0] for e in plain)  # greedy: the likeliest
+
+
 def test_stop_tokens_and_cancellation_end_requests_and_give_pages_back(engine):
     batcher = Batcher(engine)
     probe = batcher.add(prompts(8)[0], 3)

@@ -5,6 +5,7 @@ import asyncio
 import concurrent.futures
 import http.client
 import json
+import math
 import os
 import signal
 import socket
@@ -159,6 +160,43 @@ def test_penalties_give_the_engines_penalized_greedy_text(client, model, engine)
     assert penalized != engine_greedy(engine, ids, 24)
 
 
+def test_a_completions_logprobs_name_its_tokens_plain_and_streamed(client, model, engine):
+    plain = complete(client, model, PROMPTS[0], max_tokens=12, logprobs=3)
+    text, logprobs = plain.choices[0].text, plain.choices[0].logprobs
+    assert text == engine_greedy(engine, engine.tokenizer.encode(PROMPTS[0]), 12)  # logprobs change nothing
+    assert "".join(logprobs.tokens) == text and len(logprobs.tokens) == plain.usage.completion_tokens
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == logprob == top[token] < 0  # greedy: the likeliest
+        assert sum(math.exp(p) for p in top.values()) <= 1 + 1e-6
+    chunks = [c.choices[0] for c in complete(client, model, PROMPTS[0], max_tokens=12, logprobs=3, stream=True)]
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens] == logprobs.tokens
+    assert [p for lp in streamed for p in lp.token_logprobs] == logprobs.token_logprobs
+    assert [o for lp in streamed for o in lp.text_offset] == logprobs.text_offset
+    assert complete(client, model, PROMPTS[0], max_tokens=4).choices[0].logprobs is None
+
+
+def test_a_chats_logprobs_give_each_tokens_bytes_and_alternatives(client, model):
+    messages = [{"role": "user", "content": "Say a word in Japanese."}]
+    response = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16,
+                                              logprobs=True, top_logprobs=2)
+    reply = response.choices[0]
+    content = reply.logprobs.content
+    ended = reply.finish_reason == "stop"  # the end-of-turn token has no text and no entry
+    assert len(content) + ended == response.usage.completion_tokens and len(content) > 2
+    assert bytes(b for item in content for b in item.bytes).decode() == reply.message.content
+    for item in content:
+        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+        assert item.top_logprobs[0].token == item.token and item.top_logprobs[0].logprob == item.logprob
+    streamed = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16,
+                                              logprobs=True, stream=True)
+    items = [item for c in streamed if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert [(i.token, i.logprob, i.top_logprobs) for i in items] == [(i.token, i.logprob, []) for i in content]
+    plain = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
 def test_sampling_follows_the_seed(client, model):
     def sample(seed):
         return client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=12, temperature=1.3,
@@ -180,7 +218,9 @@ def test_sampling_follows_the_seed(client, model):
     (json.dumps({"model": "M", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop"),
     (json.dumps({"model": "M", "prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404, "model"),
-    (json.dumps({"model": "M", "prompt": "hi", "logprobs": 2}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "M", "prompt": "hi", "logprobs": 21}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "M", "prompt": "hi", "logprobs": True}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "M", "prompt": "hi", "top_logprobs": 2}).encode(), 400, "top_logprobs"),
     (json.dumps({"model": "M", "prompt": "hi", "presence_penalty": 2.5}).encode(), 400, "presence_penalty"),
     (json.dumps({"model": "M", "prompt": "hi", "frequency_penalty": "1"}).encode(), 400, "frequency_penalty"),
 ])
@@ -194,11 +234,11 @@ def test_bad_requests_get_an_openai_error_and_the_server_serves_on(server, model
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_fields_that_would_change_the_reply_are_refused_unless_they_are_no_ops(chat):
-    """What this server does not implement (logprobs, echo, logit_bias, tools, a JSON
+    """What this server does not implement (echo, logit_bias, tools, a JSON
     response format, ...) is a 400 naming the field, never silently ignored; the same fields at
     their no-op values (as some clients send them) are taken."""
     base = {"model": "M", **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
-    refused = {"logprobs": True if chat else 0, "top_logprobs": 2, "echo": True, "best_of": 2, "suffix": "x",
+    refused = {"echo": True, "best_of": 2, "suffix": "x",
                "logit_bias": {"50256": -100},
                "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
                "response_format": {"type": "json_object"}}
@@ -210,6 +250,19 @@ def test_fields_that_would_change_the_reply_are_refused_unless_they_are_no_ops(c
              "tool_choice": "auto",
              "response_format": {"type": "text"}, "top_logprobs": None, "user": "someone"}
     assert parse_request(json.dumps({**base, **taken}).encode(), chat).model == "M"
+
+
+def test_a_chats_logprobs_fields_are_checked():
+    base = {"model": "M", "messages": [{"role": "user", "content": "hi"}]}
+    for fields, param in (({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+                          ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+        with pytest.raises(ApiError) as e:
+            parse_request(json.dumps({**base, **fields}).encode(), True)
+        assert (e.value.status, e.value.param) == (400, param)
+    for fields, logprobs in (({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0),
+                             ({"logprobs": True, "top_logprobs": 5}, 5)):
+        assert parse_request(json.dumps({**base, **fields}).encode(), True).logprobs == logprobs
 
 
 def test_chat_requests_are_checked_too(server, model):

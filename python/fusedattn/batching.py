@@ -57,6 +57,7 @@ class Sequence:
     stop_tokens: frozenset[int]
     generator: torch.Generator | None  # None: greedy
     counts: Tensor | None  # [vocab]: how many times each token was sampled, where sampling penalizes
+    logprobs: int | None = None  # each token's log-probability and this many top alternatives; None: off
     tokens: list[int] = dataclasses.field(default_factory=list)  # sampled so far
     pages: list[int] = dataclasses.field(default_factory=list)
     cached: int = 0  # positions whose keys and values are in its pages
@@ -84,6 +85,11 @@ class Event:
     token: int | None
     finish: str | None
     error: str | None = None
+    # Where the request asked for logprobs: the token's log-probability under the model
+    # (its raw logits' log-softmax, before temperature, top-k/top-p and penalties), and
+    # the most likely tokens' (token, log-probability), most likely first.
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
 
 
 def _query_tile(engine: Engine, page_size: int) -> int:
@@ -98,6 +104,16 @@ def _query_tile(engine: Engine, page_size: int) -> int:
     plan_kvcache(q[:, :, None], *caches, lengths, block_table=table)  # the decode step's
     cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
     return plan_kvcache(q, *caches, lengths, cu_seqlens_q=cu, block_table=table)["block_m"]
+
+
+def _logprobs(logits: Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """token's log-probability under logits [vocab], and the top most likely (token, log-probability)."""
+    logprobs = logits.float().log_softmax(-1)
+    best = logprobs.topk(min(top, logprobs.numel())) if top > 0 else None
+    chosen = float(logprobs[token])
+    if best is None:
+        return chosen, []
+    return chosen, list(zip(best.indices.tolist(), best.values.tolist()))
 
 
 def _row_counts(max_running: int) -> list[int]:
@@ -155,8 +171,9 @@ class Batcher:
     # ----- requests
 
     def add(self, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None,
-            stop_tokens: set[int] | frozenset[int] = frozenset()) -> Sequence:
-        """Queues a request; it runs from the next step on that has room."""
+            stop_tokens: set[int] | frozenset[int] = frozenset(), logprobs: int | None = None) -> Sequence:
+        """Queues a request; it runs from the next step on that has room. logprobs: each
+        event of it carries its token's log-probability and this many alternatives'."""
         self.check(len(prompt), max_tokens)
         sampling = sampling or SamplingParams()
         generator = None
@@ -164,7 +181,7 @@ class Batcher:
             generator = torch.Generator(device=self.engine.device).manual_seed(sampling.seed)
         counts = (torch.zeros(self.engine.config.vocab, device=self.engine.device) if sampling.penalizes()
                   else None)
-        seq = Sequence(list(prompt), max_tokens, sampling, frozenset(stop_tokens), generator, counts)
+        seq = Sequence(list(prompt), max_tokens, sampling, frozenset(stop_tokens), generator, counts, logprobs)
         self._waiting.append(seq)
         return seq
 
@@ -227,7 +244,13 @@ class Batcher:
             if seq.cached == seq.length():  # else more of its prompt is to come
                 samplers.append(seq)
         events = []
-        for seq, token in zip(samplers, self._sample(logits, samplers)):
+        for row, (seq, token) in enumerate(zip(samplers, self._sample(logits, samplers))):
+            logprob = top = None
+            if seq.logprobs is not None and not isinstance(token, Exception):
+                try:
+                    logprob, top = _logprobs(logits[row], token, seq.logprobs)
+                except Exception as e:  # noqa: BLE001  (this request's failure)
+                    token = e
             if isinstance(token, Exception):  # e.g. NaN logits: this request fails, the others go on
                 self._leave(seq, "error")
                 events.append(Event(seq, None, "error", f"{type(token).__name__}: {token}"))
@@ -239,7 +262,7 @@ class Batcher:
                       "length" if len(seq.tokens) == seq.max_tokens else None)
             if finish is not None:
                 self._leave(seq, finish)
-            events.append(Event(seq, token, finish))
+            events.append(Event(seq, token, finish, logprob=logprob, top=top))
         return events
 
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[int | Exception]:

@@ -64,6 +64,11 @@ class StopText:
         hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
+    def offset(self) -> int:
+        """Where the next token's text starts in the text so far (a character split over
+        tokens counts from its first)."""
+        return len(self.stream.text)
+
     def push(self, token: int) -> tuple[str, bool]:
         """The text now ready to send, and whether a stop string ended it."""
         self.stream.push(token)

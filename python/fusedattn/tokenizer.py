@@ -58,6 +58,11 @@ class SavedTokenizer:
             return self._special.get(name)
         raise AttributeError(name)
 
+    @property
+    def backend_tokenizer(self):
+        """The tokenizers.Tokenizer, as transformers' fast tokenizers name theirs."""
+        return self._tokenizer
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

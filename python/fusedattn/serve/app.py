@@ -18,14 +18,17 @@ import uuid
 from aiohttp import web
 
 from ..engine import Engine, SamplingParams
+from ..token_bytes import TokenBytes
+from .logprobs import chat_logprobs, completion_logprobs
 from .protocol import ApiError, Request, error_body, parse_request
-from .scheduler import SHUTTING_DOWN, Finish, Job, Scheduler
+from .scheduler import SHUTTING_DOWN, Finish, Job, Scheduler, TokenLogprob
 
 __all__ = ["make_app"]
 
 _SCHEDULER = web.AppKey("scheduler", Scheduler)
 _MODEL = web.AppKey("model", str)
 _ALIASES = web.AppKey("aliases", frozenset)
+_TOKEN_NAMES = web.AppKey("token_names", TokenBytes)
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -56,6 +59,7 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None, aliase
     app[_SCHEDULER] = Scheduler(engine, **batching)
     app[_MODEL] = model_name
     app[_ALIASES] = frozenset(aliases) | {model_name}
+    app[_TOKEN_NAMES] = TokenBytes(engine.tokenizer)
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
@@ -139,7 +143,7 @@ def _job(request: web.Request, req: Request) -> Job:
         raise ApiError(400, str(e).removeprefix("fusedattn.batching: "), "max_tokens") from None
     seed = req.seed if req.seed is not None else random.SystemRandom().randrange(2**63)
     sampling = SamplingParams(req.temperature, req.top_k, req.top_p, seed, req.presence_penalty, req.frequency_penalty)
-    return Job(ids, max_tokens, sampling, req.stop, asyncio.get_running_loop())
+    return Job(ids, max_tokens, sampling, req.stop, asyncio.get_running_loop(), req.logprobs)
 
 
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -153,18 +157,27 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     scheduler.submit(job)
     try:
         if not req.stream:
-            parts = []
+            parts, tokens = [], []
             while not isinstance(event := await job.events.get(), Finish):
-                parts.append(event)
+                (tokens if isinstance(event, TokenLogprob) else parts).append(event)
             _raise_failed(event)
             text = "".join(parts)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                      else {"index": 0, "text": text, "logprobs": None})
+            logprobs = _logprobs(request, req, tokens)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs} if chat
+                      else {"index": 0, "text": text, "logprobs": logprobs})
             return _json({**head, "object": "chat.completion" if chat else "text_completion",
                           "choices": [{**choice, "finish_reason": event.reason}], "usage": usage(event)})
         return await _stream(request, req, job, head, usage)
     finally:
         job.cancelled.set()  # a finished job ignores it; one whose client left stops at its next token
+
+
+def _logprobs(request: web.Request, req: Request, tokens: list[TokenLogprob]) -> dict | None:
+    """The logprobs of a reply or of a chunk of it: None where the request asked for none."""
+    if req.logprobs is None:
+        return None
+    shape = chat_logprobs if req.chat else completion_logprobs
+    return shape(tokens, request.app[_TOKEN_NAMES])
 
 
 def _raise_failed(finish: Finish) -> None:
@@ -184,15 +197,21 @@ async def _stream(request: web.Request, req: Request, job: Job, head: dict, usag
         await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
     if req.chat:
-        await send({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        await send({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+    tokens = []  # the TokenLogprobs since the last chunk: they go with the next text
     while not isinstance(event := await job.events.get(), Finish):
-        await send({"delta": {"content": event}, "finish_reason": None} if req.chat
-                   else {"text": event, "logprobs": None, "finish_reason": None})
+        if isinstance(event, TokenLogprob):
+            tokens.append(event)
+            continue
+        logprobs, tokens = _logprobs(request, req, tokens), []
+        await send({"delta": {"content": event}, "logprobs": logprobs, "finish_reason": None} if req.chat
+                   else {"text": event, "logprobs": logprobs, "finish_reason": None})
     if event.error is not None:  # the status is sent already: an error event, then the end
         await response.write(f"data: {json.dumps(ApiError(500, event.error).body())}\n\n".encode())
     else:
-        await send({"delta": {}, "finish_reason": event.reason} if req.chat
-                   else {"text": "", "logprobs": None, "finish_reason": event.reason})
+        logprobs = _logprobs(request, req, tokens) if tokens else None  # a last token with no text of its own
+        await send({"delta": {}, "logprobs": logprobs, "finish_reason": event.reason} if req.chat
+                   else {"text": "", "logprobs": logprobs, "finish_reason": event.reason})
         if req.include_usage:
             await send(None, usage=usage(event))
     await response.write(b"data: [DONE]\n\n")

@@ -15,6 +15,7 @@ import json
 __all__ = ["ApiError", "Request", "error_body", "parse_request"]
 
 MAX_STOPS = 4  # OpenAI's limit on `stop` strings
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on a chat's `top_logprobs` (its completions' `logprobs` stops at 5)
 
 
 class ApiError(Exception):
@@ -46,6 +47,7 @@ class Request:
     seed: int | None
     presence_penalty: float
     frequency_penalty: float
+    logprobs: int | None  # each token's log-probability and this many alternatives'; None: none
     stop: list[str]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage counts
@@ -124,8 +126,7 @@ def _stop(body: dict) -> list[str]:
 # refused unless they hold their no-op value, never ignored (a client that asks for logprobs
 # must not get a reply without them as if it had).
 _NO_OP_VALUES = {
-    "logprobs": (None, False),  # not 0: a completion's logprobs 0 asks for the sampled token's
-    "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"),  # "auto" with no tools offered calls none
@@ -142,6 +143,23 @@ def _refuse_unimplemented(body: dict) -> None:
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise ApiError(400, f"'{name}' is not supported by this server (it would change the reply), got {shown}; "
                            "leave it out", name)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """A completion's `logprobs` (how many alternatives); a chat's `logprobs` (true or false)
+    with its `top_logprobs`."""
+    if not chat:
+        if body.get("top_logprobs") not in (None, 0):
+            raise ApiError(400, "'top_logprobs' is a chat completion's; a completion takes 'logprobs': N",
+                           "top_logprobs")
+        return _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, f"'logprobs' must be true or false, got {json.dumps(wanted)}", "logprobs")
+    top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def parse_request(raw: bytes, chat: bool) -> Request:
@@ -171,5 +189,6 @@ def parse_request(raw: bytes, chat: bool) -> Request:
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=_integer(body, "top_k", 0, 0),
         seed=_integer(body, "seed", None, -(2**63), 2**63 - 1),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0), stop=_stop(body), stream=stream,
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0), logprobs=_logprobs(body, chat),
+        stop=_stop(body), stream=stream,
         include_usage=bool(options.get("include_usage")))

@@ -1,6 +1,7 @@
 """The server's engine worker: one thread that steps every request together.
 
-A handler submits a Job and reads its events (text deltas, then the finish)
+A handler submits a Job and reads its events (text deltas, each after the
+TokenLogprobs of its tokens where the job asked for them, then the finish)
 from an asyncio queue that the worker fills across threads. Between two steps
 of the ``fusedattn.batching.Batcher`` the worker admits the jobs that arrived
 and drops those whose client went away (their pages go back at once); each
@@ -19,7 +20,7 @@ from ..batching import Batcher, Sequence
 from ..engine import Engine, SamplingParams
 from ..text_stream import StopText
 
-__all__ = ["SHUTTING_DOWN", "Finish", "Job", "Scheduler"]
+__all__ = ["SHUTTING_DOWN", "Finish", "Job", "Scheduler", "TokenLogprob"]
 
 SHUTTING_DOWN = "the server is shutting down"  # the error of the requests a close() ends
 
@@ -32,16 +33,26 @@ class Finish:
 
 
 @dataclasses.dataclass
+class TokenLogprob:
+    """A generated token's log-probability, sent before the text it is part of."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens' (token, log-probability)
+    offset: int  # where its text starts in the reply's
+
+
+@dataclasses.dataclass
 class Job:
     ids: list[int]
     max_tokens: int
     sampling: SamplingParams
     stop: list[str]
     loop: asyncio.AbstractEventLoop
+    logprobs: int | None = None  # a TokenLogprob per token of the reply, with this many alternatives
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
-    def emit(self, event: str | Finish) -> None:
+    def emit(self, event: str | TokenLogprob | Finish) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
@@ -107,11 +118,14 @@ class Scheduler:
             if event.finish == "error":
                 self._end(seq, Finish("error", len(seq.tokens), event.error))
                 continue
+            offset = text.offset()
             try:
                 delta, stopped = text.push(event.token)
             except Exception as e:  # noqa: BLE001  (this request fails; the others go on)
                 self._end(seq, Finish("error", len(seq.tokens), f"{type(e).__name__}: {e}"))
                 continue
+            if event.logprob is not None and event.token not in seq.stop_tokens:  # end of text has no text
+                job.emit(TokenLogprob(event.token, event.logprob, event.top, offset))
             if delta:
                 job.emit(delta)
             if stopped:
@@ -138,7 +152,8 @@ class Scheduler:
             if job.cancelled.is_set():
                 continue
             try:
-                seq = self.batcher.add(job.ids, job.max_tokens, job.sampling, self.engine.stop_tokens())
+                seq = self.batcher.add(job.ids, job.max_tokens, job.sampling, self.engine.stop_tokens(),
+                                       job.logprobs)
             except Exception as e:  # noqa: BLE001  (the app checked the sizes: anything else fails this job)
                 job.emit(Finish("error", 0, f"{type(e).__name__}: {e}"))
                 continue
