@@ -201,6 +201,39 @@ def test_logprobs_are_the_log_softmax_of_the_logits_each_token_came_from(engine,
     assert all(e.token == e.top[0][0] for e in plain)  # greedy: the likeliest
 
 
+def test_prompt_logprobs_come_from_every_prompt_position_in_any_chunking_and_share_no_prefix(engine):
+    shared = prompts(520, seed=1)[0]  # two query tiles (256 on the CPU) that a prefix could share
+    requests = [shared + [5, 6], shared + [7], prompts(300)[0], [9]]
+    batcher = Batcher(engine, token_budget=1)  # the least: prompts in chunks of a query tile
+    seqs = [batcher.add(shared + [1], 3)]  # a request without prompt logprobs that names the shared pages
+    while batcher.busy():
+        batcher.step()
+    seqs = [batcher.add(prompt, 3, logprobs=2, prompt_logprobs=True) for prompt in requests]
+    steps = 0
+    while batcher.busy():
+        batcher.step()
+        steps += 1
+    assert steps > 3 and batcher.pool.usage()["held"] == 0
+    for seq, prompt in zip(seqs, requests):
+        n = len(prompt)
+        caches = [tuple(torch.zeros(1, engine.config.kv_heads, n, engine.config.head_dim) for _ in range(2))
+                  for _ in range(engine.config.layers)]
+        logits = engine.forward_packed(torch.tensor(prompt), torch.arange(n), torch.tensor([0, n], dtype=torch.int32),
+                                       torch.zeros(1, dtype=torch.int32), caches, None, torch.arange(n))
+        expected = logits.double().log_softmax(-1)
+        assert seq.prompt_logprobs[0] is None and len(seq.prompt_logprobs) == n
+        for position in range(1, n):
+            logprob, top = seq.prompt_logprobs[position]
+            row = expected[position - 1]
+            assert logprob == pytest.approx(float(row[prompt[position]]), abs=1e-4)
+            assert [t for t, _ in top] == row.topk(2).indices.tolist()
+
+
+def test_prompt_logprobs_need_logprobs(engine):
+    with pytest.raises(ValueError, match="prompt_logprobs needs logprobs"):
+        Batcher(engine).add([1, 2], 3, prompt_logprobs=True)
+
+
 def test_stop_tokens_and_cancellation_end_requests_and_give_pages_back(engine):
     batcher = Batcher(engine)
     probe = batcher.add(prompts(8)[0], 3)

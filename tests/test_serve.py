@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="needs the models extra: pip install .[models]")
 pytest.importorskip("gguf", reason="needs the models extra: pip install .[models]")
@@ -178,23 +179,61 @@ def test_a_completions_logprobs_name_its_tokens_plain_and_streamed(client, model
 
 
 def test_a_chats_logprobs_give_each_tokens_bytes_and_alternatives(client, model):
-    messages = [{"role": "user", "content": "Say a word in Japanese."}]
-    response = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16,
-                                              logprobs=True, top_logprobs=2)
-    reply = response.choices[0]
-    content = reply.logprobs.content
-    ended = reply.finish_reason == "stop"  # the end-of-turn token has no text and no entry
-    assert len(content) + ended == response.usage.completion_tokens and len(content) > 2
-    assert bytes(b for item in content for b in item.bytes).decode() == reply.message.content
-    for item in content:
-        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
-        assert item.top_logprobs[0].token == item.token and item.top_logprobs[0].logprob == item.logprob
-    streamed = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16,
-                                              logprobs=True, stream=True)
-    items = [item for c in streamed if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
-    assert [(i.token, i.logprob, i.top_logprobs) for i in items] == [(i.token, i.logprob, []) for i in content]
+    finishes = set()
+    for question in ("Say a word in Japanese.", "What is the capital of France?"):
+        messages = [{"role": "user", "content": question}]
+        response = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16,
+                                                  logprobs=True, top_logprobs=2)
+        reply = response.choices[0]
+        content = reply.logprobs.content
+        assert len(content) == response.usage.completion_tokens and len(content) > 2
+        finishes.add(reply.finish_reason)
+        if reply.finish_reason == "stop":  # the end-of-turn token has its entry too
+            assert content[-1].token == "<|im_end|>"
+            content = content[:-1]
+        assert bytes(b for item in content for b in item.bytes).decode() == reply.message.content
+        for item in content:
+            logprobs = [t.logprob for t in item.top_logprobs]
+            assert logprobs == sorted(logprobs, reverse=True) and len(logprobs) == 2
+            assert item.top_logprobs[0].token == item.token and item.top_logprobs[0].logprob == item.logprob
+        streamed = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16,
+                                                  logprobs=True, stream=True)
+        items = [i for c in streamed if c.choices and c.choices[0].logprobs for i in c.choices[0].logprobs.content]
+        assert [(i.token, i.logprob, i.top_logprobs) for i in items] == [
+            (i.token, i.logprob, []) for i in reply.logprobs.content]
+    assert finishes == {"stop", "length"}
     plain = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=4)
     assert plain.choices[0].logprobs is None
+
+
+def prompt_logprobs(engine, ids):
+    """Each prompt token's log-probability after the ones before it, from one forward of the prompt."""
+    c, n = engine.config, len(ids)
+    caches = [tuple(torch.zeros(1, c.kv_heads, n, c.head_dim, dtype=engine.dtype) for _ in range(2))
+              for _ in range(c.layers)]
+    logits = engine.forward_packed(torch.tensor(ids), torch.arange(n), torch.tensor([0, n], dtype=torch.int32),
+                                   torch.zeros(1, dtype=torch.int32), caches, None, torch.arange(n - 1))
+    return logits.double().log_softmax(-1)[torch.arange(n - 1), torch.tensor(ids[1:])].tolist()
+
+
+def test_echo_gives_the_prompt_and_with_logprobs_its_tokens_as_evaluation_harnesses_read_them(client, model, engine):
+    echoed = complete(client, model, PROMPTS[0], max_tokens=5, echo=True).choices[0].text
+    assert echoed == PROMPTS[0] + complete(client, model, PROMPTS[0], max_tokens=5).choices[0].text
+    ids = engine.tokenizer.encode(PROMPTS[3] + " green")
+    for stream in (False, True):  # lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs
+        reply = complete(client, model, ids, max_tokens=1, echo=True, logprobs=1, stream=stream)
+        choices = [c.choices[0] for c in reply] if stream else [reply.choices[0]]
+        logprobs = [c.logprobs for c in choices if c.logprobs is not None]
+        tokens = [t for lp in logprobs for t in lp.tokens]
+        token_logprobs = [p for lp in logprobs for p in lp.token_logprobs]
+        top = [t for lp in logprobs for t in lp.top_logprobs]
+        offsets = [o for lp in logprobs for o in lp.text_offset]
+        text = "".join(c.text for c in choices)
+        assert len(tokens) == len(ids) + 1 and token_logprobs[0] is None and top[0] is None
+        assert token_logprobs[1:-1] == pytest.approx(prompt_logprobs(engine, ids), abs=1e-3)
+        assert all(len(t) == 1 and max(t.values()) >= p for t, p in zip(top[1:], token_logprobs[1:]))
+        assert text.startswith(PROMPTS[3] + " green") and offsets[len(ids)] == len(PROMPTS[3] + " green")
+        assert [text[o:o + len(t)] for o, t in zip(offsets[:-1], tokens[:-1])] == tokens[:-1]
 
 
 def test_sampling_follows_the_seed(client, model):
@@ -221,6 +260,10 @@ def test_sampling_follows_the_seed(client, model):
     (json.dumps({"model": "M", "prompt": "hi", "logprobs": 21}).encode(), 400, "logprobs"),
     (json.dumps({"model": "M", "prompt": "hi", "logprobs": True}).encode(), 400, "logprobs"),
     (json.dumps({"model": "M", "prompt": "hi", "top_logprobs": 2}).encode(), 400, "top_logprobs"),
+    (json.dumps({"model": "M", "prompt": "hi", "echo": 1}).encode(), 400, "echo"),
+    (json.dumps({"model": "M", "prompt": [1, 2, 10**7]}).encode(), 400, "prompt"),
+    (json.dumps({"model": "M", "prompt": [1, -2]}).encode(), 400, "prompt"),
+    (json.dumps({"model": "M", "prompt": [[1, 2], [3]]}).encode(), 400, "prompt"),
     (json.dumps({"model": "M", "prompt": "hi", "presence_penalty": 2.5}).encode(), 400, "presence_penalty"),
     (json.dumps({"model": "M", "prompt": "hi", "frequency_penalty": "1"}).encode(), 400, "frequency_penalty"),
 ])
@@ -234,11 +277,11 @@ def test_bad_requests_get_an_openai_error_and_the_server_serves_on(server, model
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_fields_that_would_change_the_reply_are_refused_unless_they_are_no_ops(chat):
-    """What this server does not implement (echo, logit_bias, tools, a JSON
+    """What this server does not implement (best_of, logit_bias, tools, a JSON
     response format, ...) is a 400 naming the field, never silently ignored; the same fields at
     their no-op values (as some clients send them) are taken."""
     base = {"model": "M", **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
-    refused = {"echo": True, "best_of": 2, "suffix": "x",
+    refused = {"best_of": 2, "suffix": "x",
                "logit_bias": {"50256": -100},
                "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
                "response_format": {"type": "json_object"}}
@@ -256,7 +299,7 @@ def test_a_chats_logprobs_fields_are_checked():
     base = {"model": "M", "messages": [{"role": "user", "content": "hi"}]}
     for fields, param in (({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
                           ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
-                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"echo": True}, "echo")):
         with pytest.raises(ApiError) as e:
             parse_request(json.dumps({**base, **fields}).encode(), True)
         assert (e.value.status, e.value.param) == (400, param)

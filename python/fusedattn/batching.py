@@ -58,6 +58,9 @@ class Sequence:
     generator: torch.Generator | None  # None: greedy
     counts: Tensor | None  # [vocab]: how many times each token was sampled, where sampling penalizes
     logprobs: int | None = None  # each token's log-probability and this many top alternatives; None: off
+    # With logprobs, where asked: entry j (j >= 1) is prompt token j's (log-probability, top
+    # alternatives) as the logits of position j - 1 give them; None until computed.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)  # sampled so far
     pages: list[int] = dataclasses.field(default_factory=list)
     cached: int = 0  # positions whose keys and values are in its pages
@@ -171,9 +174,15 @@ class Batcher:
     # ----- requests
 
     def add(self, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None,
-            stop_tokens: set[int] | frozenset[int] = frozenset(), logprobs: int | None = None) -> Sequence:
+            stop_tokens: set[int] | frozenset[int] = frozenset(), logprobs: int | None = None,
+            prompt_logprobs: bool = False) -> Sequence:
         """Queues a request; it runs from the next step on that has room. logprobs: each
-        event of it carries its token's log-probability and this many alternatives'."""
+        event of it carries its token's log-probability and this many alternatives';
+        prompt_logprobs (with logprobs): the prompt's tokens get theirs too, in the
+        request's prompt_logprobs, filled by the time it samples (its prefill then shares no
+        page of a cached prefix, whose positions it would not compute)."""
+        if prompt_logprobs and logprobs is None:
+            raise ValueError("fusedattn.batching: prompt_logprobs needs logprobs (the alternatives' count)")
         self.check(len(prompt), max_tokens)
         sampling = sampling or SamplingParams()
         generator = None
@@ -181,7 +190,8 @@ class Batcher:
             generator = torch.Generator(device=self.engine.device).manual_seed(sampling.seed)
         counts = (torch.zeros(self.engine.config.vocab, device=self.engine.device) if sampling.penalizes()
                   else None)
-        seq = Sequence(list(prompt), max_tokens, sampling, frozenset(stop_tokens), generator, counts, logprobs)
+        seq = Sequence(list(prompt), max_tokens, sampling, frozenset(stop_tokens), generator, counts, logprobs,
+                       [None] * len(prompt) if prompt_logprobs else None)
         self._waiting.append(seq)
         return seq
 
@@ -229,7 +239,7 @@ class Batcher:
         if not batch:
             return []
         try:
-            logits = self._run(batch)
+            logits, prompt_rows = self._run(batch)
         except Exception as e:  # noqa: BLE001  (these requests fail; the others go on)
             error = f"{type(e).__name__}: {e}"
             for seq, _ in batch:
@@ -243,7 +253,10 @@ class Batcher:
             self._name_pages(seq)
             if seq.cached == seq.length():  # else more of its prompt is to come
                 samplers.append(seq)
-        events = []
+        events = self._note_prompt_logprobs(logits[len(samplers):], prompt_rows)
+        samplers_rows = [(seq, row) for row, seq in enumerate(samplers) if seq.finish is None]
+        logits = logits[[row for _, row in samplers_rows]] if len(samplers_rows) < len(samplers) else logits
+        samplers = [seq for seq, _ in samplers_rows]
         for row, (seq, token) in enumerate(zip(samplers, self._sample(logits, samplers))):
             logprob = top = None
             if seq.logprobs is not None and not isinstance(token, Exception):
@@ -263,6 +276,20 @@ class Batcher:
             if finish is not None:
                 self._leave(seq, finish)
             events.append(Event(seq, token, finish, logprob=logprob, top=top))
+        return events
+
+    def _note_prompt_logprobs(self, logits: Tensor, prompt_rows: list[tuple[Sequence, int]]) -> list[Event]:
+        """Each prompt row's (request, position) gets its token's log-probability from its
+        logits row; a request whose computation fails leaves with an error event."""
+        events = []
+        for row, (seq, position) in enumerate(prompt_rows):
+            if seq.finish is not None:  # failed at an earlier row of this step
+                continue
+            try:
+                seq.prompt_logprobs[position] = _logprobs(logits[row], seq.prompt[position], seq.logprobs)
+            except Exception as e:  # noqa: BLE001  (this request's failure)
+                self._leave(seq, "error")
+                events.append(Event(seq, None, "error", f"{type(e).__name__}: {e}"))
         return events
 
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[int | Exception]:
@@ -326,25 +353,32 @@ class Batcher:
             budget -= n
         return batch
 
-    def _run(self, batch: list[tuple[Sequence, int]]) -> Tensor:
-        """The model over the batch's tokens (in slot order); the logits of the requests that sample."""
+    def _run(self, batch: list[tuple[Sequence, int]]) -> tuple[Tensor, list[tuple[Sequence, int]]]:
+        """The model over the batch's tokens (in slot order): the logits of the requests that
+        sample, then those of the prompt rows of requests that want prompt_logprobs, and for
+        each of the latter (request, the prompt position whose token its logits predict)."""
         if len(batch) == len(self._running) and all(n == 1 and seq.length() == seq.cached + 1 for seq, n in batch):
-            return self._run_decode([seq for seq, _ in batch])
+            return self._run_decode([seq for seq, _ in batch]), []
         slots = self.max_running
         counts, cached = [0] * slots, [0] * slots
-        ids, positions, rows = [], [], []
+        ids, positions, rows, prompt_rows = [], [], [], []
         for seq, n in batch:
             counts[seq.slot], cached[seq.slot] = n, seq.cached
+            if seq.prompt_logprobs is not None:  # position p's logits give prompt token p + 1's
+                prompt_rows.extend((seq, len(ids) + p - seq.cached, p + 1)
+                                   for p in range(seq.cached, min(seq.cached + n, len(seq.prompt) - 1)))
             positions.extend(range(seq.cached, seq.cached + n))
             ids.extend(seq.token_at(p) for p in range(seq.cached, seq.cached + n))
             if seq.cached + n == seq.length():
                 rows.append(len(ids) - 1)
+        rows += [row for _, row, _ in prompt_rows]
         device = self.engine.device
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
         cu = as_tensor(list(itertools.accumulate(counts, initial=0)))
-        return self.engine.forward_packed(as_tensor(ids).long(), as_tensor(positions).long(), cu, as_tensor(cached),
-                                          self.pool.caches, self._table.to(device),
-                                          torch.tensor(rows, dtype=torch.long, device=device))
+        logits = self.engine.forward_packed(as_tensor(ids).long(), as_tensor(positions).long(), cu,
+                                            as_tensor(cached), self.pool.caches, self._table.to(device),
+                                            torch.tensor(rows, dtype=torch.long, device=device))
+        return logits, [(seq, position) for seq, _, position in prompt_rows]
 
     def _run_decode(self, seqs: list[Sequence]) -> Tensor:
         """A step where every running request decodes: Engine.decoder's step
@@ -404,7 +438,7 @@ class Batcher:
     def _share_prefix(self, seq: Sequence) -> None:
         """Takes the named pages of seq's first tokens (whole units of the
         page and the query tile, and never its last token, whose logits it needs)."""
-        if not self.prefix_caching or seq.pages:
+        if not self.prefix_caching or seq.pages or seq.prompt_logprobs is not None:
             return
         unit, size = self._share_unit, self.pool.page_size
         candidates = (seq.length() - 1) // unit * unit // size

@@ -109,7 +109,13 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 def _prompt_ids(engine: Engine, req: Request) -> list[int]:
     if not req.chat:
-        return engine.tokenizer.encode(req.prompt)
+        if isinstance(req.prompt, str):
+            return engine.tokenizer.encode(req.prompt)
+        vocab = engine.config.vocab
+        if max(req.prompt) >= vocab:
+            raise ApiError(400, f"'prompt' holds token id {max(req.prompt)}; this model's ids are below {vocab}",
+                           "prompt")
+        return req.prompt
     if not getattr(engine.tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
     try:
@@ -143,7 +149,8 @@ def _job(request: web.Request, req: Request) -> Job:
         raise ApiError(400, str(e).removeprefix("fusedattn.batching: "), "max_tokens") from None
     seed = req.seed if req.seed is not None else random.SystemRandom().randrange(2**63)
     sampling = SamplingParams(req.temperature, req.top_k, req.top_p, seed, req.presence_penalty, req.frequency_penalty)
-    return Job(ids, max_tokens, sampling, req.stop, asyncio.get_running_loop(), req.logprobs)
+    echo = engine.tokenizer.decode(ids, skip_special_tokens=True) if req.echo else None
+    return Job(ids, max_tokens, sampling, req.stop, asyncio.get_running_loop(), req.logprobs, echo)
 
 
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:

@@ -10,7 +10,9 @@ __all__ = ["chat_logprobs", "completion_logprobs"]
 
 
 def completion_logprobs(entries: list[TokenLogprob], names: TokenBytes) -> dict:
-    def alternatives(entry: TokenLogprob) -> dict[str, float]:
+    def alternatives(entry: TokenLogprob) -> dict[str, float] | None:
+        if entry.top is None:  # the prompt's first token
+            return None
         top: dict[str, float] = {}
         for token, logprob in entry.top:  # most likely first: where two share a text, the likelier stays
             top.setdefault(names.text(token), logprob)

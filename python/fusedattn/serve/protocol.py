@@ -38,7 +38,7 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 class Request:
     chat: bool
     model: str
-    prompt: str | None  # completions
+    prompt: str | list[int] | None  # completions: text or token ids
     messages: list[dict] | None  # chat completions
     max_tokens: int | None  # None: what the context and the KV cache leave
     temperature: float
@@ -48,6 +48,7 @@ class Request:
     presence_penalty: float
     frequency_penalty: float
     logprobs: int | None  # each token's log-probability and this many alternatives'; None: none
+    echo: bool  # completions: the prompt's text (and with logprobs its tokens') before the reply's
     stop: list[str]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage counts
@@ -101,14 +102,23 @@ def _messages(body: dict) -> list[dict]:
             for i, m in enumerate(messages)]
 
 
-def _prompt(body: dict) -> str:
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
+def _prompt(body: dict) -> str | list[int]:
+    """One prompt: a string or a list of token ids (either alone in a list too)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _token_ids(prompt[0])):
         prompt = prompt[0]
+    if _token_ids(prompt):
+        return prompt
     if isinstance(prompt, list):
-        raise ApiError(400, "'prompt' must be one string (this server takes one prompt per request)", "prompt")
+        raise ApiError(400, "'prompt' must be one string or one list of token ids (this server takes one prompt "
+                       "per request)", "prompt")
     if not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
+        raise ApiError(400, "'prompt' must be a non-empty string or list of token ids", "prompt")
     return prompt
 
 
@@ -126,7 +136,7 @@ def _stop(body: dict) -> list[str]:
 # refused unless they hold their no-op value, never ignored (a client that asks for logprobs
 # must not get a reply without them as if it had).
 _NO_OP_VALUES = {
-    "echo": (None, False), "best_of": (None, 1),
+    "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"),  # "auto" with no tools offered calls none
@@ -173,6 +183,10 @@ def parse_request(raw: bytes, chat: bool) -> Request:
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' must name the model (GET /v1/models lists it)", "model")
     _refuse_unimplemented(body)
+    echo = body.get("echo")
+    if (echo is not None and not isinstance(echo, bool)) or (chat and echo):
+        raise ApiError(400, "'echo' must be true or false" if not chat else
+                       "'echo' is a completion's (POST /v1/completions), not a chat's", "echo")
     if _integer(body, "n", 1, 1, 1) != 1:
         raise ApiError(400, "'n' must be 1", "n")
     max_tokens = _integer(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
@@ -190,5 +204,6 @@ def parse_request(raw: bytes, chat: bool) -> Request:
         seed=_integer(body, "seed", None, -(2**63), 2**63 - 1),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0), logprobs=_logprobs(body, chat),
+        echo=bool(echo),
         stop=_stop(body), stream=stream,
         include_usage=bool(options.get("include_usage")))

@@ -18,7 +18,7 @@ import threading
 
 from ..batching import Batcher, Sequence
 from ..engine import Engine, SamplingParams
-from ..text_stream import StopText
+from ..text_stream import StopText, TextStream
 
 __all__ = ["SHUTTING_DOWN", "Finish", "Job", "Scheduler", "TokenLogprob"]
 
@@ -34,10 +34,10 @@ class Finish:
 
 @dataclasses.dataclass
 class TokenLogprob:
-    """A generated token's log-probability, sent before the text it is part of."""
+    """A token's log-probability, sent before the text it is part of."""
     token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the most likely tokens' (token, log-probability)
+    logprob: float | None  # None: the prompt's first token, which nothing predicts
+    top: list[tuple[int, float]] | None  # the most likely tokens' (token, log-probability)
     offset: int  # where its text starts in the reply's
 
 
@@ -49,6 +49,7 @@ class Job:
     stop: list[str]
     loop: asyncio.AbstractEventLoop
     logprobs: int | None = None  # a TokenLogprob per token of the reply, with this many alternatives
+    echo: str | None = None  # the prompt's text, sent first (with logprobs, after its tokens' TokenLogprobs)
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -118,13 +119,15 @@ class Scheduler:
             if event.finish == "error":
                 self._end(seq, Finish("error", len(seq.tokens), event.error))
                 continue
-            offset = text.offset()
+            if job.echo is not None and len(seq.tokens) == 1:
+                self._echo(job, seq)
+            offset = text.offset() + len(job.echo or "")
             try:
                 delta, stopped = text.push(event.token)
             except Exception as e:  # noqa: BLE001  (this request fails; the others go on)
                 self._end(seq, Finish("error", len(seq.tokens), f"{type(e).__name__}: {e}"))
                 continue
-            if event.logprob is not None and event.token not in seq.stop_tokens:  # end of text has no text
+            if event.logprob is not None:
                 job.emit(TokenLogprob(event.token, event.logprob, event.top, offset))
             if delta:
                 job.emit(delta)
@@ -135,6 +138,17 @@ class Scheduler:
                 if rest:
                     job.emit(rest)
                 self._end(seq, Finish(event.finish, len(seq.tokens)))
+
+    def _echo(self, job: Job, seq: Sequence) -> None:
+        """The prompt's text, after its tokens' TokenLogprobs where the job asked for logprobs."""
+        if seq.prompt_logprobs is not None:
+            stream = TextStream(self.engine.tokenizer)  # each token's offset in the prompt's text
+            for position, token in enumerate(seq.prompt):
+                logprob, top = seq.prompt_logprobs[position] or (None, None)
+                job.emit(TokenLogprob(token, logprob, top, len(stream.text)))
+                stream.push(token)
+        if job.echo:
+            job.emit(job.echo)
 
     def _admit(self) -> bool:
         """Adds the jobs that arrived (waiting for one while nothing runs);
@@ -153,7 +167,7 @@ class Scheduler:
                 continue
             try:
                 seq = self.batcher.add(job.ids, job.max_tokens, job.sampling, self.engine.stop_tokens(),
-                                       job.logprobs)
+                                       job.logprobs, prompt_logprobs=job.echo is not None and job.logprobs is not None)
             except Exception as e:  # noqa: BLE001  (the app checked the sizes: anything else fails this job)
                 job.emit(Finish("error", 0, f"{type(e).__name__}: {e}"))
                 continue
