@@ -347,6 +347,31 @@ def test_a_request_whose_sampling_fails_leaves_alone(engine, monkeypatch):
     assert len(fine.tokens) == 4 and batcher.pool.usage()["held"] == 0
 
 
+@pytest.mark.parametrize("wants", [{}, {"logprobs": 2}, {"logprobs": 2, "prompt_logprobs": True}],
+                         ids=["greedy", "logprobs", "prompt-logprobs"])
+def test_a_request_whose_logits_are_not_finite_leaves_alone(engine, monkeypatch, wants):
+    """NaN logits fail the request they are of: its greedy choice or its log-probabilities
+    would be garbage; the requests beside it go on."""
+    batcher = Batcher(engine)
+    doomed = batcher.add(prompts(6)[0], 4, SamplingParams(presence_penalty=0.5), **wants)
+    fine = batcher.add(prompts(9)[0], 4, logprobs=2)
+    run = Batcher._run
+
+    def poisoned(self, batch):
+        logits, prompt_rows = run(self, batch)
+        logits[[i for i, (seq, _) in enumerate(batch) if seq is doomed]] = float("nan")
+        logits[len(batch):][[i for i, (seq, _) in enumerate(prompt_rows) if seq is doomed]] = float("nan")
+        return logits, prompt_rows
+
+    monkeypatch.setattr(Batcher, "_run", poisoned)
+    events = batcher.step()
+    assert [(e.sequence, e.finish) for e in events] == [(doomed, "error"), (fine, None)]
+    assert "not finite" in events[0].error and doomed.counts is None
+    while batcher.busy():
+        batcher.step()
+    assert len(fine.tokens) == 4 and batcher.pool.usage()["held"] == 0
+
+
 def teacher_forced_logits(engine, prompt, tokens):
     """The logits rows that sampled ``tokens`` after ``prompt``, from one
     prefill of prompt + tokens[:-1] into a contiguous cache."""

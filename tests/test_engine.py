@@ -190,6 +190,16 @@ def test_generate_takes_prompts_from_a_file_and_from_stdin(capsys, cache_dir, tm
     assert piped.splitlines()[:2] == out.splitlines()[1:3]  # the same greedy answer
 
 
+def test_generate_passes_its_penalties_on(capsys, cache_dir):
+    """--presence-penalty and --frequency-penalty reach the sampler, each where it belongs: a
+    swap of the two changes the text, as does leaving them out."""
+    argv = ("Red, orange, yellow,", "--raw", "--max-new-tokens", "24")
+    runs = {penalties: generate(capsys, cache_dir, *argv, *penalties).split("prefill:")[0]
+            for penalties in ((), ("--presence-penalty", "2", "--frequency-penalty", "-1"),
+                              ("--presence-penalty", "-1", "--frequency-penalty", "2"))}
+    assert len(set(runs.values())) == 3, runs
+
+
 def test_generate_draws_a_fresh_seed_and_says_which(capsys, cache_dir):
     """Without --seed each sampled run has its own seed, printed first; passing it repeats the run."""
     argv = ("Tell me a story.", "--temperature", "1.2", "--max-new-tokens", "12")

@@ -176,6 +176,31 @@ def test_a_completions_logprobs_name_its_tokens_plain_and_streamed(client, model
     assert [p for lp in streamed for p in lp.token_logprobs] == logprobs.token_logprobs
     assert [o for lp in streamed for o in lp.text_offset] == logprobs.text_offset
     assert complete(client, model, PROMPTS[0], max_tokens=4).choices[0].logprobs is None
+    for n in (0, 1):  # sampled tokens outside the top n are in top_logprobs too, as OpenAI's are
+        drawn = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=16, temperature=2.0, seed=1,
+                                          logprobs=n).choices[0].logprobs
+        assert all(token in top and len(top) <= n + 1 for token, top in zip(drawn.tokens, drawn.top_logprobs))
+        assert n == 1 or all(len(top) == 1 for top in drawn.top_logprobs)
+
+
+@pytest.mark.parametrize("stop", [["."], [".\n"], ["zzzzzzzzzz"]], ids=["cut", "cut-mid-token", "held-back"])
+def test_logprobs_name_only_the_tokens_of_the_text_sent_and_go_with_it(client, model, stop):
+    """A stop string's tokens get no entry, and a stream sends each entry no sooner than the
+    chunk its text starts in, however much text the stop strings hold back."""
+    plain = complete(client, model, PROMPTS[0], max_tokens=24, logprobs=1, stop=stop).choices[0]
+    text, logprobs = plain.text, plain.logprobs
+    assert "".join(logprobs.tokens) == text if plain.finish_reason == "stop" else text.startswith(
+        "".join(logprobs.tokens[:-1]))
+    assert all(offset < len(text) for offset in logprobs.text_offset[:-1])
+    sent = ""
+    entries = []
+    for chunk in complete(client, model, PROMPTS[0], max_tokens=24, logprobs=1, stop=stop, stream=True):
+        choice = chunk.choices[0]
+        sent += choice.text
+        if choice.logprobs is not None:
+            assert all(offset < len(sent) or choice.finish_reason for offset in choice.logprobs.text_offset)
+            entries += zip(choice.logprobs.tokens, choice.logprobs.text_offset)
+    assert sent == text and entries == list(zip(logprobs.tokens, logprobs.text_offset))
 
 
 def test_a_chats_logprobs_give_each_tokens_bytes_and_alternatives(client, model):
@@ -231,7 +256,8 @@ def test_echo_gives_the_prompt_and_with_logprobs_its_tokens_as_evaluation_harnes
         text = "".join(c.text for c in choices)
         assert len(tokens) == len(ids) + 1 and token_logprobs[0] is None and top[0] is None
         assert token_logprobs[1:-1] == pytest.approx(prompt_logprobs(engine, ids), abs=1e-3)
-        assert all(len(t) == 1 and max(t.values()) >= p for t, p in zip(top[1:], token_logprobs[1:]))
+        assert all(len(t) <= 2 and t[token] == p <= max(t.values())  # the likeliest, and the prompt's own
+                   for token, t, p in zip(tokens[1:], top[1:], token_logprobs[1:]))
         assert text.startswith(PROMPTS[3] + " green") and offsets[len(ids)] == len(PROMPTS[3] + " green")
         assert [text[o:o + len(t)] for o, t in zip(offsets[:-1], tokens[:-1])] == tokens[:-1]
 
@@ -298,14 +324,17 @@ def test_fields_that_would_change_the_reply_are_refused_unless_they_are_no_ops(c
 def test_a_chats_logprobs_fields_are_checked():
     base = {"model": "M", "messages": [{"role": "user", "content": "hi"}]}
     for fields, param in (({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
-                          ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+                          ({"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
                           ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"echo": True}, "echo")):
         with pytest.raises(ApiError) as e:
             parse_request(json.dumps({**base, **fields}).encode(), True)
         assert (e.value.status, e.value.param) == (400, param)
     for fields, logprobs in (({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0),
-                             ({"logprobs": True, "top_logprobs": 5}, 5)):
+                             ({"logprobs": True, "top_logprobs": 5}, 5), ({"logprobs": False, "top_logprobs": 0}, None)):
         assert parse_request(json.dumps({**base, **fields}).encode(), True).logprobs == logprobs
+    completion = {"model": "M", "prompt": "hi"}
+    for fields, logprobs in (({"logprobs": False}, None), ({"logprobs": 0}, 0), ({"logprobs": 3, "top_logprobs": 0}, 3)):
+        assert parse_request(json.dumps({**completion, **fields}).encode(), False).logprobs == logprobs
 
 
 def test_chat_requests_are_checked_too(server, model):

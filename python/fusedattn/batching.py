@@ -56,7 +56,8 @@ class Sequence:
     sampling: SamplingParams
     stop_tokens: frozenset[int]
     generator: torch.Generator | None  # None: greedy
-    counts: Tensor | None  # [vocab]: how many times each token was sampled, where sampling penalizes
+    # [vocab]: how many times each token was sampled, while it runs with sampling that penalizes
+    counts: Tensor | None
     logprobs: int | None = None  # each token's log-probability and this many top alternatives; None: off
     # With logprobs, where asked: entry j (j >= 1) is prompt token j's (log-probability, top
     # alternatives) as the logits of position j - 1 give them; None until computed.
@@ -109,14 +110,25 @@ def _query_tile(engine: Engine, page_size: int) -> int:
     return plan_kvcache(q, *caches, lengths, cu_seqlens_q=cu, block_table=table)["block_m"]
 
 
-def _logprobs(logits: Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
-    """token's log-probability under logits [vocab], and the top most likely (token, log-probability)."""
-    logprobs = logits.float().log_softmax(-1)
-    best = logprobs.topk(min(top, logprobs.numel())) if top > 0 else None
-    chosen = float(logprobs[token])
-    if best is None:
-        return chosen, []
-    return chosen, list(zip(best.indices.tolist(), best.values.tolist()))
+def _logprobs(logits: Tensor, tokens: list[int], tops: list[int]) -> list[tuple[float, list] | Exception]:
+    """Per row of logits [R, vocab]: tokens[r]'s log-probability and the tops[r] most likely
+    (token, log-probability), most likely first, in three copies to the host; an exception
+    for a row whose log-probability is not finite, or for all where the computation fails."""
+    try:
+        logprobs = logits.float().log_softmax(-1)
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+        k = min(max(tops), logprobs.shape[-1])
+        best = logprobs.topk(k) if k > 0 else None
+        indices, values = (best.indices.tolist(), best.values.tolist()) if best is not None else ([], [])
+    except Exception as e:  # noqa: BLE001  (e.g. a device error: these rows fail)
+        return [e] * len(tokens)
+    found: list[tuple[float, list] | Exception] = []
+    for r, (token, top) in enumerate(zip(tokens, tops)):
+        if not math.isfinite(chosen[r]):
+            found.append(ValueError(f"token {token}'s log-probability is {chosen[r]}: the logits are not finite"))
+        else:
+            found.append((chosen[r], list(zip(indices[r][:top], values[r][:top])) if top else []))
+    return found
 
 
 def _row_counts(max_running: int) -> list[int]:
@@ -188,9 +200,7 @@ class Batcher:
         generator = None
         if sampling.temperature > 0:
             generator = torch.Generator(device=self.engine.device).manual_seed(sampling.seed)
-        counts = (torch.zeros(self.engine.config.vocab, device=self.engine.device) if sampling.penalizes()
-                  else None)
-        seq = Sequence(list(prompt), max_tokens, sampling, frozenset(stop_tokens), generator, counts, logprobs,
+        seq = Sequence(list(prompt), max_tokens, sampling, frozenset(stop_tokens), generator, None, logprobs,
                        [None] * len(prompt) if prompt_logprobs else None)
         self._waiting.append(seq)
         return seq
@@ -257,20 +267,27 @@ class Batcher:
         samplers_rows = [(seq, row) for row, seq in enumerate(samplers) if seq.finish is None]
         logits = logits[[row for _, row in samplers_rows]] if len(samplers_rows) < len(samplers) else logits
         samplers = [seq for seq, _ in samplers_rows]
-        for row, (seq, token) in enumerate(zip(samplers, self._sample(logits, samplers))):
-            logprob = top = None
-            if seq.logprobs is not None and not isinstance(token, Exception):
-                try:
-                    logprob, top = _logprobs(logits[row], token, seq.logprobs)
-                except Exception as e:  # noqa: BLE001  (this request's failure)
-                    token = e
-            if isinstance(token, Exception):  # e.g. NaN logits: this request fails, the others go on
+        tokens = self._sample(logits, samplers)
+        wanted = [i for i, (seq, token) in enumerate(zip(samplers, tokens))
+                  if seq.logprobs is not None and not isinstance(token, Exception)]
+        logprobs = dict(zip(wanted, _logprobs(logits[wanted], [tokens[i] for i in wanted],
+                                              [samplers[i].logprobs for i in wanted]))) if wanted else {}
+        for i, (seq, token) in enumerate(zip(samplers, tokens)):
+            logprob, top = None, None
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                if i in logprobs:
+                    if isinstance(logprobs[i], Exception):
+                        raise logprobs[i]
+                    logprob, top = logprobs[i]
+                if seq.counts is not None:
+                    seq.counts[token] += 1
+            except Exception as e:  # noqa: BLE001  (e.g. NaN logits: this request fails, the others go on)
                 self._leave(seq, "error")
-                events.append(Event(seq, None, "error", f"{type(token).__name__}: {token}"))
+                events.append(Event(seq, None, "error", f"{type(e).__name__}: {e}"))
                 continue
             seq.tokens.append(token)
-            if seq.counts is not None:
-                seq.counts[token] += 1
             finish = ("stop" if token in seq.stop_tokens else
                       "length" if len(seq.tokens) == seq.max_tokens else None)
             if finish is not None:
@@ -281,42 +298,62 @@ class Batcher:
     def _note_prompt_logprobs(self, logits: Tensor, prompt_rows: list[tuple[Sequence, int]]) -> list[Event]:
         """Each prompt row's (request, position) gets its token's log-probability from its
         logits row; a request whose computation fails leaves with an error event."""
+        if not prompt_rows:
+            return []
         events = []
-        for row, (seq, position) in enumerate(prompt_rows):
+        found = _logprobs(logits, [seq.prompt[position] for seq, position in prompt_rows],
+                          [seq.logprobs for seq, _ in prompt_rows])
+        for (seq, position), logprob in zip(prompt_rows, found):
             if seq.finish is not None:  # failed at an earlier row of this step
                 continue
-            try:
-                seq.prompt_logprobs[position] = _logprobs(logits[row], seq.prompt[position], seq.logprobs)
-            except Exception as e:  # noqa: BLE001  (this request's failure)
+            if isinstance(logprob, Exception):
                 self._leave(seq, "error")
-                events.append(Event(seq, None, "error", f"{type(e).__name__}: {e}"))
+                events.append(Event(seq, None, "error", f"{type(logprob).__name__}: {logprob}"))
+            else:
+                seq.prompt_logprobs[position] = logprob
         return events
 
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[int | Exception]:
-        """seqs[i]'s token from logits row i: the plain greedy ones from one
-        argmax (one copy to the host), the others each from its row less its
-        penalties, drawn with its own generator; an exception in place of a
-        token where sampling fails."""
+        """seqs[i]'s token from logits row i, less its penalties: the greedy ones
+        from one argmax (one copy to the host), the others each drawn with its
+        own generator; an exception in place of a token where that fails (a
+        greedy row that is not finite too)."""
         tokens: list[int | Exception] = [0] * len(seqs)
-        greedy = [i for i, seq in enumerate(seqs) if seq.generator is None and seq.counts is None]
+        rows: dict[int, Tensor] = {}  # the penalized requests' rows
+        for i, seq in enumerate(seqs):
+            if seq.sampling.penalizes():
+                try:
+                    rows[i] = penalize(logits[i], seq.sampling, self._counts(seq))
+                except Exception as e:  # noqa: BLE001  (this request's failure, returned)
+                    tokens[i] = e
+        greedy = [i for i, seq in enumerate(seqs) if seq.generator is None and not isinstance(tokens[i], Exception)]
         if greedy:
             try:
-                rows = logits if len(greedy) == len(seqs) else logits[greedy]
-                chosen = rows.argmax(-1).tolist()
+                if rows:
+                    chosen_rows = torch.stack([rows[i] if i in rows else logits[i] for i in greedy])
+                else:
+                    chosen_rows = logits if len(greedy) == len(seqs) else logits[greedy]
+                chosen, finite = torch.stack([chosen_rows.argmax(-1), chosen_rows.isfinite().all(-1)]).tolist()
+                chosen = [t if ok else ValueError("the logits are not finite") for t, ok in zip(chosen, finite)]
             except Exception as e:  # noqa: BLE001  (e.g. a device error: these requests fail)
                 chosen = [e] * len(greedy)
             for i, token in zip(greedy, chosen):
                 tokens[i] = token
         for i, seq in enumerate(seqs):
-            if seq.generator is not None or seq.counts is not None:
+            if seq.generator is not None and not isinstance(tokens[i], Exception):
                 try:
-                    row = logits[i:i + 1]
-                    if seq.counts is not None:
-                        row = penalize(row, seq.sampling, seq.counts)
-                    tokens[i] = int(sample(row, seq.sampling, seq.generator)[0])
+                    row = rows[i] if i in rows else logits[i]
+                    tokens[i] = int(sample(row[None], seq.sampling, seq.generator)[0])
                 except Exception as e:  # noqa: BLE001  (this request's failure, returned)
                     tokens[i] = e
         return tokens
+
+    def _counts(self, seq: Sequence) -> Tensor:
+        """seq's counts of its tokens so far, made when it first samples after admission."""
+        if seq.counts is None:
+            tokens = torch.tensor(seq.tokens, dtype=torch.long, device=self.engine.device)
+            seq.counts = torch.bincount(tokens, minlength=self.engine.config.vocab).float()
+        return seq.counts
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens seq computes within budget: the rest of what it needs, else
@@ -478,6 +515,7 @@ class Batcher:
         self.preemptions += 1
         self._running.remove(seq)
         self._give_back(seq)
+        seq.counts = None  # a waiting request holds no device memory but its pages'
         self._waiting.appendleft(seq)
 
     def _leave(self, seq: Sequence, finish: str) -> None:
@@ -486,4 +524,5 @@ class Batcher:
         elif seq in self._waiting:
             self._waiting.remove(seq)
         self._give_back(seq)
+        seq.counts = None
         seq.finish = finish

@@ -778,8 +778,8 @@ def _generate(args) -> int:
                               cuda_graph=not args.no_cuda_graph,
                               cache_dir=None if args.no_cache else args.cache_dir or default_cache_dir())
     loaded = time.perf_counter() - start
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed, args.presence_penalty,
-                              args.frequency_penalty)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     if args.temperature > 0:
         print(f"sampling seed {seed} (--seed {seed} repeats this run)", flush=True)
     for i, prompt in enumerate(prompts):

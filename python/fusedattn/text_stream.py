@@ -54,7 +54,8 @@ class StopText:
     def __init__(self, tokenizer, stop: list[str]):
         self.stream, self.stop = TextStream(tokenizer), stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.sent = 0
+        self.sent = 0  # the length of the text given out so far
+        self.stopped = False  # whether a stop string ended it
         self.searched = 0  # the length of the text searched at the last step
 
     def _stop_in(self, text: str) -> int | None:
@@ -76,7 +77,8 @@ class StopText:
         text = self.stream.text + self.stream.pending.rstrip("\ufffd")
         stop = self._stop_in(text)
         if stop is not None:
-            return text[self.sent:stop], True
+            delta, self.sent, self.stopped = text[self.sent:stop], stop, True
+            return delta, True
         ready = max(len(text) - self.hold, self.sent)
         delta, self.sent = text[self.sent:ready], ready
         return delta, False
@@ -85,4 +87,7 @@ class StopText:
         """What is still held back, once the request has ended (up to a stop string in it)."""
         text = self.stream.text + self.stream.rest()
         stop = self._stop_in(text)
-        return text[self.sent:stop]
+        rest = text[self.sent:stop]
+        self.sent += len(rest)
+        self.stopped = stop is not None
+        return rest

@@ -37,18 +37,34 @@ def _steps(decoder: dict) -> list[dict]:
     return [step for inner in decoder["decoders"] for step in _steps(inner)]
 
 
+def _strip(piece: str, content: str, start: int, stop: int) -> str:
+    """tokenizers' Strip on one token: up to `start` leading and `stop` trailing `content`s off."""
+    begin = 0
+    while begin < min(start, len(piece)) and piece[begin] == content:
+        begin += 1
+    end = len(piece)
+    while len(piece) - end < stop and end > begin and piece[end - 1] == content:
+        end -= 1
+    return piece[begin:end]
+
+
 class TokenBytes:
     def __init__(self, tokenizer):
         """tokenizer: transformers' or fusedattn.tokenizer's; without a `tokenizers`
-        backend_tokenizer, tokens have no bytes here and their text is their decoding."""
+        backend_tokenizer whose decoder is of the kinds read here, tokens have no bytes and
+        their text is their decoding."""
         self._tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)  # a slow tokenizer has none
         self._backend = backend
         self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()} if backend else {}
-        decoder = backend.decoder if backend else None
-        self._steps = _steps(json.loads(decoder.__getstate__())) if decoder is not None else []
+        self._steps = None  # the decoder's steps, where every one is of a kind read here
+        try:
+            steps = _steps(json.loads(backend.decoder.__getstate__()))
+        except Exception:  # noqa: BLE001  (no backend or decoder, or one that does not describe itself)
+            steps = []
         known = {"ByteLevel", "Replace", "ByteFallback", "Fuse", "Strip", "Metaspace"}
-        self._understood = bool(self._steps) and all(s["type"] in known for s in self._steps)
+        if steps and all(s.get("type") in known for s in steps):
+            self._steps = steps
         self._known: dict[int, bytes | None] = {}
 
     def bytes(self, token: int) -> bytes | None:
@@ -58,32 +74,42 @@ class TokenBytes:
         return self._known[token]
 
     def _read(self, token: int) -> bytes | None:
-        if token in self._added:
-            return self._added[token].encode()
-        if not self._understood:
+        if self._steps is None:
             return None
-        piece = self._backend.id_to_token(token)
+        piece = self._added.get(token) or self._backend.id_to_token(token)  # added tokens are decoded too
         if piece is None:
             return None
+        fused = False
         for step in self._steps:
             kind = step["type"]
-            if kind == "ByteLevel":
+            if kind == "ByteLevel":  # a token with a character outside the table stands for its UTF-8
                 table = _byte_level_bytes()
-                if not all(c in table for c in piece):
+                return bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode()
+            if kind == "ByteFallback":
+                if m := _BYTE_PIECE.fullmatch(piece):
+                    return bytes([int(m.group(1), 16)])
+            elif kind == "Replace":
+                if "String" not in step["pattern"]:  # a regex: not read here
                     return None
-                return bytes(table[c] for c in piece)
-            if kind == "Replace" and "String" in step["pattern"]:
                 piece = piece.replace(step["pattern"]["String"], step["content"])
-            elif kind == "Metaspace":
+            elif kind == "Metaspace":  # the space it takes off a reply's first token is the reply's
                 piece = piece.replace(step.get("replacement", "\u2581"), " ")
-            elif kind == "ByteFallback" and (m := _BYTE_PIECE.fullmatch(piece)):
-                return bytes([int(m.group(1), 16)])
-            elif kind == "Replace":  # a regex pattern: not read here
-                return None
-            # Fuse joins pieces and Strip trims a sequence's ends: neither changes one token's bytes.
+            elif kind == "Fuse":
+                fused = True
+            elif not fused:  # Strip: on each token before Fuse; after it, on the reply's ends only
+                piece = _strip(piece, step["content"], step["start"], step["stop"])
         return piece.encode()
 
     def text(self, token: int) -> str:
         """The token's own text: its bytes as UTF-8 (U+FFFD for part of a character)."""
         own = self.bytes(token)
         return own.decode("utf-8", errors="replace") if own is not None else self._tokenizer.decode([token])
+
+    def name(self, token: int) -> str:
+        """The token as logprobs name it: its text, or where its bytes are not whole UTF-8
+        characters, OpenAI's "bytes:\\xe6\\x97" form, so that no two such tokens share a name."""
+        own = self.bytes(token)
+        try:
+            return own.decode("utf-8") if own is not None else self._tokenizer.decode([token])
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in own)

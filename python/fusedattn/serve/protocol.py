@@ -159,15 +159,17 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     """A completion's `logprobs` (how many alternatives); a chat's `logprobs` (true or false)
     with its `top_logprobs`."""
     if not chat:
-        if body.get("top_logprobs") not in (None, 0):
+        if body.get("top_logprobs") not in (None, 0) or isinstance(body.get("top_logprobs"), bool):
             raise ApiError(400, "'top_logprobs' is a chat completion's; a completion takes 'logprobs': N",
                            "top_logprobs")
+        if body.get("logprobs") is False:  # as some clients send "none"
+            return None
         return _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise ApiError(400, f"'logprobs' must be true or false, got {json.dumps(wanted)}", "logprobs")
     top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if top is not None and not wanted:
+    if top and not wanted:  # 0 asks for nothing either way
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return (top or 0) if wanted else None
 

@@ -63,7 +63,8 @@ class Scheduler:
         self.engine = engine
         self.batcher = Batcher(engine, **batching)
         self._inbox: queue.Queue[Job | None] = queue.Queue()
-        self._jobs: dict[Sequence, tuple[Job, StopText]] = {}  # the worker thread's alone
+        # The worker thread's alone: each request's job, text and TokenLogprobs not sent yet.
+        self._jobs: dict[Sequence, tuple[Job, StopText, list[TokenLogprob]]] = {}
         self._counts = self.batcher.counts()  # the worker's last snapshot, for /health
         self._closing, self._closed = threading.Lock(), False
         self._thread = threading.Thread(target=self._run, name="fusedattn-serve-engine", daemon=True)
@@ -110,34 +111,44 @@ class Scheduler:
         self._counts = self.batcher.counts()
 
     def _step(self) -> None:
-        for seq, (job, _) in list(self._jobs.items()):
+        for seq, (job, *_) in list(self._jobs.items()):
             if job.cancelled.is_set():  # its client went away
                 self._end(seq)
         for event in self.batcher.step():
             seq = event.sequence
-            job, text = self._jobs[seq]
+            job, text, pending = self._jobs[seq]
             if event.finish == "error":
                 self._end(seq, Finish("error", len(seq.tokens), event.error))
                 continue
             if job.echo is not None and len(seq.tokens) == 1:
                 self._echo(job, seq)
-            offset = text.offset() + len(job.echo or "")
+            offset = text.offset()
             try:
                 delta, stopped = text.push(event.token)
             except Exception as e:  # noqa: BLE001  (this request fails; the others go on)
                 self._end(seq, Finish("error", len(seq.tokens), f"{type(e).__name__}: {e}"))
                 continue
             if event.logprob is not None:
-                job.emit(TokenLogprob(event.token, event.logprob, event.top, offset))
+                pending.append(TokenLogprob(event.token, event.logprob, event.top, offset))
+            if event.finish is not None and not stopped:
+                delta += text.rest()
+            # The tokens whose text starts in what is sent go before it; at the end all of them,
+            # but those a stop string cut off (the end-of-text token, which has none, included).
+            self._release(job, pending, text.sent if stopped or event.finish is None or text.stopped else None)
             if delta:
                 job.emit(delta)
-            if stopped:
-                self._end(seq, Finish("stop", len(seq.tokens)))
-            elif event.finish is not None:
-                rest = text.rest()
-                if rest:
-                    job.emit(rest)
-                self._end(seq, Finish(event.finish, len(seq.tokens)))
+            if stopped or event.finish is not None:
+                self._end(seq, Finish("stop" if stopped else event.finish, len(seq.tokens)))
+
+    @staticmethod
+    def _release(job: Job, pending: list[TokenLogprob], before: int | None) -> None:
+        """Sends the pending TokenLogprobs whose text starts before `before` in the reply's
+        text (None: all), their offsets counted from the echoed prompt's start where there is one."""
+        count = len(pending) if before is None else sum(1 for t in pending if t.offset < before)
+        shift = len(job.echo or "")
+        for entry in pending[:count]:
+            job.emit(dataclasses.replace(entry, offset=entry.offset + shift))
+        del pending[:count]
 
     def _echo(self, job: Job, seq: Sequence) -> None:
         """The prompt's text, after its tokens' TokenLogprobs where the job asked for logprobs."""
@@ -171,14 +182,14 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001  (the app checked the sizes: anything else fails this job)
                 job.emit(Finish("error", 0, f"{type(e).__name__}: {e}"))
                 continue
-            self._jobs[seq] = (job, StopText(self.engine.tokenizer, job.stop))
+            self._jobs[seq] = (job, StopText(self.engine.tokenizer, job.stop), [])
 
     def _end(self, seq: Sequence, finish: Finish | None = None) -> None:
         """Takes seq out of the batch (its pages go back) and sends finish, if
         any, to its job, after /health's snapshot: a client that has its answer
         sees its pages back in the pool."""
         self.batcher.cancel(seq)
-        job, _ = self._jobs.pop(seq)
+        job, *_ = self._jobs.pop(seq)
         self._counts = self.batcher.counts()
         if finish is not None:
             job.emit(finish)
