@@ -147,14 +147,29 @@ def test_sampled_requests_follow_their_own_seed_in_any_batch(engine, run):
     assert together == alone and len({tuple(t) for t in alone}) == 3
 
 
-def apply_penalties(rows, tokens, presence, frequency):
-    """The OpenAI formula, row by row: the logits each token was chosen from,
-    less frequency per earlier time a token was chosen and presence once."""
+def apply_penalties(rows, tokens, presence, frequency, bias=()):
+    """The OpenAI formula, row by row: the logits each token was chosen from, plus
+    its bias, less frequency per earlier time a token was chosen and presence once."""
     out = rows.clone()
+    for token, value in bias:
+        out[:, token] += value
     for step in range(len(rows)):
         for token, count in collections.Counter(tokens[:step]).items():
             out[step, token] -= frequency * count + presence
     return out
+
+
+def test_a_logit_bias_moves_its_tokens_alone_and_in_any_batch(engine, run):
+    requests = list(zip(prompts(9, 17, 30), [12] * 3))
+    plain_rows, plain = run(Batcher(engine), requests)
+    banned, favoured = plain[0][0], 77  # the first request's first greedy token, and a token of none
+    bias = ((banned, -100.0), (favoured, 3.0))
+    biased = lambda: SamplingParams(logit_bias=bias, frequency_penalty=0.5)  # noqa: E731
+    rows, together = run(Batcher(engine), requests, arrivals=[0, 2, 3], sampling=biased)
+    alone = [run(Batcher(engine), [r], sampling=biased)[1][0] for r in requests]
+    assert together == alone and together[0][0] != banned and banned not in sum(together, [])
+    for logits, tokens in zip(rows, together):
+        assert apply_penalties(logits, tokens, 0.0, 0.5, bias).argmax(-1).tolist() == tokens
 
 
 @pytest.mark.parametrize("presence, frequency", [(0.0, 1.5), (2.0, 0.0), (-0.5, 1.5)])

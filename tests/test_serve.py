@@ -262,6 +262,13 @@ def test_echo_gives_the_prompt_and_with_logprobs_its_tokens_as_evaluation_harnes
         assert [text[o:o + len(t)] for o, t in zip(offsets[:-1], tokens[:-1])] == tokens[:-1]
 
 
+def test_a_logit_bias_of_minus_100_bans_a_token(client, model, engine):
+    (paris,) = engine.tokenizer.encode(" Paris")
+    assert complete(client, model, PROMPTS[0], max_tokens=3).choices[0].text.startswith(" Paris")
+    banned = complete(client, model, PROMPTS[0], max_tokens=12, logit_bias={str(paris): -100}, logprobs=1)
+    assert "Paris" not in banned.choices[0].text.split(".")[0] and " Paris" not in banned.choices[0].logprobs.tokens
+
+
 def test_sampling_follows_the_seed(client, model):
     def sample(seed):
         return client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=12, temperature=1.3,
@@ -287,6 +294,10 @@ def test_sampling_follows_the_seed(client, model):
     (json.dumps({"model": "M", "prompt": "hi", "logprobs": True}).encode(), 400, "logprobs"),
     (json.dumps({"model": "M", "prompt": "hi", "top_logprobs": 2}).encode(), 400, "top_logprobs"),
     (json.dumps({"model": "M", "prompt": "hi", "echo": 1}).encode(), 400, "echo"),
+    (json.dumps({"model": "M", "prompt": "hi", "logit_bias": {"x": 1}}).encode(), 400, "logit_bias"),
+    (json.dumps({"model": "M", "prompt": "hi", "logit_bias": {"12": 101}}).encode(), 400, "logit_bias"),
+    (json.dumps({"model": "M", "prompt": "hi", "logit_bias": {"012": 1}}).encode(), 400, "logit_bias"),
+    (json.dumps({"model": "M", "prompt": "hi", "logit_bias": {"9999999": 1}}).encode(), 400, "logit_bias"),
     (json.dumps({"model": "M", "prompt": [1, 2, 10**7]}).encode(), 400, "prompt"),
     (json.dumps({"model": "M", "prompt": [1, -2]}).encode(), 400, "prompt"),
     (json.dumps({"model": "M", "prompt": [[1, 2], [3]]}).encode(), 400, "prompt"),
@@ -303,12 +314,11 @@ def test_bad_requests_get_an_openai_error_and_the_server_serves_on(server, model
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_fields_that_would_change_the_reply_are_refused_unless_they_are_no_ops(chat):
-    """What this server does not implement (best_of, logit_bias, tools, a JSON
+    """What this server does not implement (best_of, suffix, tools, a JSON
     response format, ...) is a 400 naming the field, never silently ignored; the same fields at
     their no-op values (as some clients send them) are taken."""
     base = {"model": "M", **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
     refused = {"best_of": 2, "suffix": "x",
-               "logit_bias": {"50256": -100},
                "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
                "response_format": {"type": "json_object"}}
     for name, value in refused.items():

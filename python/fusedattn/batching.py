@@ -40,7 +40,7 @@ import math
 import torch
 from torch import Tensor
 
-from .engine import Engine, SamplingParams, penalize, sample
+from .engine import Engine, SamplingParams, adjust_logits, sample
 from .kv_pages import PagePool, page_keys
 from .ops import plan_kvcache
 
@@ -314,16 +314,17 @@ class Batcher:
         return events
 
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[int | Exception]:
-        """seqs[i]'s token from logits row i, less its penalties: the greedy ones
+        """seqs[i]'s token from logits row i, with its logit bias and penalties: the greedy ones
         from one argmax (one copy to the host), the others each drawn with its
         own generator; an exception in place of a token where that fails (a
         greedy row that is not finite too)."""
         tokens: list[int | Exception] = [0] * len(seqs)
-        rows: dict[int, Tensor] = {}  # the penalized requests' rows
+        rows: dict[int, Tensor] = {}  # the rows that a logit bias or penalties change
         for i, seq in enumerate(seqs):
-            if seq.sampling.penalizes():
+            if seq.sampling.adjusts_logits():
                 try:
-                    rows[i] = penalize(logits[i], seq.sampling, self._counts(seq))
+                    counts = self._counts(seq) if seq.sampling.penalizes() else None
+                    rows[i] = adjust_logits(logits[i], seq.sampling, counts)
                 except Exception as e:  # noqa: BLE001  (this request's failure, returned)
                     tokens[i] = e
         greedy = [i for i, seq in enumerate(seqs) if seq.generator is None and not isinstance(tokens[i], Exception)]

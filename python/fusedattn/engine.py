@@ -31,8 +31,8 @@ from .gguf_models import ModelConfig, describe, read_model, read_tokenizer
 from .memory import release_freed_cpu_memory
 from .ops import attention, attention_with_kvcache, has_kernel
 
-__all__ = ["Engine", "SamplingParams", "default_dtype", "gemma3_path", "penalize", "qwen25_coder_path", "sample",
-           "smollm2_path"]
+__all__ = ["Engine", "SamplingParams", "adjust_logits", "default_dtype", "gemma3_path", "qwen25_coder_path",
+           "sample", "smollm2_path"]
 
 
 @dataclasses.dataclass
@@ -45,9 +45,14 @@ class SamplingParams:
     # presence_penalty once it was; 0: off.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: (token, bias) pairs, each bias added to its token's logit.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def penalizes(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def adjusts_logits(self) -> bool:
+        return self.penalizes() or bool(self.logit_bias)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -397,8 +402,8 @@ class Engine:
         step = self.decoder(lengths, caches)
         counts = torch.zeros(len(ids), c.vocab, device=self.device) if sampling.penalizes() else None
         for i in range(max_new_tokens):
-            if counts is not None:
-                logits = penalize(logits, sampling, counts)
+            if sampling.adjusts_logits():
+                logits = adjust_logits(logits, sampling, counts)
             tokens = sample(logits, sampling, generator)
             if counts is not None:
                 counts.scatter_add_(1, tokens[:, None], torch.ones(len(ids), 1, device=self.device))
@@ -461,11 +466,19 @@ class Engine:
         return replay
 
 
-def penalize(logits: Tensor, p: SamplingParams, counts: Tensor) -> Tensor:
-    """logits [..., vocab] with p's penalties applied; counts [..., vocab]: how many times each
-    token was generated so far (the prompt's tokens do not count)."""
-    penalty = p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(counts.dtype)
-    return logits - penalty.to(logits.dtype)
+def adjust_logits(logits: Tensor, p: SamplingParams, counts: Tensor | None) -> Tensor:
+    """logits [..., vocab] with p's logit bias added and its penalties taken off; counts
+    [..., vocab] (where p penalizes): how many times each token was generated so far (the
+    prompt's tokens do not count)."""
+    if p.logit_bias:
+        tokens, biases = zip(*p.logit_bias)
+        bias = torch.zeros(logits.shape[-1], dtype=logits.dtype)
+        bias[list(tokens)] = torch.tensor(biases, dtype=logits.dtype)
+        logits = logits + bias.to(logits.device)
+    if p.penalizes():
+        penalty = p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(counts.dtype)
+        logits = logits - penalty.to(logits.dtype)
+    return logits
 
 
 def sample(logits: Tensor, p: SamplingParams, generator: torch.Generator | None) -> Tensor:

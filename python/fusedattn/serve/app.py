@@ -148,8 +148,12 @@ def _job(request: web.Request, req: Request) -> Job:
     except ValueError as e:  # more than the whole KV cache holds
         raise ApiError(400, str(e).removeprefix("fusedattn.batching: "), "max_tokens") from None
     seed = req.seed if req.seed is not None else random.SystemRandom().randrange(2**63)
+    vocab = engine.config.vocab
+    if any(token >= vocab for token, _ in req.logit_bias):
+        raise ApiError(400, f"'logit_bias' names a token id past this model's vocabulary of {vocab}", "logit_bias")
     sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed,
-                              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+                              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                              logit_bias=req.logit_bias)
     echo = engine.tokenizer.decode(ids, skip_special_tokens=True) if req.echo else None
     return Job(ids, max_tokens, sampling, req.stop, asyncio.get_running_loop(), req.logprobs, echo)
 

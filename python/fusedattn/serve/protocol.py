@@ -15,6 +15,7 @@ import json
 __all__ = ["ApiError", "Request", "error_body", "parse_request"]
 
 MAX_STOPS = 4  # OpenAI's limit on `stop` strings
+MAX_LOGIT_BIAS = 300  # tokens a logit_bias may name (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on a chat's `top_logprobs` (its completions' `logprobs` stops at 5)
 
 
@@ -49,6 +50,7 @@ class Request:
     frequency_penalty: float
     logprobs: int | None  # each token's log-probability and this many alternatives'; None: none
     echo: bool  # completions: the prompt's text (and with logprobs its tokens') before the reply's
+    logit_bias: tuple[tuple[int, float], ...]  # (token id, bias in [-100, 100])
     stop: list[str]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage counts
@@ -137,7 +139,7 @@ def _stop(body: dict) -> list[str]:
 # must not get a reply without them as if it had).
 _NO_OP_VALUES = {
     "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}),
+    "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"),  # "auto" with no tools offered calls none
     "response_format": (None, {"type": "text"}), "audio": (None,), "prediction": (None,),
@@ -174,6 +176,25 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}, ids as decimal strings."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to biases", "logit_bias")
+    pairs = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or str(int(key)) != key or int(key) in pairs:
+            raise ApiError(400, f"'logit_bias' keys must be token ids (decimal, once each), got {json.dumps(key)}",
+                           "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ApiError(400, f"'logit_bias' values must be numbers in [-100, 100], got {json.dumps(value)} "
+                           f"for token {key}", "logit_bias")
+        pairs[int(key)] = float(value)
+    return tuple(pairs.items())
+
+
 def parse_request(raw: bytes, chat: bool) -> Request:
     try:
         body = json.loads(raw)
@@ -206,6 +227,6 @@ def parse_request(raw: bytes, chat: bool) -> Request:
         seed=_integer(body, "seed", None, -(2**63), 2**63 - 1),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0), logprobs=_logprobs(body, chat),
-        echo=bool(echo),
+        echo=bool(echo), logit_bias=_logit_bias(body),
         stop=_stop(body), stream=stream,
         include_usage=bool(options.get("include_usage")))
