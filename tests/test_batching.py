@@ -170,6 +170,19 @@ def test_a_logit_bias_moves_its_tokens_alone_and_in_any_batch(engine, run):
     assert together == alone and together[0][0] != banned and banned not in sum(together, [])
     for logits, tokens in zip(rows, together):
         assert apply_penalties(logits, tokens, 0.0, 0.5, bias).argmax(-1).tolist() == tokens
+    steps = list(engine.generate([p for p, _ in requests], 12, SamplingParams(logit_bias=bias), stop_tokens=set()))
+    assert [list(column) for column in zip(*steps)] == run(Batcher(engine), requests,
+                                                           sampling=lambda: SamplingParams(logit_bias=bias))[1]
+
+
+def test_a_logit_bias_bans_tokens_from_sampled_requests_too(engine, run):
+    requests = list(zip(prompts(9, 17, 30), [16] * 3))
+    seeds = iter(range(100))
+    drawn = lambda **bias: lambda: SamplingParams(temperature=1.5, seed=next(seeds) % 3, **bias)  # noqa: E731
+    free = sum(run(Batcher(engine), requests, sampling=drawn())[1], [])
+    banned = sorted(set(free))[: len(set(free)) // 2]  # half the tokens the unbiased draws took
+    biased = sum(run(Batcher(engine), requests, sampling=drawn(logit_bias=tuple((t, -100.0) for t in banned)))[1], [])
+    assert not set(biased) & set(banned) and len(biased) == len(free)
 
 
 @pytest.mark.parametrize("presence, frequency", [(0.0, 1.5), (2.0, 0.0), (-0.5, 1.5)])
@@ -242,6 +255,33 @@ def test_prompt_logprobs_come_from_every_prompt_position_in_any_chunking_and_sha
             row = expected[position - 1]
             assert logprob == pytest.approx(float(row[prompt[position]]), abs=1e-4)
             assert [t for t, _ in top] == row.topk(2).indices.tolist()
+
+
+def test_a_preempted_request_keeps_its_prompt_logprobs_and_does_not_compute_them_again(engine, monkeypatch):
+    batcher = Batcher(engine, max_running=4, kv_positions=1024, token_budget=1)  # too few pages for all four
+    requests = [prompts(300, seed=s)[0] for s in range(4)]
+    rows = []
+    run = Batcher._run
+
+    def counting(self, batch):
+        logits, prompt_rows = run(self, batch)
+        rows.extend((seq, position, len(seq.tokens)) for seq, position in prompt_rows)
+        return logits, prompt_rows
+
+    monkeypatch.setattr(Batcher, "_run", counting)
+    seqs = [batcher.add(prompt, 100, logprobs=1, prompt_logprobs=True) for prompt in requests]
+    while batcher.busy():
+        batcher.step()
+    assert batcher.preemptions > 0 and all(len(seq.tokens) == 100 for seq in seqs)
+    assert all(sampled == 0 for _, _, sampled in rows)  # none computed again once the request has sampled
+    assert {(id(seq), position) for seq, position, _ in rows} == {
+        (id(seq), position) for seq in seqs for position in range(1, len(seq.prompt))}
+    for seq in seqs:
+        alone = Batcher(engine)
+        again = alone.add(seq.prompt, 1, logprobs=1, prompt_logprobs=True)
+        while alone.busy():
+            alone.step()
+        assert seq.prompt_logprobs == again.prompt_logprobs
 
 
 def test_prompt_logprobs_need_logprobs(engine):
@@ -372,10 +412,12 @@ def test_a_request_whose_logits_are_not_finite_leaves_alone(engine, monkeypatch,
     fine = batcher.add(prompts(9)[0], 4, logprobs=2)
     run = Batcher._run
 
-    def poisoned(self, batch):
+    def poisoned(self, batch):  # the prompt rows alone where it has them, else its sampling row
         logits, prompt_rows = run(self, batch)
-        logits[[i for i, (seq, _) in enumerate(batch) if seq is doomed]] = float("nan")
-        logits[len(batch):][[i for i, (seq, _) in enumerate(prompt_rows) if seq is doomed]] = float("nan")
+        if prompt_rows:
+            logits[len(batch):][[i for i, (seq, _) in enumerate(prompt_rows) if seq is doomed]] = float("nan")
+        else:
+            logits[[i for i, (seq, _) in enumerate(batch) if seq is doomed]] = float("nan")
         return logits, prompt_rows
 
     monkeypatch.setattr(Batcher, "_run", poisoned)

@@ -244,6 +244,10 @@ def prompt_logprobs(engine, ids):
 def test_echo_gives_the_prompt_and_with_logprobs_its_tokens_as_evaluation_harnesses_read_them(client, model, engine):
     echoed = complete(client, model, PROMPTS[0], max_tokens=5, echo=True).choices[0].text
     assert echoed == PROMPTS[0] + complete(client, model, PROMPTS[0], max_tokens=5).choices[0].text
+    (one,) = engine.tokenizer.encode("Hi")  # a prompt of one token: nothing predicts it
+    short = complete(client, model, "Hi", max_tokens=2, echo=True, logprobs=0).choices[0]
+    assert short.logprobs.tokens[0] == "Hi" and short.logprobs.token_logprobs[0] is None
+    assert short.logprobs.text_offset[:2] == [0, 2] and short.text.startswith("Hi")
     ids = engine.tokenizer.encode(PROMPTS[3] + " green")
     for stream in (False, True):  # lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs
         reply = complete(client, model, ids, max_tokens=1, echo=True, logprobs=1, stream=stream)

@@ -5,7 +5,7 @@ ends the text where a search of the whole text would, wherever it falls between 
 
 import pytest
 
-from fusedattn.text_stream import StopText, TextStream
+from fusedattn.text_stream import StopText, TextStream, text_and_offsets
 
 pytest.importorskip("transformers", reason="needs the models extra: pip install .[models]")
 pytest.importorskip("gguf", reason="needs the models extra: pip install .[models]")
@@ -105,3 +105,25 @@ def test_the_rest_of_a_reply_stops_at_a_stop_string_too(tokenizer):
     stream = StopText(tokenizer, [": 東"])
     sent = "".join(stream.push(t)[0] for t in ids[:-1])  # the reply ends a token short of the stop's end
     assert sent + stream.rest() == tokenizer.decode(ids[:-1])
+
+
+def test_offsets_say_where_each_tokens_text_starts(tokenizer):
+    """SmolLM2's tokens 459 and 246 split " \u201c": the space is whole after the first, so the
+    second's text starts after it."""
+    text, offsets = text_and_offsets(tokenizer, [81, 459, 246, 82])
+    assert (text, offsets) == ("a \u201cb", [0, 1, 2, 3])
+    for sample in TEXTS:
+        ids = tokenizer.encode(sample, add_special_tokens=False)
+        text, offsets = text_and_offsets(tokenizer, ids)
+        assert text == sample and offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text)
+
+
+def test_nothing_is_left_after_a_stop_string(tokenizer):
+    stream = StopText(tokenizer, [" Paris"])
+    sent, stopped = "", False
+    for token in tokenizer.encode("The capital of France is Paris.", add_special_tokens=False):
+        delta, stopped = stream.push(token)
+        sent += delta
+        if stopped:
+            break
+    assert stopped and sent == "The capital of France is" and stream.rest() == "" and stream.stopped

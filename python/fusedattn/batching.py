@@ -40,7 +40,7 @@ import math
 import torch
 from torch import Tensor
 
-from .engine import Engine, SamplingParams, adjust_logits, sample
+from .engine import Engine, SamplingParams, adjust_logits, logit_bias_tensors, sample
 from .kv_pages import PagePool, page_keys
 from .ops import plan_kvcache
 
@@ -62,6 +62,7 @@ class Sequence:
     # With logprobs, where asked: entry j (j >= 1) is prompt token j's (log-probability, top
     # alternatives) as the logits of position j - 1 give them; None until computed.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    bias: tuple[Tensor, Tensor] | None = None  # its logit bias's ids and values on the device, while it runs
     tokens: list[int] = dataclasses.field(default_factory=list)  # sampled so far
     pages: list[int] = dataclasses.field(default_factory=list)
     cached: int = 0  # positions whose keys and values are in its pages
@@ -74,6 +75,11 @@ class Sequence:
     def length(self) -> int:
         """Tokens whose keys it needs before it samples again."""
         return len(self.prompt) + len(self.tokens)
+
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its prompt's positions are to be computed for their logprobs: until its first
+        token, when they have been (a preempted request does not compute them again)."""
+        return self.prompt_logprobs is not None and not self.tokens
 
     def token_at(self, position: int) -> int:
         n = len(self.prompt)
@@ -90,7 +96,7 @@ class Event:
     finish: str | None
     error: str | None = None
     # Where the request asked for logprobs: the token's log-probability under the model
-    # (its raw logits' log-softmax, before temperature, top-k/top-p and penalties), and
+    # (its raw logits' log-softmax, before logit bias, temperature, top-k/top-p and penalties), and
     # the most likely tokens' (token, log-probability), most likely first.
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
@@ -264,6 +270,7 @@ class Batcher:
             if seq.cached == seq.length():  # else more of its prompt is to come
                 samplers.append(seq)
         events = self._note_prompt_logprobs(logits[len(samplers):], prompt_rows)
+        logits = logits[:len(samplers)]
         samplers_rows = [(seq, row) for row, seq in enumerate(samplers) if seq.finish is None]
         logits = logits[[row for _, row in samplers_rows]] if len(samplers_rows) < len(samplers) else logits
         samplers = [seq for seq, _ in samplers_rows]
@@ -324,7 +331,9 @@ class Batcher:
             if seq.sampling.adjusts_logits():
                 try:
                     counts = self._counts(seq) if seq.sampling.penalizes() else None
-                    rows[i] = adjust_logits(logits[i], seq.sampling, counts)
+                    if seq.sampling.logit_bias and seq.bias is None:
+                        seq.bias = logit_bias_tensors(seq.sampling, self.engine.config.vocab, self.engine.device)
+                    rows[i] = adjust_logits(logits[i], seq.sampling, counts, seq.bias)
                 except Exception as e:  # noqa: BLE001  (this request's failure, returned)
                     tokens[i] = e
         greedy = [i for i, seq in enumerate(seqs) if seq.generator is None and not isinstance(tokens[i], Exception)]
@@ -402,7 +411,7 @@ class Batcher:
         ids, positions, rows, prompt_rows = [], [], [], []
         for seq, n in batch:
             counts[seq.slot], cached[seq.slot] = n, seq.cached
-            if seq.prompt_logprobs is not None:  # position p's logits give prompt token p + 1's
+            if seq.wants_prompt_logprobs():  # position p's logits give prompt token p + 1's
                 prompt_rows.extend((seq, len(ids) + p - seq.cached, p + 1)
                                    for p in range(seq.cached, min(seq.cached + n, len(seq.prompt) - 1)))
             positions.extend(range(seq.cached, seq.cached + n))
@@ -476,7 +485,7 @@ class Batcher:
     def _share_prefix(self, seq: Sequence) -> None:
         """Takes the named pages of seq's first tokens (whole units of the
         page and the query tile, and never its last token, whose logits it needs)."""
-        if not self.prefix_caching or seq.pages or seq.prompt_logprobs is not None:
+        if not self.prefix_caching or seq.pages or seq.wants_prompt_logprobs():
             return
         unit, size = self._share_unit, self.pool.page_size
         candidates = (seq.length() - 1) // unit * unit // size
@@ -516,7 +525,7 @@ class Batcher:
         self.preemptions += 1
         self._running.remove(seq)
         self._give_back(seq)
-        seq.counts = None  # a waiting request holds no device memory but its pages'
+        seq.counts = seq.bias = None  # a waiting request holds no device memory but its pages'
         self._waiting.appendleft(seq)
 
     def _leave(self, seq: Sequence, finish: str) -> None:
@@ -525,5 +534,5 @@ class Batcher:
         elif seq in self._waiting:
             self._waiting.remove(seq)
         self._give_back(seq)
-        seq.counts = None
+        seq.counts = seq.bias = None
         seq.finish = finish

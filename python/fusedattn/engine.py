@@ -31,8 +31,8 @@ from .gguf_models import ModelConfig, describe, read_model, read_tokenizer
 from .memory import release_freed_cpu_memory
 from .ops import attention, attention_with_kvcache, has_kernel
 
-__all__ = ["Engine", "SamplingParams", "adjust_logits", "default_dtype", "gemma3_path", "qwen25_coder_path",
-           "sample", "smollm2_path"]
+__all__ = ["Engine", "SamplingParams", "adjust_logits", "default_dtype", "gemma3_path", "logit_bias_tensors",
+           "qwen25_coder_path", "sample", "smollm2_path"]
 
 
 @dataclasses.dataclass
@@ -401,9 +401,10 @@ class Engine:
         start, decoded = time.perf_counter(), 0
         step = self.decoder(lengths, caches)
         counts = torch.zeros(len(ids), c.vocab, device=self.device) if sampling.penalizes() else None
+        bias = logit_bias_tensors(sampling, c.vocab, self.device)
         for i in range(max_new_tokens):
             if sampling.adjusts_logits():
-                logits = adjust_logits(logits, sampling, counts)
+                logits = adjust_logits(logits, sampling, counts, bias)
             tokens = sample(logits, sampling, generator)
             if counts is not None:
                 counts.scatter_add_(1, tokens[:, None], torch.ones(len(ids), 1, device=self.device))
@@ -466,15 +467,24 @@ class Engine:
         return replay
 
 
-def adjust_logits(logits: Tensor, p: SamplingParams, counts: Tensor | None) -> Tensor:
-    """logits [..., vocab] with p's logit bias added and its penalties taken off; counts
-    [..., vocab] (where p penalizes): how many times each token was generated so far (the
-    prompt's tokens do not count)."""
-    if p.logit_bias:
-        tokens, biases = zip(*p.logit_bias)
-        bias = torch.zeros(logits.shape[-1], dtype=logits.dtype)
-        bias[list(tokens)] = torch.tensor(biases, dtype=logits.dtype)
-        logits = logits + bias.to(logits.device)
+def logit_bias_tensors(p: SamplingParams, vocab: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """p's logit bias as (ids, values) on device, made once per request; None without one."""
+    if not p.logit_bias:
+        return None
+    ids = [token for token, _ in p.logit_bias]
+    if len(set(ids)) != len(ids) or not all(0 <= token < vocab for token in ids):
+        raise ValueError(f"fusedattn.engine: logit_bias must name each token once, ids in [0, {vocab}), got {ids}")
+    values = torch.tensor([value for _, value in p.logit_bias], dtype=torch.float32)
+    return torch.tensor(ids, device=device), values.to(device)
+
+
+def adjust_logits(logits: Tensor, p: SamplingParams, counts: Tensor | None,
+                  bias: tuple[Tensor, Tensor] | None) -> Tensor:
+    """logits [..., vocab] with p's logit bias added (bias: logit_bias_tensors') and its
+    penalties taken off; counts [..., vocab] (where p penalizes): how many times each token was
+    generated so far (the prompt's tokens do not count)."""
+    if bias is not None:
+        logits = logits.index_add(-1, bias[0], bias[1].to(logits.dtype).expand(*logits.shape[:-1], -1))
     if p.penalizes():
         penalty = p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(counts.dtype)
         logits = logits - penalty.to(logits.dtype)

@@ -11,7 +11,7 @@ text, kept once it ends in a whole character.
 
 from __future__ import annotations
 
-__all__ = ["TextStream", "StopText"]
+__all__ = ["StopText", "TextStream", "text_and_offsets"]
 
 
 class TextStream:
@@ -45,6 +45,20 @@ class TextStream:
         ended inside of decodes as U+FFFD), once no token follows."""
         return self.pending
 
+    def offset(self) -> int:
+        """Where the next token's text starts in the text so far (a character split over
+        tokens counts from its first)."""
+        return len(self.text) + len(self.pending.rstrip("\ufffd"))
+
+
+def text_and_offsets(tokenizer, tokens: list[int]) -> tuple[str, list[int]]:
+    """The text of tokens, and where each token's own text starts in it."""
+    stream, offsets = TextStream(tokenizer), []
+    for token in tokens:
+        offsets.append(stream.offset())
+        stream.push(token)
+    return stream.text + stream.rest(), offsets
+
 
 class StopText:
     """A request's text as its tokens arrive: what can be sent now. A stop string ends it (and
@@ -66,9 +80,7 @@ class StopText:
         return min(hits) if hits else None
 
     def offset(self) -> int:
-        """Where the next token's text starts in the text so far (a character split over
-        tokens counts from its first)."""
-        return len(self.stream.text)
+        return self.stream.offset()
 
     def push(self, token: int) -> tuple[str, bool]:
         """The text now ready to send, and whether a stop string ended it."""
@@ -84,7 +96,10 @@ class StopText:
         return delta, False
 
     def rest(self) -> str:
-        """What is still held back, once the request has ended (up to a stop string in it)."""
+        """What is still held back, once the request has ended (up to a stop string in it);
+        nothing after a stop string ended it."""
+        if self.stopped:
+            return ""
         text = self.stream.text + self.stream.rest()
         stop = self._stop_in(text)
         rest = text[self.sent:stop]

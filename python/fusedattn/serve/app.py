@@ -18,6 +18,7 @@ import uuid
 from aiohttp import web
 
 from ..engine import Engine, SamplingParams
+from ..text_stream import text_and_offsets
 from ..token_bytes import TokenBytes
 from .logprobs import chat_logprobs, completion_logprobs
 from .protocol import ApiError, Request, error_body, parse_request
@@ -154,14 +155,15 @@ def _job(request: web.Request, req: Request) -> Job:
     sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed,
                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                               logit_bias=req.logit_bias)
-    echo = engine.tokenizer.decode(ids, skip_special_tokens=True) if req.echo else None
-    return Job(ids, max_tokens, sampling, req.stop, asyncio.get_running_loop(), req.logprobs, echo)
+    return Job(ids, max_tokens, sampling, req.stop, asyncio.get_running_loop(), req.logprobs)
 
 
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     req = parse_request(await request.read(), chat)
     job = _job(request, req)
     scheduler = request.app[_SCHEDULER]
+    if req.echo:  # the prompt decoded once, off the event loop: its text, and where each token's starts
+        job.echo, job.echo_offsets = await asyncio.to_thread(text_and_offsets, scheduler.engine.tokenizer, job.ids)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": request.app[_MODEL]}  # the served id, also where the request named an alias
     usage = lambda finish: {"prompt_tokens": len(job.ids), "completion_tokens": finish.completion_tokens,  # noqa: E731
@@ -171,7 +173,10 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
         if not req.stream:
             parts, tokens = [], []
             while not isinstance(event := await job.events.get(), Finish):
-                (tokens if isinstance(event, TokenLogprob) else parts).append(event)
+                if isinstance(event, list):
+                    tokens += event
+                else:
+                    parts.append(event)
             _raise_failed(event)
             text = "".join(parts)
             logprobs = _logprobs(request, req, tokens)
@@ -212,8 +217,8 @@ async def _stream(request: web.Request, req: Request, job: Job, head: dict, usag
         await send({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
     tokens = []  # the TokenLogprobs since the last chunk: they go with the next text
     while not isinstance(event := await job.events.get(), Finish):
-        if isinstance(event, TokenLogprob):
-            tokens.append(event)
+        if isinstance(event, list):
+            tokens += event
             continue
         logprobs, tokens = _logprobs(request, req, tokens), []
         await send({"delta": {"content": event}, "logprobs": logprobs, "finish_reason": None} if req.chat

@@ -1,7 +1,7 @@
 """The server's engine worker: one thread that steps every request together.
 
-A handler submits a Job and reads its events (text deltas, each after the
-TokenLogprobs of its tokens where the job asked for them, then the finish)
+A handler submits a Job and reads its events (text deltas, each after a list of
+the TokenLogprobs of its tokens where the job asked for them, then the finish)
 from an asyncio queue that the worker fills across threads. Between two steps
 of the ``fusedattn.batching.Batcher`` the worker admits the jobs that arrived
 and drops those whose client went away (their pages go back at once); each
@@ -18,7 +18,7 @@ import threading
 
 from ..batching import Batcher, Sequence
 from ..engine import Engine, SamplingParams
-from ..text_stream import StopText, TextStream
+from ..text_stream import StopText
 
 __all__ = ["SHUTTING_DOWN", "Finish", "Job", "Scheduler", "TokenLogprob"]
 
@@ -50,10 +50,11 @@ class Job:
     loop: asyncio.AbstractEventLoop
     logprobs: int | None = None  # a TokenLogprob per token of the reply, with this many alternatives
     echo: str | None = None  # the prompt's text, sent first (with logprobs, after its tokens' TokenLogprobs)
+    echo_offsets: list[int] | None = None  # where each prompt token's text starts in echo
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
-    def emit(self, event: str | TokenLogprob | Finish) -> None:
+    def emit(self, event: str | list[TokenLogprob] | Finish) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
@@ -120,10 +121,10 @@ class Scheduler:
             if event.finish == "error":
                 self._end(seq, Finish("error", len(seq.tokens), event.error))
                 continue
-            if job.echo is not None and len(seq.tokens) == 1:
-                self._echo(job, seq)
             offset = text.offset()
             try:
+                if job.echo is not None and len(seq.tokens) == 1:
+                    self._echo(job, seq)
                 delta, stopped = text.push(event.token)
             except Exception as e:  # noqa: BLE001  (this request fails; the others go on)
                 self._end(seq, Finish("error", len(seq.tokens), f"{type(e).__name__}: {e}"))
@@ -138,26 +139,26 @@ class Scheduler:
             if delta:
                 job.emit(delta)
             if stopped or event.finish is not None:
-                self._end(seq, Finish("stop" if stopped else event.finish, len(seq.tokens)))
+                self._end(seq, Finish("stop" if stopped or text.stopped else event.finish, len(seq.tokens)))
 
     @staticmethod
     def _release(job: Job, pending: list[TokenLogprob], before: int | None) -> None:
         """Sends the pending TokenLogprobs whose text starts before `before` in the reply's
         text (None: all), their offsets counted from the echoed prompt's start where there is one."""
         count = len(pending) if before is None else sum(1 for t in pending if t.offset < before)
-        shift = len(job.echo or "")
-        for entry in pending[:count]:
-            job.emit(dataclasses.replace(entry, offset=entry.offset + shift))
-        del pending[:count]
+        if count:
+            shift = len(job.echo or "")
+            job.emit([dataclasses.replace(entry, offset=entry.offset + shift) for entry in pending[:count]])
+            del pending[:count]
 
-    def _echo(self, job: Job, seq: Sequence) -> None:
+    @staticmethod
+    def _echo(job: Job, seq: Sequence) -> None:
         """The prompt's text, after its tokens' TokenLogprobs where the job asked for logprobs."""
         if seq.prompt_logprobs is not None:
-            stream = TextStream(self.engine.tokenizer)  # each token's offset in the prompt's text
-            for position, token in enumerate(seq.prompt):
-                logprob, top = seq.prompt_logprobs[position] or (None, None)
-                job.emit(TokenLogprob(token, logprob, top, len(stream.text)))
-                stream.push(token)
+            if any(entry is None for entry in seq.prompt_logprobs[1:]):
+                raise RuntimeError("the prompt's log-probabilities were not all computed")
+            job.emit([TokenLogprob(token, *(entry or (None, None)), offset)
+                      for token, entry, offset in zip(seq.prompt, seq.prompt_logprobs, job.echo_offsets)])
         if job.echo:
             job.emit(job.echo)
 
