@@ -229,6 +229,33 @@ def test_logprobs_are_the_log_softmax_of_the_logits_each_token_came_from(engine,
     assert all(e.token == e.top[0][0] for e in plain)  # greedy: the likeliest
 
 
+@pytest.mark.gpu
+def test_on_cuda_adjusted_and_scored_requests_follow_the_formula_through_the_graphs(run, monkeypatch):
+    """Penalties, a logit bias and logprobs on CUDA, where decoding steps replay captured graphs
+    (whose logits buffer nothing may write into): each token is the argmax of its recorded
+    logits so adjusted, and each logprob their log-softmax."""
+    engine = tiny_engine(head_dim=64, device="cuda")
+    events = []
+    step = Batcher.step
+    monkeypatch.setattr(Batcher, "step", lambda self: events.extend(e := step(self)) or e)
+    bias = ((3, -100.0), (200, 2.0))
+    adjusted = lambda: SamplingParams(presence_penalty=0.5, frequency_penalty=0.5, logit_bias=bias)  # noqa: E731
+    requests = list(zip(prompts(9, 40, 17), [10] * 3))
+
+    batcher = Batcher(engine, max_running=4)
+    add = batcher.add
+    batcher.add = lambda *args: add(*args, logprobs=2)
+    decode_steps = count_calls(batcher, "_run_decode")
+    rows, together = run(batcher, requests, sampling=adjusted)
+    assert decode_steps[0] > 0
+    for logits, tokens in zip(rows, together):
+        logits = logits.float().cpu()
+        assert apply_penalties(logits, tokens, 0.5, 0.5, bias).argmax(-1).tolist() == tokens
+        mine = [e for e in events if e.sequence.tokens is tokens]
+        expected = logits.double().log_softmax(-1)
+        assert [e.logprob for e in mine] == pytest.approx([float(r[t]) for r, t in zip(expected, tokens)], abs=1e-4)
+
+
 def test_prompt_logprobs_come_from_every_prompt_position_in_any_chunking_and_share_no_prefix(engine):
     shared = prompts(520, seed=1)[0]  # two query tiles (256 on the CPU) that a prefix could share
     requests = [shared + [5, 6], shared + [7], prompts(300)[0], [9]]
