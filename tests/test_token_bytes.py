@@ -5,9 +5,11 @@ decoder step it reads; special tokens are their text; a decoder of a kind it doe
 gives no bytes rather than wrong ones."""
 
 import pytest
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
 
 from fusedattn.token_bytes import TokenBytes
+
+pytest.importorskip("tokenizers", reason="needs the models extra: pip install .[models]")
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models  # noqa: E402
 
 TEXTS = ["The capital of France is Paris. Ça coûte 3 € — 東京は日本の首都です 🇫🇷🙂 ok\n\n  done",
          " leading space,\ttabs\t and trailing  ", "\x00\x07 control bytes \x7f"]
