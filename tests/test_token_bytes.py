@@ -44,7 +44,7 @@ def test_special_tokens_are_their_own_text(tokenizer):
     for token in (tokenizer.eos_token, tokenizer.bos_token):
         if token is not None:
             i = tokenizer.convert_tokens_to_ids(token)
-            assert names.bytes(i) == token.encode() and names.text(i) == token
+            assert names.bytes(i) == token.encode() and names.name(i) == token
 
 
 class Synthetic:
@@ -79,7 +79,7 @@ def test_decoders_as_data(decoder, expected):
 
 def test_a_partial_character_is_named_by_its_bytes():
     names = TokenBytes(Synthetic(LLAMA))
-    assert names.text(2) == "\ufffd" and names.name(2) == "bytes:\\xe6" and names.name(1) == " Hello"
+    assert names.name(2) == "bytes:\\xe6" and names.name(1) == " Hello"
 
 
 class Opaque:
@@ -91,7 +91,7 @@ class Opaque:
                                      decoders.Decoder.custom(Opaque())], ids=["wordpiece", "regex", "custom"])
 def test_a_decoder_it_does_not_read_gives_no_bytes(decoder):
     """WordPiece's "##" joins pieces, a regex replaces across them, a Python decoder does not
-    describe itself: their tokens have no bytes here, and a text of their own decoding."""
+    describe itself: their tokens have no bytes here, and a name of their own decoding."""
     tokenizer = Synthetic(decoder)
     names = TokenBytes(tokenizer)
-    assert names.bytes(1) is None and names.text(1) == names.name(1) == tokenizer.decode([1])
+    assert names.bytes(1) is None and names.name(1) == tokenizer.decode([1])

@@ -271,9 +271,9 @@ class Batcher:
                 samplers.append(seq)
         events = self._note_prompt_logprobs(logits[len(samplers):], prompt_rows)
         logits = logits[:len(samplers)]
-        samplers_rows = [(seq, row) for row, seq in enumerate(samplers) if seq.finish is None]
-        logits = logits[[row for _, row in samplers_rows]] if len(samplers_rows) < len(samplers) else logits
-        samplers = [seq for seq, _ in samplers_rows]
+        going = [row for row, seq in enumerate(samplers) if seq.finish is None]  # not failed in their prompt rows
+        if len(going) < len(samplers):
+            logits, samplers = logits[going], [samplers[row] for row in going]
         tokens = self._sample(logits, samplers)
         wanted = [i for i, (seq, token) in enumerate(zip(samplers, tokens))
                   if seq.logprobs is not None and not isinstance(token, Exception)]
@@ -291,8 +291,7 @@ class Batcher:
                 if seq.counts is not None:
                     seq.counts[token] += 1
             except Exception as e:  # noqa: BLE001  (e.g. NaN logits: this request fails, the others go on)
-                self._leave(seq, "error")
-                events.append(Event(seq, None, "error", f"{type(e).__name__}: {e}"))
+                events.append(self._fail(seq, e))
                 continue
             seq.tokens.append(token)
             finish = ("stop" if token in seq.stop_tokens else
@@ -314,11 +313,15 @@ class Batcher:
             if seq.finish is not None:  # failed at an earlier row of this step
                 continue
             if isinstance(logprob, Exception):
-                self._leave(seq, "error")
-                events.append(Event(seq, None, "error", f"{type(logprob).__name__}: {logprob}"))
+                events.append(self._fail(seq, logprob))
             else:
                 seq.prompt_logprobs[position] = logprob
         return events
+
+    def _fail(self, seq: Sequence, error: Exception) -> Event:
+        """seq leaves with finish "error"; its event says why."""
+        self._leave(seq, "error")
+        return Event(seq, None, "error", f"{type(error).__name__}: {error}")
 
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[int | Exception]:
         """seqs[i]'s token from logits row i, with its logit bias and penalties: the greedy ones

@@ -45,10 +45,14 @@ class TextStream:
         ended inside of decodes as U+FFFD), once no token follows."""
         return self.pending
 
+    def whole(self) -> str:
+        """The text so far up to its last whole character: a half one's bytes still pending left out."""
+        return self.text + self.pending.rstrip("\ufffd")
+
     def offset(self) -> int:
         """Where the next token's text starts in the text so far (a character split over
         tokens counts from its first)."""
-        return len(self.text) + len(self.pending.rstrip("\ufffd"))
+        return len(self.whole())
 
 
 def text_and_offsets(tokenizer, tokens: list[int]) -> tuple[str, list[int]]:
@@ -85,8 +89,7 @@ class StopText:
     def push(self, token: int) -> tuple[str, bool]:
         """The text now ready to send, and whether a stop string ended it."""
         self.stream.push(token)
-        # The whole characters so far, a half one's bytes still pending left out.
-        text = self.stream.text + self.stream.pending.rstrip("\ufffd")
+        text = self.stream.whole()
         stop = self._stop_in(text)
         if stop is not None:
             delta, self.sent, self.stopped = text[self.sent:stop], stop, True

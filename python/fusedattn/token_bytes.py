@@ -1,4 +1,4 @@
-"""Each token's own bytes and text, as the server's logprobs give them.
+"""Each token's own bytes and name, as the server's logprobs give them.
 
 A token's text in a reply depends on its neighbours (a character split over two tokens, a
 leading space a tokenizer drops at the start), so logprobs name each token by its own bytes,
@@ -52,7 +52,7 @@ class TokenBytes:
     def __init__(self, tokenizer):
         """tokenizer: transformers' or fusedattn.tokenizer's; without a `tokenizers`
         backend_tokenizer whose decoder is of the kinds read here, tokens have no bytes and
-        their text is their decoding."""
+        their name is their decoding."""
         self._tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)  # a slow tokenizer has none
         self._backend = backend
@@ -99,11 +99,6 @@ class TokenBytes:
             elif not fused:  # Strip: on each token before Fuse; after it, on the reply's ends only
                 piece = _strip(piece, step["content"], step["start"], step["stop"])
         return piece.encode()
-
-    def text(self, token: int) -> str:
-        """The token's own text: its bytes as UTF-8 (U+FFFD for part of a character)."""
-        own = self.bytes(token)
-        return own.decode("utf-8", errors="replace") if own is not None else self._tokenizer.decode([token])
 
     def name(self, token: int) -> str:
         """The token as logprobs name it: its text, or where its bytes are not whole UTF-8
