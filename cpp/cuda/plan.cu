@@ -12,6 +12,7 @@
 #include "common/instantiation_dispatch.h"
 #include "common/launch_check.h"
 #include "common/mask_tiles.h"
+#include "common/varlen_tile_list.h"
 #include "decode/forward_kvcache.h"
 #include "sm90/forward_sm90.h"
 #include "hopper/tensor_maps.h"
@@ -120,7 +121,8 @@ std::string sm90_forward_refusal(const ForwardParams& p) {
 // the operators pad q, k and v (their padded copies are contiguous).
 std::string sm90_backward_rule_refusal(const ForwardParams& p, bool deterministic) {
   const AttentionShape& sh = p.shape;
-  if (deterministic) return "the sm90 backward has no deterministic mode (torch.use_deterministic_algorithms)";
+  if (deterministic && p.mask.kind != MaskKind::None)
+    return "the sm90 backward's deterministic mode (torch.use_deterministic_algorithms) takes no attn_mask";
   if (!instantiated(Sm90BackwardHeadDims{}, sh.head_dim))
     return "the sm90 backward has head dims " + dims_text(Sm90BackwardHeadDims{}) + ", got " +
            std::to_string(sh.head_dim);
@@ -428,57 +430,20 @@ Plan plan_decode(const KVCacheParams& p, const PlanRequest& request) {
   return plan;
 }
 
-namespace {
-
-// One list: every tile of `tile` rows (queries, or by_keys keys) of every
-// sequence, by the number of `other_tile` tiles of the other side it visits.
-std::vector<int32_t> longest_first(const ForwardParams& p, const HostSequences& seqs, int tile, int other_tile,
-                                   bool by_keys) {
-  struct Item {
-    int64_t cost;
-    int32_t sequence, tile;
-  };
-  std::vector<Item> items;
-  const bool banded = p.banded();
-  for (int64_t b = 0; b < seqs.batch; ++b) {
-    const int64_t nq = seqs.cu_q[b + 1] - seqs.cu_q[b], nk = seqs.cu_k[b + 1] - seqs.cu_k[b];
-    const Band band = Band::of(p, nq, nk);
-    const int64_t rows = by_keys ? nk : nq, others = by_keys ? nq : nk;
-    for (int64_t first = 0, t = 0; first < rows; first += tile, ++t) {
-      const int64_t last = std::min(first + tile, rows) - 1;
-      int64_t begin = 0, end = others;
-      if (banded) {
-        begin = by_keys ? band.query_begin(first) : band.key_begin(first);
-        end = by_keys ? band.query_end(last) : band.key_end(last);
-      }
-      const int64_t cost = end > begin ? (end + other_tile - 1) / other_tile - begin / other_tile : 0;
-      items.push_back({cost, static_cast<int32_t>(b), static_cast<int32_t>(t)});
-    }
-  }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  std::vector<int32_t> flat;
-  flat.reserve(2 * items.size());
-  for (const Item& item : items) {
-    flat.push_back(item.sequence);
-    flat.push_back(item.tile);
-  }
-  return flat;
-}
-
-}  // namespace
-
 VarlenWork schedule_varlen(const ForwardParams& p, const HostSequences& sequences, Plan& plan) {
   if (!plan.varlen) throw_planner_bug("schedule_varlen takes a packed call's plan");
   if (sequences.cu_q[sequences.batch] >= (int64_t(1) << 31) || sequences.cu_k[sequences.batch] >= (int64_t(1) << 31))
     throw std::invalid_argument("fusedattn: packed sequences take fewer than 2^31 rows");
   VarlenWork work;
   if (!plan.backward) {
-    work.query_tiles = longest_first(p, sequences, plan.block_m, plan.block_n, /*by_keys=*/false);
+    work.query_tiles = tile_list(p, sequences, plan.block_m, plan.block_n, /*by_keys=*/false);
     plan.work_items = static_cast<int64_t>(work.query_tiles.size() / 2);
     return work;
   }
-  work.key_tiles = longest_first(p, sequences, plan.block_n, plan.block_m, /*by_keys=*/true);
-  if (plan.deterministic) work.query_tiles = longest_first(p, sequences, kSm80DqBlockM, plan.block_n, false);
+  const bool turns = plan.deterministic && plan.family == Family::Sm90;
+  work.key_tiles = tile_list(p, sequences, plan.block_n, plan.block_m, /*by_keys=*/true, /*last_first=*/turns);
+  if (plan.deterministic && plan.family == Family::Sm80)  // the dQ pass's
+    work.query_tiles = tile_list(p, sequences, kSm80DqBlockM, plan.block_n, false);
   plan.work_items = static_cast<int64_t>(work.key_tiles.size() / 2);
   return work;
 }

@@ -11,6 +11,7 @@
 
 #include "fusedattn/params.h"
 #include "fusedattn/plan.h"
+#include "common/varlen_tile_list.h"
 
 namespace fusedattn::cuda {
 
@@ -47,21 +48,16 @@ Plan plan_backward(const BackwardParams& p, const PlanRequest& request);
 // a request the device cannot serve.
 Plan plan_decode(const KVCacheParams& p, const PlanRequest& request);
 
-// A packed call's sequence offsets on the host: cu_seqlens_q and
-// cu_seqlens_k, batch + 1 each.
-struct HostSequences {
-  const int32_t* cu_q = nullptr;
-  const int32_t* cu_k = nullptr;
-  int64_t batch = 0;
-};
 
 // The work lists a packed call's plan launches (VarlenParams, params.h), as
 // (sequence, tile) pairs: the query tiles (the forward's; the deterministic
 // backward's dQ pass's) and the key tiles (the backward's). Every tile of
 // every sequence is an item, so every row of the outputs is written; those
 // that visit the most tiles come first (a longest-processing-time order, as
-// FlashAttention 3 schedules varlen work), ties in sequence order. Records
-// the launched list's length in plan.work_items.
+// FlashAttention 3 schedules varlen work), ties in sequence order; the sm90
+// backward's deterministic mode takes each sequence's key tiles from its last
+// (key_block_scheduler.cuh says why). Records the launched list's length in
+// plan.work_items.
 struct VarlenWork {
   std::vector<int32_t> query_tiles, key_tiles;
 };

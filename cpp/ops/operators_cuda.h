@@ -46,10 +46,11 @@ cudaStream_t stream_of(const at::Tensor& q);
 void run_forward(ForwardParams& p, const Plan& plan, const at::Tensor& q, cudaStream_t stream);
 
 // The backward's workspaces, as its plan needs them: delta always; the
-// float32 dQ accumulator unless deterministic; the dK/dV sums of the query
+// float32 dQ accumulator unless sm80's deterministic pass writes grad_q; the
+// turn counters of sm90's deterministic mode; the dK/dV sums of the query
 // heads' splits when there are any; the mask's tile lists by key tiles.
 struct BackwardWorkspaces {
-  at::Tensor delta, grad_q_accum, grad_kv_accum, mask_tiles;
+  at::Tensor delta, grad_q_accum, dq_turns, grad_kv_accum, mask_tiles;
   BackwardWorkspaces(BackwardParams& p, const Plan& plan, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& lse);
 };

@@ -35,6 +35,7 @@ struct VarlenOperands {
       : cu_q(cu_seqlens_q.contiguous()), cu_k(cu_seqlens_k.contiguous()) {
     p.cu_seqlens_q = cu_q.data_ptr<int32_t>();
     p.cu_seqlens_k = cu_k.data_ptr<int32_t>();
+    p.batch = cu_q.numel() - 1;
   }
   // Keys from a KV cache: seqused_k int32 [B] on the device, rows b x cache_rows on.
   VarlenOperands(VarlenParams& p, const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k, int64_t cache_rows)
@@ -42,6 +43,7 @@ struct VarlenOperands {
     p.cu_seqlens_q = cu_q.data_ptr<int32_t>();
     p.seqused_k = cu_k.data_ptr<int32_t>();
     p.cache_rows = cache_rows;
+    p.batch = cu_q.numel() - 1;
   }
 
   // Copies the plan's work lists to the device (through pinned memory, without waiting) and points p at them.

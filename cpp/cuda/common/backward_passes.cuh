@@ -188,7 +188,8 @@ __device__ __forceinline__ void store_key_gradients(const BackwardParams& p, int
 
 // The whole backward around a family's key-block work, `launch_main()`: it
 // must write grad_k and grad_v (or, with head splits, add to grad_kv_accum)
-// and, unless p.deterministic, add dQ into grad_q_accum (else write grad_q);
+// and add dQ into grad_q_accum when there is one (else write grad_q: sm80's
+// deterministic mode);
 // it launches nothing for an empty side (no keys, or no queries).
 template <typename T, typename LaunchMain>
 void run_backward_passes(const BackwardParams& p, cudaStream_t stream, LaunchMain launch_main) {
@@ -209,7 +210,7 @@ void run_backward_passes(const BackwardParams& p, cudaStream_t stream, LaunchMai
     backward_convert_dkv_kernel<T><<<static_cast<unsigned>((kv_size / 8 + 255) / 256), 256, 0, stream>>>(p);
     FUSEDATTN_CUDA_CHECK(cudaGetLastError());
   }
-  if (rows > 0 && !p.deterministic) {
+  if (rows > 0 && p.grad_q_accum != nullptr) {
     backward_convert_dq_kernel<T><<<static_cast<unsigned>((rows * sh.head_dim / 8 + 255) / 256), 256, 0, stream>>>(p);
     FUSEDATTN_CUDA_CHECK(cudaGetLastError());
   }

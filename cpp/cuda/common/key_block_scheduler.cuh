@@ -26,20 +26,73 @@ inline KeyBlockGrid key_block_grid(const BackwardParams& p, int block_n, int ele
   return {order, grid_blocks(order, p.fwd.varlen.on(), p.fwd.varlen.key_items, p.fwd.shape.heads_kv)};
 }
 
+// The query blocks of block_m queries that key block [key0, key0 + keys)
+// visits: `count` of them from the one at m_begin (none when no query sees
+// its keys); every one unbanded. A block visits a query block iff one of its
+// queries sees one of the keys (the band's queries of a key, and keys of a
+// query, are intervals whose ends grow with it).
+struct VisitedQueryBlocks {
+  int64_t m_begin, count;
+};
+template <bool Banded>
+__host__ __device__ inline VisitedQueryBlocks visited_query_blocks(const Band& band, int64_t key0, int64_t keys,
+                                                                   int block_m) {
+  const int64_t first = Banded ? band.query_begin(key0) : 0;
+  const int64_t end = Banded ? band.query_end(key0 + keys - 1) : band.seqlen_q;
+  const int64_t m_begin = first / block_m * block_m;
+  return {m_begin, first < end ? (end - m_begin + block_m - 1) / block_m : 0};
+}
+
+// The last key block of block_n keys that visits query block [m0, m0 +
+// block_m), one that some key block visits (the rule above, from the query
+// side: its queries see keys up to key_end(its last query)).
+template <bool Banded>
+__host__ __device__ inline int64_t last_visiting_key_block(const Band& band, int64_t m0, int block_m, int block_n) {
+  const int64_t last_query = (m0 + block_m < band.seqlen_q ? m0 + block_m : band.seqlen_q) - 1;
+  const int64_t keys_end = Banded ? band.key_end(last_query) : band.seqlen_k;
+  return (keys_end - 1) / block_n;
+}
+
+// Deterministic mode's turn counters: [B x Hq][tiles per head][shares]
+// ints. Packed, sequence b's tiles start at tile q0 / BlockM + b, which keeps
+// the sequences apart (their first rows need not start a tile).
+__host__ __device__ inline int64_t dq_turn_tiles_per_head(const ForwardParams& f, int block_m) {
+  return (f.shape.seqlen_q + block_m - 1) / block_m + (f.varlen.on() ? f.varlen.batch : 0);
+}
+inline int64_t dq_turn_counters(const ForwardParams& f, int block_m, int shares) {
+  return f.shape.batch * f.shape.heads_q * dq_turn_tiles_per_head(f, block_m) * shares;
+}
+// Query tile m0 of a sequence (packed: sequence `sequence`, whose queries
+// start at row q0) among its head's tiles.
+__host__ __device__ inline int64_t dq_turn_tile(const ForwardParams& f, int64_t sequence, int64_t q0, int64_t m0,
+                                                int block_m) {
+  return (f.varlen.on() ? q0 / block_m + sequence : 0) + m0 / block_m;
+}
+
 // What a block of a key-block kernel owns and walks (the sm90 kernel's; the
 // sm80 kernel computes the same inline, where this struct cost it a spill at
 // d=64 on sm_90a). The grid's order is make_key_block_order's: pairs of
 // (sequence, kv head, head split), key block 0 (the most queries see it)
-// first under causal; packed (not Listed), the key tiles' work list, one
+// first under causal, and every pair's last key block first in deterministic
+// mode (below); packed (not Listed), the key tiles' work list, one
 // split, and rows and keys count from the sequence's first (`seq`). A block
 // walks every query block of every query head
 // of its share of the group that can see one of its keys: banded, the
 // queries from band.query_begin(key0) to band.query_end(last key); Listed
 // (attn_mask sorted by key tiles, common/mask_tiles.h), the query blocks of
 // each head's list.
+//
+// Deterministic mode (p.deterministic, the sm90 kernels): the key blocks that
+// visit a query tile add their dQ shares into it one at a time, from the last
+// key block down, each at its turn (hopper/turns.cuh) in a counter of its own
+// per (query head, query tile, share). A block waits only on blocks launched
+// before it (each pair's key blocks go last first, and the planner lists a
+// packed call's key tiles so), and under a band the later key blocks reach a
+// tile first (FA3's order for causal), so the turns seldom make one wait.
 template <int BlockN, int BlockM, bool Banded, bool Listed = false>
 struct KeyBlockWalk {
   unsigned batch, head_kv, n_block;
+  unsigned sequence;               // the sequence's index (dense: its batch)
   SequenceRows seq;                // the block's sequence
   int64_t key0, keys;              // the block's keys: [key0, key0 + keys) of the sequence
   int64_t first_head, m_begin;     // the walk starts at this query head and query
@@ -56,12 +109,14 @@ struct KeyBlockWalk {
     const AttentionShape& sh = p.fwd.shape;
     const bool packed = !Listed && p.fwd.varlen.on();  // packed calls take no attn_mask
     const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
-    const GridBlock block =
-        packed ? work_item(p.fwd.varlen.key_tiles, blockIdx.x, heads_kv) : order.at<false>(blockIdx.x);
+    const GridBlock block = packed            ? work_item(p.fwd.varlen.key_tiles, blockIdx.x, heads_kv)
+                            : !Listed && p.deterministic ? order.at<true>(blockIdx.x)
+                                              : order.at<false>(blockIdx.x);
     n_block = block.block;
     const unsigned head_split = block.pair % static_cast<unsigned>(p.head_splits);
     const unsigned bh = block.pair / static_cast<unsigned>(p.head_splits);
-    seq = SequenceRows::of(p.fwd, bh / heads_kv, packed);
+    sequence = bh / heads_kv;
+    seq = SequenceRows::of(p.fwd, sequence, packed);
     batch = static_cast<unsigned>(seq.batch);
     head_kv = bh % heads_kv;
     const int64_t group = sh.heads_q / sh.heads_kv;
@@ -69,11 +124,10 @@ struct KeyBlockWalk {
     first_head = head_kv * group + head_split * split_heads;
     key0 = int64_t(n_block) * BlockN;
     keys = min(int64_t(BlockN), seq.seqlen_k - key0);
-    const Band band = Band::of(p.fwd, seq.seqlen_q, seq.seqlen_k);
-    const int64_t first_query = Banded ? band.query_begin(key0) : 0;
-    const int64_t query_end = Banded ? band.query_end(key0 + keys - 1) : seq.seqlen_q;
-    m_begin = first_query / BlockM * BlockM;
-    steps_per_head = static_cast<int>(first_query < query_end ? (query_end - m_begin + BlockM - 1) / BlockM : 0);
+    const VisitedQueryBlocks visited =
+        visited_query_blocks<Banded>(Band::of(p.fwd, seq.seqlen_q, seq.seqlen_k), key0, keys, BlockM);
+    m_begin = visited.m_begin;
+    steps_per_head = static_cast<int>(visited.count);
     steps = steps_per_head * static_cast<int>(split_heads);
     if constexpr (Listed) {
       steps_per_head = count(0);  // every head's where the mask is the same for the heads
@@ -82,6 +136,22 @@ struct KeyBlockWalk {
         for (int i = 1; i < split_heads; ++i) steps += count(i) - steps_per_head;
     }
   }
+  // Deterministic mode: this block's turn at query tile m0 (which it
+  // visits): how many key blocks after it visit the tile too.
+  __device__ int dq_turn(const ForwardParams& f, int64_t m0) const {
+    static_assert(!Listed, "a walk over attn_mask's lists has no turns");
+    const Band band = Band::of(f, seq.seqlen_q, seq.seqlen_k);
+    return static_cast<int>(last_visiting_key_block<Banded>(band, m0, BlockM, BlockN) - n_block);
+  }
+  // The turn counter of share `share` (of `shares`) at query tile m0 of query
+  // head `head`, in dq_turn_counters' layout.
+  __device__ int64_t dq_turn_counter(const ForwardParams& f, int64_t head, int64_t m0, int share,
+                                     int shares) const {
+    const int64_t tile = (batch * f.shape.heads_q + head) * dq_turn_tiles_per_head(f, BlockM) +
+                         dq_turn_tile(f, sequence, seq.q0, m0, BlockM);
+    return tile * shares + share;
+  }
+
   __device__ int64_t list_row(int i) const { return tiles.row(batch, first_head + i, n_block); }
   __device__ int count(int i) const { return tiles.counts[list_row(i)]; }
 

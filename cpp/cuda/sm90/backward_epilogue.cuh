@@ -1,7 +1,8 @@
 // The sm90 backward's per-step epilogue: a consumer's quarter of dQ (64
 // queries by 64 columns of d, float32) staged in shared memory and added to
-// the float32 accumulator in L2 by tensor reduces (TMA). dK and dV leave at
-// the block's end through common/backward_passes.cuh's store_key_gradients.
+// the float32 accumulator in L2 by tensor reduces (TMA), in deterministic
+// mode each at its turn. dK and dV leave at the block's end through
+// common/backward_passes.cuh's store_key_gradients.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include "../common/device_math.cuh"
 #include "../hopper/bulk_copy.cuh"
 #include "../hopper/tma.cuh"
+#include "../hopper/turns.cuh"
 #include "backward_traits.h"
 
 namespace fusedattn::cuda {
@@ -49,5 +51,61 @@ __device__ __forceinline__ void reduce_dq_quarter(const unsigned char* stage, co
   for (int box = 0; box < 2; ++box) tma_reduce_add_box(stage + box * Tr::kDqBoxBytes, dq_map, column0 + 32 * box, row);
   bulk_commit();
 }
+
+// When a consumer's dQ reduces may start and what follows their end, for its
+// issuing thread. As they come by default; in deterministic mode each waits
+// for its turn at its query tile (the walk's dq_turn and counter, in
+// p.dq_turns) and passes it on once complete: when the staging buffer is
+// next needed, which is a step later, so the reduce has long finished.
+template <typename Walk, bool Listed>
+struct DqTurns {
+  const BackwardParams& p;
+  const Walk& walk;
+  int share, shares;
+  int* held = nullptr;  // the counter of the last reduce, passed on once it is complete
+  bool lost = false;    // a turn that never came
+
+  // Deterministic mode takes no attn_mask (the planner's rule): a walk over
+  // its lists compiles none of this.
+  static constexpr bool kTurns = !Listed;
+
+  // Before the staging buffer is written again: the last reduce has read it
+  // (deterministic: has completed, and its turn has been passed on).
+  __device__ __forceinline__ void staging_free() {
+    if (!kTurns || !p.deterministic) {
+      bulk_wait<0, true>();
+      return;
+    }
+    bulk_wait<0, false>();
+    pass_held();
+  }
+  // Before the reduce of the step at query tile m0 of head `head`.
+  __device__ __forceinline__ void wait(int64_t head, int64_t m0) {
+    if constexpr (kTurns) {
+      if (!p.deterministic) return;
+      held = p.dq_turns + walk.dq_turn_counter(p.fwd, head, m0, share, shares);
+      lost |= !wait_for_turn(held, walk.dq_turn(p.fwd, m0));
+    }
+  }
+  // dQ added by the consumer's own reductions (not tensor reduces), which
+  // every thread has fenced and the consumer has met after: the turn passes on.
+  __device__ __forceinline__ void pass_now() { pass_held(); }
+  // Before the block leaves: every reduce complete, the last turn passed on;
+  // a turn given up on fails the call here.
+  __device__ __forceinline__ void finish() {
+    bulk_wait<0, false>();
+    if constexpr (kTurns) {
+      pass_held();
+      if (lost) __trap();
+    }
+  }
+
+ private:
+  __device__ __forceinline__ void pass_held() {
+    if (held == nullptr) return;
+    pass_turn(held);
+    held = nullptr;
+  }
+};
 
 }  // namespace fusedattn::cuda

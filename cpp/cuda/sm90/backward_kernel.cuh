@@ -24,8 +24,11 @@
 // Under attn_mask (its kind a template argument) a block walks its key
 // tile's lists (common/mask_tiles.h) and reads the mask on the steps they mark.
 // Soft-capped (a template argument too) it has no attn_mask variant.
-// Not yet: overlap between one step's products and the next step's, and the
-// deterministic mode (the dispatcher sends it to sm80).
+// Deterministic (p.deterministic, without attn_mask), each consumer adds its
+// dQ quarter at its turn (key_block_scheduler.cuh): the issuing thread waits
+// for the turn before the reduce and passes it on once the reduce is
+// complete, at the next step's wait for the staging buffer.
+// Not yet: overlap between one step's products and the next step's.
 #pragma once
 
 #include <type_traits>
@@ -41,6 +44,7 @@
 #include "../common/online_softmax.cuh"
 #include "../hopper/bulk_copy.cuh"
 #include "../hopper/ring_phases.cuh"
+#include "../hopper/turns.cuh"
 #include "../hopper/warpgroup.cuh"
 #include "../hopper/wgmma.cuh"
 #include "backward_epilogue.cuh"
@@ -108,6 +112,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
                         t};
   unsigned char* dq_stage = smem.dq + consumer * Tr::kDqTileBytes;
   const bool issues_dq = threadIdx.x % 128 == 0;  // one thread of each consumer issues its dQ reduces
+  DqTurns<Walk, kListed> turns{p, walk, consumer, Tr::kConsumers};
   // This consumer's dQ quarter starts at query query0, column column0 of the step's.
   const int query0 = Tr::kDqQueryOffset * consumer, column0 = Tr::kDqColumnOffset * consumer;
 
@@ -199,7 +204,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     }
     // The last step's dQ quarter has been read out of its stage (the wait is
     // the issuing thread's; the barrier tells its warpgroup).
-    if (issues_dq) bulk_wait<0, true>();
+    if (issues_dq) turns.staging_free();
     // Both warpgroups' dS written (and fenced). It also orders this buffer's
     // next use, two steps on, after both warpgroups' dQ of this step.
     named_barrier_sync(Tr::kDsWrittenBarrier, 128 * Tr::kConsumers);
@@ -219,13 +224,16 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     stage_dq_quarter(dq_stage, dq, warp_row, g, t, m0 + query0, walk.seq.seqlen_q);
     fence_proxy_async_shared();  // written through the generic proxy, read by the tensor reduce
     named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
-    if (issues_dq) reduce_dq_quarter<Tr>(dq_stage, &args.dq_map, column0, flat_row(sh, walk, head, m0) + query0);
+    if (issues_dq) {
+      turns.wait(head, m0);
+      reduce_dq_quarter<Tr>(dq_stage, &args.dq_map, column0, flat_row(sh, walk, head, m0) + query0);
+    }
     if constexpr (kDkBehindDq) {
       wgmma_wait<0>();
       release_stage();
     }
   }
-  if (issues_dq) bulk_wait<0, false>();  // the reduces done before the block leaves
+  if (issues_dq) turns.finish();  // the reduces done before the block leaves
   store_key_gradients<HeadDim, T>(p, walk.batch, walk.head_kv, walk.seq.k0, my_key0 + warp_row, walk.seq.seqlen_k, dk,
                                   dv);
 #else

@@ -1,5 +1,6 @@
 // The launch both sm90 backward kernels share (d <= 128 and the wide one):
-// their shared memory limit, the key-block scheduler's grid, the kernel.
+// their shared memory limit, deterministic mode's turn counters zeroed, the
+// key-block scheduler's grid, the kernel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,6 +14,11 @@ namespace fusedattn::cuda {
 template <typename Tr, typename T, bool Banded, typename Kernel>
 void launch_sm90_key_blocks(Kernel kernel, const Sm90BackwardArgs& args, cudaStream_t stream) {
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
+  if (args.p.deterministic) {
+    if (args.p.dq_turns == nullptr) throw_planner_bug("the sm90 backward's deterministic mode needs p.dq_turns");
+    const int64_t counters = dq_turn_counters(args.p.fwd, Tr::kBlockM, Tr::kConsumers);
+    FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(args.p.dq_turns, 0, counters * sizeof(int), stream));
+  }
   const KeyBlockGrid grid = key_block_grid(args.p, Tr::kBlockN, sizeof(T), Banded);
   Sm90BackwardArgs launch_args = args;
   launch_args.order = grid.order;

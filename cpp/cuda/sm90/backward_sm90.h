@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "fusedattn/params.h"
 #include "fusedattn/plan.h"
 
@@ -14,6 +16,10 @@ namespace fusedattn::cuda {
 // Throws std::logic_error (a planner bug) for a plan it cannot run, or where
 // the tensor memory accelerator cannot describe the operands after all.
 void backward_sm90(const BackwardParams& p, const Plan& plan, cudaStream_t stream);
+
+// How many ints p.dq_turns must hold for a call `plan` gave family sm90 (0
+// unless deterministic); the launch zeroes them.
+int64_t sm90_backward_dq_turns(const ForwardParams& p, const Plan& plan);
 
 struct Sm90BackwardArgs;  // backward_traits.h
 template <int HeadDim, typename Element>

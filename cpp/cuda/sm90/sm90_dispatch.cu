@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../common/instantiation_dispatch.h"
+#include "../common/key_block_scheduler.cuh"
 #include "../common/launch_check.h"
 #include "backward_sm90.h"
 #include "backward_wide_traits.h"
@@ -75,9 +76,14 @@ void forward_sm90(const ForwardParams& p, const Plan& plan, cudaStream_t stream)
   });
 }
 
+int64_t sm90_backward_dq_turns(const ForwardParams& p, const Plan& plan) {
+  return plan.deterministic ? dq_turn_counters(p, plan.block_m, kSm90BackwardConsumers) : 0;
+}
+
 void backward_sm90(const BackwardParams& p, const Plan& plan, cudaStream_t stream) {
-  if (p.deterministic) throw_planner_bug("the sm90 backward has no deterministic mode");
-  if (plan.family != Family::Sm90 || plan.head_splits != p.head_splits)
+  if (p.deterministic && p.fwd.mask.kind != MaskKind::None)
+    throw_planner_bug("the sm90 backward's deterministic mode takes no attn_mask");
+  if (plan.family != Family::Sm90 || plan.head_splits != p.head_splits || plan.deterministic != p.deterministic)
     throw_planner_bug("backward_sm90 was handed the plan " + plan.describe());
   if (p.fwd.mask.kind != MaskKind::None && p.fwd.mask.tiles.lists == nullptr)
     throw_planner_bug("the sm90 backward takes attn_mask sorted into key tiles only");

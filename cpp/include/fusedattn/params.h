@@ -99,7 +99,7 @@ struct AttentionShape {
 struct VarlenParams {
   const int32_t* cu_seqlens_q = nullptr;  // [B + 1], device memory (host memory on the CPU)
   const int32_t* cu_seqlens_k = nullptr;
-  int64_t batch = 0;                      // B: the CPU kernels walk the sequences
+  int64_t batch = 0;                      // B (the CPU kernels walk the sequences)
   const int32_t* seqused_k = nullptr;     // [B]: a KV cache's lengths, or null
   int64_t cache_rows = 0;
   const int32_t* query_tiles = nullptr;   // [query_items][2]: the forward's and the dQ pass's
@@ -167,11 +167,15 @@ struct BackwardParams {
   // Device workspaces, for the CUDA kernels (the CPU's allocate their own):
   // delta = rowsum(grad_out * out), float32 [B, Hq, Nq]; grad_q_accum,
   // float32 [B, Hq, Nq, d], where key blocks add their share of grad_q
-  // (unused when deterministic).
+  // (sm80: unused when deterministic).
   float* delta = nullptr;
   float* grad_q_accum = nullptr;
-  // Same bits on every run (grad_q summed in a fixed order; no accumulator).
+  // Same bits on every run (grad_q summed in a fixed order: the sm80 family
+  // in a pass of its own, without grad_q_accum; the sm90 family into
+  // grad_q_accum at turns counted in dq_turns, int [sm90_backward_dq_turns],
+  // which the launch zeroes).
   bool deterministic = false;
+  int* dq_turns = nullptr;
   // The query heads of each kv head's group split over this many blocks per
   // key block (when B x Hkv x key blocks alone would leave SMs idle); their
   // dK and dV are then summed in grad_kv_accum, float32 [2, B, Hkv, Nk, d].

@@ -52,7 +52,7 @@ struct Plan {
   bool merge_in_cluster = false;  // decode: the splits merge in a thread block cluster
   bool dependent_launch = false;  // decode: blocks may start while the kernel before them ends (sm_90 code)
   bool varlen = false;            // packed sequences (VarlenParams, params.h)
-  int64_t work_items = 0;         // varlen: the work list's (sequence, tile) items, longest first
+  int64_t work_items = 0;         // varlen: the work list's (sequence, tile) items (cuda/plan.h's order)
 
   // "family=sm90 block_m=128 ...": the fields a family uses, for fusedattn.plan().
   std::string describe() const {
@@ -70,7 +70,9 @@ struct Plan {
     if (varlen) s += " varlen=true";
     // Packed calls of the CPU and the gemm family run a sequence at a time, the kernels' from a work list.
     if (varlen && family != Family::Cpu && family != Family::Gemm)
-      s += " schedule=longest-first work_items=" + std::to_string(work_items);
+      s += std::string(" schedule=") +
+           (backward && deterministic && family == Family::Sm90 ? "last-first" : "longest-first") +
+           " work_items=" + std::to_string(work_items);
     return s;
   }
 };

@@ -1,0 +1,118 @@
+"""The sm90 backward's deterministic mode (torch.use_deterministic_algorithms(True)):
+the key blocks add their dQ shares into each query tile at turns, in a fixed
+order (cpp/cuda/common/key_block_scheduler.cuh), so ten runs give the same
+bits; the gradients against autograd of the float64 reference (checked outside
+deterministic mode, whose cuBLAS calls in the reference would need
+CUBLAS_WORKSPACE_CONFIG), the plan asserted. Marker `gpu`; skipped where the
+build or GPU lacks the sm90 kernels."""
+
+import contextlib
+
+import pytest
+import torch
+
+import fusedattn
+from helpers.attention_cases import Case, check_backward, make_inputs, make_sinks
+from helpers.cuda import HEAD_DIMS, poison_allocator
+from helpers.varlen_cases import check_varlen_backward, packed
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("sm90")]
+SM90_HEAD_DIMS = [d for d in HEAD_DIMS if d in fusedattn.ops.cuda_head_dims("sm90_backward")]
+RUNS = 10
+BANDS = [(False, None), (True, None), (False, (200, 30)), (True, (300, 0))]
+BAND_IDS = ["full", "causal", "window", "causal-window"]
+
+
+@contextlib.contextmanager
+def deterministic():
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def assert_same_bits(runs):
+    """Every run's gradients bit for bit the first's (signed zeros and NaNs included)."""
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("seqlens", [(113, 97), (1025, 1025), (700, 1300), (1300, 200)],
+                         ids=["113x97", "1025", "700x1300", "1300x200"])
+@pytest.mark.parametrize("is_causal,window", BANDS, ids=BAND_IDS)
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
+def test_deterministic_backward_gives_the_same_bits_and_the_reference(head_dim, is_causal, window, seqlens):
+    """Query tiles that many key blocks visit (1025 and more keys: 9 and more of 128), GQA
+    (dK and dV summed over two query heads), awkward lengths and queries that see no key
+    (causal with Nq > Nk: zero gradients), over NaN-filled freed blocks of the outputs' and
+    workspaces' sizes."""
+    dtype = torch.bfloat16 if head_dim in (128, 192) else torch.float16
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], head_dim=head_dim,
+                dtype=dtype, is_causal=is_causal, window=window)
+    q, k, v, _ = make_inputs(case, "cuda", requires_grad=True)
+    grad_out = torch.randn_like(q)
+    with deterministic():
+        plan = fusedattn.plan(q, k, v, None, is_causal, backward=True, window=window)
+        assert (plan["family"], plan["deterministic"], plan["head_splits"]) == ("sm90", True, 1), plan
+        runs = []
+        for _ in range(RUNS):
+            poison_allocator(*[(q.shape, dtype)] * 3, (q.shape, torch.float32), (q.shape[:3], torch.float32))
+            runs.append(torch.autograd.grad(fusedattn.attention(q, k, v, None, is_causal, window=window),
+                                            (q, k, v), grad_out))
+    assert_same_bits(runs)
+    check_backward(case, device="cuda", grads=runs[0], grad_out=grad_out)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [d for d in SM90_HEAD_DIMS if d in fusedattn.ops.cuda_head_dims(
+    "sm90_backward_capped")])
+def test_deterministic_backward_soft_capped_with_sinks(head_dim, is_causal):
+    case = Case(batch=1, heads_q=4, heads_kv=4, seqlen_q=600, seqlen_k=777, head_dim=head_dim,
+                dtype=torch.bfloat16, is_causal=is_causal, softcap=5.0, sinks=True)
+    q, k, v, _ = make_inputs(case, "cuda", requires_grad=True)
+    sinks = make_sinks(case, "cuda", requires_grad=True)
+    grad_out = torch.randn_like(q)
+    with deterministic():
+        assert fusedattn.plan(q, k, v, None, is_causal, backward=True, softcap=5.0, sinks=sinks)["deterministic"]
+        runs = [torch.autograd.grad(fusedattn.attention(q, k, v, None, is_causal, softcap=5.0, sinks=sinks),
+                                    (q, k, v, sinks), grad_out) for _ in range(RUNS)]
+    assert_same_bits([r[:3] for r in runs])
+    assert all(torch.equal(runs[0][3], r[3]) for r in runs)
+    check_backward(case, device="cuda", grads=runs[0], grad_out=grad_out)
+
+
+@pytest.mark.parametrize("is_causal,window", BANDS, ids=BAND_IDS)
+@pytest.mark.parametrize("head_dim", [d for d in SM90_HEAD_DIMS if d <= 128])
+def test_deterministic_varlen_backward_takes_each_sequence_from_its_last_key_tile(head_dim, is_causal, window):
+    """Packed sequences, among them an empty one and one shorter than a tile: the work list
+    holds each sequence's key tiles from its last (a block waits only on blocks launched
+    before it), every run the same bits, and each sequence's gradients the reference's."""
+    lengths_q, lengths_k = [300, 5, 1000, 0, 129, 640], [260, 5, 1100, 3, 129, 640]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, d=head_dim, dtype=torch.float16, device="cuda",
+                                 requires_grad=True)
+    grad_out = torch.randn_like(q)
+    with deterministic():
+        plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, is_causal=is_causal, window=window, backward=True)
+        assert (plan["family"], plan["deterministic"], plan["schedule"]) == ("sm90", True, "last-first"), plan
+        runs = [torch.autograd.grad(fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=is_causal,
+                                                               window=window), (q, k, v), grad_out)
+                for _ in range(RUNS)]
+        assert_same_bits(runs)
+        check_varlen_backward(lengths_q, lengths_k, is_causal=is_causal, window=window, dtype=torch.float16,
+                              d=head_dim, device="cuda")
+
+
+def test_deterministic_mode_takes_attn_mask_to_sm80():
+    """attn_mask has no turns on sm90 (its key blocks' visits come from the mask's lists):
+    forced there it is an error that says so, and the planner's own choice is sm80's
+    deterministic pass."""
+    case = Case(seqlen_q=200, seqlen_k=300, head_dim=64, dtype=torch.float16, mask="key_padding")
+    q, k, v, mask = make_inputs(case, "cuda", requires_grad=True)
+    with deterministic():
+        with pytest.raises(RuntimeError, match="deterministic mode .*takes no attn_mask"):
+            fusedattn.plan(q, k, v, mask, backward=True)
+        with fusedattn.backends.force("auto"):
+            plan = fusedattn.plan(q, k, v, mask, backward=True)
+    assert (plan["family"], plan["deterministic"]) == ("sm80", True), plan
