@@ -14,9 +14,9 @@ namespace fusedattn::cuda {
 template <typename Tr, typename T, bool Banded, typename Kernel>
 void launch_sm90_key_blocks(Kernel kernel, const Sm90BackwardArgs& args, cudaStream_t stream) {
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-  if (args.p.deterministic) {
+  const int64_t counters = args.p.deterministic ? dq_turn_counters(args.p.fwd, Tr::kBlockM, Tr::kConsumers) : 0;
+  if (counters > 0) {  // none when there are no queries
     if (args.p.dq_turns == nullptr) throw_planner_bug("the sm90 backward's deterministic mode needs p.dq_turns");
-    const int64_t counters = dq_turn_counters(args.p.fwd, Tr::kBlockM, Tr::kConsumers);
     FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(args.p.dq_turns, 0, counters * sizeof(int), stream));
   }
   const KeyBlockGrid grid = key_block_grid(args.p, Tr::kBlockN, sizeof(T), Banded);
