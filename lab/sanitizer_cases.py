@@ -1,6 +1,7 @@
 """Small CUDA calls for compute-sanitizer (memcheck, racecheck): the forward
 and backward for every head dim, dtype, mask kind, causal, and sizes that end
-mid-tile, and backward walks of several steps per key block; a forward with
+mid-tile, and backward walks of several steps per key block, also in the
+deterministic mode; a forward with
 several work items per persistent block;
 forward_kvcache with and without appends, one and several splits, empty
 caches, float16 and bfloat16, and a sequence whose length does not fit; the
@@ -19,6 +20,7 @@ sys.path.insert(0, "tests")
 import fusedattn  # noqa: E402,F401
 from helpers.attention_cases import Case, make_inputs  # noqa: E402
 from helpers.kvcache_cases import make_cache  # noqa: E402
+from helpers.varlen_cases import packed  # noqa: E402
 
 GROUPS = ("attention", "kvcache")
 groups = sys.argv[1:] or list(GROUPS)
@@ -64,6 +66,26 @@ def attention_cases():
                 q, k, v, _ = make_inputs(case, "cuda")
                 out, lse = torch.ops.fusedattn.forward(q, k, v, None, False, None)
                 torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, False, None)
+
+    # The sm90 backward's deterministic mode (dQ added at turns): several key
+    # blocks per query tile at every head dim, causal and windowed, and packed
+    # sequences (an empty one among them).
+    torch.use_deterministic_algorithms(True)
+    try:
+        for head_dim in (64, 128, 192, 256):
+            for causal, window in ((False, None), (True, None), (False, (100, 20))):
+                case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=300, seqlen_k=400, head_dim=head_dim,
+                            dtype=torch.bfloat16, mask="none", is_causal=causal, window=window)
+                q, k, v, _ = make_inputs(case, "cuda")
+                out, lse = torch.ops.fusedattn.forward(q, k, v, None, causal, None, None, window)
+                torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, causal, None, None,
+                                             window)
+        q, k, v, cu_q, cu_k = packed([300, 0, 70, 129], [260, 5, 70, 300], d=64, dtype=torch.float16, device="cuda",
+                                     requires_grad=True)
+        for causal in (False, True):
+            fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=causal).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
 
     # More query blocks than SMs (2 x 72 heads x 2 blocks = 288 items, 128 or
     # 192 query rows a block): the persistent sm90 forward's blocks (d=128, and

@@ -69,13 +69,16 @@ def test_deterministic_backward_gives_the_same_bits_and_the_reference(head_dim, 
 @pytest.mark.parametrize("head_dim", [d for d in SM90_HEAD_DIMS if d in fusedattn.ops.cuda_head_dims(
     "sm90_backward_capped")])
 def test_deterministic_backward_soft_capped_with_sinks(head_dim, is_causal):
+    """The soft-capped kernels (the forward on the planner's family: sm90's forward soft-caps
+    at fewer head dims than its backward)."""
     case = Case(batch=1, heads_q=4, heads_kv=4, seqlen_q=600, seqlen_k=777, head_dim=head_dim,
                 dtype=torch.bfloat16, is_causal=is_causal, softcap=5.0, sinks=True)
     q, k, v, _ = make_inputs(case, "cuda", requires_grad=True)
     sinks = make_sinks(case, "cuda", requires_grad=True)
     grad_out = torch.randn_like(q)
-    with deterministic():
-        assert fusedattn.plan(q, k, v, None, is_causal, backward=True, softcap=5.0, sinks=sinks)["deterministic"]
+    with deterministic(), fusedattn.backends.force("auto"):
+        plan = fusedattn.plan(q, k, v, None, is_causal, backward=True, softcap=5.0, sinks=sinks)
+        assert (plan["family"], plan["deterministic"]) == ("sm90", True), plan
         runs = [torch.autograd.grad(fusedattn.attention(q, k, v, None, is_causal, softcap=5.0, sinks=sinks),
                                     (q, k, v, sinks), grad_out) for _ in range(RUNS)]
     assert_same_bits([r[:3] for r in runs])
