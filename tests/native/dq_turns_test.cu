@@ -8,8 +8,8 @@
 //   - the key blocks visiting a query block are a run that ends at
 //     last_visiting_key_block, so the turns there are 0, 1, ... in order;
 //   - packed sequences' turn tiles are apart and within the counters;
-//   - the work list in last-first order holds each tile once and each
-//     sequence's tiles from its last (and longest-first holds each once).
+//   - the work list in last-first order holds each tile once, a sequence at
+//     a time, each from its last tile (and longest-first holds each once).
 // Built and run by .ci/check_cuda_compiles.sh; exits 1 on a failure.
 #include <cstdio>
 #include <set>
@@ -107,11 +107,15 @@ void check_work_list(const std::vector<int32_t>& lengths, int64_t left, int64_t 
     const std::vector<int32_t> list = tile_list(f, seqs, bn, bm, /*by_keys=*/true, last_first);
     std::set<std::pair<int32_t, int32_t>> seen;
     std::vector<int32_t> previous(lengths.size(), -1);
+    std::set<int32_t> finished;  // sequences whose tiles the list has left
     bool once = true, in_order = true;
     for (size_t i = 0; i < list.size(); i += 2) {
       const int32_t b = list[i], t = list[i + 1];
       once &= seen.insert({b, t}).second;
-      if (last_first) in_order &= previous[b] < 0 || t == previous[b] - 1;
+      if (last_first) {
+        in_order &= (previous[b] < 0 || t == previous[b] - 1) && !finished.count(b);
+        if (i > 0 && list[i - 2] != b) finished.insert(list[i - 2]);
+      }
       previous[b] = t;
     }
     int64_t tiles = 0;

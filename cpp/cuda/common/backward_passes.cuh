@@ -98,7 +98,10 @@ __global__ void __launch_bounds__(128) backward_preprocess_kernel(const __grid_c
   accum[0] = accum[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
-// grad_q = scale * grad_q_accum, in T. One thread per 8 elements.
+// grad_q = scale * grad_q_accum, in T, a zero as +0: the reduces add +0 into
+// rows past a sequence's end (the next head's or sequence's), which only an
+// accumulator at -0 (a subnormal sum flushed) could tell, and out of the
+// deterministic mode's order. One thread per 8 elements.
 template <typename T>
 __global__ void __launch_bounds__(256) backward_convert_dq_kernel(const __grid_constant__ BackwardParams p) {
   const AttentionShape& sh = p.fwd.shape;
@@ -109,6 +112,8 @@ __global__ void __launch_bounds__(256) backward_convert_dq_kernel(const __grid_c
                 query = row % sh.seqlen_q;
   float dq[8];
   load8_scaled(p.grad_q_accum + first, p.fwd.scale, dq);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) dq[j] = __float_as_uint(dq[j]) << 1 == 0 ? 0.0f : dq[j];  // bits: fast math may fold a float test
   *reinterpret_cast<uint4*>(static_cast<T*>(p.grad_q) + batch * p.grad_q_strides.batch +
                             head * p.grad_q_strides.head + query * p.grad_q_strides.row + col) = pack8<T>(dq);
 }

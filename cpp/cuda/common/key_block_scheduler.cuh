@@ -89,6 +89,8 @@ __host__ __device__ inline int64_t dq_turn_tile(const ForwardParams& f, int64_t 
 // before it (each pair's key blocks go last first, and the planner lists a
 // packed call's key tiles so), and under a band the later key blocks reach a
 // tile first (FA3's order for causal), so the turns seldom make one wait.
+// That no wait can hang rests on the hardware starting blocks in the order of
+// their index, which CUDA does not promise but does (FA3 rests on it too).
 template <int BlockN, int BlockM, bool Banded, bool Listed = false>
 struct KeyBlockWalk {
   unsigned batch, head_kv, n_block;

@@ -24,9 +24,8 @@ struct HostSequences {
 // sequence, by the number of `other_tile` tiles of the other side it visits,
 // longest first. last_first (the sm90 backward's deterministic mode, whose key
 // blocks wait only on those launched before them: key_block_scheduler.cuh):
-// each sequence's tiles from its last, the sequences merged shortest first,
-// a tile's cost taken as the most of its own and the later tiles' costs, so
-// that the merge keeps each sequence's order.
+// a sequence at a time, each from its last tile, the sequences by their
+// longest tile, longest first.
 inline std::vector<int32_t> tile_list(const ForwardParams& p, const HostSequences& seqs, int tile, int other_tile,
                                       bool by_keys, bool last_first = false) {
   struct Item {
@@ -39,6 +38,7 @@ inline std::vector<int32_t> tile_list(const ForwardParams& p, const HostSequence
     const int64_t nq = seqs.cu_q[b + 1] - seqs.cu_q[b], nk = seqs.cu_k[b + 1] - seqs.cu_k[b];
     const Band band = Band::of(p, nq, nk);
     const int64_t rows = by_keys ? nk : nq, others = by_keys ? nq : nk;
+    const size_t first_item = items.size();
     for (int64_t first = 0, t = 0; first < rows; first += tile, ++t) {
       const int64_t last = std::min(first + tile, rows) - 1;
       int64_t begin = 0, end = others;
@@ -49,13 +49,15 @@ inline std::vector<int32_t> tile_list(const ForwardParams& p, const HostSequence
       const int64_t cost = end > begin ? (end + other_tile - 1) / other_tile - begin / other_tile : 0;
       items.push_back({cost, static_cast<int32_t>(b), static_cast<int32_t>(t)});
     }
-    if (last_first && !items.empty())  // each cost the most of its own and the sequence's later tiles'
-      for (size_t i = items.size() - 1; i > 0 && items[i - 1].sequence == b; --i)
-        items[i - 1].cost = std::max(items[i - 1].cost, items[i].cost);
+    if (last_first) {  // every tile of the sequence at its longest tile's cost
+      int64_t longest = 0;
+      for (size_t i = first_item; i < items.size(); ++i) longest = std::max(longest, items[i].cost);
+      for (size_t i = first_item; i < items.size(); ++i) items[i].cost = longest;
+    }
   }
   if (last_first)
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
-      return a.cost < b.cost || (a.cost == b.cost && a.tile > b.tile);
+      return a.cost != b.cost ? a.cost > b.cost : a.sequence != b.sequence ? a.sequence < b.sequence : a.tile > b.tile;
     });
   else
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });

@@ -9,7 +9,7 @@ namespace fusedattn::cuda {
 
 // A wait this long means no block will ever pass the turn on (a rank that
 // disagrees with the walk's visits): give up rather than hang the device,
-// for the caller to fail the call (a trap in the wait loop made ptxas spill
+// and let the caller trap later (a trap in the wait loop made ptxas spill
 // the sm90 backward's accumulators). About 10 s of acquire loads.
 inline constexpr unsigned kMaxTurnPolls = 1u << 26;
 

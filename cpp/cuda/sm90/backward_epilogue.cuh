@@ -84,14 +84,15 @@ struct DqTurns {
     if constexpr (kTurns) {
       if (!p.deterministic) return;
       held = p.dq_turns + walk.dq_turn_counter(p.fwd, head, m0, share, shares);
-      lost |= !wait_for_turn(held, walk.dq_turn(p.fwd, m0));
+      if (!lost) lost = !wait_for_turn(held, walk.dq_turn(p.fwd, m0));  // once lost, the call fails anyway
     }
   }
   // dQ added by the consumer's own reductions (not tensor reduces), which
   // every thread has fenced and the consumer has met after: the turn passes on.
   __device__ __forceinline__ void pass_now() { pass_held(); }
   // Before the block leaves: every reduce complete, the last turn passed on;
-  // a turn given up on fails the call here.
+  // a turn given up on traps here, which fails the call and leaves the CUDA
+  // context unusable (a planner bug: the rule and the walk disagree).
   __device__ __forceinline__ void finish() {
     bulk_wait<0, false>();
     if constexpr (kTurns) {

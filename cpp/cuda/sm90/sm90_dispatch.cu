@@ -81,8 +81,8 @@ int64_t sm90_backward_dq_turns(const ForwardParams& p, const Plan& plan) {
 }
 
 void backward_sm90(const BackwardParams& p, const Plan& plan, cudaStream_t stream) {
-  if (p.deterministic && p.fwd.mask.kind != MaskKind::None)
-    throw_planner_bug("the sm90 backward's deterministic mode takes no attn_mask");
+  if (p.deterministic && (p.fwd.mask.kind != MaskKind::None || p.head_splits != 1))
+    throw_planner_bug("the sm90 backward's deterministic mode takes no attn_mask and no head splits");
   if (plan.family != Family::Sm90 || plan.head_splits != p.head_splits || plan.deterministic != p.deterministic)
     throw_planner_bug("backward_sm90 was handed the plan " + plan.describe());
   if (p.fwd.mask.kind != MaskKind::None && p.fwd.mask.tiles.lists == nullptr)
