@@ -11,6 +11,7 @@
 #include "../hopper/bulk_copy.cuh"
 #include "../hopper/tma.cuh"
 #include "../hopper/turns.cuh"
+#include "backward_pipeline.cuh"
 #include "backward_traits.h"
 
 namespace fusedattn::cuda {
@@ -52,8 +53,43 @@ __device__ __forceinline__ void reduce_dq_quarter(const unsigned char* stage, co
   bulk_commit();
 }
 
+// Deterministic mode's dQ writer (the d <= 128 kernel): warp 1 + c of the
+// producer warpgroup takes consumer c's staged quarters (kDqFullBarrier), with
+// the quarter's turn counter, turn and first row (smem.dq_reduce_info, which
+// the consumer's issuing thread fills at the step's start: the producer
+// warpgroup's 24 registers do not hold the walk's arithmetic), waits for the turn, adds the quarter by
+// tensor reduces, frees the staging buffer once they have read it
+// (kDqEmptyBarrier) and passes the turn on once they are complete: none of
+// these waits falls on the consumers' steps, where they cost 26-63% (an
+// acquire load, a release, a wait for the reduces to complete).
+template <typename Tr>
+__device__ __forceinline__ void run_dq_writer(const Sm90BackwardArgs& args, const Sm90BackwardSmem<Tr>& smem,
+                                              int steps, int consumer) {
+  const unsigned char* stage = smem.dq + consumer * Tr::kDqTileBytes;
+  const bool leader = threadIdx.x % 32 == 0;
+  bool lost = false;  // a turn that never came: the call traps at the end
+  for (int s = 0; s < steps; ++s) {
+    named_barrier_sync(Tr::kDqFullBarrier + consumer, Tr::kDqWriterThreads);
+    int* turns = nullptr;
+    if (leader) {
+      const int32_t* info = smem.dq_reduce_info + 4 * (2 * consumer + s % 2);
+      turns = args.p.dq_turns + info[0];
+      if (!lost) lost = !wait_for_turn(turns, info[1]);
+      reduce_dq_quarter<Tr>(stage, &args.dq_map, Tr::kDqColumnOffset * consumer, info[2]);
+      bulk_wait<0, true>();
+    }
+    __syncwarp();
+    if (s + 1 < steps) named_barrier_arrive(Tr::kDqEmptyBarrier + consumer, Tr::kDqWriterThreads);
+    if (leader) {
+      bulk_wait<0, false>();
+      pass_turn(turns);
+    }
+  }
+  if (lost) __trap();
+}
+
 // When a consumer's dQ reduces may start and what follows their end, for its
-// issuing thread. As they come by default; in deterministic mode each waits
+// issuing thread (the wide kernel's). As they come by default; in deterministic mode each waits
 // for its turn at its query tile (the walk's dq_turn and counter, in
 // p.dq_turns) and passes it on once complete: when the staging buffer is
 // next needed, which is a step later, so the reduce has long finished.

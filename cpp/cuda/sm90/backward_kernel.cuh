@@ -24,10 +24,10 @@
 // Under attn_mask (its kind a template argument) a block walks its key
 // tile's lists (common/mask_tiles.h) and reads the mask on the steps they mark.
 // Soft-capped (a template argument too) it has no attn_mask variant.
-// Deterministic (p.deterministic, without attn_mask), each consumer adds its
-// dQ quarter at its turn (key_block_scheduler.cuh): the issuing thread waits
-// for the turn before the reduce and passes it on once the reduce is
-// complete, at the next step's wait for the staging buffer.
+// Deterministic (p.deterministic, without attn_mask), each consumer's dQ
+// quarter is added at its turn (key_block_scheduler.cuh) by a writer warp of
+// the producer warpgroup (backward_epilogue.cuh's run_dq_writer), which the
+// consumer hands the staged quarter to.
 // Not yet: overlap between one step's products and the next step's.
 #pragma once
 
@@ -83,8 +83,16 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
+  constexpr bool kTurns = !kListed;  // deterministic mode takes no attn_mask (the planner's rule)
+  const bool writers = kTurns && p.deterministic;
   if (warpgroup == 0) {
-    run_backward_producer<Tr, Walk, kListed>(args, smem, walk, ring);
+    warpgroup_release_registers<Tr::kProducerRegisters>();
+    const int warp = threadIdx.x / 32;
+    if (warp == 0) {
+      run_backward_loads<Tr, Walk, kListed>(args, smem, walk, ring);
+    } else if constexpr (kTurns) {  // deterministic: warp 1 + c writes consumer c's dQ
+      if (writers && warp <= Tr::kConsumers) run_dq_writer<Tr>(args, smem, walk.steps, warp - 1);
+    }
     return;
   }
 
@@ -112,7 +120,6 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
                         t};
   unsigned char* dq_stage = smem.dq + consumer * Tr::kDqTileBytes;
   const bool issues_dq = threadIdx.x % 128 == 0;  // one thread of each consumer issues its dQ reduces
-  DqTurns<Walk, kListed> turns{p, walk, consumer, Tr::kConsumers};
   // This consumer's dQ quarter starts at query query0, column column0 of the step's.
   const int query0 = Tr::kDqQueryOffset * consumer, column0 = Tr::kDqColumnOffset * consumer;
 
@@ -136,6 +143,16 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     const float* lse = smem.lse + stage * Tr::kRowsSlot + row_skew;
     const float* delta = smem.delta + stage * Tr::kRowsSlot + row_skew;
     unsigned char* ds_tile = smem.ds + (s % 2) * Tr::kDsBytes;
+    if constexpr (kTurns) {
+      // For the writer warp, now, while registers are free: slot s % 2, whose
+      // step s - 2 the writer has read before it freed the staging buffer.
+      if (writers && issues_dq) {
+        int32_t* info = smem.dq_reduce_info + 4 * (2 * consumer + s % 2);
+        info[0] = static_cast<int32_t>(walk.dq_turn_counter(f, head, m0, consumer, Tr::kConsumers));
+        info[1] = walk.dq_turn(f, m0);
+        info[2] = flat_row(sh, walk, head, m0) + query0;
+      }
+    }
 
     float st[kMTiles][4], dpt[kMTiles][4];
     float (&st_flat)[kMTiles * 4] = reinterpret_cast<float (&)[kMTiles * 4]>(st);
@@ -203,8 +220,9 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       wgmma_commit();
     }
     // The last step's dQ quarter has been read out of its stage (the wait is
-    // the issuing thread's; the barrier tells its warpgroup).
-    if (issues_dq) turns.staging_free();
+    // the issuing thread's; the barrier tells its warpgroup). Deterministic:
+    // the writer warp says so, below.
+    if (issues_dq && !writers) bulk_wait<0, true>();
     // Both warpgroups' dS written (and fenced). It also orders this buffer's
     // next use, two steps on, after both warpgroups' dQ of this step.
     named_barrier_sync(Tr::kDsWrittenBarrier, 128 * Tr::kConsumers);
@@ -221,19 +239,21 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       wgmma_wait<0>();
     }
     fence_registers(dq_flat);
+    if (writers && s > 0) named_barrier_sync(Tr::kDqEmptyBarrier + consumer, Tr::kDqWriterThreads);
     stage_dq_quarter(dq_stage, dq, warp_row, g, t, m0 + query0, walk.seq.seqlen_q);
     fence_proxy_async_shared();  // written through the generic proxy, read by the tensor reduce
-    named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
-    if (issues_dq) {
-      turns.wait(head, m0);
-      reduce_dq_quarter<Tr>(dq_stage, &args.dq_map, column0, flat_row(sh, walk, head, m0) + query0);
+    if (writers) {
+      named_barrier_arrive(Tr::kDqFullBarrier + consumer, Tr::kDqWriterThreads);
+    } else {
+      named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
+      if (issues_dq) reduce_dq_quarter<Tr>(dq_stage, &args.dq_map, column0, flat_row(sh, walk, head, m0) + query0);
     }
     if constexpr (kDkBehindDq) {
       wgmma_wait<0>();
       release_stage();
     }
   }
-  if (issues_dq) turns.finish();  // the reduces done before the block leaves
+  if (issues_dq && !writers) bulk_wait<0, false>();  // the reduces done before the block leaves
   store_key_gradients<HeadDim, T>(p, walk.batch, walk.head_kv, walk.seq.k0, my_key0 + warp_row, walk.seq.seqlen_k, dk,
                                   dv);
 #else

@@ -88,16 +88,23 @@ struct Sm90BackwardLoad {
 };
 
 // The producer warpgroup of either sm90 backward kernel: it gives its
-// registers to the consumers, and one thread runs the walk's loads.
+// registers to the consumers (the whole warpgroup, first), and one thread
+// runs the walk's loads.
 template <typename Tr, typename Walk, bool Listed>
-__device__ __forceinline__ void run_backward_producer(const Sm90BackwardArgs& args, const Sm90BackwardSmem<Tr>& smem,
-                                                      const Walk& walk, const RingPhases<Tr::kStages>& ring) {
-  warpgroup_release_registers<Tr::kProducerRegisters>();
+__device__ __forceinline__ void run_backward_loads(const Sm90BackwardArgs& args, const Sm90BackwardSmem<Tr>& smem,
+                                                   const Walk& walk, const RingPhases<Tr::kStages>& ring) {
   if (threadIdx.x != 0 || walk.steps == 0) return;
   const Sm90BackwardLoad<Tr, Walk, Listed> load{args, smem, walk};
   load.prefetch_maps();
   load.keys_and_values();
   for (int s = 0; s < walk.steps; ++s) load.step(s, ring);
+}
+
+template <typename Tr, typename Walk, bool Listed>
+__device__ __forceinline__ void run_backward_producer(const Sm90BackwardArgs& args, const Sm90BackwardSmem<Tr>& smem,
+                                                      const Walk& walk, const RingPhases<Tr::kStages>& ring) {
+  warpgroup_release_registers<Tr::kProducerRegisters>();
+  run_backward_loads<Tr, Walk, Listed>(args, smem, walk, ring);
 }
 
 template <int HeadDim, typename T, typename Tr>

@@ -25,6 +25,9 @@ struct Sm90BackwardSmem {
   // A listed walk's steps (head, first query, reads attn_mask) per stage: the
   // producer reads the mask's list and hands each step over with its data.
   int32_t* step_info;
+  // Deterministic mode (the d <= 128 kernel): consumer c's quarter of step s,
+  // its turn counter, turn and first row at 4 (2 c + s % 2), for its dQ writer warp.
+  int32_t* dq_reduce_info;
 
   __device__ __forceinline__ explicit Sm90BackwardSmem(unsigned char* raw) {
     // Aligned to the swizzle's period by an offset from raw, not through an
@@ -44,6 +47,7 @@ struct Sm90BackwardSmem {
     step_full = kv_full + 1;
     step_empty = step_full + Tr::kStages;
     step_info = reinterpret_cast<int32_t*>(step_empty + Tr::kStages);
+    dq_reduce_info = step_info + 3 * Tr::kStages;
   }
 
   // By one thread, before the block's first __syncthreads.

@@ -44,17 +44,22 @@ struct Sm90BackwardTraits {
   // K, V, the Q and dO rings, dS double-buffered, the dQ quarters, each slab
   // 1024-byte aligned (the swizzle pattern's period); the warps' mask stages;
   // the lse and delta rings; the mbarriers (K and V; a full and an empty one
-  // per stage); each stage's step (3 ints); room to align the base.
+  // per stage); each stage's step (3 ints); each consumer's dQ reduces of two
+  // steps (4 ints each, deterministic mode); room to align the base.
   static constexpr int kDqOffset = 2 * kKVTileBytes + 2 * kStages * kQTileBytes + 2 * kDsBytes;
   static constexpr int kMaskStageOffset = kDqOffset + kConsumers * kDqTileBytes;
   static constexpr int kFloatsOffset = kMaskStageOffset + 4 * kConsumers * kMaskStageBytes;
   static constexpr int kSmemBytes =
-      kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + kStages * 3 * 4 + 1024;
+      kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + kStages * 3 * 4 + kConsumers * 2 * 4 * 4 + 1024;
   // The forward's split (FA3's): 128 x 24 + 256 x 240 = 384 x 168.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static constexpr int kDsWrittenBarrier = 1;  // named barrier of the consumers
   static constexpr int kDqWrittenBarrier = 2;  // + consumer index: each consumer warpgroup's own
+  // Deterministic mode: a consumer and its dQ writer warp (backward_epilogue.cuh),
+  // + consumer index: the quarter staged, and its staging buffer free again.
+  static constexpr int kDqFullBarrier = 4, kDqEmptyBarrier = 6;
+  static constexpr int kDqWriterThreads = 128 + 32;
   // dK's products queued behind dQ's, so what follows dQ's products runs
   // under them: 5-6% less kernel time at d=128 when dQ was added with
   // reductions per thread (docs/cuda-notes.md, "The sm90 backward, rung 4");
