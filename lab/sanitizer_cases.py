@@ -67,12 +67,12 @@ def attention_cases():
                 out, lse = torch.ops.fusedattn.forward(q, k, v, None, False, None)
                 torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, False, None)
 
-    # The sm90 backward's deterministic mode (dQ added at turns): several key
-    # blocks per query tile at every head dim, causal and windowed, and packed
-    # sequences (an empty one among them).
+    # The sm90 backward's deterministic mode (dQ added at turns by writer
+    # warps): several key blocks per query tile at its head dims, causal and
+    # windowed, and packed sequences (an empty one among them).
     torch.use_deterministic_algorithms(True)
     try:
-        for head_dim in (64, 128, 192, 256):
+        for head_dim in (64, 128):
             for causal, window in ((False, None), (True, None), (False, (100, 20))):
                 case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=300, seqlen_k=400, head_dim=head_dim,
                             dtype=torch.bfloat16, mask="none", is_causal=causal, window=window)

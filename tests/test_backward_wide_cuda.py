@@ -2,9 +2,8 @@
 d=192 and 256 and the dims padded to them (d_v != d included), full, causal and
 windowed, grouped heads with and without head splits, packed sequences,
 against the float64 reference with the plan asserted; and where the planner
-sends what it does not take (attn_mask, soft-capping, sm80): to the gemm
-family, or a forced family's error. Its deterministic mode:
-test_deterministic_sm90.py."""
+sends what it does not take (attn_mask, soft-capping, the deterministic
+mode, sm80): to the gemm family, or a forced family's error."""
 
 import pytest
 import torch
@@ -72,15 +71,20 @@ def test_wide_backward_packed_sequences(is_causal, d):
                           device="cuda", seed=5)
 
 
-@pytest.mark.parametrize("option", ["mask", "softcap"])
+@pytest.mark.parametrize("option", ["mask", "softcap", "deterministic"])
 def test_what_the_wide_backward_does_not_take_runs_on_the_gemm_family(option):
     case = Case(seqlen_q=90, seqlen_k=70, head_dim=192, dtype=torch.float16, is_causal=option != "mask",
                 mask="additive" if option == "mask" else "none", softcap=2.0 if option == "softcap" else None)
-    assert backward_plan(case)["family"] == "gemm"
-    check_backward(case, "cuda")
-    q, k, v, mask = make_inputs(case, "cuda")
-    with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="was forced, but the sm90 backward"):
-        fusedattn.plan(q, k, v, mask, case.is_causal, backward=True, softcap=case.softcap)
+    if option == "deterministic":
+        torch.use_deterministic_algorithms(True)
+    try:
+        assert backward_plan(case)["family"] == "gemm"
+        check_backward(case, "cuda")
+        q, k, v, mask = make_inputs(case, "cuda")
+        with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="was forced, but the sm90 backward"):
+            fusedattn.plan(q, k, v, mask, case.is_causal, backward=True, softcap=case.softcap)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_sm80_forced_at_a_wide_head_dim_is_an_error():
@@ -98,10 +102,10 @@ def test_supports_says_the_backward_is_fused_to_256_on_sm90():
     assert fusedattn.ops.supports(cuda, torch.bfloat16, 150, 256, fused=True)
     assert not fusedattn.ops.supports(cuda, torch.bfloat16, 192, softcap=True, fused=True)
     assert not fusedattn.ops.supports(cuda, torch.bfloat16, 264, fused=True)
-    torch.use_deterministic_algorithms(True)  # the wide kernel has a deterministic mode
+    torch.use_deterministic_algorithms(True)  # the wide kernel has no deterministic mode: the gemm family
     try:
-        assert fusedattn.ops.supports(cuda, torch.bfloat16, 192, fused=True)
-        assert fusedattn.ops.supports(cuda, torch.bfloat16, 256, fused=True)
+        assert not fusedattn.ops.supports(cuda, torch.bfloat16, 192, fused=True)
+        assert fusedattn.ops.supports(cuda, torch.bfloat16, 192, backward=False, fused=True)
     finally:
         torch.use_deterministic_algorithms(False)
 

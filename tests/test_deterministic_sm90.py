@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import fusedattn
-from helpers.attention_cases import Case, check_backward, make_inputs, make_sinks
+from helpers.attention_cases import Case, check_backward, make_inputs
 from helpers.cuda import HEAD_DIMS, poison_allocator
 from helpers.varlen_cases import check_varlen_backward, packed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("sm90")]
-SM90_HEAD_DIMS = [d for d in HEAD_DIMS if d in fusedattn.ops.cuda_head_dims("sm90_backward")]
+# The mode's kernels: up to d=128, without attn_mask or soft-capping (those calls: sm80's pass).
+SM90_HEAD_DIMS = [d for d in HEAD_DIMS if d in fusedattn.ops.cuda_head_dims("sm90_backward") and d <= 128]
 RUNS = 10
 BANDS = [(False, None), (True, None), (False, (200, 30)), (True, (300, 0))]
 BAND_IDS = ["full", "causal", "window", "causal-window"]
@@ -66,7 +67,7 @@ def test_deterministic_backward_gives_the_same_bits_and_the_reference(head_dim, 
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [d for d in SM90_HEAD_DIMS if d <= 128])
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
 def test_deterministic_backward_over_many_waves_agrees_with_the_default(head_dim, is_causal):
     """More key blocks than the SMs hold (B=4 x 8 KV heads x 32 key blocks): blocks wait on
     turns of blocks long finished and on chains longer than a wave; every run the same bits,
@@ -82,27 +83,6 @@ def test_deterministic_backward_over_many_waves_agrees_with_the_default(head_dim
     assert_same_bits(runs)
     for a, b in zip(runs[0], call()):
         torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=2e-2)
-
-
-@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [d for d in SM90_HEAD_DIMS if d in fusedattn.ops.cuda_head_dims(
-    "sm90_backward_capped")])
-def test_deterministic_backward_soft_capped_with_sinks(head_dim, is_causal):
-    """The soft-capped kernels (the forward on the planner's family: sm90's forward soft-caps
-    at fewer head dims than its backward)."""
-    case = Case(batch=1, heads_q=4, heads_kv=4, seqlen_q=600, seqlen_k=777, head_dim=head_dim,
-                dtype=torch.bfloat16, is_causal=is_causal, softcap=5.0, sinks=True)
-    q, k, v, _ = make_inputs(case, "cuda", requires_grad=True)
-    sinks = make_sinks(case, "cuda", requires_grad=True)
-    grad_out = torch.randn_like(q)
-    with deterministic(), fusedattn.backends.force("auto"):
-        plan = fusedattn.plan(q, k, v, None, is_causal, backward=True, softcap=5.0, sinks=sinks)
-        assert (plan["family"], plan["deterministic"]) == ("sm90", True), plan
-        runs = [torch.autograd.grad(fusedattn.attention(q, k, v, None, is_causal, softcap=5.0, sinks=sinks),
-                                    (q, k, v, sinks), grad_out) for _ in range(RUNS)]
-    assert_same_bits([r[:3] for r in runs])
-    assert all(torch.equal(runs[0][3], r[3]) for r in runs)
-    check_backward(case, device="cuda", grads=runs[0], grad_out=grad_out)
 
 
 @pytest.mark.parametrize("is_causal,window", BANDS, ids=BAND_IDS)
@@ -127,15 +107,18 @@ def test_deterministic_varlen_backward_takes_each_sequence_from_its_last_key_til
                               d=head_dim, device="cuda")
 
 
-def test_deterministic_mode_takes_attn_mask_to_sm80():
-    """attn_mask has no turns on sm90 (its key blocks' visits come from the mask's lists):
-    forced there it is an error that says so, and the planner's own choice is sm80's
-    deterministic pass."""
-    case = Case(seqlen_q=200, seqlen_k=300, head_dim=64, dtype=torch.float16, mask="key_padding")
+@pytest.mark.parametrize("option", ["attn_mask", "softcap"])
+def test_deterministic_mode_takes_attn_mask_and_soft_capping_to_sm80(option):
+    """attn_mask (its key blocks' visits come from the mask's lists, which have no rank) and
+    soft-capping have no deterministic sm90 kernel: forced there it is an error that says so,
+    and the planner's own choice is sm80's deterministic pass."""
+    case = Case(seqlen_q=200, seqlen_k=300, head_dim=64, dtype=torch.float16,
+                mask="key_padding" if option == "attn_mask" else "none",
+                softcap=5.0 if option == "softcap" else None)
     q, k, v, mask = make_inputs(case, "cuda", requires_grad=True)
     with deterministic():
-        with pytest.raises(RuntimeError, match="deterministic mode .*takes no attn_mask"):
-            fusedattn.plan(q, k, v, mask, backward=True)
+        with pytest.raises(RuntimeError, match="deterministic mode .*without attn_mask or soft-capping"):
+            fusedattn.plan(q, k, v, mask, backward=True, softcap=case.softcap)
         with fusedattn.backends.force("auto"):
-            plan = fusedattn.plan(q, k, v, mask, backward=True)
+            plan = fusedattn.plan(q, k, v, mask, backward=True, softcap=case.softcap)
     assert (plan["family"], plan["deterministic"]) == ("sm80", True), plan

@@ -82,7 +82,7 @@ __host__ __device__ inline int64_t dq_turn_tile(const ForwardParams& f, int64_t 
 // (attn_mask sorted by key tiles, common/mask_tiles.h), the query blocks of
 // each head's list.
 //
-// Deterministic mode (p.deterministic, the sm90 kernels): the key blocks that
+// Deterministic mode (the sm90 kernel's instantiation for it, LastFirst): the key blocks that
 // visit a query tile add their dQ shares into it one at a time, from the last
 // key block down, each at its turn (hopper/turns.cuh) in a counter of its own
 // per (query head, query tile, share). A block waits only on blocks launched
@@ -91,7 +91,7 @@ __host__ __device__ inline int64_t dq_turn_tile(const ForwardParams& f, int64_t 
 // tile first (FA3's order for causal), so the turns seldom make one wait.
 // That no wait can hang rests on the hardware starting blocks in the order of
 // their index, which CUDA does not promise but does (FA3 rests on it too).
-template <int BlockN, int BlockM, bool Banded, bool Listed = false>
+template <int BlockN, int BlockM, bool Banded, bool Listed = false, bool LastFirst = false>
 struct KeyBlockWalk {
   unsigned batch, head_kv, n_block;
   unsigned sequence;               // the sequence's index (dense: its batch)
@@ -111,9 +111,8 @@ struct KeyBlockWalk {
     const AttentionShape& sh = p.fwd.shape;
     const bool packed = !Listed && p.fwd.varlen.on();  // packed calls take no attn_mask
     const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
-    const GridBlock block = packed            ? work_item(p.fwd.varlen.key_tiles, blockIdx.x, heads_kv)
-                            : !Listed && p.deterministic ? order.at<true>(blockIdx.x)
-                                              : order.at<false>(blockIdx.x);
+    const GridBlock block =
+        packed ? work_item(p.fwd.varlen.key_tiles, blockIdx.x, heads_kv) : order.at<LastFirst>(blockIdx.x);
     n_block = block.block;
     const unsigned head_split = block.pair % static_cast<unsigned>(p.head_splits);
     const unsigned bh = block.pair / static_cast<unsigned>(p.head_splits);

@@ -59,7 +59,7 @@
 
 namespace fusedattn::cuda {
 
-template <int HeadDim, typename T, bool Banded, MaskKind Mask, bool Capped>
+template <int HeadDim, typename T, bool Banded, MaskKind Mask, bool Capped, bool Ordered>
 __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     sm90_backward_kernel(const __grid_constant__ Sm90BackwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma, stmatrix and setmaxnreg exist only in sm_90a code
@@ -70,7 +70,8 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   constexpr int kMTiles = kBlockM / 8;  // n-tiles of S^T (queries)
   constexpr int kDTiles = HeadDim / 8;
   constexpr bool kListed = Mask != MaskKind::None;  // steps from the mask's lists
-  using Walk = KeyBlockWalk<kBlockN, kBlockM, Banded, kListed>;
+  static_assert(!(Ordered && (kListed || Capped)), "deterministic mode: unmasked, uncapped calls (the planner's rule)");
+  using Walk = KeyBlockWalk<kBlockN, kBlockM, Banded, kListed, Ordered>;
 
   extern __shared__ unsigned char smem_raw[];
   const Smem smem(smem_raw);
@@ -83,15 +84,16 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
-  constexpr bool kTurns = !kListed;  // deterministic mode takes no attn_mask (the planner's rule)
-  const bool writers = kTurns && p.deterministic;
   if (warpgroup == 0) {
-    warpgroup_release_registers<Tr::kProducerRegisters>();
-    const int warp = threadIdx.x / 32;
-    if (warp == 0) {
-      run_backward_loads<Tr, Walk, kListed>(args, smem, walk, ring);
-    } else if constexpr (kTurns) {  // deterministic: warp 1 + c writes consumer c's dQ
-      if (writers && warp <= Tr::kConsumers) run_dq_writer<Tr>(args, smem, walk.steps, warp - 1);
+    if constexpr (Ordered) {  // warp 1 + c writes consumer c's dQ
+      warpgroup_release_registers<Tr::kProducerRegisters>();
+      const int warp = threadIdx.x / 32;
+      if (warp == 0)
+        run_backward_loads<Tr, Walk, kListed>(args, smem, walk, ring);
+      else if (warp <= Tr::kConsumers)
+        run_dq_writer<Tr>(args, smem, walk.steps, warp - 1);
+    } else {
+      run_backward_producer<Tr, Walk, kListed>(args, smem, walk, ring);
     }
     return;
   }
@@ -143,10 +145,10 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     const float* lse = smem.lse + stage * Tr::kRowsSlot + row_skew;
     const float* delta = smem.delta + stage * Tr::kRowsSlot + row_skew;
     unsigned char* ds_tile = smem.ds + (s % 2) * Tr::kDsBytes;
-    if constexpr (kTurns) {
+    if constexpr (Ordered) {
       // For the writer warp, now, while registers are free: slot s % 2, whose
       // step s - 2 the writer has read before it freed the staging buffer.
-      if (writers && issues_dq) {
+      if (issues_dq) {
         int32_t* info = smem.dq_reduce_info + 4 * (2 * consumer + s % 2);
         info[0] = static_cast<int32_t>(walk.dq_turn_counter(f, head, m0, consumer, Tr::kConsumers));
         info[1] = walk.dq_turn(f, m0);
@@ -222,7 +224,8 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
     // The last step's dQ quarter has been read out of its stage (the wait is
     // the issuing thread's; the barrier tells its warpgroup). Deterministic:
     // the writer warp says so, below.
-    if (issues_dq && !writers) bulk_wait<0, true>();
+    if constexpr (!Ordered)
+      if (issues_dq) bulk_wait<0, true>();
     // Both warpgroups' dS written (and fenced). It also orders this buffer's
     // next use, two steps on, after both warpgroups' dQ of this step.
     named_barrier_sync(Tr::kDsWrittenBarrier, 128 * Tr::kConsumers);
@@ -239,10 +242,11 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       wgmma_wait<0>();
     }
     fence_registers(dq_flat);
-    if (writers && s > 0) named_barrier_sync(Tr::kDqEmptyBarrier + consumer, Tr::kDqWriterThreads);
+    if constexpr (Ordered)
+      if (s > 0) named_barrier_sync(Tr::kDqEmptyBarrier + consumer, Tr::kDqWriterThreads);
     stage_dq_quarter(dq_stage, dq, warp_row, g, t, m0 + query0, walk.seq.seqlen_q);
     fence_proxy_async_shared();  // written through the generic proxy, read by the tensor reduce
-    if (writers) {
+    if constexpr (Ordered) {
       named_barrier_arrive(Tr::kDqFullBarrier + consumer, Tr::kDqWriterThreads);
     } else {
       named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
@@ -253,7 +257,8 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       release_stage();
     }
   }
-  if (issues_dq && !writers) bulk_wait<0, false>();  // the reduces done before the block leaves
+  if constexpr (!Ordered)
+    if (issues_dq) bulk_wait<0, false>();  // the reduces done before the block leaves
   store_key_gradients<HeadDim, T>(p, walk.batch, walk.head_kv, walk.seq.k0, my_key0 + warp_row, walk.seq.seqlen_k, dk,
                                   dv);
 #else
@@ -261,17 +266,20 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
 #endif
 }
 
-template <int HeadDim, typename T, bool Banded, MaskKind Mask, bool Capped>
+template <int HeadDim, typename T, bool Banded, MaskKind Mask, bool Capped, bool Ordered = false>
 void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90BackwardTraits<HeadDim>;
   if constexpr (Mask != MaskKind::None) sort_mask_into_key_tiles(args.p.fwd, Tr::kBlockN, Tr::kBlockM, stream);
-  launch_sm90_key_blocks<Tr, T, Banded>(sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped>, args, stream);
+  launch_sm90_key_blocks<Tr, T, Banded>(sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped, Ordered>, args,
+                                        stream);
 }
 
 // Soft-capped calls have their own kernels, without attn_mask, at the head
 // dims of the table's capped variants; attn_mask at its masked ones (the
 // planner sends the others elsewhere), as in the forward. Above d=128 the
-// wide kernel, which has neither.
+// wide kernel, which has neither. The deterministic mode has kernels of its
+// own (the writer warps), without attn_mask or soft-capping, up to d=128, so
+// that the default's are what they were without it.
 template <int HeadDim, typename Element>
 void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
   static_assert(!(HeadDim > 128 && (instantiated(Sm90BackwardMaskedHeadDims{}, HeadDim) ||
@@ -292,7 +300,14 @@ void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
           launch_sm90_backward_kernel<HeadDim, Element, false, kMask, kCapped>(args, stream);
       };
       using Unmasked = std::integral_constant<MaskKind, MaskKind::None>;
-      if (p.fwd.softcap > 0.0f) {
+      if (p.deterministic) {
+        if (p.fwd.softcap > 0.0f || p.fwd.mask.kind != MaskKind::None)
+          throw_planner_bug("the sm90 backward's deterministic mode takes no attn_mask and no soft-capping");
+        if (p.fwd.banded())
+          launch_sm90_backward_kernel<HeadDim, Element, true, MaskKind::None, false, true>(args, stream);
+        else
+          launch_sm90_backward_kernel<HeadDim, Element, false, MaskKind::None, false, true>(args, stream);
+      } else if (p.fwd.softcap > 0.0f) {
         if constexpr (instantiated(Sm90BackwardCappedHeadDims{}, HeadDim)) {
           if (p.fwd.mask.kind != MaskKind::None)
             throw_planner_bug("the sm90 backward soft-caps calls without attn_mask only");

@@ -14,10 +14,6 @@
 //     while dV^T and dK^T run.
 // At d=256 dQ's staging does not fit beside two stages of Q and dO: each
 // thread adds its dQ elements by reductions instead (traits' kDqByReductions).
-// Deterministic (p.deterministic), each consumer adds its dQ slabs at its
-// turn, as the other kernel does; by reductions, the consumer's threads meet
-// after the issuing thread's wait and again, fenced, before it passes the
-// turn on.
 // Not yet: attn_mask and soft-capping; the planner sends those calls elsewhere.
 #pragma once
 
@@ -143,7 +139,6 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
   unsigned char* dq_stage = smem.dq + first_slab * Tr::kDqSlabBytes;
   unsigned char* pt_tile = smem.ds + Tr::kPtOffset;
   const bool issues_dq = threadIdx.x % 128 == 0;  // one thread of each consumer issues its dQ reduces
-  DqTurns<Walk, false> turns{p, walk, consumer, Tr::kConsumers};
 
   float dk[kChunks][kKeys / 2] = {}, dv[kChunks][kKeys / 2] = {};
   if (walk.steps > 0) mbarrier_wait(smem.kv_full, 0);
@@ -186,7 +181,7 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
     fence_proxy_async_shared();  // written through the generic proxy, read by wgmma
     // The last step's dQ slabs have been read out of their stage (the wait is
     // the issuing thread's; the barrier tells its warpgroup).
-    if (issues_dq) turns.staging_free();
+    if (issues_dq) bulk_wait<0, true>();
     // Both consumers' P^T and dS^T written (and fenced). The next step's
     // barrier is passed only after both consumers' dQ of this step is done,
     // so dS^T's buffer is free again two steps on.
@@ -204,17 +199,8 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
       wgmma_wait<1>();  // dQ
       fence_registers(dq);
       if constexpr (Tr::kDqByReductions) {
-        if (p.deterministic) {
-          if (issues_dq) turns.wait(head, m0);
-          named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
-        }
         add_dq_by_reductions<HeadDim, kSlabs>(p.grad_q_accum, dq, flat_row(sh, walk, head, m0), first_slab, warp_row,
                                               g, t, walk.seq.seqlen_q - m0);
-        if (p.deterministic) {
-          __threadfence();
-          named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
-          if (issues_dq) turns.pass_now();
-        }
       } else {
 #pragma unroll
         for (int j = 0; j < kSlabs; ++j)
@@ -222,12 +208,10 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
                            warp_row, g, t, m0, walk.seq.seqlen_q);
         fence_proxy_async_shared();  // written through the generic proxy, read by the tensor reduce
         named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
-        if (issues_dq) {
-          turns.wait(head, m0);
+        if (issues_dq)
           for (int j = 0; j < kSlabs; ++j)
             reduce_dq_quarter<Tr>(dq_stage + j * Tr::kDqSlabBytes, &args.dq_map, 64 * (first_slab + j),
                                   flat_row(sh, walk, head, m0));
-        }
       }
     };
     if (consumer == 0)
@@ -242,7 +226,7 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
     }
     if (lane == 0) mbarrier_arrive(&smem.step_empty[stage]);
   }
-  if (issues_dq) turns.finish();  // the reduces done before the block leaves
+  if (issues_dq) bulk_wait<0, false>();  // the reduces done before the block leaves
   store_transposed_key_gradients<HeadDim, kKeys, T>(p, walk.batch, walk.head_kv, walk.seq.k0, my_key0,
                                                     walk.seq.seqlen_k, warp_row, dk, dv);
 #else
