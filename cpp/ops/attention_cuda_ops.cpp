@@ -60,8 +60,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     return {b.grad_q, b.grad_k, b.grad_v, sinks_gradient(sinks, lse, delta)};
   }
   pad_to_kernel_head_dim(b, b.params.fwd.shape, /*backward=*/true);
-  // torch.use_deterministic_algorithms(True): grad_q from its own pass, in a
-  // fixed order, instead of float32 atomics.
+  // torch.use_deterministic_algorithms(True): grad_q summed in a fixed order
+  // (the planner's family: sm90's ordered kernels or sm80's dQ pass), instead
+  // of float32 atomics in any order.
   b.params.deterministic = at::globalContext().deterministicAlgorithms();
   const Plan plan = with_torch_errors([&] { return cuda::plan_backward(b.params, request); });
   const BackwardWorkspaces workspaces(b.params, plan, b.fwd.q, b.fwd.k, lse);

@@ -126,7 +126,7 @@ def methods(device: torch.device, backward: bool = False) -> dict[str, Callable]
         # The default there is the sm90 family where it takes the call; the sm80 family alongside.
         table["fusedattn-sm80"] = _kernel_family("sm80")
     if device.type == "cuda" and backward:
-        # torch.use_deterministic_algorithms(True): dQ in a pass of its own (its cost).
+        # torch.use_deterministic_algorithms(True): dQ summed in a fixed order (its cost).
         table["fusedattn-deterministic"] = _Fusedattn(_deterministic_algorithms)
     table["fusedattn"] = lambda q, k, v, causal: torch.ops.fusedattn.forward(q, k, v, None, causal, None)[0]
     return table

@@ -1,8 +1,8 @@
 // The key-block kernels' tile scheduler (sm80's and sm90's backwards): the
 // launch's grid (one block per key block of each (sequence, kv head, head
-// split), in make_key_block_order's order or, packed, the planner's
-// longest-first key tiles) and each block's walk over the query blocks
-// that see its keys.
+// split), in make_key_block_order's order or, packed, the planner's list
+// of key tiles) and each block's walk over the query blocks that see its
+// keys; the deterministic mode's turns.
 #pragma once
 
 #include <cstdint>

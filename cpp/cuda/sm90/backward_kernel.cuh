@@ -3,7 +3,8 @@
 // every product on Hopper's warpgroup MMA and the loads on the tensor memory
 // accelerator, in roles. A block owns 128 keys and is three warpgroups:
 //   producer (warpgroup 0): it gives its registers to the consumers
-//     (setmaxnreg), and one thread runs the mainloop's load
+//     (setmaxnreg), one thread runs the mainloop's load (and, Ordered,
+//     warps 1 and 2 write the consumers' dQ, below)
 //     (backward_mainloop.cuh): K and V once, then per step (kBlockM
 //     queries of one query head: 64 at d=128, 128 at d=64) Q, dO, lse and
 //     delta into a two-stage ring guarded by mbarriers
@@ -24,10 +25,11 @@
 // Under attn_mask (its kind a template argument) a block walks its key
 // tile's lists (common/mask_tiles.h) and reads the mask on the steps they mark.
 // Soft-capped (a template argument too) it has no attn_mask variant.
-// Deterministic (p.deterministic, without attn_mask), each consumer's dQ
-// quarter is added at its turn (key_block_scheduler.cuh) by a writer warp of
-// the producer warpgroup (backward_epilogue.cuh's run_dq_writer), which the
-// consumer hands the staged quarter to.
+// Ordered (a template argument: the deterministic mode's kernels, without
+// attn_mask or soft-capping), each consumer's dQ quarter is added at its turn
+// (key_block_scheduler.cuh) by a writer warp of the producer warpgroup
+// (backward_epilogue.cuh's run_dq_writer), which the consumer hands the
+// staged quarter to.
 // Not yet: overlap between one step's products and the next step's.
 #pragma once
 
@@ -44,7 +46,6 @@
 #include "../common/online_softmax.cuh"
 #include "../hopper/bulk_copy.cuh"
 #include "../hopper/ring_phases.cuh"
-#include "../hopper/turns.cuh"
 #include "../hopper/warpgroup.cuh"
 #include "../hopper/wgmma.cuh"
 #include "backward_epilogue.cuh"

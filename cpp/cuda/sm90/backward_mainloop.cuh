@@ -87,9 +87,7 @@ struct Sm90BackwardLoad {
   }
 };
 
-// The producer warpgroup of either sm90 backward kernel: it gives its
-// registers to the consumers (the whole warpgroup, first), and one thread
-// runs the walk's loads.
+// The walk's loads, by one thread of the producer warpgroup.
 template <typename Tr, typename Walk, bool Listed>
 __device__ __forceinline__ void run_backward_loads(const Sm90BackwardArgs& args, const Sm90BackwardSmem<Tr>& smem,
                                                    const Walk& walk, const RingPhases<Tr::kStages>& ring) {
@@ -100,6 +98,9 @@ __device__ __forceinline__ void run_backward_loads(const Sm90BackwardArgs& args,
   for (int s = 0; s < walk.steps; ++s) load.step(s, ring);
 }
 
+// The producer warpgroup of either sm90 backward kernel: it gives its
+// registers to the consumers (the whole warpgroup at once), and one thread
+// runs the walk's loads.
 template <typename Tr, typename Walk, bool Listed>
 __device__ __forceinline__ void run_backward_producer(const Sm90BackwardArgs& args, const Sm90BackwardSmem<Tr>& smem,
                                                       const Walk& walk, const RingPhases<Tr::kStages>& ring) {
