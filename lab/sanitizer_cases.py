@@ -1,8 +1,7 @@
 """Small CUDA calls for compute-sanitizer (memcheck, racecheck): the forward
 and backward for every head dim, dtype, mask kind, causal, and sizes that end
 mid-tile, and backward walks of several steps per key block, also in the
-deterministic mode; a forward with
-several work items per persistent block;
+deterministic mode; a forward with several work items per persistent block;
 forward_kvcache with and without appends, one and several splits, empty
 caches, float16 and bfloat16, and a sequence whose length does not fit; the
 splits merged both ways (in thread block clusters where sm_90 allows, and

@@ -441,8 +441,7 @@ VarlenWork schedule_varlen(const ForwardParams& p, const HostSequences& sequence
     plan.work_items = static_cast<int64_t>(work.query_tiles.size() / 2);
     return work;
   }
-  const bool turns = plan.deterministic && plan.family == Family::Sm90;
-  work.key_tiles = tile_list(p, sequences, plan.block_n, plan.block_m, /*by_keys=*/true, /*last_first=*/turns);
+  work.key_tiles = tile_list(p, sequences, plan.block_n, plan.block_m, /*by_keys=*/true, plan.ordered_dq());
   if (plan.deterministic && plan.family == Family::Sm80)  // the dQ pass's
     work.query_tiles = tile_list(p, sequences, kSm80DqBlockM, plan.block_n, false);
   plan.work_items = static_cast<int64_t>(work.key_tiles.size() / 2);

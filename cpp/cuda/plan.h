@@ -48,7 +48,6 @@ Plan plan_backward(const BackwardParams& p, const PlanRequest& request);
 // a request the device cannot serve.
 Plan plan_decode(const KVCacheParams& p, const PlanRequest& request);
 
-
 // The work lists a packed call's plan launches (VarlenParams, params.h), as
 // (sequence, tile) pairs: the query tiles (the forward's; the deterministic
 // backward's dQ pass's) and the key tiles (the backward's). Every tile of

@@ -76,11 +76,11 @@ BackwardWorkspaces::BackwardWorkspaces(BackwardParams& p, const Plan& plan, cons
         mask_tiles_storage(p.fwd.mask.tiles, cuda::mask_tiles_layout_by_keys(p.fwd, plan.block_n, plan.block_m), q);
   delta = at::empty(lse.sizes(), lse.options().dtype(at::kFloat));
   p.delta = delta.data_ptr<float>();
-  if (!p.deterministic || plan.family == Family::Sm90) {
+  if (!p.deterministic || plan.ordered_dq()) {
     grad_q_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
     p.grad_q_accum = grad_q_accum.data_ptr<float>();
   }
-  if (plan.family == Family::Sm90 && plan.deterministic) {
+  if (plan.ordered_dq()) {
     dq_turns = at::empty({cuda::sm90_backward_dq_turns(p.fwd, plan)}, q.options().dtype(at::kInt));
     p.dq_turns = dq_turns.data_ptr<int>();
   }

@@ -112,8 +112,9 @@ __global__ void __launch_bounds__(256) backward_convert_dq_kernel(const __grid_c
                 query = row % sh.seqlen_q;
   float dq[8];
   load8_scaled(p.grad_q_accum + first, p.fwd.scale, dq);
+  // Tested on the bits: fast math may fold a float test of zero away.
 #pragma unroll
-  for (int j = 0; j < 8; ++j) dq[j] = __float_as_uint(dq[j]) << 1 == 0 ? 0.0f : dq[j];  // bits: fast math may fold a float test
+  for (int j = 0; j < 8; ++j) dq[j] = __float_as_uint(dq[j]) << 1 == 0 ? 0.0f : dq[j];
   *reinterpret_cast<uint4*>(static_cast<T*>(p.grad_q) + batch * p.grad_q_strides.batch +
                             head * p.grad_q_strides.head + query * p.grad_q_strides.row + col) = pack8<T>(dq);
 }

@@ -57,11 +57,11 @@ __device__ __forceinline__ void reduce_dq_quarter(const unsigned char* stage, co
 // producer warpgroup takes consumer c's staged quarters (kDqFullBarrier), with
 // the quarter's turn counter, turn and first row (smem.dq_reduce_info, which
 // the consumer's issuing thread fills at the step's start: the producer
-// warpgroup's 24 registers do not hold the walk's arithmetic), waits for the turn, adds the quarter by
-// tensor reduces, frees the staging buffer once they have read it
-// (kDqEmptyBarrier) and passes the turn on once they are complete: none of
-// these waits falls on the consumers' steps, where they cost 26-63% (an
-// acquire load, a release, a wait for the reduces to complete).
+// warpgroup's 24 registers do not hold the walk's arithmetic), waits for the
+// turn, adds the quarter by tensor reduces, frees the staging buffer once
+// they have read it (kDqEmptyBarrier) and passes the turn on once they are
+// complete: none of these waits falls on the consumers' steps, where they
+// cost 26-63% (an acquire load, a release, a wait for the reduces to complete).
 template <typename Tr>
 __device__ __forceinline__ void run_dq_writer(const Sm90BackwardArgs& args, const Sm90BackwardSmem<Tr>& smem,
                                               int steps, int consumer) {

@@ -3,9 +3,9 @@
 // every product on Hopper's warpgroup MMA and the loads on the tensor memory
 // accelerator, in roles. A block owns 128 keys and is three warpgroups:
 //   producer (warpgroup 0): it gives its registers to the consumers
-//     (setmaxnreg), one thread runs the mainloop's load (and, Ordered,
-//     warps 1 and 2 write the consumers' dQ, below)
-//     (backward_mainloop.cuh): K and V once, then per step (kBlockM
+//     (setmaxnreg), and one thread runs the mainloop's load
+//     (backward_mainloop.cuh; Ordered, warps 1 and 2 also write the
+//     consumers' dQ, below): K and V once, then per step (kBlockM
 //     queries of one query head: 64 at d=128, 128 at d=64) Q, dO, lse and
 //     delta into a two-stage ring guarded by mbarriers
 //     (backward_pipeline.cuh).
@@ -271,6 +271,12 @@ template <int HeadDim, typename T, bool Banded, MaskKind Mask, bool Capped, bool
 void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90BackwardTraits<HeadDim>;
   if constexpr (Mask != MaskKind::None) sort_mask_into_key_tiles(args.p.fwd, Tr::kBlockN, Tr::kBlockM, stream);
+  if constexpr (Ordered) {  // the turn counters start at 0 (none when there are no queries)
+    if (const int64_t counters = dq_turn_counters(args.p.fwd, Tr::kBlockM, Tr::kConsumers); counters > 0) {
+      if (args.p.dq_turns == nullptr) throw_planner_bug("the sm90 backward's deterministic mode needs p.dq_turns");
+      FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(args.p.dq_turns, 0, counters * sizeof(int), stream));
+    }
+  }
   launch_sm90_key_blocks<Tr, T, Banded>(sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped, Ordered>, args,
                                         stream);
 }
@@ -292,36 +298,34 @@ void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
     const BackwardParams& p = args.p;
     run_backward_passes<Element>(p, stream, [&] {
       if (p.fwd.shape.batch * p.fwd.shape.heads_kv * p.fwd.shape.seqlen_k == 0) return;
-      auto with_band = [&](auto mask, auto capped) {
+      auto with_band = [&](auto mask, auto capped, auto ordered) {
         constexpr MaskKind kMask = decltype(mask)::value;
-        constexpr bool kCapped = decltype(capped)::value;
+        constexpr bool kCapped = decltype(capped)::value, kOrdered = decltype(ordered)::value;
         if (p.fwd.banded())
-          launch_sm90_backward_kernel<HeadDim, Element, true, kMask, kCapped>(args, stream);
+          launch_sm90_backward_kernel<HeadDim, Element, true, kMask, kCapped, kOrdered>(args, stream);
         else
-          launch_sm90_backward_kernel<HeadDim, Element, false, kMask, kCapped>(args, stream);
+          launch_sm90_backward_kernel<HeadDim, Element, false, kMask, kCapped, kOrdered>(args, stream);
       };
       using Unmasked = std::integral_constant<MaskKind, MaskKind::None>;
       if (p.deterministic) {
         if (p.fwd.softcap > 0.0f || p.fwd.mask.kind != MaskKind::None)
           throw_planner_bug("the sm90 backward's deterministic mode takes no attn_mask and no soft-capping");
-        if (p.fwd.banded())
-          launch_sm90_backward_kernel<HeadDim, Element, true, MaskKind::None, false, true>(args, stream);
-        else
-          launch_sm90_backward_kernel<HeadDim, Element, false, MaskKind::None, false, true>(args, stream);
+        with_band(Unmasked{}, std::false_type{}, std::true_type{});
       } else if (p.fwd.softcap > 0.0f) {
         if constexpr (instantiated(Sm90BackwardCappedHeadDims{}, HeadDim)) {
           if (p.fwd.mask.kind != MaskKind::None)
             throw_planner_bug("the sm90 backward soft-caps calls without attn_mask only");
-          with_band(Unmasked{}, std::true_type{});
+          with_band(Unmasked{}, std::true_type{}, std::false_type{});
         } else {
           throw_planner_bug("the sm90 backward has no soft-capped variant at head dim " + std::to_string(HeadDim));
         }
       } else if constexpr (instantiated(Sm90BackwardMaskedHeadDims{}, HeadDim)) {
-        dispatch_each_mask_kind(p.fwd.mask.kind, [&](auto mask) { with_band(mask, std::false_type{}); });
+        dispatch_each_mask_kind(p.fwd.mask.kind,
+                                [&](auto mask) { with_band(mask, std::false_type{}, std::false_type{}); });
       } else {
         if (p.fwd.mask.kind != MaskKind::None)
           throw_planner_bug("the sm90 backward has no attn_mask variant at head dim " + std::to_string(HeadDim));
-        with_band(Unmasked{}, std::false_type{});
+        with_band(Unmasked{}, std::false_type{}, std::false_type{});
       }
     });
   }

@@ -18,7 +18,7 @@ namespace fusedattn::cuda {
 void backward_sm90(const BackwardParams& p, const Plan& plan, cudaStream_t stream);
 
 // How many ints p.dq_turns must hold for a call `plan` gave family sm90 (0
-// unless deterministic); the launch zeroes them.
+// unless plan.ordered_dq()); the ordered kernels' launch zeroes them.
 int64_t sm90_backward_dq_turns(const ForwardParams& p, const Plan& plan);
 
 struct Sm90BackwardArgs;  // backward_traits.h

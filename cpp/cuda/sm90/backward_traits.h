@@ -50,7 +50,8 @@ struct Sm90BackwardTraits {
   static constexpr int kMaskStageOffset = kDqOffset + kConsumers * kDqTileBytes;
   static constexpr int kFloatsOffset = kMaskStageOffset + 4 * kConsumers * kMaskStageBytes;
   static constexpr int kSmemBytes =
-      kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + kStages * 3 * 4 + kConsumers * 2 * 4 * 4 + 1024;
+      kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + kStages * 3 * 4 + kConsumers * 2 * 4 * 4 +
+      1024;
   // The forward's split (FA3's): 128 x 24 + 256 x 240 = 384 x 168.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;

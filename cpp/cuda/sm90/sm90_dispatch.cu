@@ -77,7 +77,7 @@ void forward_sm90(const ForwardParams& p, const Plan& plan, cudaStream_t stream)
 }
 
 int64_t sm90_backward_dq_turns(const ForwardParams& p, const Plan& plan) {
-  return plan.deterministic ? dq_turn_counters(p, plan.block_m, kSm90BackwardConsumers) : 0;
+  return plan.ordered_dq() ? dq_turn_counters(p, plan.block_m, kSm90BackwardConsumers) : 0;
 }
 
 void backward_sm90(const BackwardParams& p, const Plan& plan, cudaStream_t stream) {

@@ -54,6 +54,10 @@ struct Plan {
   bool varlen = false;            // packed sequences (VarlenParams, params.h)
   int64_t work_items = 0;         // varlen: the work list's (sequence, tile) items (cuda/plan.h's order)
 
+  // The backward's dQ added at turns (sm90's deterministic kernels): a turn
+  // counter per query tile, and a packed call's key tiles listed last first.
+  bool ordered_dq() const { return backward && deterministic && family == Family::Sm90; }
+
   // "family=sm90 block_m=128 ...": the fields a family uses, for fusedattn.plan().
   std::string describe() const {
     std::string s = std::string("family=") + family_name(family) + " block_m=" + std::to_string(block_m) +
@@ -70,8 +74,7 @@ struct Plan {
     if (varlen) s += " varlen=true";
     // Packed calls of the CPU and the gemm family run a sequence at a time, the kernels' from a work list.
     if (varlen && family != Family::Cpu && family != Family::Gemm)
-      s += std::string(" schedule=") +
-           (backward && deterministic && family == Family::Sm90 ? "last-first" : "longest-first") +
+      s += std::string(" schedule=") + (ordered_dq() ? "last-first" : "longest-first") +
            " work_items=" + std::to_string(work_items);
     return s;
   }
