@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     if constexpr (Ordered) {  // warp 1 + c writes consumer c's dQ
-      warpgroup_release_registers<Tr::kProducerRegisters>();
+      warpgroup_release_registers<Tr::kOrderedProducerRegisters>();
       const int warp = threadIdx.x / 32;
       if (warp == 0)
         run_backward_loads<Tr, Walk, kListed>(args, smem, walk, ring);
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   }
 
   // ---------------- consumers ----------------
-  warpgroup_claim_registers<Tr::kConsumerRegisters>();
+  warpgroup_claim_registers<Ordered ? Tr::kOrderedConsumerRegisters : Tr::kConsumerRegisters>();
   const int consumer = warpgroup - 1;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;

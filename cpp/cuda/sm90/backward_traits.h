@@ -55,6 +55,11 @@ struct Sm90BackwardTraits {
   // The forward's split (FA3's): 128 x 24 + 256 x 240 = 384 x 168.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
+  // Deterministic mode's dQ writer warps run in the producer's warpgroup: at 24
+  // registers ptxas spilled them (56-76 bytes). 32 hold them at d=128, 40 at d=64.
+  static constexpr int kOrderedProducerRegisters = HeadDim == 128 ? 32 : 40;
+  static constexpr int kOrderedConsumerRegisters = HeadDim == 128 ? 240 : 232;
+  static_assert(128 * kOrderedProducerRegisters + 256 * kOrderedConsumerRegisters <= 65536);
   static constexpr int kDsWrittenBarrier = 1;  // named barrier of the consumers
   static constexpr int kDqWrittenBarrier = 2;  // + consumer index: each consumer warpgroup's own
   // Deterministic mode: a consumer and its dQ writer warp (backward_epilogue.cuh),
