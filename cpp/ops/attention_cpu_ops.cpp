@@ -11,6 +11,7 @@
 #include "kvcache.h"
 #include "paged_cache.h"
 #include "varlen.h"
+#include "unfilled.h"
 
 namespace fusedattn::ops {
 namespace {
@@ -124,8 +125,8 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cpu(const at::Tensor& q, const
     });
   PreparedInputs in = prepare_forward(op, as_one_batch(q), as_one_batch(k), as_one_batch(v), std::nullopt, is_causal,
                                       scale, cpu_support(), window, softcap, sinks);
-  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  at::Tensor out = empty_unfilled({q.size(0), q.size(1), v.size(2)}, q.options());
+  at::Tensor lse = empty_unfilled({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   set_forward_outputs(in.params, as_one_batch(out), lse.unsqueeze(0));
   in.params.varlen = host_varlen(lengths);
   cpu::forward(in.params);

@@ -1,4 +1,5 @@
 #include "checks.h"
+#include "unfilled.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -162,7 +163,7 @@ void check_softcap_and_sinks(const char* op, const at::Tensor& q, std::optional<
 }
 
 at::Tensor sinks_gradient(const std::optional<at::Tensor>& given, const at::Tensor& lse, const at::Tensor& delta) {
-  if (!given) return at::empty({0}, lse.options());
+  if (!given) return empty_unfilled({0}, lse.options());
   const at::Tensor& sinks = *given;
   TORCH_INTERNAL_ASSERT(lse.sizes() == delta.sizes() && lse.dim() >= 2 && lse.size(1) == sinks.size(0));
   std::vector<int64_t> shape(lse.dim(), 1);
@@ -176,7 +177,7 @@ at::Tensor sinks_gradient(const std::optional<at::Tensor>& given, const at::Tens
 
 at::Tensor sinks_gradient_from_output(const std::optional<at::Tensor>& sinks, const at::Tensor& lse,
                                       const at::Tensor& grad_out, const at::Tensor& out) {
-  return sinks ? sinks_gradient(sinks, lse, output_delta(grad_out, out)) : at::empty({0}, lse.options());
+  return sinks ? sinks_gradient(sinks, lse, output_delta(grad_out, out)) : empty_unfilled({0}, lse.options());
 }
 
 at::Tensor output_delta(const at::Tensor& grad_out, const at::Tensor& out) {
@@ -276,8 +277,8 @@ PreparedInputs prepare_forward(const char* op, const at::Tensor& q, const at::Te
 
 std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(PreparedInputs& in) {
   const AttentionShape& sh = in.params.shape;
-  at::Tensor out = at::empty({sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim_v}, in.q.options());
-  at::Tensor lse = at::empty({sh.batch, sh.heads_q, sh.seqlen_q}, in.q.options().dtype(at::kFloat));
+  at::Tensor out = empty_unfilled({sh.batch, sh.heads_q, sh.seqlen_q, sh.head_dim_v}, in.q.options());
+  at::Tensor lse = empty_unfilled({sh.batch, sh.heads_q, sh.seqlen_q}, in.q.options().dtype(at::kFloat));
   set_forward_outputs(in.params, out, lse);
   return {out, lse};
 }
@@ -334,9 +335,9 @@ PreparedBackward prepare_backward(const char* op, const at::Tensor& grad_out, co
   b.grad_out = as_kernel_operand(grad_out, support);
   b.out = as_kernel_operand(out, support);
   b.lse = lse.contiguous();
-  b.grad_q = at::empty(q.sizes(), q.options());
-  b.grad_k = at::empty(k.sizes(), k.options());
-  b.grad_v = at::empty(v.sizes(), v.options());
+  b.grad_q = empty_unfilled(q.sizes(), q.options());
+  b.grad_k = empty_unfilled(k.sizes(), k.options());
+  b.grad_v = empty_unfilled(v.sizes(), v.options());
   point_backward_params(b);
   return b;
 }
@@ -354,7 +355,7 @@ void pad_head_dims(PreparedBackward& b, int64_t head_dim) {
   pad_head_dims(b.fwd, head_dim);
   b.grad_out = padded_to(b.grad_out, head_dim);
   b.out = padded_to(b.out, head_dim);
-  use_gradients(b, [](const at::Tensor& like) { return at::empty(like.sizes(), like.options()); });
+  use_gradients(b, [](const at::Tensor& like) { return empty_unfilled(like.sizes(), like.options()); });
 }
 
 void use_gradients(PreparedBackward& b, const std::function<at::Tensor(const at::Tensor&)>& allocate) {

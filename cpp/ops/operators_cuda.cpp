@@ -10,6 +10,7 @@
 #include "../cuda/sm80/forward_sm80.h"
 #include "../cuda/sm90/backward_sm90.h"
 #include "../cuda/sm90/forward_sm90.h"
+#include "unfilled.h"
 
 namespace fusedattn::ops {
 namespace {
@@ -19,7 +20,7 @@ namespace {
 at::Tensor mask_tiles_storage(MaskTiles& t, const MaskTiles& layout, const at::Tensor& like) {
   t = layout;
   const int64_t class_words = (cuda::mask_tiles_class_bytes(t) + 3) / 4;
-  at::Tensor storage = at::empty({t.rows * (t.capacity + 1) + class_words}, like.options().dtype(at::kInt));
+  at::Tensor storage = empty_unfilled({t.rows * (t.capacity + 1) + class_words}, like.options().dtype(at::kInt));
   t.lists = storage.data_ptr<int32_t>();
   t.counts = t.lists + t.rows * t.capacity;
   t.classes = reinterpret_cast<uint8_t*>(const_cast<int32_t*>(t.counts + t.rows));
@@ -59,7 +60,7 @@ void run_forward(ForwardParams& p, const Plan& plan, const at::Tensor& q, cudaSt
   if (plan.mask_tiles)
     mask_tiles = mask_tiles_storage(p.mask.tiles, cuda::mask_tiles_layout(p, plan.block_m, plan.block_n), q);
   if (plan.family == Family::Sm90) {
-    const at::Tensor work_counter = at::empty({1}, q.options().dtype(at::kInt));  // the launch zeroes it
+    const at::Tensor work_counter = empty_unfilled({1}, q.options().dtype(at::kInt));  // the launch zeroes it
     p.work_counter = reinterpret_cast<unsigned*>(work_counter.data_ptr<int>());
     cuda::forward_sm90(p, plan, stream);
   } else if (plan.family == Family::Sm80) {
@@ -74,19 +75,19 @@ BackwardWorkspaces::BackwardWorkspaces(BackwardParams& p, const Plan& plan, cons
   if (plan.mask_tiles)
     mask_tiles =
         mask_tiles_storage(p.fwd.mask.tiles, cuda::mask_tiles_layout_by_keys(p.fwd, plan.block_n, plan.block_m), q);
-  delta = at::empty(lse.sizes(), lse.options().dtype(at::kFloat));
+  delta = empty_unfilled(lse.sizes(), lse.options().dtype(at::kFloat));
   p.delta = delta.data_ptr<float>();
   if (!p.deterministic || plan.ordered_dq()) {
-    grad_q_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+    grad_q_accum = empty_unfilled(q.sizes(), q.options().dtype(at::kFloat));
     p.grad_q_accum = grad_q_accum.data_ptr<float>();
   }
   if (plan.ordered_dq()) {
-    dq_turns = at::empty({cuda::sm90_backward_dq_turns(p.fwd, plan)}, q.options().dtype(at::kInt));
+    dq_turns = empty_unfilled({cuda::sm90_backward_dq_turns(p.fwd, plan)}, q.options().dtype(at::kInt));
     p.dq_turns = dq_turns.data_ptr<int>();
   }
   p.head_splits = plan.head_splits;
   if (plan.head_splits > 1) {
-    grad_kv_accum = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, q.options().dtype(at::kFloat));
+    grad_kv_accum = empty_unfilled({2, k.size(0), k.size(1), k.size(2), k.size(3)}, q.options().dtype(at::kFloat));
     p.grad_kv_accum = grad_kv_accum.data_ptr<float>();
   }
 }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "unfilled.h"
 
 namespace fusedattn::ops {
 
@@ -80,7 +81,7 @@ at::Tensor as_packed(const at::Tensor& batch, int64_t head_dim) {
 void use_packed_gradients(PreparedBackward& b) {
   // A [1, H, total, d] view of packed [total, H, d] memory.
   use_gradients(b, [](const at::Tensor& view) {
-    return as_one_batch(at::empty({view.size(2), view.size(1), view.size(3)}, view.options()));
+    return as_one_batch(empty_unfilled({view.size(2), view.size(1), view.size(3)}, view.options()));
   });
 }
 

@@ -22,6 +22,7 @@
 #include "operators_cuda.h"
 #include "paged_cache.h"
 #include "varlen.h"
+#include "unfilled.h"
 
 namespace fusedattn::ops {
 namespace {
@@ -114,8 +115,8 @@ std::tuple<at::Tensor, at::Tensor> forward_varlen_cuda(const at::Tensor& q, cons
       gemm_forward(s, *with_torch_errors([&] { return cuda::plan_gemm(s.params, request, false); }), out_b, lse_b);
     });
   pad_to_kernel_head_dim(in, in.params.shape, /*backward=*/false);
-  at::Tensor out = at::empty({q.size(0), q.size(1), in.params.shape.head_dim_v}, q.options());
-  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  at::Tensor out = empty_unfilled({q.size(0), q.size(1), in.params.shape.head_dim_v}, q.options());
+  at::Tensor lse = empty_unfilled({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   set_forward_outputs(in.params, as_one_batch(out), lse.unsqueeze(0));
   VarlenOperands operands(in.params.varlen, cu_seqlens_q, cu_seqlens_k);
   Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, request); });

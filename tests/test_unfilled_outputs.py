@@ -1,0 +1,89 @@
+"""Under torch.use_deterministic_algorithms, at::empty fills new memory with NaN
+(torch.utils.deterministic.fill_uninitialized_memory), one more pass over every
+byte. fusedattn's kernels write their outputs and workspaces in full before
+anything reads them, so it allocates those without the fill
+(cpp/ops/unfilled.h): a deterministic forward and backward runs no aten::fill_,
+and its gradients stay within the rule of the float64 reference, over freed
+blocks filled with NaN on CUDA (a region a kernel left unwritten would show).
+On the CPU and on each CUDA family (the `backend` fixture, plans asserted)."""
+
+import contextlib
+
+import pytest
+import torch
+from torch.profiler import profile
+
+import fusedattn
+from helpers.attention_cases import Case, check_backward, make_inputs
+from helpers.varlen_cases import check_varlen_backward, packed
+
+
+@contextlib.contextmanager
+def deterministic():
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def fills_in(call):
+    """The shapes of the NaN fills (an aten::fill_ inside an empty tensor's allocation) that
+    fusedattn's operators make during `call`."""
+    def callers(event):
+        while event.cpu_parent is not None:
+            event = event.cpu_parent
+            yield event.name
+
+    with profile(record_shapes=True) as prof:
+        call()
+    return [e.input_shapes for e in prof.events() if e.name == "aten::fill_"
+            and next(callers(e), "").startswith("aten::empty") and any(n.startswith("fusedattn::") for n in callers(e))]
+
+
+def poison(device, *shapes):
+    """On CUDA, freed blocks of these float32 shapes full of NaN, for the outputs to land in."""
+    if device == "cuda":
+        from helpers.cuda import poison_allocator
+
+        poison_allocator(*[(s, torch.float32) for s in shapes])
+
+
+@pytest.mark.parametrize("mask", ["none", "bool"])
+def test_deterministic_backward_allocates_without_the_fill(backend, mask):
+    """Dense calls, causal with GQA, and with an attn_mask (on CUDA the mode's other
+    path, sm80's dQ pass)."""
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=200, seqlen_k=150, head_dim=64, dtype=backend.primary_dtype,
+                mask=mask, is_causal=mask == "none")
+    backend.require(case, backward=True)
+    q, k, v, attn_mask = make_inputs(case, backend.device, requires_grad=True)
+    grad_out = torch.randn_like(q)
+    with deterministic():
+        plan = fusedattn.plan(q, k, v, attn_mask, case.is_causal, backward=True)
+        assert (plan["family"], plan["deterministic"]) == (backend.name, backend.device == "cuda"), plan
+
+        def step():
+            poison(backend.device, q.shape, q.shape[:3])
+            grads.append(torch.autograd.grad(fusedattn.attention(q, k, v, attn_mask, case.is_causal), (q, k, v),
+                                             grad_out))
+
+        grads = []
+        assert fills_in(step) == []
+    check_backward(case, device=backend.device, grads=grads[0], grad_out=grad_out)
+
+
+def test_deterministic_varlen_backward_allocates_without_the_fill(backend):
+    """Packed sequences, an empty one among them (the packed gradients' own allocation)."""
+    lengths = [70, 0, 130, 33]
+    q, k, v, cu_q, cu_k = packed(lengths, lengths, d=64, dtype=backend.primary_dtype, requires_grad=True,
+                                 device=backend.device)
+    backend.require(Case(head_dim=64, dtype=backend.primary_dtype), backward=True)
+    with deterministic():
+        plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, is_causal=True, backward=True)
+        assert plan["family"] == backend.name, plan
+        out = fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=True)
+        grad_out = torch.ones_like(out)
+        assert fills_in(lambda: torch.autograd.grad(out, (q, k, v), grad_out)) == []
+        assert fills_in(lambda: fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=True)) == []
+        check_varlen_backward(lengths, lengths, is_causal=True, dtype=backend.primary_dtype, d=64,
+                              device=backend.device)
