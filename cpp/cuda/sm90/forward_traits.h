@@ -29,8 +29,8 @@ struct Sm90ForwardTraits {
   // 128 x 24 + 256 x 240 = 384 x 168 and 128 x 24 + 384 x 160 <= 512 x 128.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = kConsumers == 3 ? 160 : 240;
-  static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536,
-                "setmaxnreg would wait forever for registers the SM does not have");
+  static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= (65536 / kThreads / 8 * 8) * kThreads,
+                "setmaxnreg would wait forever for registers the block did not get at launch");
   // Q, the K ring and the V ring, each slab 1024-byte aligned (the swizzle
   // pattern's period); then the mbarriers (Q full and empty, and full and
   // empty per stage of each ring) and the current item's index; plus room to
