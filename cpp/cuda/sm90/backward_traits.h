@@ -57,7 +57,8 @@ struct Sm90BackwardTraits {
   static constexpr int kConsumerRegisters = 240;
   // Deterministic mode's dQ writer warps run in the producer's warpgroup: at 24
   // registers ptxas spills them (56-76 bytes), at 40 not. At d=64 the consumers
-  // give 8 of theirs for that; at d=128 they keep 240 (232 ran the mode 15% slower).
+  // give 8 of theirs for that; at d=128 they keep 240: with 232 the mode ran
+  // 13-15% slower at 8K (docs/cuda-notes.md, deterministic mode d4).
   static constexpr int kOrderedProducerRegisters = HeadDim == 128 ? 24 : 40;
   static constexpr int kOrderedConsumerRegisters = HeadDim == 128 ? 240 : 232;
   // setmaxnreg moves registers within what the block got at launch (65536 / 384
