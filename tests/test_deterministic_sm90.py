@@ -6,14 +6,13 @@ deterministic mode, whose cuBLAS calls in the reference would need
 CUBLAS_WORKSPACE_CONFIG), the plan asserted. Marker `gpu`; skipped where the
 build or GPU lacks the sm90 kernels."""
 
-import contextlib
-
 import pytest
 import torch
 
 import fusedattn
 from helpers.attention_cases import Case, check_backward, make_inputs
 from helpers.cuda import HEAD_DIMS, poison_allocator
+from helpers.deterministic import deterministic
 from helpers.varlen_cases import check_varlen_backward, packed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("sm90")]
@@ -23,14 +22,6 @@ RUNS = 10
 BANDS = [(False, None), (True, None), (False, (200, 30)), (True, (300, 0))]
 BAND_IDS = ["full", "causal", "window", "causal-window"]
 
-
-@contextlib.contextmanager
-def deterministic():
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def assert_same_bits(runs):

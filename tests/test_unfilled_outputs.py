@@ -7,24 +7,15 @@ and its gradients stay within the rule of the float64 reference, over freed
 blocks filled with NaN on CUDA (a region a kernel left unwritten would show).
 On the CPU and on each CUDA family (the `backend` fixture, plans asserted)."""
 
-import contextlib
-
 import pytest
 import torch
 from torch.profiler import profile
 
 import fusedattn
 from helpers.attention_cases import Case, check_backward, make_inputs
+from helpers.deterministic import deterministic
 from helpers.varlen_cases import check_varlen_backward, packed
 
-
-@contextlib.contextmanager
-def deterministic():
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def fills_in(call):
