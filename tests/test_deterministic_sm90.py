@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import fusedattn
+from fusedattn.bench import _deterministic_algorithms as deterministic
 from helpers.attention_cases import Case, check_backward, make_inputs
 from helpers.cuda import HEAD_DIMS, poison_allocator
-from helpers.deterministic import deterministic
 from helpers.varlen_cases import check_varlen_backward, packed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("sm90")]

@@ -12,8 +12,8 @@ import torch
 from torch.profiler import profile
 
 import fusedattn
+from fusedattn.bench import _deterministic_algorithms as deterministic
 from helpers.attention_cases import Case, check_backward, make_inputs
-from helpers.deterministic import deterministic
 from helpers.varlen_cases import check_varlen_backward, packed
 
 
