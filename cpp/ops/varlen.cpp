@@ -16,7 +16,8 @@ at::Tensor check_cu_seqlens(const char* op, const at::Tensor& cu, const char* na
               " must be int32 [B + 1], got ", cu.scalar_type(), " of shape ", cu.sizes());
   TORCH_CHECK(cu.device() == packed.device(), op, ": ", name, " must be on ", packed_name, "'s device (",
               packed.device(), "), got ", cu.device());
-  at::Tensor host = cu.to(at::kCPU).contiguous();
+  const at::Tensor host =
+      cu.is_cpu() && cu.is_contiguous() ? cu : empty_unfilled(cu.sizes(), cu.options().device(at::kCPU)).copy_(cu);
   const int32_t* c = host.data_ptr<int32_t>();
   const int64_t batch = host.size(0) - 1, total = packed.size(0);
   TORCH_CHECK(c[0] == 0, op, ": ", name, " must start at 0, got ", c[0]);

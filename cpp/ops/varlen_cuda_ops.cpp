@@ -60,9 +60,9 @@ struct VarlenOperands {
  private:
   static at::Tensor to_device(const std::vector<int32_t>& items, const at::Tensor& like) {
     const int64_t n = static_cast<int64_t>(items.size());
-    at::Tensor host = at::empty({n}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    at::Tensor host = empty_unfilled({n}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
     if (n > 0) std::memcpy(host.data_ptr<int32_t>(), items.data(), n * sizeof(int32_t));
-    return host.to(like.device(), /*non_blocking=*/true);
+    return empty_unfilled({n}, like.options().dtype(at::kInt)).copy_(host, /*non_blocking=*/true);
   }
 };
 
