@@ -6,7 +6,8 @@ namespace fusedattn::cuda {
 
 // The whole warpgroup executes the same call. The kernel's launch bounds must
 // fix its register count at entry (ptxas ignores setmaxnreg otherwise), and the
-// warpgroups' totals must fit that pool or the increase waits forever.
+// warpgroups' totals must fit that pool or the increase waits forever
+// (register_split_fits, hopper/register_split.h).
 template <int Registers>
 __device__ __forceinline__ void warpgroup_release_registers() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Registers));

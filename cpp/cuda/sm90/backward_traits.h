@@ -5,6 +5,7 @@
 #include <cuda.h>
 
 #include "../common/block_order.h"
+#include "../hopper/register_split.h"
 #include "../tile_size.h"
 #include "fusedattn/params.h"
 
@@ -61,11 +62,8 @@ struct Sm90BackwardTraits {
   // 13-15% slower at 8K (docs/cuda-notes.md, deterministic mode d4).
   static constexpr int kOrderedProducerRegisters = HeadDim == 128 ? 24 : 40;
   static constexpr int kOrderedConsumerRegisters = HeadDim == 128 ? 240 : 232;
-  // setmaxnreg moves registers within what the block got at launch (65536 / 384
-  // threads, rounded down to 8: 168 each), not the SM's 65536: asking for more hangs.
-  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= kThreads * kLaunchRegisters);
-  static_assert(128 * kOrderedProducerRegisters + 256 * kOrderedConsumerRegisters <= kThreads * kLaunchRegisters);
+  static_assert(register_split_fits(kThreads, kProducerRegisters, kConsumerRegisters));
+  static_assert(register_split_fits(kThreads, kOrderedProducerRegisters, kOrderedConsumerRegisters));
   static constexpr int kDsWrittenBarrier = 1;  // named barrier of the consumers
   static constexpr int kDqWrittenBarrier = 2;  // + consumer index: each consumer warpgroup's own
   // Deterministic mode: a consumer and its dQ writer warp (backward_epilogue.cuh),

@@ -4,6 +4,7 @@
 
 #include <type_traits>
 
+#include "../hopper/register_split.h"
 #include "../tile_size.h"
 #include "backward_traits.h"
 
@@ -50,6 +51,7 @@ struct Sm90WideBackwardTraits {
   static_assert(kSmemBytes <= 227 * 1024, "an H100's shared memory per block");
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
+  static_assert(register_split_fits(kThreads, kProducerRegisters, kConsumerRegisters));
   static constexpr int kDsWrittenBarrier = 1;  // named barrier of the consumers
   static constexpr int kDqWrittenBarrier = 2;  // + consumer index
 };

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "../common/block_order.h"
+#include "../hopper/register_split.h"
 #include "../tile_size.h"
 #include "fusedattn/params.h"
 
@@ -24,13 +25,11 @@ struct Sm90ForwardTraits {
   static constexpr int kSlabs = HeadDim / 64;               // 64-column swizzled slabs per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
   static constexpr int kTileBytes = kBlockN * HeadDim * 2;  // one K or V tile
-  // Producer and consumers split the SM's 65536 registers; ptxas gives every
-  // thread 65536 / kThreads at entry (168 or 128), setmaxnreg moves them:
-  // 128 x 24 + 256 x 240 = 384 x 168 and 128 x 24 + 384 x 160 <= 512 x 128.
+  // Producer and consumers split what the block got at launch (168 or 128 a
+  // thread): 128 x 24 + 256 x 240 = 384 x 168 and 128 x 24 + 384 x 160 <= 512 x 128.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = kConsumers == 3 ? 160 : 240;
-  static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= (65536 / kThreads / 8 * 8) * kThreads,
-                "setmaxnreg would wait forever for registers the block did not get at launch");
+  static_assert(register_split_fits(kThreads, kProducerRegisters, kConsumerRegisters));
   // Q, the K ring and the V ring, each slab 1024-byte aligned (the swizzle
   // pattern's period); then the mbarriers (Q full and empty, and full and
   // empty per stage of each ring) and the current item's index; plus room to
