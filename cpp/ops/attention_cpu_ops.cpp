@@ -10,8 +10,8 @@
 #include "gemm_attention.h"
 #include "kvcache.h"
 #include "paged_cache.h"
-#include "varlen.h"
 #include "unfilled.h"
+#include "varlen.h"
 
 namespace fusedattn::ops {
 namespace {

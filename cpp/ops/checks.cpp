@@ -1,5 +1,4 @@
 #include "checks.h"
-#include "unfilled.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -9,6 +8,8 @@
 #include <functional>
 #include <limits>
 #include <sstream>
+
+#include "unfilled.h"
 
 namespace fusedattn::ops {
 namespace {

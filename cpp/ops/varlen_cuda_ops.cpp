@@ -21,8 +21,8 @@
 #include "kvcache.h"
 #include "operators_cuda.h"
 #include "paged_cache.h"
-#include "varlen.h"
 #include "unfilled.h"
+#include "varlen.h"
 
 namespace fusedattn::ops {
 namespace {
