@@ -9,7 +9,7 @@ to the first version's.
 import argparse
 import statistics
 
-SHAPE_KEYS = ("d", "N", "B", "H", "causal", "mask")
+SHAPE_KEYS = ("d", "N", "B", "H", "causal", "mask", "mode")
 
 
 def table(lines) -> str:

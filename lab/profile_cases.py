@@ -11,7 +11,8 @@ cuDNN backend (q of 1 token against the whole cache: what its kernels do at
 the decode table's row). The planner chooses unless told: --family sm80|sm90
 forces the forward's and backward's kernel family, --num-splits,
 --merge-in-cluster yes|no and --warps 4|8 the decode kernel's (the operators'
-family, num_splits, merge_in_cluster and warps arguments). Run under ncu,
+family, num_splits, merge_in_cluster and warps arguments); --deterministic
+runs the calls under torch.use_deterministic_algorithms(True). Run under ncu,
 e.g. lab/gpu_check.sh's profile and profile_decode stages."""
 
 import argparse
@@ -40,7 +41,9 @@ parser.add_argument("--num-splits", type=int, dest="num_splits", help="--decode:
 parser.add_argument("--merge-in-cluster", choices=["yes", "no"], dest="merge_in_cluster",
                     help="--decode: merge the splits in thread block clusters (yes: required) or never")
 parser.add_argument("--warps", type=int, choices=[4, 8], help="--decode: warps per decode block")
+parser.add_argument("--deterministic", action="store_true", help="under torch.use_deterministic_algorithms(True)")
 args = parser.parse_args()
+torch.use_deterministic_algorithms(args.deterministic)  # the process's whole life: one call pair
 merge_in_cluster = None if args.merge_in_cluster is None else args.merge_in_cluster == "yes"
 sdpa_cudnn = _sdpa_backend("cudnn")  # f(q, k, v, causal)
 

@@ -26,6 +26,17 @@ def test_medians_over_rounds_and_ratios_to_the_first_version():
     assert rows[1] == "| d=64 N=2048 B=4 H=32 causal=1 mask=keypad | - | 50 | - |"
 
 
+def test_each_mode_is_a_row_of_its_own():
+    lines = [
+        "01-base d=64 N=2048 B=4 H=32 causal=0 mask=none mode=default kernel_us=100.0 total_us=1 TFLOP/s=1",
+        "01-base d=64 N=2048 B=4 H=32 causal=0 mask=none mode=deterministic kernel_us=125.0 total_us=1 TFLOP/s=1",
+        "02-new d=64 N=2048 B=4 H=32 causal=0 mask=none mode=deterministic kernel_us=100.0 total_us=1 TFLOP/s=1",
+    ]
+    rows = [line for line in table(lines).splitlines() if line.startswith("| d=")]
+    assert rows == ["| d=64 N=2048 B=4 H=32 causal=0 mask=none mode=default | 100 | - | - |",
+                    "| d=64 N=2048 B=4 H=32 causal=0 mask=none mode=deterministic | 125 | 100 | 0.800 |"]
+
+
 def test_no_timings_is_an_error():
     with pytest.raises(SystemExit, match="no kernel_us lines"):
         table(["nothing here"])
