@@ -5,7 +5,8 @@ anything reads them, so it allocates those without the fill
 (cpp/ops/unfilled.h): a deterministic forward and backward runs no aten::fill_,
 and its gradients stay within the rule of the float64 reference, over freed
 blocks filled with NaN on CUDA (a region a kernel left unwritten would show).
-On the CPU and on each CUDA family (the `backend` fixture, plans asserted)."""
+On the CPU and on each CUDA family (the `backend` fixture, plans asserted), and
+for a decoding step against a KV cache."""
 
 import contextlib
 
@@ -15,7 +16,8 @@ from torch.profiler import profile
 
 import fusedattn
 from fusedattn.bench import _deterministic_algorithms as deterministic
-from helpers.attention_cases import Case, check_backward, make_inputs
+from fusedattn import reference
+from helpers.attention_cases import Case, assert_within_rule, check_backward, make_inputs
 from helpers.varlen_cases import check_varlen_backward, packed
 
 
@@ -83,3 +85,28 @@ def test_deterministic_varlen_backward_allocates_without_the_fill(backend):
         assert fills_in(lambda: fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=True)) == []
         check_varlen_backward(lengths, lengths, is_causal=True, dtype=backend.primary_dtype, d=64,
                               device=backend.device)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_deterministic_decode_allocates_without_the_fill(device, num_splits):
+    """A decoding step against a KV cache (on CUDA also split four ways: the splits' partial
+    outputs), its outputs against the float64 reference over the cache's valid keys."""
+    if device == "cuda" and not fusedattn.ops.has_kernel("forward_kvcache", "cuda"):
+        pytest.skip("this build has no CUDA decode kernel")
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    g = torch.Generator().manual_seed(0)
+    q, k_cache, v_cache = (torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+                           for shape in ((2, 4, 1, 64), (2, 2, 300, 64), (2, 2, 300, 64)))
+    lengths = torch.tensor([37, 300], dtype=torch.int32, device=device)
+    with deterministic():
+        plan = fusedattn.plan_kvcache(q, k_cache, v_cache, lengths, num_splits=num_splits)
+        assert plan["family"] == ("cpu" if device == "cpu" else "decode"), plan
+        assert device == "cpu" or plan["num_splits"] == num_splits, plan
+        outs = []
+        assert fills_in(lambda: outs.append(fusedattn.attention_with_kvcache(q, k_cache, v_cache, lengths,
+                                                                             num_splits=num_splits))) == []
+    for b, n in enumerate(lengths.tolist()):
+        args = (q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n])
+        oracle = reference.attention(*(t.double() for t in args), None, False)
+        low = reference.attention(*args, None, False)
+        assert_within_rule(f"out of sequence {b}", outs[0][b:b + 1], oracle, low, dtype, factor=2)

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "paged_cache.h"
+#include "unfilled.h"
 #include "varlen.h"
 
 namespace fusedattn::ops {
@@ -104,8 +105,8 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_by_sequence(
   const at::Tensor lengths = checked_cache_lengths(cache_seqlens, n_new, store);
   const int32_t* len = lengths.data_ptr<int32_t>();
 
-  at::Tensor out = at::empty({batch, q.size(1), q.size(2), v_cache.size(3)}, q.options());
-  at::Tensor lse = at::empty({batch, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  at::Tensor out = empty_unfilled({batch, q.size(1), q.size(2), v_cache.size(3)}, q.options());
+  at::Tensor lse = empty_unfilled({batch, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   std::vector<int64_t> keys(batch);
   for (int64_t b = 0; b < batch; ++b) {
     if (k_new) store.append(b, len[b], (*k_new)[b], (*v_new)[b]);  // every append before any read
@@ -173,8 +174,8 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
   const PackedCacheLengths lengths =
       check_packed_kvcache_inputs(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new, block_table);
   const CacheStore store(op, q, k_cache, v_cache, lengths.batch(), block_table);
-  at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
-  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  at::Tensor out = empty_unfilled({q.size(0), q.size(1), v_cache.size(3)}, q.options());
+  at::Tensor lse = empty_unfilled({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   if (k_new) store.append_packed(*k_new, *v_new, lengths);  // before any sequence's attention
   std::vector<int64_t> keys(lengths.batch());
   for (int64_t b = 0; b < lengths.batch(); ++b) keys[b] = lengths.len_q(b) == 0 ? 0 : lengths.keys(b);
@@ -182,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_by_sequence(
   store.visit_keys(keys, [&](int64_t b, const at::Tensor& k_b, const at::Tensor& v_b) {
     const int64_t start = lengths.start_q(b), n = lengths.len_q(b);
     if (n == 0) return;
-    const at::Tensor lse_b = at::empty({1, q.size(1), n}, lse.options());
+    const at::Tensor lse_b = empty_unfilled({1, q.size(1), n}, lse.options());
     forward(sequence_view(q, start, n), k_b, v_b, sequence_view(out, start, n), lse_b);
     lse.narrow(1, start, n).copy_(lse_b[0]);
   });

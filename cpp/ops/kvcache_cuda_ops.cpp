@@ -22,6 +22,7 @@
 #include "kvcache.h"
 #include "operators_cuda.h"
 #include "paged_cache.h"
+#include "unfilled.h"
 
 namespace fusedattn::ops {
 namespace {
@@ -233,9 +234,9 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
   p.merge_in_cluster = plan.merge_in_cluster;
   at::Tensor partial_out, partial_lse, split_arrivals;
   if (p.num_splits > 1 && !p.merge_in_cluster) {
-    partial_out = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2), q.size(3)},
-                            q.options().dtype(at::kFloat));
-    partial_lse = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2)}, partial_out.options());
+    partial_out = empty_unfilled({p.num_splits, q.size(0), q.size(1), q.size(2), q.size(3)},
+                                 q.options().dtype(at::kFloat));
+    partial_lse = empty_unfilled({p.num_splits, q.size(0), q.size(1), q.size(2)}, partial_out.options());
     split_arrivals = arrival_counters(q, cuda::decode_items(p.attn.shape), stream);
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();

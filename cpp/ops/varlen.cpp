@@ -88,12 +88,12 @@ void use_packed_gradients(PreparedBackward& b) {
 
 std::tuple<at::Tensor, at::Tensor> forward_by_sequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const VarlenLengths& seq, const SequenceForward& forward) {
-  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  at::Tensor out = empty_unfilled({q.size(0), q.size(1), v.size(2)}, q.options());
+  at::Tensor lse = empty_unfilled({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   for (int64_t b = 0; b < seq.batch; ++b) {
     const int64_t sq = seq.start_q(b), nq = seq.len_q(b), sk = seq.start_k(b), nk = seq.len_k(b);
     if (nq == 0) continue;
-    const at::Tensor lse_b = at::empty({1, q.size(1), nq}, lse.options());  // contiguous, unlike lse's columns
+    const at::Tensor lse_b = empty_unfilled({1, q.size(1), nq}, lse.options());  // contiguous, unlike lse's columns
     forward(sequence_view(q, sq, nq), sequence_view(k, sk, nk), sequence_view(v, sk, nk), sequence_view(out, sq, nq),
             lse_b);
     lse.narrow(1, sq, nq).copy_(lse_b[0]);

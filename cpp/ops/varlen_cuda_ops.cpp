@@ -288,8 +288,8 @@ std::tuple<at::Tensor, at::Tensor> forward_packed_kvcache_cuda(
   Plan plan = with_torch_errors([&] { return cuda::plan_forward(in.params, request); });
   operands.upload(in.params.varlen,
                   with_torch_errors([&] { return cuda::schedule_varlen(in.params, sequences.host, plan); }), q);
-  at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
-  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  at::Tensor out = empty_unfilled({q.size(0), q.size(1), v_cache.size(3)}, q.options());
+  at::Tensor lse = empty_unfilled({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   set_forward_outputs(in.params, as_one_batch(out), lse.unsqueeze(0));
   if (k_new) {
     store.append_packed(*k_new, *v_new, lengths);
