@@ -89,19 +89,22 @@ def test_deterministic_varlen_backward_allocates_without_the_fill(backend):
 
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_deterministic_decode_allocates_without_the_fill(device, num_splits):
-    """A decoding step against a KV cache (on CUDA also split four ways: the splits' partial
-    outputs), its outputs against the float64 reference over the cache's valid keys."""
+    """A decoding step against a KV cache (on CUDA also split four ways, merged outside a
+    cluster: the splits' partial outputs), its outputs against the float64 reference over the
+    cache's valid keys."""
     if device == "cuda" and not fusedattn.ops.has_kernel("forward_kvcache", "cuda"):
         pytest.skip("this build has no CUDA decode kernel")
     dtype = torch.float32 if device == "cpu" else torch.float16
     g = torch.Generator().manual_seed(0)
     q, k_cache, v_cache = (torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
-                           for shape in ((2, 4, 1, 64), (2, 2, 300, 64), (2, 2, 300, 64)))
-    lengths = torch.tensor([37, 300], dtype=torch.int32, device=device)
-    with deterministic():
+                           for shape in ((2, 4, 1, 64), (2, 2, 1000, 64), (2, 2, 1000, 64)))
+    lengths = torch.tensor([37, 1000], dtype=torch.int32, device=device)
+    planner = fusedattn.backends.force(decode_merge_in_cluster=False) if device == "cuda" else contextlib.nullcontext()
+    with deterministic(), planner:
         plan = fusedattn.plan_kvcache(q, k_cache, v_cache, lengths, num_splits=num_splits)
         assert plan["family"] == ("cpu" if device == "cpu" else "decode"), plan
-        assert device == "cpu" or plan["num_splits"] == num_splits, plan
+        if device == "cuda":
+            assert (plan["num_splits"], plan["merge_in_cluster"]) == (num_splits, False), plan
         outs = []
         assert fills_in(lambda: outs.append(fusedattn.attention_with_kvcache(q, k_cache, v_cache, lengths,
                                                                              num_splits=num_splits))) == []
