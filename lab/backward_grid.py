@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 
 import torch
 
@@ -81,6 +82,9 @@ for B, H, N, d in SHAPES:
                         call()
                     torch.cuda.synchronize()
                     kernel_us, total_us = gpu_us(call, args.kernel)
+                if kernel_us == 0.0:  # e.g. the deterministic mode with a mask: sm80's kernels
+                    print(f"backward_grid: no kernel named *{args.kernel}* ran at d={d} N={N} mask={mask_name} "
+                          f"mode={mode}; pass --kernel", file=sys.stderr, flush=True)
                 flops = 2.5 * 4 * B * H * N * N * d * (0.5 if causal else 1.0)  # of the unmasked call
                 print(f"{args.tag} d={d} N={N} B={B} H={H} causal={int(causal)} mask={mask_name} mode={mode} "
                       f"kernel_us={kernel_us:.1f} total_us={total_us:.1f} TFLOP/s={flops / total_us / 1e6:.1f}",

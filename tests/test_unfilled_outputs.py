@@ -90,8 +90,8 @@ def test_deterministic_varlen_backward_allocates_without_the_fill(backend):
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_deterministic_decode_allocates_without_the_fill(device, num_splits):
     """A decoding step against a KV cache (on CUDA also split four ways, merged outside a
-    cluster: the splits' partial outputs), its outputs against the float64 reference over the
-    cache's valid keys."""
+    cluster: the splits' partial outputs and arrival counters; the first sequence's 37 keys leave
+    three splits empty), out and lse against the float64 reference over the cache's valid keys."""
     if device == "cuda" and not fusedattn.ops.has_kernel("forward_kvcache", "cuda"):
         pytest.skip("this build has no CUDA decode kernel")
     dtype = torch.float32 if device == "cpu" else torch.float16
@@ -99,17 +99,24 @@ def test_deterministic_decode_allocates_without_the_fill(device, num_splits):
     q, k_cache, v_cache = (torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
                            for shape in ((2, 4, 1, 64), (2, 2, 1000, 64), (2, 2, 1000, 64)))
     lengths = torch.tensor([37, 1000], dtype=torch.int32, device=device)
-    planner = fusedattn.backends.force(decode_merge_in_cluster=False) if device == "cuda" else contextlib.nullcontext()
-    with deterministic(), planner:
+    merge_in_cluster = False if device == "cuda" else None
+    with deterministic(), fusedattn.backends.force(decode_merge_in_cluster=merge_in_cluster):
         plan = fusedattn.plan_kvcache(q, k_cache, v_cache, lengths, num_splits=num_splits)
         assert plan["family"] == ("cpu" if device == "cpu" else "decode"), plan
         if device == "cuda":
             assert (plan["num_splits"], plan["merge_in_cluster"]) == (num_splits, False), plan
+
+        def step():
+            poison(device, (num_splits, *q.shape), (num_splits, *q.shape[:3]), q.shape, q.shape[:3])
+            outs.append(torch.ops.fusedattn.forward_kvcache(q, k_cache, v_cache, lengths, None, None, True, None,
+                                                            num_splits, merge_in_cluster, None))
+
         outs = []
-        assert fills_in(lambda: outs.append(fusedattn.attention_with_kvcache(q, k_cache, v_cache, lengths,
-                                                                             num_splits=num_splits))) == []
+        assert fills_in(step) == []
+    out, lse = outs[0]
     for b, n in enumerate(lengths.tolist()):
         args = (q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n])
-        oracle = reference.attention(*(t.double() for t in args), None, False)
-        low = reference.attention(*args, None, False)
-        assert_within_rule(f"out of sequence {b}", outs[0][b:b + 1], oracle, low, dtype, factor=2)
+        oracle, oracle_lse = reference.attention_with_lse(*(t.double() for t in args))
+        low, _ = reference.attention_with_lse(*args)
+        assert_within_rule(f"out of sequence {b}", out[b:b + 1], oracle, low, dtype, factor=2)
+        torch.testing.assert_close(lse[b:b + 1].double(), oracle_lse, atol=1e-4, rtol=1e-5)

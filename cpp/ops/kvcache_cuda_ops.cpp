@@ -55,7 +55,9 @@ at::Tensor arrival_counters(const at::Tensor& like, int64_t count, cudaStream_t 
   const auto options = like.options().dtype(at::kInt);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return at::zeros({count}, options);
+  // Zeroed without at::zeros's deterministic-mode fill before it.
+  auto zeros = [&](int64_t n) { return empty_unfilled({n}, options).zero_(); };
+  if (capture != cudaStreamCaptureStatusNone) return zeros(count);
   static std::mutex mutex;
   // Never destroyed: freeing device memory at process exit can outlive the CUDA context.
   static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
@@ -63,7 +65,7 @@ at::Tensor arrival_counters(const at::Tensor& like, int64_t count, cudaStream_t 
   at::Tensor& buffer = (*buffers)[{like.device().index(), stream}];
   // An outgrown buffer is freed in stream order: the calls before still use it.
   if (!buffer.defined() || buffer.numel() < count)
-    buffer = at::zeros({buffer.defined() ? std::max(count, 2 * buffer.numel()) : count}, options);
+    buffer = zeros(buffer.defined() ? std::max(count, 2 * buffer.numel()) : count);
   return buffer;
 }
 
