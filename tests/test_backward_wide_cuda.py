@@ -5,10 +5,13 @@ against the float64 reference with the plan asserted; and where the planner
 sends what it does not take (attn_mask, soft-capping, the deterministic
 mode, sm80): to the gemm family, or a forced family's error."""
 
+import contextlib
+
 import pytest
 import torch
 
 import fusedattn
+from fusedattn.bench import _deterministic_algorithms as deterministic
 from helpers.attention_cases import Case, assert_within_rule, check_backward, make_inputs, stored_output_error
 from helpers.cuda import check_cuda_backward, sm90_available
 from helpers.varlen_cases import check_varlen_backward, packed
@@ -75,16 +78,12 @@ def test_wide_backward_packed_sequences(is_causal, d):
 def test_what_the_wide_backward_does_not_take_runs_on_the_gemm_family(option):
     case = Case(seqlen_q=90, seqlen_k=70, head_dim=192, dtype=torch.float16, is_causal=option != "mask",
                 mask="additive" if option == "mask" else "none", softcap=2.0 if option == "softcap" else None)
-    if option == "deterministic":
-        torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic() if option == "deterministic" else contextlib.nullcontext():
         assert backward_plan(case)["family"] == "gemm"
         check_backward(case, "cuda")
         q, k, v, mask = make_inputs(case, "cuda")
         with fusedattn.backends.force("sm90"), pytest.raises(RuntimeError, match="was forced, but the sm90 backward"):
             fusedattn.plan(q, k, v, mask, case.is_causal, backward=True, softcap=case.softcap)
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def test_sm80_forced_at_a_wide_head_dim_is_an_error():
@@ -102,12 +101,9 @@ def test_supports_says_the_backward_is_fused_to_256_on_sm90():
     assert fusedattn.ops.supports(cuda, torch.bfloat16, 150, 256, fused=True)
     assert not fusedattn.ops.supports(cuda, torch.bfloat16, 192, softcap=True, fused=True)
     assert not fusedattn.ops.supports(cuda, torch.bfloat16, 264, fused=True)
-    torch.use_deterministic_algorithms(True)  # the wide kernel has no deterministic mode: the gemm family
-    try:
+    with deterministic():  # the wide kernel has no deterministic mode: the gemm family
         assert not fusedattn.ops.supports(cuda, torch.bfloat16, 192, fused=True)
         assert fusedattn.ops.supports(cuda, torch.bfloat16, 192, backward=False, fused=True)
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def test_broadcast_operands_at_a_wide_head_dim_run_on_the_gemm_family():

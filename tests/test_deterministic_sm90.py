@@ -23,7 +23,6 @@ BANDS = [(False, None), (True, None), (False, (200, 30)), (True, (300, 0))]
 BAND_IDS = ["full", "causal", "window", "causal-window"]
 
 
-
 def assert_same_bits(runs):
     """Every run's gradients bit for bit the first's (signed zeros and NaNs included)."""
     for other in runs[1:]:

@@ -15,11 +15,10 @@ import torch
 from torch.profiler import profile
 
 import fusedattn
-from fusedattn.bench import _deterministic_algorithms as deterministic
 from fusedattn import reference
+from fusedattn.bench import _deterministic_algorithms as deterministic
 from helpers.attention_cases import Case, assert_within_rule, check_backward, make_inputs
 from helpers.varlen_cases import check_varlen_backward, packed
-
 
 
 def fills_in(call):

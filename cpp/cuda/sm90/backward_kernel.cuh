@@ -307,9 +307,7 @@ void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
           launch_sm90_backward_kernel<HeadDim, Element, false, kMask, kCapped, kOrdered>(args, stream);
       };
       using Unmasked = std::integral_constant<MaskKind, MaskKind::None>;
-      if (p.deterministic) {
-        if (p.fwd.softcap > 0.0f || p.fwd.mask.kind != MaskKind::None)
-          throw_planner_bug("the sm90 backward's deterministic mode takes no attn_mask and no soft-capping");
+      if (p.deterministic) {  // unmasked and uncapped: backward_sm90 refuses the mode's other calls
         with_band(Unmasked{}, std::false_type{}, std::true_type{});
       } else if (p.fwd.softcap > 0.0f) {
         if constexpr (instantiated(Sm90BackwardCappedHeadDims{}, HeadDim)) {
