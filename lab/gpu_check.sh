@@ -73,7 +73,7 @@ stage_tests() {
 }
 
 # racecheck of the sm90 kernels ran past 180 s on the H200 (2026-11-30).
-# FUSEDATTN_SANITIZER_GROUPS="kvcache" (or "attention") runs one group of
+# FUSEDATTN_SANITIZER_GROUPS="kvcache" (or "attention", "deterministic") runs one group of
 # lab/sanitizer_cases.py.
 stage_sanitizer() {
   if ! command -v compute-sanitizer >/dev/null 2>&1; then

@@ -9,7 +9,9 @@ through global memory), and at d=128 with blocks of 4 warps forced as well
 as the planner's (8 on H100 and H200); the op's num_splits, merge_in_cluster
 and warps arguments choose.
 Run: compute-sanitizer --tool memcheck python3 lab/sanitizer_cases.py [GROUP ...]
-with GROUP "attention" (forward and backward) or "kvcache" (default: both)."""
+with GROUP "attention" (forward and backward), "kvcache", or "deterministic" (the
+backward's deterministic mode alone, which "attention" includes; default: the
+first two)."""
 
 import sys
 
@@ -21,10 +23,35 @@ from helpers.attention_cases import Case, make_inputs  # noqa: E402
 from helpers.kvcache_cases import make_cache  # noqa: E402
 from helpers.varlen_cases import packed  # noqa: E402
 
-GROUPS = ("attention", "kvcache")
-groups = sys.argv[1:] or list(GROUPS)
+GROUPS = ("attention", "kvcache", "deterministic")
+groups = sys.argv[1:] or ["attention", "kvcache"]
 if unknown := set(groups) - set(GROUPS):
     sys.exit(f"sanitizer_cases: unknown group(s) {sorted(unknown)}; expected some of {GROUPS}")
+
+
+def deterministic_cases():
+    """The sm90 backward's deterministic mode (dQ added at turns by writer
+    warps): several key blocks per query tile at its head dims, causal and
+    windowed, walks of fewer steps than key blocks, and packed sequences (an
+    empty one among them)."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        for head_dim in (64, 128):
+            # 64 queries: fewer steps than key blocks.
+            for causal, window, seqlen_q in ((False, None, 300), (False, None, 64), (True, None, 300),
+                                             (False, (100, 20), 300)):
+                case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=seqlen_q, seqlen_k=400, head_dim=head_dim,
+                            dtype=torch.bfloat16, mask="none", is_causal=causal, window=window)
+                q, k, v, _ = make_inputs(case, "cuda")
+                out, lse = torch.ops.fusedattn.forward(q, k, v, None, causal, None, None, window)
+                torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, causal, None, None,
+                                             window)
+        q, k, v, cu_q, cu_k = packed([300, 0, 70, 129], [260, 5, 70, 300], d=64, dtype=torch.float16, device="cuda",
+                                     requires_grad=True)
+        for causal in (False, True):
+            fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=causal).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def attention_cases():
@@ -66,25 +93,7 @@ def attention_cases():
                 out, lse = torch.ops.fusedattn.forward(q, k, v, None, False, None)
                 torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, False, None)
 
-    # The sm90 backward's deterministic mode (dQ added at turns by writer
-    # warps): several key blocks per query tile at its head dims, causal and
-    # windowed, and packed sequences (an empty one among them).
-    torch.use_deterministic_algorithms(True)
-    try:
-        for head_dim in (64, 128):
-            for causal, window in ((False, None), (True, None), (False, (100, 20))):
-                case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=300, seqlen_k=400, head_dim=head_dim,
-                            dtype=torch.bfloat16, mask="none", is_causal=causal, window=window)
-                q, k, v, _ = make_inputs(case, "cuda")
-                out, lse = torch.ops.fusedattn.forward(q, k, v, None, causal, None, None, window)
-                torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, causal, None, None,
-                                             window)
-        q, k, v, cu_q, cu_k = packed([300, 0, 70, 129], [260, 5, 70, 300], d=64, dtype=torch.float16, device="cuda",
-                                     requires_grad=True)
-        for causal in (False, True):
-            fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=causal).sum().backward()
-    finally:
-        torch.use_deterministic_algorithms(False)
+    deterministic_cases()
 
     # More query blocks than SMs (2 x 72 heads x 2 blocks = 288 items, 128 or
     # 192 query rows a block): the persistent sm90 forward's blocks (d=128, and
@@ -119,5 +128,7 @@ if "attention" in groups:
     attention_cases()
 if "kvcache" in groups:
     kvcache_cases()
+if "deterministic" in groups and "attention" not in groups:
+    deterministic_cases()
 torch.cuda.synchronize()
 print(f"sanitizer cases ({', '.join(groups)}): done")

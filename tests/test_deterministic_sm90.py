@@ -30,15 +30,16 @@ def assert_same_bits(runs):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize("seqlens", [(113, 97), (1025, 1025), (700, 1300), (1300, 200)],
-                         ids=["113x97", "1025", "700x1300", "1300x200"])
+@pytest.mark.parametrize("seqlens", [(113, 97), (1025, 1025), (700, 1300), (1300, 200), (64, 1300), (2100, 4300)],
+                         ids=["113x97", "1025", "700x1300", "1300x200", "64x1300", "2100x4300"])
 @pytest.mark.parametrize("is_causal,window", BANDS, ids=BAND_IDS)
 @pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
 def test_deterministic_backward_gives_the_same_bits_and_the_reference(head_dim, is_causal, window, seqlens):
     """Query tiles that many key blocks visit (1025 and more keys: 9 and more of 128), GQA
     (dK and dV summed over two query heads), awkward lengths and queries that see no key
     (causal with Nq > Nk: zero gradients), over NaN-filled freed blocks of the outputs' and
-    workspaces' sizes."""
+    workspaces' sizes; a walk of fewer steps than its pair's key blocks (64x1300) and
+    more key blocks than a quarter of the SMs (4300 keys: 34 of 128)."""
     dtype = torch.bfloat16 if head_dim in (128, 192) else torch.float16
     case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], head_dim=head_dim,
                 dtype=dtype, is_causal=is_causal, window=window)
