@@ -98,6 +98,25 @@ def test_deterministic_varlen_backward_takes_each_sequence_from_its_last_key_til
                               d=head_dim, device="cuda")
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_deterministic_varlen_backward_with_many_kv_heads_ends(is_causal):
+    """A packed call lists a sequence's key tiles of every kv head side by side: 16 kv heads
+    of 16 key tiles are more blocks than the GPU holds at once, so its key blocks must wait
+    only on blocks launched before them (a wait on a later one hangs, then traps)."""
+    q, k, v, cu_q, cu_k = packed([2048], [2048], hq=16, hkv=16, d=128, dtype=torch.bfloat16, device="cuda",
+                                 requires_grad=True)
+    grad_out = torch.randn_like(q)
+    call = lambda: torch.autograd.grad(fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=is_causal),  # noqa: E731
+                                       (q, k, v), grad_out)
+    with deterministic():
+        plan = fusedattn.plan_varlen(q, k, v, cu_q, cu_k, is_causal=is_causal, backward=True)
+        assert (plan["family"], plan["deterministic"], plan["schedule"]) == ("sm90", True, "last-first"), plan
+        runs = [call() for _ in range(2)]
+    assert_same_bits(runs)
+    for a, b in zip(runs[0], call()):
+        torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=2e-2)
+
+
 @pytest.mark.parametrize("option", ["attn_mask", "softcap"])
 def test_deterministic_mode_takes_attn_mask_and_soft_capping_to_sm80(option):
     """attn_mask (its key blocks' visits come from the mask's lists, which have no rank) and
