@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, "tests")
 import fusedattn  # noqa: E402,F401
+from fusedattn.bench import _deterministic_algorithms  # noqa: E402
 from helpers.attention_cases import Case, make_inputs  # noqa: E402
 from helpers.kvcache_cases import make_cache  # noqa: E402
 from helpers.varlen_cases import packed  # noqa: E402
@@ -34,8 +35,7 @@ def deterministic_cases():
     warps): several key blocks per query tile at its head dims, causal and
     windowed, walks of fewer steps than key blocks, and packed sequences (an
     empty one among them)."""
-    torch.use_deterministic_algorithms(True)
-    try:
+    with _deterministic_algorithms():
         for head_dim in (64, 128):
             # 64 queries: fewer steps than key blocks.
             for causal, window, seqlen_q in ((False, None, 300), (False, None, 64), (True, None, 300),
@@ -50,8 +50,6 @@ def deterministic_cases():
                                      requires_grad=True)
         for causal in (False, True):
             fusedattn.attention_varlen(q, k, v, cu_q, cu_k, is_causal=causal).sum().backward()
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def attention_cases():

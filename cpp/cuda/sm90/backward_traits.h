@@ -56,10 +56,11 @@ struct Sm90BackwardTraits {
   // The forward's split (FA3's): 128 x 24 + 256 x 240 = 384 x 168.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  // Deterministic mode's dQ writer warps run in the producer's warpgroup: at 24
-  // registers ptxas spills them (56-76 bytes), at 40 not. At d=64 the consumers
-  // give 8 of theirs for that; at d=128 they keep 240: with 232 the mode ran
-  // 13-15% slower at 8K (docs/cuda-notes.md, deterministic mode d4).
+  // Deterministic mode's dQ writer warps share the producer's warpgroup, whose
+  // load warp ptxas then spills at 24 registers (56-76 bytes around each step's
+  // loads; the SASS, d5), at 40 not. At d=64 the consumers give 8 of theirs for
+  // that; at d=128 they keep 240: with 232 the mode ran 13-15% slower at 8K
+  // (docs/cuda-notes.md, deterministic mode d4).
   static constexpr int kOrderedProducerRegisters = HeadDim == 128 ? 24 : 40;
   static constexpr int kOrderedConsumerRegisters = HeadDim == 128 ? 240 : 232;
   static_assert(register_split_fits(kThreads, kProducerRegisters, kConsumerRegisters));
