@@ -33,11 +33,11 @@ if unknown := set(groups) - set(GROUPS):
 def deterministic_cases():
     """The sm90 backward's deterministic mode (dQ added at turns by writer
     warps): several key blocks per query tile at its head dims, causal and
-    windowed, walks of fewer steps than key blocks, and packed sequences (an
-    empty one among them)."""
+    windowed, walks rotated and not, and packed sequences (an empty one among
+    them)."""
     with _deterministic_algorithms():
         for head_dim in (64, 128):
-            # 64 queries: fewer steps than key blocks.
+            # 64 queries: fewer steps than key blocks, so the walks start together.
             for causal, window, seqlen_q in ((False, None, 300), (False, None, 64), (True, None, 300),
                                              (False, (100, 20), 300)):
                 case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=seqlen_q, seqlen_k=400, head_dim=head_dim,

@@ -38,8 +38,9 @@ def test_deterministic_backward_gives_the_same_bits_and_the_reference(head_dim, 
     """Query tiles that many key blocks visit (1025 and more keys: 9 and more of 128), GQA
     (dK and dV summed over two query heads), awkward lengths and queries that see no key
     (causal with Nq > Nk: zero gradients), over NaN-filled freed blocks of the outputs' and
-    workspaces' sizes; a walk of fewer steps than its pair's key blocks (64x1300) and
-    more key blocks than a quarter of the SMs (4300 keys: 34 of 128)."""
+    workspaces' sizes. Without a band, the key blocks' walks are rotated except where
+    fewer steps than key blocks (64x1300) or more key blocks than the GPU holds at once
+    for the rotation (4300 keys: 34) start them together (DqRotation)."""
     dtype = torch.bfloat16 if head_dim in (128, 192) else torch.float16
     case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], head_dim=head_dim,
                 dtype=dtype, is_causal=is_causal, window=window)

@@ -129,6 +129,62 @@ void check_work_list(const std::vector<int32_t>& lengths, int64_t left, int64_t 
   }
 }
 
+// Rotated walks (unbanded, DqRotation) of `blocks` key blocks over `steps`
+// steps, rotated up to `max_blocks` blocks:
+//   - at every step the blocks' turns are 0 .. blocks - 1, each once;
+//   - launched last first, with room for all of them where rotated and for
+//     one at a time where not, every walk ends: no block waits on a block
+//     that cannot start;
+//   - rotated, started together, an add seen a tick later, the walks take
+//     `steps` ticks: no block waits.
+// simulate_rotation: the ticks the walks take, or -1 on a hang.
+int64_t simulate_rotation(int blocks, int steps, int max_blocks, int room) {
+  std::vector<DqRotation> rot;
+  for (int n = 0; n < blocks; ++n) rot.push_back(DqRotation::of(n, blocks, steps, max_blocks));
+  auto step_of = [&](int n, int s) { return (s + rot[n].start()) % steps; };
+  std::vector<int> counter(steps, 0), done(blocks, 0), resident;
+  int next = blocks - 1;  // launched last first
+  int64_t ticks = 0;
+  for (int finished = 0; finished < blocks; ++ticks) {
+    while (int(resident.size()) < room && next >= 0) resident.push_back(next--);
+    std::vector<int> adding;
+    for (int n : resident)
+      if (counter[step_of(n, done[n])] == rot[n].turn(step_of(n, done[n]))) adding.push_back(n);
+    if (adding.empty()) return -1;  // every resident block waits: a hang
+    for (int n : adding) ++counter[step_of(n, done[n]++)];
+    for (size_t i = 0; i < resident.size();)
+      if (done[resident[i]] == steps) {
+        resident.erase(resident.begin() + i);
+        ++finished;
+      } else {
+        ++i;
+      }
+  }
+  return ticks;
+}
+
+void check_rotation(int blocks, int steps, int max_blocks) {
+  bool permutation = true;
+  for (int f = 0; f < steps; ++f) {
+    std::vector<int> seen(blocks, 0);
+    for (int n = 0; n < blocks; ++n) {
+      const int turn = DqRotation::of(n, blocks, steps, max_blocks).turn(f);
+      if (turn < 0 || turn >= blocks || seen[turn]++) permutation = false;
+    }
+  }
+  const bool rotated = DqRotation::of(0, blocks, steps, max_blocks).spacing > 0;
+  expect(permutation, "a step's turns are 0 .. blocks - 1", steps, blocks, max_blocks, 0, false, 0, 0, 0);
+  expect(simulate_rotation(blocks, steps, max_blocks, rotated ? blocks : 1) > 0,
+         "the walks end with room for the blocks that wait on one another", steps, blocks, max_blocks, 0, false, 0,
+         0, 0);
+  expect(rotated == (blocks <= max_blocks && steps >= blocks), "rotated where the blocks fit and have the steps",
+         steps, blocks, max_blocks, 0, false, 0, 0, 0);
+  if (rotated)
+    expect(simulate_rotation(blocks, steps, max_blocks, blocks) == steps, "rotated walks in step never wait", steps,
+           blocks, max_blocks, 0, false, 0, 0, 0);
+  ++checked;
+}
+
 }  // namespace
 
 int main() {
@@ -155,6 +211,9 @@ int main() {
       check_work_list({300, 5, 1000, 0, 129, 64}, w[0], w[1], causal, 128, 64);
       check_work_list({77, 600, 600, 2}, w[0], w[1], causal, 64, 64);
     }
+  for (int blocks : {1, 2, 3, 7, 16, 33, 64, 100})
+    for (int steps : {1, 2, 5, 16, 31, 32, 64, 97, 256})
+      for (int max_blocks : {0, 16, 32}) check_rotation(blocks, steps, max_blocks);
   if (failures > 0) {
     std::printf("dq_turns_test: %d failure(s)\n", failures);
     return 1;

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
-  const Walk walk(p, args.order);
+  const Walk walk(p, args.order, args.dq_rotation_blocks);
 
   if (threadIdx.x == 0) smem.init_barriers();
   __syncthreads();
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       if (issues_dq) {
         int32_t* info = smem.dq_reduce_info + 4 * (2 * consumer + s % 2);
         info[0] = static_cast<int32_t>(walk.dq_turn_counter(f, head, m0, consumer, Tr::kConsumers));
-        info[1] = walk.dq_turn(f, m0);
+        info[1] = walk.dq_turn(f, head, m0, args.dq_rotation_blocks);
         info[2] = flat_row(sh, walk, head, m0) + query0;
       }
     }
@@ -277,8 +277,10 @@ void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stre
       FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(args.p.dq_turns, 0, counters * sizeof(int), stream));
     }
   }
-  launch_sm90_key_blocks<Tr, T, Banded>(sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped, Ordered>, args,
-                                        stream);
+  Sm90BackwardArgs launch_args = args;
+  if constexpr (Ordered) launch_args.dq_rotation_blocks = dq_rotation_blocks(current_device_sms());
+  launch_sm90_key_blocks<Tr, T, Banded>(sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped, Ordered>,
+                                        launch_args, stream);
 }
 
 // Soft-capped calls have their own kernels, without attn_mask, at the head

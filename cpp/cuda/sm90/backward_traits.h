@@ -97,7 +97,8 @@ struct Sm90BackwardTraits {
 struct Sm90BackwardArgs {
   CUtensorMap q_map, k_map, v_map, do_map, lse_map, delta_map, dq_map;
   BackwardParams p;
-  BlockOrder order;  // filled at launch
+  BlockOrder order;        // filled at launch
+  int dq_rotation_blocks = 0;  // deterministic mode: filled at launch (dq_rotation_blocks)
 };
 
 }  // namespace fusedattn::cuda
