@@ -21,8 +21,22 @@ struct KeyBlockGrid {
   unsigned blocks;
 };
 
-inline KeyBlockGrid key_block_grid(const BackwardParams& p, int block_n, int element_bytes, bool banded) {
-  const BlockOrder order = make_key_block_order(p.fwd.shape, block_n, p.head_splits, element_bytes, banded);
+// Deterministic mode under a band: where a pair's key blocks all fit on the
+// GPU at once (rotation_blocks, dq_rotation_blocks' bound), the pairs go one
+// at a time, each from key block 0, the longest walk (as the default's order
+// does within a group of pairs), instead of from its last: the short walks
+// then fill the launch's tail, not the long ones. The turns stay the last
+// key block's first, so a block may wait on blocks launched after it (of its
+// pair, which fits); in step none waits, since block j + 1 reaches a query
+// tile before block j does. 0 (the default mode): never.
+__host__ __device__ inline bool longest_first_ordered(const BlockOrder& order, int rotation_blocks) {
+  return order.blocks_per_pair <= unsigned(rotation_blocks > 0 ? rotation_blocks : 0);
+}
+
+inline KeyBlockGrid key_block_grid(const BackwardParams& p, int block_n, int element_bytes, bool banded,
+                                   int rotation_blocks = 0) {
+  BlockOrder order = make_key_block_order(p.fwd.shape, block_n, p.head_splits, element_bytes, banded);
+  if (banded && longest_first_ordered(order, rotation_blocks)) order.pairs_per_group = 1;
   return {order, grid_blocks(order, p.fwd.varlen.on(), p.fwd.varlen.key_items, p.fwd.shape.heads_kv)};
 }
 
@@ -121,10 +135,11 @@ inline int dq_rotation_blocks(int sm_count) { return sm_count / 4 > 32 ? 32 : sm
 // Deterministic mode (the sm90 kernel's instantiation for it, LastFirst): the key blocks that
 // visit a query tile add their dQ shares into it one at a time, each at its
 // turn (hopper/turns.cuh) in a counter of its own per (query head, query
-// tile, share). Under a band, from the last key block down: a block waits only
-// on blocks launched before it (each pair's key blocks go last first, and the
-// planner lists a packed call's key tiles so), and the later key blocks reach
-// a tile first (FA3's order for causal), so the turns seldom make one wait.
+// tile, share). Under a band, from the last key block down: the later key
+// blocks reach a tile first (FA3's order for causal), so the turns seldom make
+// one wait; a block waits only on blocks launched before it (each pair's key
+// blocks go last first, and the planner lists a packed call's key tiles so),
+// or, where a pair's blocks fit at once, on its pair's (longest_first_ordered).
 // Without one, the walks are rotated (DqRotation). That no wait can hang
 // rests on the hardware starting blocks in the order of their index, which
 // CUDA does not promise but does (FA3 rests on it too).
@@ -146,14 +161,17 @@ struct KeyBlockWalk {
     bool reads_mask;
   };
 
-  // rotation_blocks: Rotated walks' bound (dq_rotation_blocks).
+  // rotation_blocks: deterministic mode's bound (dq_rotation_blocks): for
+  // Rotated walks and longest_first_ordered.
   __device__ KeyBlockWalk(const BackwardParams& p, const BlockOrder& order, int rotation_blocks = 0)
       : tiles(p.fwd.mask.tiles) {
     const AttentionShape& sh = p.fwd.shape;
     const bool packed = !Listed && p.fwd.varlen.on();  // packed calls take no attn_mask
     const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
-    const GridBlock block =
-        packed ? work_item(p.fwd.varlen.key_tiles, blockIdx.x, heads_kv) : order.at<LastFirst>(blockIdx.x);
+    const GridBlock block = packed ? work_item(p.fwd.varlen.key_tiles, blockIdx.x, heads_kv)
+                            : LastFirst && !(Banded && longest_first_ordered(order, rotation_blocks))
+                                ? order.at<true>(blockIdx.x)
+                                : order.at<false>(blockIdx.x);
     n_block = block.block;
     const unsigned head_split = block.pair % static_cast<unsigned>(p.head_splits);
     const unsigned bh = block.pair / static_cast<unsigned>(p.head_splits);

@@ -13,7 +13,7 @@ namespace fusedattn::cuda {
 template <typename Tr, typename T, bool Banded, typename Kernel>
 void launch_sm90_key_blocks(Kernel kernel, const Sm90BackwardArgs& args, cudaStream_t stream) {
   FUSEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-  const KeyBlockGrid grid = key_block_grid(args.p, Tr::kBlockN, sizeof(T), Banded);
+  const KeyBlockGrid grid = key_block_grid(args.p, Tr::kBlockN, sizeof(T), Banded, args.dq_rotation_blocks);
   Sm90BackwardArgs launch_args = args;
   launch_args.order = grid.order;
   kernel<<<grid.blocks, Tr::kThreads, Tr::kSmemBytes, stream>>>(launch_args);
