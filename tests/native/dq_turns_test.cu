@@ -185,6 +185,42 @@ void check_rotation(int blocks, int steps, int max_blocks) {
   ++checked;
 }
 
+// Under a band, a pair's key blocks launched from block 0 (longest_first_ordered)
+// with room for all of them, started together, an add seen a tick later:
+// every walk ends (a block waits only on its pair's), and with as many
+// queries as keys under causal none waits (block j + 1 reaches a query tile
+// before block j).
+template <bool Banded>
+void check_longest_first(int64_t nq, int64_t nk, int64_t left, int64_t right, bool causal, int bm, int bn) {
+  const ForwardParams f = band_params(nq, nk, left, right, causal);
+  const Band band = Band::of(f, nq, nk);
+  const int64_t blocks = (nk + bn - 1) / bn, query_blocks = (nq + bm - 1) / bm;
+  std::vector<VisitedQueryBlocks> walks;
+  int64_t longest = 0;
+  for (int64_t n = 0; n < blocks; ++n) {
+    walks.push_back(visited_query_blocks<Banded>(band, n * bn, std::min<int64_t>(bn, nk - n * bn), bm));
+    longest = std::max(longest, walks.back().count);
+  }
+  std::vector<int64_t> counter(query_blocks, 0), done(blocks, 0);
+  int64_t ticks = 0, left_to_do = 0;
+  for (const VisitedQueryBlocks& w : walks) left_to_do += w.count;
+  bool hang = false;
+  for (; left_to_do > 0 && !hang; ++ticks) {
+    std::vector<int64_t> adding;
+    for (int64_t n = 0; n < blocks; ++n) {
+      if (done[n] == walks[n].count) continue;
+      const int64_t m = walks[n].m_begin / bm + done[n];
+      if (counter[m] == last_visiting_key_block<Banded>(band, m * bm, bm, bn) - n) adding.push_back(n);
+    }
+    hang = adding.empty();
+    for (int64_t n : adding) ++counter[walks[n].m_begin / bm + done[n]++], --left_to_do;
+  }
+  expect(!hang, "longest-first walks end with room for the pair", nq, nk, left, right, causal, bm, bn, 0);
+  if (causal && nq == nk && left < 0 && right < 0)
+    expect(ticks == longest, "longest-first causal walks in step never wait", nq, nk, left, right, causal, bm, bn,
+           ticks);
+}
+
 }  // namespace
 
 int main() {
@@ -196,10 +232,12 @@ int main() {
         for (bool causal : {false, true})
           for (auto [bm, bn] : {std::pair{64, 128}, std::pair{128, 128}, std::pair{64, 64}}) {
             const ForwardParams f = band_params(nq, nk, w[0], w[1], causal);
-            if (f.banded())
+            if (f.banded()) {
               check_turns<true>(nq, nk, w[0], w[1], causal, bm, bn);
-            else
+              check_longest_first<true>(nq, nk, w[0], w[1], causal, bm, bn);
+            } else {
               check_turns<false>(nq, nk, w[0], w[1], causal, bm, bn);
+            }
           }
   for (int bm : {64, 128}) {
     check_packed_tiles({5, 64, 1, 130, 0, 63, 65, 200}, bm);
