@@ -141,7 +141,7 @@ void check_work_list(const std::vector<int32_t>& lengths, int64_t left, int64_t 
 int64_t simulate_rotation(int blocks, int steps, int max_blocks, int room) {
   std::vector<DqRotation> rot;
   for (int n = 0; n < blocks; ++n) rot.push_back(DqRotation::of(n, blocks, steps, max_blocks));
-  auto step_of = [&](int n, int s) { return (s + rot[n].start()) % steps; };
+  auto step_of = [&](int n, int s) { return rot[n].step(s, steps); };
   std::vector<int> counter(steps, 0), done(blocks, 0), resident;
   int next = blocks - 1;  // launched last first
   int64_t ticks = 0;

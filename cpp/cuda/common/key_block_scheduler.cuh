@@ -95,7 +95,14 @@ __host__ __device__ inline int64_t dq_turn_tile(const ForwardParams& f, int64_t 
 // on the GPU at once, hence `max_blocks` (dq_rotation_blocks). Longer
 // sequences, and walks with fewer steps than blocks, start every block at step
 // 0 and take turns from the last block down, each waiting only on blocks
-// launched before it.
+// launched before it. The dense grid launches a sequence's (a pair's) key
+// blocks together; a packed call's list does not, and is never rotated. The
+// bound depends on the SM count, so the order of the adds, and the bits, are
+// the same on every run of one GPU model, not across models.
+__host__ __device__ inline int rotated_step(int s, int start, int steps) {  // s, start < steps
+  return s < steps - start ? s + start : s - (steps - start);
+}
+
 struct DqRotation {
   int blocks;   // the sequence's key blocks
   int j;        // this block's
@@ -105,6 +112,8 @@ struct DqRotation {
     return {blocks, n_block, blocks <= max_blocks ? steps / blocks : 0};
   }
   __host__ __device__ int start() const { return spacing * j; }
+  // The walk's step visited at the block's step s (< steps).
+  __host__ __device__ int step(int s, int steps) const { return rotated_step(s, start(), steps); }
   // The block's turn at step `step` of the walk (counted from step 0, not
   // from its start).
   __host__ __device__ int turn(int step) const {
@@ -230,7 +239,7 @@ struct KeyBlockWalk {
   __device__ Step at(int s) const {
     if constexpr (!Listed) {
       if constexpr (Rotated) {
-        s = s < steps - start ? s + start : s - (steps - start);  // start < steps
+        s = rotated_step(s, start, steps);
       }
       return {first_head + s / steps_per_head, m_begin + int64_t(s % steps_per_head) * BlockM, false};
     } else {

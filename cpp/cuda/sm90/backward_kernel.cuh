@@ -278,7 +278,11 @@ void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stre
     }
   }
   Sm90BackwardArgs launch_args = args;
-  if constexpr (Ordered) launch_args.dq_rotation_blocks = dq_rotation_blocks(current_device_sms());
+  // A packed call's list puts a sequence's key tiles of every kv head side by
+  // side, so its pairs are not launched one at a time: it keeps the
+  // last-first order (dq_rotation_blocks 0).
+  if constexpr (Ordered)
+    launch_args.dq_rotation_blocks = args.p.fwd.varlen.on() ? 0 : dq_rotation_blocks(current_device_sms());
   launch_sm90_key_blocks<Tr, T, Banded>(sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped, Ordered>,
                                         launch_args, stream);
 }
