@@ -129,6 +129,12 @@ void check_work_list(const std::vector<int32_t>& lengths, int64_t left, int64_t 
   }
 }
 
+void expect_rotation(bool ok, const char* what, int blocks, int steps, int max_blocks) {
+  if (ok) return;
+  if (failures++ < 10)
+    std::printf("FAIL %s: blocks=%d steps=%d max_blocks=%d\n", what, blocks, steps, max_blocks);
+}
+
 // Rotated walks (unbanded, DqRotation) of `blocks` key blocks over `steps`
 // steps, rotated up to `max_blocks` blocks:
 //   - at every step the blocks' turns are 0 .. blocks - 1, each once;
@@ -173,15 +179,14 @@ void check_rotation(int blocks, int steps, int max_blocks) {
     }
   }
   const bool rotated = DqRotation::of(0, blocks, steps, max_blocks).spacing > 0;
-  expect(permutation, "a step's turns are 0 .. blocks - 1", steps, blocks, max_blocks, 0, false, 0, 0, 0);
-  expect(simulate_rotation(blocks, steps, max_blocks, rotated ? blocks : 1) > 0,
-         "the walks end with room for the blocks that wait on one another", steps, blocks, max_blocks, 0, false, 0,
-         0, 0);
-  expect(rotated == (blocks <= max_blocks && steps >= blocks), "rotated where the blocks fit and have the steps",
-         steps, blocks, max_blocks, 0, false, 0, 0, 0);
+  expect_rotation(permutation, "a step's turns are 0 .. blocks - 1", blocks, steps, max_blocks);
+  expect_rotation(simulate_rotation(blocks, steps, max_blocks, rotated ? blocks : 1) > 0,
+                  "the walks end with room for the blocks that wait on one another", blocks, steps, max_blocks);
+  expect_rotation(rotated == (blocks <= max_blocks && steps >= blocks),
+                  "rotated where the blocks fit and have the steps", blocks, steps, max_blocks);
   if (rotated)
-    expect(simulate_rotation(blocks, steps, max_blocks, blocks) == steps, "rotated walks in step never wait", steps,
-           blocks, max_blocks, 0, false, 0, 0, 0);
+    expect_rotation(simulate_rotation(blocks, steps, max_blocks, blocks) == steps, "rotated walks in step never wait",
+                    blocks, steps, max_blocks);
   ++checked;
 }
 
