@@ -26,7 +26,7 @@
 // tile's lists (common/mask_tiles.h) and reads the mask on the steps they mark.
 // Soft-capped (a template argument too) it has no attn_mask variant.
 // Ordered (a template argument: the deterministic mode's kernels, without
-// attn_mask or soft-capping), each consumer's dQ quarter is added at its turn
+// attn_mask), each consumer's dQ quarter is added at its turn
 // (key_block_scheduler.cuh) by a writer warp of the producer warpgroup
 // (backward_epilogue.cuh's run_dq_writer), which the consumer hands the
 // staged quarter to.
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   constexpr int kMTiles = kBlockM / 8;  // n-tiles of S^T (queries)
   constexpr int kDTiles = HeadDim / 8;
   constexpr bool kListed = Mask != MaskKind::None;  // steps from the mask's lists
-  static_assert(!(Ordered && (kListed || Capped)), "deterministic mode: unmasked, uncapped calls (the planner's rule)");
+  static_assert(!(Ordered && kListed), "deterministic mode: calls without attn_mask (the planner's rule)");
   using Walk = KeyBlockWalk<kBlockN, kBlockM, Banded, kListed, Ordered>;
 
   extern __shared__ unsigned char smem_raw[];
@@ -291,8 +291,8 @@ void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stre
 // dims of the table's capped variants; attn_mask at its masked ones (the
 // planner sends the others elsewhere), as in the forward. Above d=128 the
 // wide kernel, which has neither. The deterministic mode has kernels of its
-// own (the writer warps), without attn_mask or soft-capping, up to d=128, so
-// that the default's are what they were without it.
+// own (the writer warps), soft-capped or not, without attn_mask, up to d=128,
+// so that the default's are what they were without it.
 template <int HeadDim, typename Element>
 void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
   static_assert(!(HeadDim > 128 && (instantiated(Sm90BackwardMaskedHeadDims{}, HeadDim) ||
@@ -313,8 +313,13 @@ void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
           launch_sm90_backward_kernel<HeadDim, Element, false, kMask, kCapped, kOrdered>(args, stream);
       };
       using Unmasked = std::integral_constant<MaskKind, MaskKind::None>;
-      if (p.deterministic) {  // unmasked and uncapped: backward_sm90 refuses the mode's other calls
-        with_band(Unmasked{}, std::false_type{}, std::true_type{});
+      if (p.deterministic) {  // without attn_mask: backward_sm90 refuses the mode's other calls
+        if (p.fwd.mask.kind != MaskKind::None)
+          throw_planner_bug("the sm90 backward's deterministic mode takes calls without attn_mask only");
+        if (p.fwd.softcap > 0.0f)
+          with_band(Unmasked{}, std::true_type{}, std::true_type{});
+        else
+          with_band(Unmasked{}, std::false_type{}, std::true_type{});
       } else if (p.fwd.softcap > 0.0f) {
         if constexpr (instantiated(Sm90BackwardCappedHeadDims{}, HeadDim)) {
           if (p.fwd.mask.kind != MaskKind::None)
