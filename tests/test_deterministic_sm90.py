@@ -16,8 +16,10 @@ from helpers.cuda import HEAD_DIMS, poison_allocator
 from helpers.varlen_cases import check_varlen_backward, packed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("sm90")]
-# The mode's kernels: up to d=128, without attn_mask (those calls: sm80's pass).
-SM90_HEAD_DIMS = [d for d in HEAD_DIMS if d in fusedattn.ops.cuda_head_dims("sm90_backward") and d <= 128]
+# The mode's kernels: up to d=192 (d=192: the wide kernel's), without attn_mask (those calls: sm80's
+# pass); soft-capped at the capped kernels' head dims.
+SM90_HEAD_DIMS = [d for d in HEAD_DIMS if d in fusedattn.ops.cuda_head_dims("sm90_backward") and d <= 192]
+CAPPED_HEAD_DIMS = [d for d in SM90_HEAD_DIMS if d in fusedattn.ops.cuda_head_dims("sm90_backward_capped")]
 RUNS = 10
 BANDS = [(False, None), (True, None), (False, (200, 30)), (True, (300, 0))]
 BAND_IDS = ["full", "causal", "window", "causal-window"]
@@ -119,7 +121,7 @@ def test_deterministic_varlen_backward_with_many_kv_heads_ends(is_causal):
 
 
 @pytest.mark.parametrize("is_causal,window", BANDS, ids=BAND_IDS)
-@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", CAPPED_HEAD_DIMS)
 def test_deterministic_soft_capped_backward_gives_the_same_bits_and_the_reference(head_dim, is_causal, window):
     """Soft-capped calls have ordered kernels of their own (tanh's derivative in dS^T): the same
     bits over ten runs, the reference's gradients, at a length of 9 key blocks per query tile."""

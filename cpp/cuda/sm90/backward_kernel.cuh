@@ -121,10 +121,10 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
                         lane,
                         g,
                         t};
-  unsigned char* dq_stage = smem.dq + consumer * Tr::kDqTileBytes;
+  unsigned char* dq_stage = smem.dq + Tr::dq_first_tile(consumer) * Tr::kDqTileBytes;
   const bool issues_dq = threadIdx.x % 128 == 0;  // one thread of each consumer issues its dQ reduces
   // This consumer's dQ quarter starts at query query0, column column0 of the step's.
-  const int query0 = Tr::kDqQueryOffset * consumer, column0 = Tr::kDqColumnOffset * consumer;
+  const int query0 = Tr::kDqQueryOffset * consumer, column0 = Tr::dq_first_column(consumer);
 
   float dk[kDTiles][4] = {}, dv[kDTiles][4] = {};
   float (&dk_flat)[kDTiles * 4] = reinterpret_cast<float (&)[kDTiles * 4]>(dk);
@@ -271,20 +271,8 @@ template <int HeadDim, typename T, bool Banded, MaskKind Mask, bool Capped, bool
 void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90BackwardTraits<HeadDim>;
   if constexpr (Mask != MaskKind::None) sort_mask_into_key_tiles(args.p.fwd, Tr::kBlockN, Tr::kBlockM, stream);
-  if constexpr (Ordered) {  // the turn counters start at 0 (none when there are no queries)
-    if (const int64_t counters = dq_turn_counters(args.p.fwd, Tr::kBlockM, Tr::kConsumers); counters > 0) {
-      if (args.p.dq_turns == nullptr) throw_planner_bug("the sm90 backward's deterministic mode needs p.dq_turns");
-      FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(args.p.dq_turns, 0, counters * sizeof(int), stream));
-    }
-  }
-  Sm90BackwardArgs launch_args = args;
-  // A packed call's list puts a sequence's key tiles of every kv head side by
-  // side, so its pairs are not launched one at a time: it keeps the
-  // last-first order (dq_rotation_blocks 0).
-  if constexpr (Ordered)
-    launch_args.dq_rotation_blocks = args.p.fwd.varlen.on() ? 0 : dq_rotation_blocks(current_device_sms());
-  launch_sm90_key_blocks<Tr, T, Banded>(sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped, Ordered>,
-                                        launch_args, stream);
+  launch_sm90_key_blocks<Tr, T, Banded, Ordered>(sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped, Ordered>,
+                                                 args, stream);
 }
 
 // Soft-capped calls have their own kernels, without attn_mask, at the head
