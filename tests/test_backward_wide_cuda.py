@@ -74,13 +74,13 @@ def test_wide_backward_packed_sequences(is_causal, d):
                           device="cuda", seed=5)
 
 
-@pytest.mark.parametrize("option", ["mask", "softcap", "deterministic"])
+@pytest.mark.parametrize("option", ["mask", "softcap", "deterministic", "deterministic-softcap"])
 def test_what_the_wide_backward_does_not_take_runs_on_the_gemm_family(option):
     # The deterministic mode's writers add staged dQ tiles, which d=256 has no room for.
     case = Case(seqlen_q=90, seqlen_k=70, head_dim=256 if option == "deterministic" else 192, dtype=torch.float16,
-                is_causal=option != "mask",
-                mask="additive" if option == "mask" else "none", softcap=2.0 if option == "softcap" else None)
-    with deterministic() if option == "deterministic" else contextlib.nullcontext():
+                is_causal=option != "mask", mask="additive" if option == "mask" else "none",
+                softcap=2.0 if option.endswith("softcap") else None)
+    with deterministic() if option.startswith("deterministic") else contextlib.nullcontext():
         assert backward_plan(case)["family"] == "gemm"
         check_backward(case, "cuda")
         q, k, v, mask = make_inputs(case, "cuda")

@@ -12,13 +12,13 @@ import torch
 import fusedattn
 from fusedattn.bench import _deterministic_algorithms as deterministic
 from helpers.attention_cases import Case, check_backward, make_inputs
-from helpers.cuda import HEAD_DIMS, poison_allocator
+from helpers.cuda import poison_allocator
 from helpers.varlen_cases import check_varlen_backward, packed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("sm90")]
 # The mode's kernels: up to d=192 (d=192: the wide kernel's), without attn_mask (those calls: sm80's
 # pass); soft-capped at the capped kernels' head dims.
-SM90_HEAD_DIMS = [d for d in HEAD_DIMS if d in fusedattn.ops.cuda_head_dims("sm90_backward") and d <= 192]
+SM90_HEAD_DIMS = [d for d in fusedattn.ops.cuda_head_dims("sm90_backward") if d <= 192]
 CAPPED_HEAD_DIMS = [d for d in SM90_HEAD_DIMS if d in fusedattn.ops.cuda_head_dims("sm90_backward_capped")]
 RUNS = 10
 BANDS = [(False, None), (True, None), (False, (200, 30)), (True, (300, 0))]

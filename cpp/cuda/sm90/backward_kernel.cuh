@@ -279,8 +279,8 @@ void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stre
 // dims of the table's capped variants; attn_mask at its masked ones (the
 // planner sends the others elsewhere), as in the forward. Above d=128 the
 // wide kernel, which has neither. The deterministic mode has kernels of its
-// own (the writer warps), soft-capped or not, without attn_mask, up to d=128,
-// so that the default's are what they were without it.
+// own (the writer warps), without attn_mask, soft-capped or not up to d=128,
+// at d=192 the wide kernel's, so that the default's are what they were.
 template <int HeadDim, typename Element>
 void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
   static_assert(!(HeadDim > 128 && (instantiated(Sm90BackwardMaskedHeadDims{}, HeadDim) ||
