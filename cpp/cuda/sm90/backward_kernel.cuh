@@ -86,16 +86,8 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    if constexpr (Ordered) {  // warp 1 + c writes consumer c's dQ
-      warpgroup_release_registers<Tr::kOrderedProducerRegisters>();
-      const int warp = threadIdx.x / 32;
-      if (warp == 0)
-        run_backward_loads<Tr, Walk, kListed>(args, smem, walk, ring);
-      else if (warp <= Tr::kConsumers)
-        run_dq_writer<Tr>(args, smem, walk.steps, warp - 1);
-    } else {
-      run_backward_producer<Tr, Walk, kListed>(args, smem, walk, ring);
-    }
+    run_backward_producer<Tr, Walk, kListed, Ordered,
+                          Ordered ? Tr::kOrderedProducerRegisters : Tr::kProducerRegisters>(args, smem, walk, ring);
     return;
   }
 
