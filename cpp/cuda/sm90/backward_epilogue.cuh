@@ -53,6 +53,16 @@ __device__ __forceinline__ void reduce_dq_quarter(const unsigned char* stage, co
   bulk_commit();
 }
 
+// Consumer c's staged dQ tiles of a step added to the accumulator's rows from
+// `row`, each tile's 64 columns from the traits' dq_first_column.
+template <typename Tr>
+__device__ __forceinline__ void reduce_dq_tiles(const Sm90BackwardSmem<Tr>& smem, const CUtensorMap* dq_map,
+                                                int consumer, int row) {
+  for (int j = 0; j < Tr::dq_tiles(consumer); ++j)
+    reduce_dq_quarter<Tr>(smem.dq_stage(consumer) + j * Tr::kDqTileBytes, dq_map,
+                          Tr::dq_first_column(consumer) + 64 * j, row);
+}
+
 // Deterministic mode's dQ writer (both kernels): warp 1 + c of the producer
 // warpgroup takes consumer c's staged tiles of a step (kDqFullBarrier; one at
 // d <= 128, one per 64-column slab in the wide kernel), with their turn
@@ -66,7 +76,6 @@ __device__ __forceinline__ void reduce_dq_quarter(const unsigned char* stage, co
 template <typename Tr>
 __device__ __forceinline__ void run_dq_writer(const Sm90BackwardArgs& args, const Sm90BackwardSmem<Tr>& smem,
                                               int steps, int consumer) {
-  const unsigned char* stage = smem.dq + Tr::dq_first_tile(consumer) * Tr::kDqTileBytes;
   const bool leader = threadIdx.x % 32 == 0;
   bool lost = false;  // a turn that never came: the call traps at the end
   for (int s = 0; s < steps; ++s) {
@@ -76,9 +85,7 @@ __device__ __forceinline__ void run_dq_writer(const Sm90BackwardArgs& args, cons
       const int32_t* info = smem.dq_reduce_info + 4 * (2 * consumer + s % 2);
       turns = args.p.dq_turns + info[0];
       if (!lost) lost = !wait_for_turn(turns, info[1]);
-      for (int j = 0; j < Tr::dq_tiles(consumer); ++j)
-        reduce_dq_quarter<Tr>(stage + j * Tr::kDqTileBytes, &args.dq_map, Tr::dq_first_column(consumer) + 64 * j,
-                              info[2]);
+      reduce_dq_tiles<Tr>(smem, &args.dq_map, consumer, info[2]);
       bulk_wait<0, true>();
     }
     __syncwarp();

@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
                         lane,
                         g,
                         t};
-  unsigned char* dq_stage = smem.dq + Tr::dq_first_tile(consumer) * Tr::kDqTileBytes;
+  unsigned char* dq_stage = smem.dq_stage(consumer);
   const bool issues_dq = threadIdx.x % 128 == 0;  // one thread of each consumer issues its dQ reduces
   // This consumer's dQ quarter starts at query query0, column column0 of the step's.
   const int query0 = Tr::kDqQueryOffset * consumer, column0 = Tr::dq_first_column(consumer);
@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       named_barrier_arrive(Tr::kDqFullBarrier + consumer, Tr::kDqWriterThreads);
     } else {
       named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
-      if (issues_dq) reduce_dq_quarter<Tr>(dq_stage, &args.dq_map, column0, flat_row(sh, walk, head, m0) + query0);
+      if (issues_dq) reduce_dq_tiles<Tr>(smem, &args.dq_map, consumer, flat_row(sh, walk, head, m0) + query0);
     }
     if constexpr (kDkBehindDq) {
       wgmma_wait<0>();
@@ -293,7 +293,7 @@ void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
           launch_sm90_backward_kernel<HeadDim, Element, false, kMask, kCapped, kOrdered>(args, stream);
       };
       using Unmasked = std::integral_constant<MaskKind, MaskKind::None>;
-      if (p.deterministic) {  // without attn_mask: backward_sm90 refuses the mode's other calls
+      if (p.deterministic) {  // without attn_mask (the planner's rule)
         if (p.fwd.mask.kind != MaskKind::None)
           throw_planner_bug("the sm90 backward's deterministic mode takes calls without attn_mask only");
         if (p.fwd.softcap > 0.0f)

@@ -29,6 +29,11 @@ struct Sm90BackwardSmem {
   // turn and first row at 4 (2 c + s % 2), for its dQ writer warp.
   int32_t* dq_reduce_info;
 
+  // Consumer c's staged dQ tiles (traits' dq_first_tile, dq_tiles).
+  __device__ __forceinline__ unsigned char* dq_stage(int consumer) const {
+    return dq + Tr::dq_first_tile(consumer) * Tr::kDqTileBytes;
+  }
+
   __device__ __forceinline__ explicit Sm90BackwardSmem(unsigned char* raw) {
     // Aligned to the swizzle's period by an offset from raw, not through an
     // integer, so that the compiler still sees shared memory (lds, not

@@ -139,8 +139,8 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
       SoftCap::of(f).scale_log2,
       g,
       t};
-  const int first_slab = Tr::dq_first_tile(consumer);  // of dQ's columns, and its staging tiles
-  unsigned char* dq_stage = smem.dq + first_slab * Tr::kDqTileBytes;
+  const int first_slab = Tr::dq_first_tile(consumer);  // of dQ's columns
+  unsigned char* dq_stage = smem.dq_stage(consumer);
   unsigned char* pt_tile = smem.ds + Tr::kPtOffset;
   const bool issues_dq = threadIdx.x % 128 == 0;  // one thread of each consumer issues its dQ reduces
 
@@ -229,10 +229,7 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
           named_barrier_arrive(Tr::kDqFullBarrier + consumer, Tr::kDqWriterThreads);
         } else {
           named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
-          if (issues_dq)
-            for (int j = 0; j < kSlabs; ++j)
-              reduce_dq_quarter<Tr>(dq_stage + j * Tr::kDqTileBytes, &args.dq_map, 64 * (first_slab + j),
-                                    flat_row(sh, walk, head, m0));
+          if (issues_dq) reduce_dq_tiles<Tr>(smem, &args.dq_map, consumer, flat_row(sh, walk, head, m0));
         }
       }
     };
