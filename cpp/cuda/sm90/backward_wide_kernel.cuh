@@ -118,12 +118,13 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    run_backward_producer<Tr, Walk, false, Ordered, Tr::kProducerRegisters>(args, smem, walk, ring);
+    run_backward_producer<Tr, Walk, false, Ordered,
+                          Ordered ? Tr::kOrderedProducerRegisters : Tr::kProducerRegisters>(args, smem, walk, ring);
     return;
   }
 
   // ---------------- consumers ----------------
-  warpgroup_claim_registers<Tr::kConsumerRegisters>();
+  warpgroup_claim_registers<Ordered ? Tr::kOrderedConsumerRegisters : Tr::kConsumerRegisters>();
   const int consumer = warpgroup - 1;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;

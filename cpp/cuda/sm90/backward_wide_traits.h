@@ -57,7 +57,12 @@ struct Sm90WideBackwardTraits : Sm90DqWriters {
   static_assert(kSmemBytes <= 227 * 1024, "an H100's shared memory per block");
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
+  // Deterministic mode's writer warps share the producer's warpgroup, whose
+  // load warp ptxas spills at 24 registers (64-88 bytes), at 40 not.
+  static constexpr int kOrderedProducerRegisters = 40;
+  static constexpr int kOrderedConsumerRegisters = 232;
   static_assert(register_split_fits(kThreads, kProducerRegisters, kConsumerRegisters));
+  static_assert(register_split_fits(kThreads, kOrderedProducerRegisters, kOrderedConsumerRegisters));
   static constexpr int kDsWrittenBarrier = 1;  // named barrier of the consumers
   static constexpr int kDqWrittenBarrier = 2;  // + consumer index
 };
