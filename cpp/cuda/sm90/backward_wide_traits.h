@@ -58,7 +58,7 @@ struct Sm90WideBackwardTraits : Sm90DqWriters {
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   // Deterministic mode's writer warps share the producer's warpgroup, whose
-  // load warp ptxas spills at 24 registers (64-88 bytes), at 40 not.
+  // load warp ptxas spills at 24 registers (56-80 bytes), at 40 not.
   static constexpr int kOrderedProducerRegisters = 40;
   static constexpr int kOrderedConsumerRegisters = 232;
   static_assert(register_split_fits(kThreads, kProducerRegisters, kConsumerRegisters));
