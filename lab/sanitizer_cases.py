@@ -32,20 +32,21 @@ if unknown := set(groups) - set(GROUPS):
 
 def deterministic_cases():
     """The sm90 backward's deterministic mode (dQ added at turns by writer
-    warps): several key blocks per query tile at its head dims, causal and
-    windowed, walks of fewer steps than key blocks, and packed sequences (an
-    empty one among them)."""
+    warps): several key blocks per query tile at its head dims (the wide
+    kernel's at d=192), causal, windowed and soft-capped, walks rotated and not, and packed sequences (an empty one among
+    them)."""
     with _deterministic_algorithms():
-        for head_dim in (64, 128):
-            # 64 queries: fewer steps than key blocks.
-            for causal, window, seqlen_q in ((False, None, 300), (False, None, 64), (True, None, 300),
-                                             (False, (100, 20), 300)):
+        for head_dim in (64, 128, 192):  # 192: the wide kernel's
+            # 64 queries: fewer steps than key blocks, so the walks start together.
+            calls = [(False, None, 300, None), (False, None, 64, None), (True, None, 300, None),
+                     (False, (100, 20), 300, None)] + ([(True, None, 300, 6.0)] if head_dim <= 128 else [])
+            for causal, window, seqlen_q, cap in calls:
                 case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=seqlen_q, seqlen_k=400, head_dim=head_dim,
                             dtype=torch.bfloat16, mask="none", is_causal=causal, window=window)
                 q, k, v, _ = make_inputs(case, "cuda")
-                out, lse = torch.ops.fusedattn.forward(q, k, v, None, causal, None, None, window)
+                out, lse = torch.ops.fusedattn.forward(q, k, v, None, causal, None, None, window, cap)
                 torch.ops.fusedattn.backward(torch.randn_like(out), q, k, v, out, lse, None, causal, None, None,
-                                             window)
+                                             window, cap)
         q, k, v, cu_q, cu_k = packed([300, 0, 70, 129], [260, 5, 70, 300], d=64, dtype=torch.float16, device="cuda",
                                      requires_grad=True)
         for causal in (False, True):

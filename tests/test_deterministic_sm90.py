@@ -12,12 +12,14 @@ import torch
 import fusedattn
 from fusedattn.bench import _deterministic_algorithms as deterministic
 from helpers.attention_cases import Case, check_backward, make_inputs
-from helpers.cuda import HEAD_DIMS, poison_allocator
+from helpers.cuda import poison_allocator
 from helpers.varlen_cases import check_varlen_backward, packed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("sm90")]
-# The mode's kernels: up to d=128, without attn_mask or soft-capping (those calls: sm80's pass).
-SM90_HEAD_DIMS = [d for d in HEAD_DIMS if d in fusedattn.ops.cuda_head_dims("sm90_backward") and d <= 128]
+# The mode's kernels: up to d=192 (d=192: the wide kernel's), without attn_mask (those calls: sm80's
+# pass); soft-capped at the capped kernels' head dims.
+SM90_HEAD_DIMS = [d for d in fusedattn.ops.cuda_head_dims("sm90_backward") if d <= 192]
+CAPPED_HEAD_DIMS = [d for d in SM90_HEAD_DIMS if d in fusedattn.ops.cuda_head_dims("sm90_backward_capped")]
 RUNS = 10
 BANDS = [(False, None), (True, None), (False, (200, 30)), (True, (300, 0))]
 BAND_IDS = ["full", "causal", "window", "causal-window"]
@@ -38,8 +40,9 @@ def test_deterministic_backward_gives_the_same_bits_and_the_reference(head_dim, 
     """Query tiles that many key blocks visit (1025 and more keys: 9 and more of 128), GQA
     (dK and dV summed over two query heads), awkward lengths and queries that see no key
     (causal with Nq > Nk: zero gradients), over NaN-filled freed blocks of the outputs' and
-    workspaces' sizes; a walk of fewer steps than its pair's key blocks (64x1300) and
-    more key blocks than a quarter of the SMs (4300 keys: 34 of 128)."""
+    workspaces' sizes. Without a band, the key blocks' walks are rotated except where
+    fewer steps than key blocks (64x1300) or more key blocks than the GPU holds at once
+    for the rotation (4300 keys: 34) start them together (DqRotation)."""
     dtype = torch.bfloat16 if head_dim in (128, 192) else torch.float16
     case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], head_dim=head_dim,
                 dtype=dtype, is_causal=is_causal, window=window)
@@ -117,18 +120,36 @@ def test_deterministic_varlen_backward_with_many_kv_heads_ends(is_causal):
         torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=2e-2)
 
 
-@pytest.mark.parametrize("option", ["attn_mask", "softcap"])
-def test_deterministic_mode_takes_attn_mask_and_soft_capping_to_sm80(option):
-    """attn_mask (its key blocks' visits come from the mask's lists, which have no rank) and
-    soft-capping have no deterministic sm90 kernel: forced there it is an error that says so,
-    and the planner's own choice is sm80's deterministic pass."""
-    case = Case(seqlen_q=200, seqlen_k=300, head_dim=64, dtype=torch.float16,
-                mask="key_padding" if option == "attn_mask" else "none",
-                softcap=5.0 if option == "softcap" else None)
+@pytest.mark.parametrize("is_causal,window", BANDS, ids=BAND_IDS)
+@pytest.mark.parametrize("head_dim", CAPPED_HEAD_DIMS)
+def test_deterministic_soft_capped_backward_gives_the_same_bits_and_the_reference(head_dim, is_causal, window):
+    """Soft-capped calls have ordered kernels of their own (tanh's derivative in dS^T): the same
+    bits over ten runs, the reference's gradients, at a length of 9 key blocks per query tile. The
+    planner picks every family (the sm90 forward soft-caps at fewer head dims than its backward)."""
+    dtype = torch.bfloat16 if head_dim == 128 else torch.float16
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=700, seqlen_k=1100, head_dim=head_dim, dtype=dtype,
+                is_causal=is_causal, window=window, softcap=7.5)
+    q, k, v, _ = make_inputs(case, "cuda", requires_grad=True)
+    grad_out = torch.randn_like(q)
+    with deterministic(), fusedattn.backends.force("auto"):
+        plan = fusedattn.plan(q, k, v, None, is_causal, backward=True, window=window, softcap=case.softcap)
+        assert (plan["family"], plan["deterministic"], plan["head_splits"]) == ("sm90", True, 1), plan
+        runs = [torch.autograd.grad(fusedattn.attention(q, k, v, None, is_causal, window=window,
+                                                        softcap=case.softcap), (q, k, v), grad_out)
+                for _ in range(RUNS)]
+    assert_same_bits(runs)
+    check_backward(case, device="cuda", grads=runs[0], grad_out=grad_out)
+
+
+def test_deterministic_mode_takes_attn_mask_to_sm80():
+    """attn_mask (its key blocks' visits come from the mask's lists, which have no rank) has no
+    deterministic sm90 kernel: forced there it is an error that says so, and the planner's own
+    choice is sm80's deterministic pass."""
+    case = Case(seqlen_q=200, seqlen_k=300, head_dim=64, dtype=torch.float16, mask="key_padding")
     q, k, v, mask = make_inputs(case, "cuda", requires_grad=True)
     with deterministic():
-        with pytest.raises(RuntimeError, match="deterministic mode .*without attn_mask or soft-capping"):
-            fusedattn.plan(q, k, v, mask, backward=True, softcap=case.softcap)
+        with pytest.raises(RuntimeError, match="deterministic mode .*without attn_mask"):
+            fusedattn.plan(q, k, v, mask, backward=True)
         with fusedattn.backends.force("auto"):
-            plan = fusedattn.plan(q, k, v, mask, backward=True, softcap=case.softcap)
+            plan = fusedattn.plan(q, k, v, mask, backward=True)
     assert (plan["family"], plan["deterministic"]) == ("sm80", True), plan

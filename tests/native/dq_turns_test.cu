@@ -129,6 +129,103 @@ void check_work_list(const std::vector<int32_t>& lengths, int64_t left, int64_t 
   }
 }
 
+void expect_rotation(bool ok, const char* what, int blocks, int steps, int max_blocks) {
+  if (ok) return;
+  if (failures++ < 10)
+    std::printf("FAIL %s: blocks=%d steps=%d max_blocks=%d\n", what, blocks, steps, max_blocks);
+}
+
+// Rotated walks (unbanded, DqRotation) of `blocks` key blocks over `steps`
+// steps, rotated up to `max_blocks` blocks:
+//   - at every step the blocks' turns are 0 .. blocks - 1, each once;
+//   - launched last first, with room for all of them where rotated and for
+//     one at a time where not, every walk ends: no block waits on a block
+//     that cannot start;
+//   - rotated, started together, an add seen a tick later, the walks take
+//     `steps` ticks: no block waits.
+// simulate_rotation: the ticks the walks take, or -1 on a hang.
+int64_t simulate_rotation(int blocks, int steps, int max_blocks, int room) {
+  std::vector<DqRotation> rot;
+  for (int n = 0; n < blocks; ++n) rot.push_back(DqRotation::of(n, blocks, steps, max_blocks));
+  auto step_of = [&](int n, int s) { return rot[n].step(s, steps); };
+  std::vector<int> counter(steps, 0), done(blocks, 0), resident;
+  int next = blocks - 1;  // launched last first
+  int64_t ticks = 0;
+  for (int finished = 0; finished < blocks; ++ticks) {
+    while (int(resident.size()) < room && next >= 0) resident.push_back(next--);
+    std::vector<int> adding;
+    for (int n : resident)
+      if (counter[step_of(n, done[n])] == rot[n].turn(step_of(n, done[n]))) adding.push_back(n);
+    if (adding.empty()) return -1;  // every resident block waits: a hang
+    for (int n : adding) ++counter[step_of(n, done[n]++)];
+    for (size_t i = 0; i < resident.size();)
+      if (done[resident[i]] == steps) {
+        resident.erase(resident.begin() + i);
+        ++finished;
+      } else {
+        ++i;
+      }
+  }
+  return ticks;
+}
+
+void check_rotation(int blocks, int steps, int max_blocks) {
+  bool permutation = true;
+  for (int f = 0; f < steps; ++f) {
+    std::vector<int> seen(blocks, 0);
+    for (int n = 0; n < blocks; ++n) {
+      const int turn = DqRotation::of(n, blocks, steps, max_blocks).turn(f);
+      if (turn < 0 || turn >= blocks || seen[turn]++) permutation = false;
+    }
+  }
+  const bool rotated = DqRotation::of(0, blocks, steps, max_blocks).spacing > 0;
+  expect_rotation(permutation, "a step's turns are 0 .. blocks - 1", blocks, steps, max_blocks);
+  expect_rotation(simulate_rotation(blocks, steps, max_blocks, rotated ? blocks : 1) > 0,
+                  "the walks end with room for the blocks that wait on one another", blocks, steps, max_blocks);
+  expect_rotation(rotated == (blocks <= max_blocks && steps >= blocks),
+                  "rotated where the blocks fit and have the steps", blocks, steps, max_blocks);
+  if (rotated)
+    expect_rotation(simulate_rotation(blocks, steps, max_blocks, blocks) == steps, "rotated walks in step never wait",
+                    blocks, steps, max_blocks);
+  ++checked;
+}
+
+// Under a band, a pair's key blocks launched from block 0 (longest_first_ordered)
+// with room for all of them, started together, an add seen a tick later:
+// every walk ends (a block waits only on its pair's), and with as many
+// queries as keys under causal none waits (block j + 1 reaches a query tile
+// before block j).
+template <bool Banded>
+void check_longest_first(int64_t nq, int64_t nk, int64_t left, int64_t right, bool causal, int bm, int bn) {
+  const ForwardParams f = band_params(nq, nk, left, right, causal);
+  const Band band = Band::of(f, nq, nk);
+  const int64_t blocks = (nk + bn - 1) / bn, query_blocks = (nq + bm - 1) / bm;
+  std::vector<VisitedQueryBlocks> walks;
+  int64_t longest = 0;
+  for (int64_t n = 0; n < blocks; ++n) {
+    walks.push_back(visited_query_blocks<Banded>(band, n * bn, std::min<int64_t>(bn, nk - n * bn), bm));
+    longest = std::max(longest, walks.back().count);
+  }
+  std::vector<int64_t> counter(query_blocks, 0), done(blocks, 0);
+  int64_t ticks = 0, left_to_do = 0;
+  for (const VisitedQueryBlocks& w : walks) left_to_do += w.count;
+  bool hang = false;
+  for (; left_to_do > 0 && !hang; ++ticks) {
+    std::vector<int64_t> adding;
+    for (int64_t n = 0; n < blocks; ++n) {
+      if (done[n] == walks[n].count) continue;
+      const int64_t m = walks[n].m_begin / bm + done[n];
+      if (counter[m] == last_visiting_key_block<Banded>(band, m * bm, bm, bn) - n) adding.push_back(n);
+    }
+    hang = adding.empty();
+    for (int64_t n : adding) ++counter[walks[n].m_begin / bm + done[n]++], --left_to_do;
+  }
+  expect(!hang, "longest-first walks end with room for the pair", nq, nk, left, right, causal, bm, bn, 0);
+  if (causal && nq == nk && left < 0 && right < 0)
+    expect(ticks == longest, "longest-first causal walks in step never wait", nq, nk, left, right, causal, bm, bn,
+           ticks);
+}
+
 }  // namespace
 
 int main() {
@@ -140,10 +237,12 @@ int main() {
         for (bool causal : {false, true})
           for (auto [bm, bn] : {std::pair{64, 128}, std::pair{128, 128}, std::pair{64, 64}}) {
             const ForwardParams f = band_params(nq, nk, w[0], w[1], causal);
-            if (f.banded())
+            if (f.banded()) {
               check_turns<true>(nq, nk, w[0], w[1], causal, bm, bn);
-            else
+              check_longest_first<true>(nq, nk, w[0], w[1], causal, bm, bn);
+            } else {
               check_turns<false>(nq, nk, w[0], w[1], causal, bm, bn);
+            }
           }
   for (int bm : {64, 128}) {
     check_packed_tiles({5, 64, 1, 130, 0, 63, 65, 200}, bm);
@@ -155,6 +254,9 @@ int main() {
       check_work_list({300, 5, 1000, 0, 129, 64}, w[0], w[1], causal, 128, 64);
       check_work_list({77, 600, 600, 2}, w[0], w[1], causal, 64, 64);
     }
+  for (int blocks : {1, 2, 3, 7, 16, 33, 64, 100})
+    for (int steps : {1, 2, 5, 16, 31, 32, 64, 97, 256})
+      for (int max_blocks : {0, 16, 32}) check_rotation(blocks, steps, max_blocks);
   if (failures > 0) {
     std::printf("dq_turns_test: %d failure(s)\n", failures);
     return 1;

@@ -21,8 +21,22 @@ struct KeyBlockGrid {
   unsigned blocks;
 };
 
-inline KeyBlockGrid key_block_grid(const BackwardParams& p, int block_n, int element_bytes, bool banded) {
-  const BlockOrder order = make_key_block_order(p.fwd.shape, block_n, p.head_splits, element_bytes, banded);
+// Deterministic mode under a band: where a pair's key blocks all fit on the
+// GPU at once (rotation_blocks, dq_rotation_blocks' bound), the pairs go one
+// at a time, each from key block 0, the longest walk (as the default's order
+// does within a group of pairs), instead of from its last: the short walks
+// then fill the launch's tail, not the long ones. The turns stay the last
+// key block's first, so a block may wait on blocks launched after it (of its
+// pair, which fits); in step none waits, since block j + 1 reaches a query
+// tile before block j does. 0 (the default mode): never.
+__host__ __device__ inline bool longest_first_ordered(const BlockOrder& order, int rotation_blocks) {
+  return order.blocks_per_pair <= unsigned(rotation_blocks > 0 ? rotation_blocks : 0);
+}
+
+inline KeyBlockGrid key_block_grid(const BackwardParams& p, int block_n, int element_bytes, bool banded,
+                                   int rotation_blocks = 0) {
+  BlockOrder order = make_key_block_order(p.fwd.shape, block_n, p.head_splits, element_bytes, banded);
+  if (banded && longest_first_ordered(order, rotation_blocks)) order.pairs_per_group = 1;
   return {order, grid_blocks(order, p.fwd.varlen.on(), p.fwd.varlen.key_items, p.fwd.shape.heads_kv)};
 }
 
@@ -69,6 +83,51 @@ __host__ __device__ inline int64_t dq_turn_tile(const ForwardParams& f, int64_t 
   return (f.varlen.on() ? q0 / block_m + sequence : 0) + m0 / block_m;
 }
 
+// Deterministic mode without a band: every key block of a sequence visits
+// every step of the walk (query head x query tile); walking in the same order
+// they would all meet at a tile at once and add there one after another, each
+// a hand-over behind the one before. So, where a sequence has at most
+// `max_blocks` key blocks, block j of `blocks` starts its walk of `steps`
+// steps at step j * (steps / blocks), wrapping: in step, each visits a tile of
+// its own. A step's turns are then the order in which the blocks reach it,
+// the one that started at or before it nearest to it first. A block so may
+// wait on blocks launched after it: all of the sequence's key blocks must fit
+// on the GPU at once, hence `max_blocks` (dq_rotation_blocks). Longer
+// sequences, and walks with fewer steps than blocks, start every block at step
+// 0 and take turns from the last block down, each waiting only on blocks
+// launched before it. The dense grid launches a sequence's (a pair's) key
+// blocks together; a packed call's list does not, and is never rotated. The
+// bound depends on the SM count, so the order of the adds, and the bits, are
+// the same on every run of one GPU model, not across models.
+__host__ __device__ inline int rotated_step(int s, int start, int steps) {  // s, start < steps
+  return s < steps - start ? s + start : s - (steps - start);
+}
+
+struct DqRotation {
+  int blocks;   // the sequence's key blocks
+  int j;        // this block's
+  int spacing;  // steps between two starts (0: none rotated)
+
+  __host__ __device__ static DqRotation of(int n_block, int blocks, int steps, int max_blocks) {
+    return {blocks, n_block, blocks <= max_blocks ? steps / blocks : 0};
+  }
+  __host__ __device__ int start() const { return spacing * j; }
+  // The walk's step visited at the block's step s (< steps).
+  __host__ __device__ int step(int s, int steps) const { return rotated_step(s, start(), steps); }
+  // The block's turn at step `step` of the walk (counted from step 0, not
+  // from its start).
+  __host__ __device__ int turn(int step) const {
+    if (spacing == 0) return blocks - 1 - j;
+    const int nearest = step / spacing < blocks - 1 ? step / spacing : blocks - 1;
+    return (nearest - j + blocks) % blocks;
+  }
+};
+
+// The most key blocks a sequence's walks are rotated over: all of them wait
+// on one another, so a quarter of the SMs (at one block each) must hold them
+// while other kernels (a collective's, say) run beside this one; at most 32.
+inline int dq_rotation_blocks(int sm_count) { return sm_count / 4 > 32 ? 32 : sm_count / 4; }
+
 // What a block of a key-block kernel owns and walks (the sm90 kernel's; the
 // sm80 kernel computes the same inline, where this struct cost it a spill at
 // d=64 on sm_90a). The grid's order is make_key_block_order's: pairs of
@@ -83,14 +142,16 @@ __host__ __device__ inline int64_t dq_turn_tile(const ForwardParams& f, int64_t 
 // each head's list.
 //
 // Deterministic mode (the sm90 kernel's instantiation for it, LastFirst): the key blocks that
-// visit a query tile add their dQ shares into it one at a time, from the last
-// key block down, each at its turn (hopper/turns.cuh) in a counter of its own
-// per (query head, query tile, share). A block waits only on blocks launched
-// before it (each pair's key blocks go last first, and the planner lists a
-// packed call's key tiles so), and under a band the later key blocks reach a
-// tile first (FA3's order for causal), so the turns seldom make one wait.
-// That no wait can hang rests on the hardware starting blocks in the order of
-// their index, which CUDA does not promise but does (FA3 rests on it too).
+// visit a query tile add their dQ shares into it one at a time, each at its
+// turn (hopper/turns.cuh) in a counter of its own per (query head, query
+// tile, share). Under a band, from the last key block down: the later key
+// blocks reach a tile first (FA3's order for causal), so the turns seldom make
+// one wait; a block waits only on blocks launched before it (each pair's key
+// blocks go last first, and the planner lists a packed call's key tiles so),
+// or, where a pair's blocks fit at once, on its pair's (longest_first_ordered).
+// Without one, the walks are rotated (DqRotation). That no wait can hang
+// rests on the hardware starting blocks in the order of their index, which
+// CUDA does not promise but does (FA3 rests on it too).
 template <int BlockN, int BlockM, bool Banded, bool Listed = false, bool LastFirst = false>
 struct KeyBlockWalk {
   unsigned batch, head_kv, n_block;
@@ -99,7 +160,9 @@ struct KeyBlockWalk {
   int64_t key0, keys;              // the block's keys: [key0, key0 + keys) of the sequence
   int64_t first_head, m_begin;     // the walk starts at this query head and query
   int steps_per_head, steps;       // query blocks per head (Listed: of the first head), and in all (< 2^31)
+  int start = 0;                   // Rotated: the step the walk starts at (DqRotation)
   const MaskTiles& tiles;
+  static constexpr bool Rotated = LastFirst && !Banded && !Listed;
 
   // Step s: its query head, first query, and whether it reads attn_mask.
   struct Step {
@@ -107,12 +170,17 @@ struct KeyBlockWalk {
     bool reads_mask;
   };
 
-  __device__ KeyBlockWalk(const BackwardParams& p, const BlockOrder& order) : tiles(p.fwd.mask.tiles) {
+  // rotation_blocks: deterministic mode's bound (dq_rotation_blocks): for
+  // Rotated walks and longest_first_ordered.
+  __device__ KeyBlockWalk(const BackwardParams& p, const BlockOrder& order, int rotation_blocks = 0)
+      : tiles(p.fwd.mask.tiles) {
     const AttentionShape& sh = p.fwd.shape;
     const bool packed = !Listed && p.fwd.varlen.on();  // packed calls take no attn_mask
     const unsigned heads_kv = static_cast<unsigned>(sh.heads_kv);
-    const GridBlock block =
-        packed ? work_item(p.fwd.varlen.key_tiles, blockIdx.x, heads_kv) : order.at<LastFirst>(blockIdx.x);
+    const GridBlock block = packed ? work_item(p.fwd.varlen.key_tiles, blockIdx.x, heads_kv)
+                            : LastFirst && !(Banded && longest_first_ordered(order, rotation_blocks))
+                                ? order.at<true>(blockIdx.x)
+                                : order.at<false>(blockIdx.x);
     n_block = block.block;
     const unsigned head_split = block.pair % static_cast<unsigned>(p.head_splits);
     const unsigned bh = block.pair / static_cast<unsigned>(p.head_splits);
@@ -130,6 +198,7 @@ struct KeyBlockWalk {
     m_begin = visited.m_begin;
     steps_per_head = static_cast<int>(visited.count);
     steps = steps_per_head * static_cast<int>(split_heads);
+    if constexpr (Rotated) start = rotation(rotation_blocks).start();
     if constexpr (Listed) {
       steps_per_head = count(0);  // every head's where the mask is the same for the heads
       steps = steps_per_head * static_cast<int>(split_heads);
@@ -137,12 +206,23 @@ struct KeyBlockWalk {
         for (int i = 1; i < split_heads; ++i) steps += count(i) - steps_per_head;
     }
   }
-  // Deterministic mode: this block's turn at query tile m0 (which it
-  // visits): how many key blocks after it visit the tile too.
-  __device__ int dq_turn(const ForwardParams& f, int64_t m0) const {
+  // Rotated: the block's rotation (recomputed where needed: the walk is
+  // live in the producer's few registers).
+  __device__ DqRotation rotation(int rotation_blocks) const {
+    return DqRotation::of(static_cast<int>(n_block), static_cast<int>((seq.seqlen_k + BlockN - 1) / BlockN), steps,
+                          rotation_blocks);
+  }
+  // Deterministic mode: this block's turn at query tile m0 of query head
+  // `head` (which it visits): banded, how many key blocks after it visit the
+  // tile too; else DqRotation's (rotation_blocks as the walk was given).
+  __device__ int dq_turn(const ForwardParams& f, int64_t head, int64_t m0, int rotation_blocks) const {
     static_assert(!Listed, "a walk over attn_mask's lists has no turns");
-    const Band band = Band::of(f, seq.seqlen_q, seq.seqlen_k);
-    return static_cast<int>(last_visiting_key_block<Banded>(band, m0, BlockM, BlockN) - n_block);
+    if constexpr (Rotated) {
+      return rotation(rotation_blocks).turn(static_cast<int>((head - first_head) * steps_per_head + (m0 - m_begin) / BlockM));
+    } else {
+      const Band band = Band::of(f, seq.seqlen_q, seq.seqlen_k);
+      return static_cast<int>(last_visiting_key_block<Banded>(band, m0, BlockM, BlockN) - n_block);
+    }
   }
   // The turn counter of share `share` (of `shares`) at query tile m0 of query
   // head `head`, in dq_turn_counters' layout.
@@ -158,6 +238,9 @@ struct KeyBlockWalk {
 
   __device__ Step at(int s) const {
     if constexpr (!Listed) {
+      if constexpr (Rotated) {
+        s = rotated_step(s, start, steps);
+      }
       return {first_head + s / steps_per_head, m_begin + int64_t(s % steps_per_head) * BlockM, false};
     } else {
       int i = 0;

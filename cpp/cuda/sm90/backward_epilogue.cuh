@@ -53,19 +53,29 @@ __device__ __forceinline__ void reduce_dq_quarter(const unsigned char* stage, co
   bulk_commit();
 }
 
-// Deterministic mode's dQ writer (the d <= 128 kernel): warp 1 + c of the
-// producer warpgroup takes consumer c's staged quarters (kDqFullBarrier), with
-// the quarter's turn counter, turn and first row (smem.dq_reduce_info, which
-// the consumer's issuing thread fills at the step's start: the producer
-// warpgroup's 24 registers do not hold the walk's arithmetic), waits for the
-// turn, adds the quarter by tensor reduces, frees the staging buffer once
-// they have read it (kDqEmptyBarrier) and passes the turn on once they are
-// complete: none of these waits falls on the consumers' steps, where they
-// cost 26-63% (an acquire load, a release, a wait for the reduces to complete).
+// Consumer c's staged dQ tiles of a step added to the accumulator's rows from
+// `row`, each tile's 64 columns from the traits' dq_first_column.
+template <typename Tr>
+__device__ __forceinline__ void reduce_dq_tiles(const Sm90BackwardSmem<Tr>& smem, const CUtensorMap* dq_map,
+                                                int consumer, int row) {
+  for (int j = 0; j < Tr::dq_tiles(consumer); ++j)
+    reduce_dq_quarter<Tr>(smem.dq_stage(consumer) + j * Tr::kDqTileBytes, dq_map,
+                          Tr::dq_first_column(consumer) + 64 * j, row);
+}
+
+// Deterministic mode's dQ writer (both kernels): warp 1 + c of the producer
+// warpgroup takes consumer c's staged tiles of a step (kDqFullBarrier; one at
+// d <= 128, one per 64-column slab in the wide kernel), with their turn
+// counter, turn and first row (smem.dq_reduce_info, which the consumer's
+// issuing thread fills at the step's start: the producer warpgroup's 24
+// registers do not hold the walk's arithmetic), waits for the turn, adds the
+// tiles by tensor reduces, frees the staging buffer once they have read it
+// (kDqEmptyBarrier) and passes the turn on once they are complete: none of
+// these waits falls on the consumers' steps, where they cost 26-63% (an
+// acquire load, a release, a wait for the reduces to complete).
 template <typename Tr>
 __device__ __forceinline__ void run_dq_writer(const Sm90BackwardArgs& args, const Sm90BackwardSmem<Tr>& smem,
                                               int steps, int consumer) {
-  const unsigned char* stage = smem.dq + consumer * Tr::kDqTileBytes;
   const bool leader = threadIdx.x % 32 == 0;
   bool lost = false;  // a turn that never came: the call traps at the end
   for (int s = 0; s < steps; ++s) {
@@ -75,7 +85,7 @@ __device__ __forceinline__ void run_dq_writer(const Sm90BackwardArgs& args, cons
       const int32_t* info = smem.dq_reduce_info + 4 * (2 * consumer + s % 2);
       turns = args.p.dq_turns + info[0];
       if (!lost) lost = !wait_for_turn(turns, info[1]);
-      reduce_dq_quarter<Tr>(stage, &args.dq_map, Tr::kDqColumnOffset * consumer, info[2]);
+      reduce_dq_tiles<Tr>(smem, &args.dq_map, consumer, info[2]);
       bulk_wait<0, true>();
     }
     __syncwarp();

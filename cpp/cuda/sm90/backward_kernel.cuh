@@ -26,7 +26,7 @@
 // tile's lists (common/mask_tiles.h) and reads the mask on the steps they mark.
 // Soft-capped (a template argument too) it has no attn_mask variant.
 // Ordered (a template argument: the deterministic mode's kernels, without
-// attn_mask or soft-capping), each consumer's dQ quarter is added at its turn
+// attn_mask), each consumer's dQ quarter is added at its turn
 // (key_block_scheduler.cuh) by a writer warp of the producer warpgroup
 // (backward_epilogue.cuh's run_dq_writer), which the consumer hands the
 // staged quarter to.
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   constexpr int kMTiles = kBlockM / 8;  // n-tiles of S^T (queries)
   constexpr int kDTiles = HeadDim / 8;
   constexpr bool kListed = Mask != MaskKind::None;  // steps from the mask's lists
-  static_assert(!(Ordered && (kListed || Capped)), "deterministic mode: unmasked, uncapped calls (the planner's rule)");
+  static_assert(!(Ordered && kListed), "deterministic mode: calls without attn_mask (the planner's rule)");
   using Walk = KeyBlockWalk<kBlockN, kBlockM, Banded, kListed, Ordered>;
 
   extern __shared__ unsigned char smem_raw[];
@@ -79,23 +79,15 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
   const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
-  const Walk walk(p, args.order);
+  const Walk walk(p, args.order, args.dq_rotation_blocks);
 
   if (threadIdx.x == 0) smem.init_barriers();
   __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    if constexpr (Ordered) {  // warp 1 + c writes consumer c's dQ
-      warpgroup_release_registers<Tr::kOrderedProducerRegisters>();
-      const int warp = threadIdx.x / 32;
-      if (warp == 0)
-        run_backward_loads<Tr, Walk, kListed>(args, smem, walk, ring);
-      else if (warp <= Tr::kConsumers)
-        run_dq_writer<Tr>(args, smem, walk.steps, warp - 1);
-    } else {
-      run_backward_producer<Tr, Walk, kListed>(args, smem, walk, ring);
-    }
+    run_backward_producer<Tr, Walk, kListed, Ordered,
+                          Ordered ? Tr::kOrderedProducerRegisters : Tr::kProducerRegisters>(args, smem, walk, ring);
     return;
   }
 
@@ -121,10 +113,10 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
                         lane,
                         g,
                         t};
-  unsigned char* dq_stage = smem.dq + consumer * Tr::kDqTileBytes;
+  unsigned char* dq_stage = smem.dq_stage(consumer);
   const bool issues_dq = threadIdx.x % 128 == 0;  // one thread of each consumer issues its dQ reduces
   // This consumer's dQ quarter starts at query query0, column column0 of the step's.
-  const int query0 = Tr::kDqQueryOffset * consumer, column0 = Tr::kDqColumnOffset * consumer;
+  const int query0 = Tr::kDqQueryOffset * consumer, column0 = Tr::dq_first_column(consumer);
 
   float dk[kDTiles][4] = {}, dv[kDTiles][4] = {};
   float (&dk_flat)[kDTiles * 4] = reinterpret_cast<float (&)[kDTiles * 4]>(dk);
@@ -152,7 +144,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       if (issues_dq) {
         int32_t* info = smem.dq_reduce_info + 4 * (2 * consumer + s % 2);
         info[0] = static_cast<int32_t>(walk.dq_turn_counter(f, head, m0, consumer, Tr::kConsumers));
-        info[1] = walk.dq_turn(f, m0);
+        info[1] = walk.dq_turn(f, head, m0, args.dq_rotation_blocks);
         info[2] = flat_row(sh, walk, head, m0) + query0;
       }
     }
@@ -251,7 +243,7 @@ __global__ void __launch_bounds__(Sm90BackwardTraits<HeadDim>::kThreads, 1)
       named_barrier_arrive(Tr::kDqFullBarrier + consumer, Tr::kDqWriterThreads);
     } else {
       named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
-      if (issues_dq) reduce_dq_quarter<Tr>(dq_stage, &args.dq_map, column0, flat_row(sh, walk, head, m0) + query0);
+      if (issues_dq) reduce_dq_tiles<Tr>(smem, &args.dq_map, consumer, flat_row(sh, walk, head, m0) + query0);
     }
     if constexpr (kDkBehindDq) {
       wgmma_wait<0>();
@@ -271,22 +263,16 @@ template <int HeadDim, typename T, bool Banded, MaskKind Mask, bool Capped, bool
 void launch_sm90_backward_kernel(const Sm90BackwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90BackwardTraits<HeadDim>;
   if constexpr (Mask != MaskKind::None) sort_mask_into_key_tiles(args.p.fwd, Tr::kBlockN, Tr::kBlockM, stream);
-  if constexpr (Ordered) {  // the turn counters start at 0 (none when there are no queries)
-    if (const int64_t counters = dq_turn_counters(args.p.fwd, Tr::kBlockM, Tr::kConsumers); counters > 0) {
-      if (args.p.dq_turns == nullptr) throw_planner_bug("the sm90 backward's deterministic mode needs p.dq_turns");
-      FUSEDATTN_CUDA_CHECK(cudaMemsetAsync(args.p.dq_turns, 0, counters * sizeof(int), stream));
-    }
-  }
-  launch_sm90_key_blocks<Tr, T, Banded>(sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped, Ordered>, args,
-                                        stream);
+  launch_sm90_key_blocks<Tr, T, Banded, Ordered>(sm90_backward_kernel<HeadDim, T, Banded, Mask, Capped, Ordered>,
+                                                 args, stream);
 }
 
 // Soft-capped calls have their own kernels, without attn_mask, at the head
 // dims of the table's capped variants; attn_mask at its masked ones (the
 // planner sends the others elsewhere), as in the forward. Above d=128 the
 // wide kernel, which has neither. The deterministic mode has kernels of its
-// own (the writer warps), without attn_mask or soft-capping, up to d=128, so
-// that the default's are what they were without it.
+// own (the writer warps), without attn_mask, soft-capped or not up to d=128,
+// at d=192 the wide kernel's, so that the default's are what they were.
 template <int HeadDim, typename Element>
 void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
   static_assert(!(HeadDim > 128 && (instantiated(Sm90BackwardMaskedHeadDims{}, HeadDim) ||
@@ -307,8 +293,13 @@ void launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
           launch_sm90_backward_kernel<HeadDim, Element, false, kMask, kCapped, kOrdered>(args, stream);
       };
       using Unmasked = std::integral_constant<MaskKind, MaskKind::None>;
-      if (p.deterministic) {  // unmasked and uncapped: backward_sm90 refuses the mode's other calls
-        with_band(Unmasked{}, std::false_type{}, std::true_type{});
+      if (p.deterministic) {  // without attn_mask (the planner's rule)
+        if (p.fwd.mask.kind != MaskKind::None)
+          throw_planner_bug("the sm90 backward's deterministic mode takes calls without attn_mask only");
+        if (p.fwd.softcap > 0.0f)
+          with_band(Unmasked{}, std::true_type{}, std::true_type{});
+        else
+          with_band(Unmasked{}, std::false_type{}, std::true_type{});
       } else if (p.fwd.softcap > 0.0f) {
         if constexpr (instantiated(Sm90BackwardCappedHeadDims{}, HeadDim)) {
           if (p.fwd.mask.kind != MaskKind::None)

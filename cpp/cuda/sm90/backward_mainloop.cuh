@@ -22,6 +22,7 @@
 #include "../hopper/tma.cuh"
 #include "../hopper/warpgroup.cuh"
 #include "../hopper/wgmma.cuh"
+#include "backward_epilogue.cuh"
 #include "backward_pipeline.cuh"
 #include "backward_traits.h"
 
@@ -98,14 +99,19 @@ __device__ __forceinline__ void run_backward_loads(const Sm90BackwardArgs& args,
   for (int s = 0; s < walk.steps; ++s) load.step(s, ring);
 }
 
-// The producer warpgroup of either sm90 backward kernel: it gives its
-// registers to the consumers (the whole warpgroup at once), and one thread
-// runs the walk's loads.
-template <typename Tr, typename Walk, bool Listed>
+// The producer warpgroup of either sm90 backward kernel: it keeps Registers
+// and gives the rest to the consumers (the whole warpgroup at once); one
+// thread runs the walk's loads, and in deterministic mode (Ordered) warp
+// 1 + c adds consumer c's dQ at its turns (backward_epilogue.cuh).
+template <typename Tr, typename Walk, bool Listed, bool Ordered, int Registers>
 __device__ __forceinline__ void run_backward_producer(const Sm90BackwardArgs& args, const Sm90BackwardSmem<Tr>& smem,
                                                       const Walk& walk, const RingPhases<Tr::kStages>& ring) {
-  warpgroup_release_registers<Tr::kProducerRegisters>();
-  run_backward_loads<Tr, Walk, Listed>(args, smem, walk, ring);
+  warpgroup_release_registers<Registers>();
+  const int warp = threadIdx.x / 32;
+  if (warp == 0)
+    run_backward_loads<Tr, Walk, Listed>(args, smem, walk, ring);
+  else if (Ordered && warp <= Tr::kConsumers)
+    run_dq_writer<Tr>(args, smem, walk.steps, warp - 1);
 }
 
 template <int HeadDim, typename T, typename Tr>

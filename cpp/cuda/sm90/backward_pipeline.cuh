@@ -18,16 +18,21 @@ struct Sm90BackwardSmem {
   unsigned char *k, *v;     // [kBlockN keys][d], 64-column slabs of kBlockN rows
   unsigned char *q, *d_o;   // ring stage s at s * kQTileBytes, [kBlockM queries][d]
   unsigned char* ds;        // buffer b at b * kDsBytes: [kBlockM queries][kBlockN keys]
-  unsigned char* dq;        // consumer c's dQ quarter at c * kDqTileBytes
+  unsigned char* dq;        // staged dQ tile t at t * kDqTileBytes (traits' dq_first_tile)
   unsigned char* mask;      // consumer warp w's mask stage at w * kMaskStageBytes
   float *lse, *delta;       // ring stage s at s * kRowsSlot; lse in natural log
   uint64_t *kv_full, *step_full, *step_empty;
   // A listed walk's steps (head, first query, reads attn_mask) per stage: the
   // producer reads the mask's list and hands each step over with its data.
   int32_t* step_info;
-  // Deterministic mode (the d <= 128 kernel): consumer c's quarter of step s,
-  // its turn counter, turn and first row at 4 (2 c + s % 2), for its dQ writer warp.
+  // Deterministic mode: consumer c's dQ tiles of step s, their turn counter,
+  // turn and first row at 4 (2 c + s % 2), for its dQ writer warp.
   int32_t* dq_reduce_info;
+
+  // Consumer c's staged dQ tiles (traits' dq_first_tile, dq_tiles).
+  __device__ __forceinline__ unsigned char* dq_stage(int consumer) const {
+    return dq + Tr::dq_first_tile(consumer) * Tr::kDqTileBytes;
+  }
 
   __device__ __forceinline__ explicit Sm90BackwardSmem(unsigned char* raw) {
     // Aligned to the swizzle's period by an offset from raw, not through an

@@ -11,8 +11,20 @@
 
 namespace fusedattn::cuda {
 
+// Deterministic mode's dQ writers (backward_epilogue.cuh's run_dq_writer),
+// in both sm90 backward kernels: warp 1 + c of the producer warpgroup adds
+// consumer c's staged dQ tiles at their turns. Their named barriers (after
+// the kernels' own 1-3), + consumer index: the tiles staged, and their
+// staging buffer free again. The load warp beside them spills at 24
+// registers (56-80 bytes around each step's loads; docs/cuda-notes.md d5).
+struct Sm90DqWriters {
+  static constexpr int kDqFullBarrier = 4, kDqEmptyBarrier = 6;
+  static constexpr int kDqWriterThreads = 128 + 32;
+  static constexpr int kDqReduceInfoBytes = kSm90BackwardConsumers * 2 * 4 * 4;  // 4 ints, 2 steps, per consumer
+};
+
 template <int HeadDim>
-struct Sm90BackwardTraits {
+struct Sm90BackwardTraits : Sm90DqWriters {
   static constexpr int kConsumers = kSm90BackwardConsumers;  // warpgroups of 64 keys
   static constexpr int kThreads = 128 * (1 + kConsumers);    // + the producer
   static constexpr int kBlockN = sm90_backward_block_n(HeadDim);  // keys per block
@@ -51,26 +63,20 @@ struct Sm90BackwardTraits {
   static constexpr int kMaskStageOffset = kDqOffset + kConsumers * kDqTileBytes;
   static constexpr int kFloatsOffset = kMaskStageOffset + 4 * kConsumers * kMaskStageBytes;
   static constexpr int kSmemBytes =
-      kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + kStages * 3 * 4 + kConsumers * 2 * 4 * 4 +
-      1024;
+      kFloatsOffset + 2 * kStages * kRowsSlot * 4 + (1 + 2 * kStages) * 8 + kStages * 3 * 4 + kDqReduceInfoBytes + 1024;
   // The forward's split (FA3's): 128 x 24 + 256 x 240 = 384 x 168.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   // Deterministic mode's dQ writer warps share the producer's warpgroup, whose
-  // load warp ptxas then spills at 24 registers (56-76 bytes around each step's
-  // loads; the SASS, d5), at 40 not. At d=64 the consumers give 8 of theirs for
-  // that; at d=128 they keep 240: with 232 the mode ran 13-15% slower at 8K
-  // (docs/cuda-notes.md, deterministic mode d4).
+  // load warp ptxas then spills at 24 registers, at 40 not. At d=64 the
+  // consumers give 8 of theirs for that; at d=128 they keep 240: with 232 the
+  // mode ran 13-15% slower at 8K (docs/cuda-notes.md, deterministic mode d4).
   static constexpr int kOrderedProducerRegisters = HeadDim == 128 ? 24 : 40;
   static constexpr int kOrderedConsumerRegisters = HeadDim == 128 ? 240 : 232;
   static_assert(register_split_fits(kThreads, kProducerRegisters, kConsumerRegisters));
   static_assert(register_split_fits(kThreads, kOrderedProducerRegisters, kOrderedConsumerRegisters));
   static constexpr int kDsWrittenBarrier = 1;  // named barrier of the consumers
   static constexpr int kDqWrittenBarrier = 2;  // + consumer index: each consumer warpgroup's own
-  // Deterministic mode: a consumer and its dQ writer warp (backward_epilogue.cuh),
-  // + consumer index: the quarter staged, and its staging buffer free again.
-  static constexpr int kDqFullBarrier = 4, kDqEmptyBarrier = 6;
-  static constexpr int kDqWriterThreads = 128 + 32;
   // dK's products queued behind dQ's, so what follows dQ's products runs
   // under them: 5-6% less kernel time at d=128 when dQ was added with
   // reductions per thread (docs/cuda-notes.md, "The sm90 backward, rung 4");
@@ -89,6 +95,11 @@ struct Sm90BackwardTraits {
   // Consumer c's quarter starts at query c kDqQueryOffset, column c kDqColumnOffset.
   static constexpr int kDqQueryOffset = kBlockM == 128 ? 64 : 0;
   static constexpr int kDqColumnOffset = HeadDim == 128 ? 64 : 0;
+  // Consumer c's staged dQ tiles (64 x 64 floats each, as the wide kernel's
+  // traits name them for the writers): tile c, from column c kDqColumnOffset.
+  __host__ __device__ static constexpr int dq_first_tile(int consumer) { return consumer; }
+  __host__ __device__ static constexpr int dq_tiles(int) { return 1; }
+  __host__ __device__ static constexpr int dq_first_column(int consumer) { return kDqColumnOffset * consumer; }
 };
 
 // The kernel's argument: the call's parameters and tensor maps of q, k, v,
@@ -97,7 +108,8 @@ struct Sm90BackwardTraits {
 struct Sm90BackwardArgs {
   CUtensorMap q_map, k_map, v_map, do_map, lse_map, delta_map, dq_map;
   BackwardParams p;
-  BlockOrder order;  // filled at launch
+  BlockOrder order;        // filled at launch
+  int dq_rotation_blocks = 0;  // deterministic mode: filled at launch (dq_rotation_blocks)
 };
 
 }  // namespace fusedattn::cuda

@@ -14,6 +14,9 @@
 //     while dV^T and dK^T run.
 // At d=256 dQ's staging does not fit beside two stages of Q and dO: each
 // thread adds its dQ elements by reductions instead (traits' kDqByReductions).
+// Ordered (a template argument: the deterministic mode's kernel, at d=192),
+// the staged slabs go to a writer warp of the producer warpgroup instead,
+// which adds them at their turn, as in the d <= 128 kernel.
 // Not yet: attn_mask and soft-capping; the planner sends those calls elsewhere.
 #pragma once
 
@@ -91,7 +94,7 @@ __device__ __forceinline__ void add_dq_by_reductions(float* accum, const float (
   }
 }
 
-template <int HeadDim, typename T, bool Banded>
+template <int HeadDim, typename T, bool Banded, bool Ordered>
 __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
     sm90_wide_backward_kernel(const __grid_constant__ Sm90BackwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma, stmatrix and setmaxnreg exist only in sm_90a code
@@ -100,26 +103,28 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
   const RingPhases<Tr::kStages> ring;  // the walk is one run of the step ring
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kKeys = Tr::kKeysPerConsumer;
   constexpr int kChunks = HeadDim / 64, kNTiles = kKeys / 8;
-  using Walk = KeyBlockWalk<kBlockN, kBlockM, Banded>;
+  static_assert(!(Ordered && Tr::kDqByReductions), "deterministic mode: the writers add staged dQ tiles");
+  using Walk = KeyBlockWalk<kBlockN, kBlockM, Banded, false, Ordered>;
 
   extern __shared__ unsigned char smem_raw[];
   const Smem smem(smem_raw);
   const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const AttentionShape& sh = f.shape;
-  const Walk walk(p, args.order);
+  const Walk walk(p, args.order, args.dq_rotation_blocks);
 
   if (threadIdx.x == 0) smem.init_barriers();
   __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    run_backward_producer<Tr, Walk, false>(args, smem, walk, ring);
+    run_backward_producer<Tr, Walk, false, Ordered,
+                          Ordered ? Tr::kOrderedProducerRegisters : Tr::kProducerRegisters>(args, smem, walk, ring);
     return;
   }
 
   // ---------------- consumers ----------------
-  warpgroup_claim_registers<Tr::kConsumerRegisters>();
+  warpgroup_claim_registers<Ordered ? Tr::kOrderedConsumerRegisters : Tr::kConsumerRegisters>();
   const int consumer = warpgroup - 1;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -135,8 +140,8 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
       SoftCap::of(f).scale_log2,
       g,
       t};
-  const int first_slab = consumer == 0 ? 0 : Tr::kDqSlabs0;  // of dQ's columns
-  unsigned char* dq_stage = smem.dq + first_slab * Tr::kDqSlabBytes;
+  const int first_slab = Tr::dq_first_tile(consumer);  // of dQ's columns
+  unsigned char* dq_stage = smem.dq_stage(consumer);
   unsigned char* pt_tile = smem.ds + Tr::kPtOffset;
   const bool issues_dq = threadIdx.x % 128 == 0;  // one thread of each consumer issues its dQ reduces
 
@@ -154,6 +159,16 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
     const float* lse = smem.lse + stage * Tr::kRowsSlot + row_skew;
     const float* delta = smem.delta + stage * Tr::kRowsSlot + row_skew;
     unsigned char* dst_tile = smem.ds + (s % 2) * Tr::kDsBytes;
+    if constexpr (Ordered) {
+      // For the writer warp (slot s % 2, read before it freed the staging
+      // buffer two steps ago).
+      if (issues_dq) {
+        int32_t* info = smem.dq_reduce_info + 4 * (2 * consumer + s % 2);
+        info[0] = static_cast<int32_t>(walk.dq_turn_counter(f, head, m0, consumer, Tr::kConsumers));
+        info[1] = walk.dq_turn(f, head, m0, args.dq_rotation_blocks);
+        info[2] = flat_row(sh, walk, head, m0);
+      }
+    }
 
     float sc[kNTiles][4], dp[kNTiles][4];
     float (&sc_flat)[kNTiles * 4] = reinterpret_cast<float (&)[kNTiles * 4]>(sc);
@@ -180,8 +195,10 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
     }
     fence_proxy_async_shared();  // written through the generic proxy, read by wgmma
     // The last step's dQ slabs have been read out of their stage (the wait is
-    // the issuing thread's; the barrier tells its warpgroup).
-    if (issues_dq) bulk_wait<0, true>();
+    // the issuing thread's; the barrier tells its warpgroup). Deterministic:
+    // the writer warp says so, below.
+    if constexpr (!Ordered)
+      if (issues_dq) bulk_wait<0, true>();
     // Both consumers' P^T and dS^T written (and fenced). The next step's
     // barrier is passed only after both consumers' dQ of this step is done,
     // so dS^T's buffer is free again two steps on.
@@ -202,16 +219,19 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
         add_dq_by_reductions<HeadDim, kSlabs>(p.grad_q_accum, dq, flat_row(sh, walk, head, m0), first_slab, warp_row,
                                               g, t, walk.seq.seqlen_q - m0);
       } else {
+        if constexpr (Ordered)
+          if (s > 0) named_barrier_sync(Tr::kDqEmptyBarrier + consumer, Tr::kDqWriterThreads);
 #pragma unroll
         for (int j = 0; j < kSlabs; ++j)
-          stage_dq_quarter(dq_stage + j * Tr::kDqSlabBytes, reinterpret_cast<const float (&)[8][4]>(dq[32 * j]),
+          stage_dq_quarter(dq_stage + j * Tr::kDqTileBytes, reinterpret_cast<const float (&)[8][4]>(dq[32 * j]),
                            warp_row, g, t, m0, walk.seq.seqlen_q);
         fence_proxy_async_shared();  // written through the generic proxy, read by the tensor reduce
-        named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
-        if (issues_dq)
-          for (int j = 0; j < kSlabs; ++j)
-            reduce_dq_quarter<Tr>(dq_stage + j * Tr::kDqSlabBytes, &args.dq_map, 64 * (first_slab + j),
-                                  flat_row(sh, walk, head, m0));
+        if constexpr (Ordered) {
+          named_barrier_arrive(Tr::kDqFullBarrier + consumer, Tr::kDqWriterThreads);
+        } else {
+          named_barrier_sync(Tr::kDqWrittenBarrier + consumer, 128);
+          if (issues_dq) reduce_dq_tiles<Tr>(smem, &args.dq_map, consumer, flat_row(sh, walk, head, m0));
+        }
       }
     };
     if (consumer == 0)
@@ -226,7 +246,8 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
     }
     if (lane == 0) mbarrier_arrive(&smem.step_empty[stage]);
   }
-  if (issues_dq) bulk_wait<0, false>();  // the reduces done before the block leaves
+  if constexpr (!Ordered)
+    if (issues_dq) bulk_wait<0, false>();  // the reduces done before the block leaves
   store_transposed_key_gradients<HeadDim, kKeys, T>(p, walk.batch, walk.head_kv, walk.seq.k0, my_key0,
                                                     walk.seq.seqlen_k, warp_row, dk, dv);
 #else
@@ -234,7 +255,8 @@ __global__ void __launch_bounds__(Sm90WideBackwardTraits<HeadDim>::kThreads, 1)
 #endif
 }
 
-// The launch, for calls without attn_mask or soft-capping (the planner's rule).
+// The launch, for calls without attn_mask or soft-capping, deterministic
+// where the dQ tiles are staged (the planner's rule).
 template <int HeadDim, typename Element>
 void launch_wide_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
   using Tr = Sm90WideBackwardTraits<HeadDim>;
@@ -243,10 +265,22 @@ void launch_wide_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream
     throw_planner_bug("the sm90 backward above d=128 takes no attn_mask and no soft-capping");
   run_backward_passes<Element>(p, stream, [&] {
     if (p.fwd.shape.batch * p.fwd.shape.heads_kv * p.fwd.shape.seqlen_k == 0) return;
-    if (p.fwd.banded())
-      launch_sm90_key_blocks<Tr, Element, true>(sm90_wide_backward_kernel<HeadDim, Element, true>, args, stream);
-    else
-      launch_sm90_key_blocks<Tr, Element, false>(sm90_wide_backward_kernel<HeadDim, Element, false>, args, stream);
+    auto with_band = [&](auto ordered) {
+      constexpr bool kOrdered = decltype(ordered)::value;
+      if (p.fwd.banded())
+        launch_sm90_key_blocks<Tr, Element, true, kOrdered>(sm90_wide_backward_kernel<HeadDim, Element, true, kOrdered>,
+                                                            args, stream);
+      else
+        launch_sm90_key_blocks<Tr, Element, false, kOrdered>(
+            sm90_wide_backward_kernel<HeadDim, Element, false, kOrdered>, args, stream);
+    };
+    if (!p.deterministic) {
+      with_band(std::false_type{});
+    } else if constexpr (!Tr::kDqByReductions) {
+      with_band(std::true_type{});
+    } else {
+      throw_planner_bug("the sm90 backward's deterministic mode has no kernel at head dim " + std::to_string(HeadDim));
+    }
   });
 }
 

@@ -81,10 +81,9 @@ int64_t sm90_backward_dq_turns(const ForwardParams& p, const Plan& plan) {
 }
 
 void backward_sm90(const BackwardParams& p, const Plan& plan, cudaStream_t stream) {
-  if (p.deterministic && (p.fwd.mask.kind != MaskKind::None || p.fwd.softcap > 0.0f || p.head_splits != 1 ||
-                          p.fwd.shape.head_dim > 128))
-    throw_planner_bug("the sm90 backward's deterministic mode takes head dims up to 128, no attn_mask, no "
-                      "soft-capping and no head splits");
+  // The kernels' launches refuse the mode's other calls (attn_mask, d=256, d=192 soft-capped).
+  if (p.deterministic && p.head_splits != 1)
+    throw_planner_bug("the sm90 backward's deterministic mode takes no head splits");
   if (plan.family != Family::Sm90 || plan.head_splits != p.head_splits || plan.deterministic != p.deterministic)
     throw_planner_bug("backward_sm90 was handed the plan " + plan.describe());
   if (p.fwd.mask.kind != MaskKind::None && p.fwd.mask.tiles.lists == nullptr)
