@@ -33,8 +33,8 @@ if unknown := set(groups) - set(GROUPS):
 def deterministic_cases():
     """The sm90 backward's deterministic mode (dQ added at turns by writer
     warps): several key blocks per query tile at its head dims (the wide
-    kernel's at d=192), causal, windowed and soft-capped, walks rotated and not, and packed sequences (an empty one among
-    them)."""
+    kernel's at d=192), causal, windowed and soft-capped, walks rotated and
+    not, and packed sequences (an empty one among them)."""
     with _deterministic_algorithms():
         for head_dim in (64, 128, 192):  # 192: the wide kernel's
             # 64 queries: fewer steps than key blocks, so the walks start together.
